@@ -1,0 +1,1 @@
+"""KV connectors: engine-agnostic transfer pieces here, thin engine adapters in `vllm/`."""

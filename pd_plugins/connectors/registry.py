@@ -1,0 +1,30 @@
+"""The list of pd-plugins connectors, and what each one needs to import.
+
+Kept free of engine imports so the plugin hook can read it cheaply in every engine process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    name: str  # the value users pass as kv_connector
+    module_path: str
+    class_name: str
+    requires: tuple[str, ...]  # top-level modules that must be importable
+
+    def missing_requirements(self) -> list[str]:
+        return [m for m in self.requires if importlib.util.find_spec(m) is None]
+
+
+VLLM_CONNECTORS: tuple[ConnectorSpec, ...] = (
+    ConnectorSpec(
+        name="PdNixlConnector",
+        module_path="pd_plugins.connectors.vllm.pd_nixl",
+        class_name="PdNixlConnector",
+        requires=("nixl",),
+    ),
+)

