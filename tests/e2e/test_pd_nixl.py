@@ -6,15 +6,13 @@ test shows the decode really used the prefill's KV.
 
 from __future__ import annotations
 
-import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from pd_plugins.connectors.transfer_params import pd_section_of
 from pd_plugins.testing.engine_harness import metric_value
-from pd_plugins.testing.pd_client import completion, prefill, push_decode_params
+from pd_plugins.testing.pd_client import completion, pd_push
 from tests.e2e.deployments import (
     CONCURRENT,
     PROMPTS,
@@ -56,17 +54,11 @@ def test_swap_proves_kv_travelled(pd, references):
     refs = references[pd.config.model]
     assert refs[tuple(SWAP_A)] != refs[tuple(SWAP_B)]
     if pd.config.mode == "pull":
-        params = prefill(pd.target, completion_body(SWAP_A))
+        params = pd.prefill_only(completion_body(SWAP_A))
         resp = completion(pd.decode.url, {**completion_body(SWAP_B), "kv_transfer_params": params})
     else:
-        request_id = uuid.uuid4().hex
-        body_b = {**completion_body(SWAP_B),
-                  "kv_transfer_params": push_decode_params(pd.target, request_id)}
-        with ThreadPoolExecutor(1) as pool:
-            decode_leg = pool.submit(completion, pd.decode.url, body_b, request_id)
-            time.sleep(0.3)
-            prefill(pd.target, completion_body(SWAP_A), request_id)
-            resp = decode_leg.result()
+        _, resp = pd_push(pd.target, pd.decode.url, completion_body(SWAP_B),
+                          prefill_body=completion_body(SWAP_A))
     assert output_ids(resp) == refs[tuple(SWAP_A)]
 
 
@@ -83,14 +75,16 @@ def test_transfers_counted_in_metrics(pd, references):
 
 def test_pd_section_describes_the_prefill(pd):
     prompt = PROMPTS[150]
-    section = pd_section_of(prefill(pd.target, completion_body(prompt)))
+    params, resp = pd.legs(completion_body(prompt))
+    assert resp.status_code == 200
+    section = pd_section_of(params)
     assert section is not None
     assert section.prompt_tokens == len(prompt)
     assert section.engine_id == pd.prefill.kv_transfer_config["engine_id"]
     assert section.mode == pd.config.mode
     assert section.block_size == 32
     # The same prompt again: with prefix caching the prefill serves its full blocks from cache.
-    again = pd_section_of(prefill(pd.target, completion_body(prompt)))
+    again = pd_section_of(pd.legs(completion_body(prompt))[0])
     if pd.config.prefix_caching:
         assert again.cached_tokens == (len(prompt) - 1) // 32 * 32
     else:

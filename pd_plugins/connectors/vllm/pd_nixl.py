@@ -77,19 +77,14 @@ class _PdAdditions:
     ) -> tuple[int | None, bool]:
         # vLLM passes the local prefix-cache hit here: remember it for the pd section.
         self._local_prefix_hits[request.request_id] = num_computed_tokens
-        params = request.kv_transfer_params
-        error = remote_prefill_error(params, self.pd_mode) if params else None
-        if error is None:
+        if not self._disarm_unusable_params(request):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
-
         logger.error(
             "PdNixlConnector: request %s has unusable kv_transfer_params (%s); its KV load "
             "is treated as failed and kv_load_failure_policy applies",
             request.request_id,
-            error,
+            request.kv_transfer_params["pd_rejected_reason"],
         )
-        params["do_remote_prefill"] = False  # never retried, never handed to upstream
-        params["pd_rejected_reason"] = error
         missing = request.num_prompt_tokens - num_computed_tokens
         if missing <= 0:  # fully cached locally: nothing to load, nothing to fail
             return 0, False
@@ -97,6 +92,22 @@ class _PdAdditions:
         # WAITING_FOR_REMOTE_KVS; the worker then reports it as a failed receive.
         self._params_rejected.add(request.request_id)
         return missing, True
+
+    def _disarm_unusable_params(self, request: Request) -> bool:
+        """Turn off remote loading for malformed params; True if it did.
+
+        Upstream reads these fields unchecked (a missing one raises in the scheduler and kills the
+        engine), so malformed params must never reach it: not when the request is scheduled, and
+        not when it finishes unscheduled (vLLM's API layer aborts a rejected request with its
+        original params, and upstream then tries to notify the remote prefill).
+        """
+        params = request.kv_transfer_params
+        error = remote_prefill_error(params, self.pd_mode) if params else None
+        if error is None:
+            return False
+        params["do_remote_prefill"] = False
+        params["pd_rejected_reason"] = error
+        return True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -114,12 +125,19 @@ class _PdAdditions:
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]):
+        self._disarm_on_finish(request)
         return self._with_pd_section(request, super().request_finished(request, block_ids))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]):
+        self._disarm_on_finish(request)
         return self._with_pd_section(
             request, super().request_finished_all_groups(request, block_ids)
         )
+
+    def _disarm_on_finish(self, request: Request) -> None:
+        if self._disarm_unusable_params(request):
+            logger.warning("PdNixlConnector: request %s finished with unusable "
+                           "kv_transfer_params; no remote engine is notified", request.request_id)
 
     def _with_pd_section(
         self, request: Request, result: tuple[bool, dict[str, Any] | None]

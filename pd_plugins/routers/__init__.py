@@ -1,0 +1,1 @@
+"""DisaggPrefillRouter (`pd-router`): picks prefill and decode workers and drives the PD flow."""

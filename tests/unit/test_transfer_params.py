@@ -1,0 +1,69 @@
+import pytest
+
+from pd_plugins.connectors.transfer_params import PdSection, pd_section_of, remote_prefill_error
+
+GOOD_PULL = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-0",
+    "remote_request_id": "cmpl-abc-0-1234abcd",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "remote_block_ids": [[1, 2, 3]],
+    "tp_size": 1,
+    "remote_num_tokens": 80,
+}
+
+
+def test_well_formed_pull_params_pass():
+    assert remote_prefill_error(GOOD_PULL, "pull") is None
+    assert remote_prefill_error({**GOOD_PULL, "remote_block_ids": [4, 5]}, "pull") is None
+
+
+def test_push_params_need_no_block_ids():
+    push = {k: v for k, v in GOOD_PULL.items() if k != "remote_block_ids"}
+    assert remote_prefill_error(push, "push") is None
+    assert "remote_block_ids is missing" in remote_prefill_error(push, "pull")
+
+
+def test_requests_without_remote_prefill_are_not_checked():
+    assert remote_prefill_error({"do_remote_decode": True}, "pull") is None
+    assert remote_prefill_error({"do_remote_prefill": False, "remote_port": "x"}, "pull") is None
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("remote_port", "5600", "remote_port must be a port number"),
+        ("remote_port", 70000, "remote_port must be a port number"),
+        ("remote_port", True, "remote_port must be a port number"),
+        ("remote_engine_id", "", "remote_engine_id must be a non-empty string"),
+        ("remote_engine_id", 7, "remote_engine_id must be a non-empty string"),
+        ("remote_block_ids", "1,2", "remote_block_ids must be a list"),
+        ("remote_block_ids", [[1, -2]], "remote_block_ids must be a list"),
+        ("remote_block_ids", [1, [2]], "remote_block_ids must be a list"),
+        ("tp_size", 0, "tp_size must be a positive integer"),
+        ("remote_num_tokens", -1, "remote_num_tokens must be a non-negative integer"),
+    ],
+)
+def test_wrong_types_are_named(field, value, words):
+    error = remote_prefill_error({**GOOD_PULL, field: value}, "pull")
+    assert error is not None and words in error
+
+
+@pytest.mark.parametrize("field", ["remote_engine_id", "remote_request_id", "remote_host",
+                                   "remote_port", "tp_size"])
+def test_missing_fields_are_named(field):
+    params = {k: v for k, v in GOOD_PULL.items() if k != field}
+    assert remote_prefill_error(params, "push") == f"kv_transfer_params.{field} is missing"
+
+
+def test_pd_section_round_trip():
+    section = PdSection(prompt_tokens=80, cached_tokens=64, engine_id="p0", mode="pull",
+                        block_size=32)
+    import msgspec
+
+    params = {**GOOD_PULL, "pd": msgspec.to_builtins(section)}
+    assert pd_section_of(params) == section
+    assert pd_section_of(GOOD_PULL) is None
+    assert pd_section_of(None) is None
