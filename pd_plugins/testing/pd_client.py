@@ -28,7 +28,7 @@ class PrefillTarget:
 
 
 def completion(url: str, body: dict[str, Any], request_id: str | None = None,
-               timeout: float = 60.0) -> requests.Response:
+               timeout: float = 120.0) -> requests.Response:
     headers = {"X-Request-Id": request_id} if request_id else {}
     return requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
 
@@ -88,7 +88,3 @@ def pd_legs(mode: str, target: PrefillTarget, decode_url: str,
             body: dict[str, Any]) -> tuple[dict[str, Any], requests.Response]:
     return (pd_pull if mode == "pull" else pd_push)(target, decode_url, body)
 
-
-def pd_complete(mode: str, target: PrefillTarget, decode_url: str,
-                body: dict[str, Any]) -> requests.Response:
-    return pd_legs(mode, target, decode_url, body)[1]

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import random
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 
-import os
-from pathlib import Path
-
-import pytest
-
 from pd_plugins.testing.engine_harness import DEVICE, VllmServer, nixl_config, start_all
-from pd_plugins.testing.pd_client import PrefillTarget, pd_complete, pd_legs, prefill
+from pd_plugins.testing.pd_client import PrefillTarget, pd_legs, prefill
 from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
 
 MAX_TOKENS = 24
@@ -58,13 +56,16 @@ def output_ids(resp: requests.Response) -> list[int]:
 GPU_MODEL_ENV = {"tiny-llama": "PD_GPU_MODEL", "tiny-qwen3-moe": "PD_GPU_MOE_MODEL"}
 
 
+def model_available(name: str) -> bool:
+    return DEVICE == "cpu" or bool(os.environ.get(GPU_MODEL_ENV[name]))
+
+
 def model_path(name: str) -> Path:
     if DEVICE == "cpu":
         return ensure_tiny_model(name)
-    path = os.environ.get(GPU_MODEL_ENV[name])
-    if not path:
+    if not model_available(name):
         pytest.skip(f"{GPU_MODEL_ENV[name]} is not set: no local model for {name} on {DEVICE}")
-    return Path(path)
+    return Path(os.environ[GPU_MODEL_ENV[name]])
 
 
 def aggregated_references(model_names: list[str]) -> dict[str, dict[tuple[int, ...], list[int]]]:
@@ -72,7 +73,7 @@ def aggregated_references(model_names: list[str]) -> dict[str, dict[tuple[int, .
     servers = [
         VllmServer(f"aggregated-{name}", model_path(name), cpu=str(i % 2))
         for i, name in enumerate(model_names)
-        if DEVICE == "cpu" or os.environ.get(GPU_MODEL_ENV[name])
+        if model_available(name)
     ]
     start_all(servers)
     try:
@@ -118,7 +119,7 @@ class PdDeployment:
         )
 
     def complete(self, body: dict[str, Any]) -> requests.Response:
-        return pd_complete(self.config.mode, self.target, self.decode.url, body)
+        return self.legs(body)[1]
 
     def legs(self, body: dict[str, Any]) -> tuple[dict[str, Any], requests.Response]:
         """(prefill's kv_transfer_params, decode response) of one full PD request."""
@@ -149,7 +150,23 @@ class PdDeployment:
         prefill_server = VllmServer("prefill", model, "0", configs["prefill"], args)
         decode_server = VllmServer("decode", model, "1", configs["decode"], args)
         start_all([prefill_server, decode_server])
-        return cls(config, prefill_server, decode_server)
+        deployment = cls(config, prefill_server, decode_server)
+        if config.mode == "push":
+            deployment.warm_up()
+        return deployment
+
+    def warm_up(self, attempts: int = 3) -> None:
+        """Establish the push-mode NIXL handshake before tests measure anything.
+
+        On a loaded 2-core machine the very first push registration of a fresh pair can stall past
+        its timeout (upstream weakness, see the push issue); later requests reuse the handshake.
+        """
+        for _ in range(attempts):
+            try:
+                if self.complete(completion_body(token_prompt(40, seed=7))).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
 
 
 class DeploymentPool:
