@@ -1,0 +1,3 @@
+from pd_plugins.routers.cli import main
+
+main()

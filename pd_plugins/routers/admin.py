@@ -1,0 +1,76 @@
+"""Admin API: list, add and remove workers while serving. Every call needs the bearer token."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import msgspec
+from aiohttp import web
+
+from pd_plugins.routers.config import WorkerSpec
+from pd_plugins.routers.proxy import error_response
+
+log = logging.getLogger("pd_router.admin")
+
+
+class WorkerChange(msgspec.Struct, forbid_unknown_fields=True):
+    role: str
+    worker: WorkerSpec
+
+
+class AdminApi:
+    def __init__(self, router, token: str | None) -> None:
+        self.router, self.token = router, token
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get("/admin/workers", self.list_workers),
+                web.post("/admin/workers", self.add_worker),
+                web.delete("/admin/workers", self.remove_worker)]
+
+    def _denied(self, request: web.Request) -> web.Response | None:
+        if self.token is None:
+            return error_response(403, "the admin API is off: start pd-router with --admin-token "
+                                       "or PD_ROUTER_ADMIN_TOKEN")
+        given = request.headers.get("Authorization", "")
+        if not given.startswith("Bearer "):
+            return error_response(401, "admin API needs 'Authorization: Bearer <token>'")
+        if not hmac.compare_digest(given[7:].encode(), self.token.encode()):
+            return error_response(403, "wrong admin token")
+        return None
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        return web.json_response({"workers": self.router.pool.snapshot()})
+
+    async def _change(self, request: web.Request) -> WorkerChange | web.Response:
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            change = msgspec.json.decode(await request.read(), type=WorkerChange)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return error_response(400, f"expected {{\"role\": ..., \"worker\": {{\"url\": ...}}}}: {exc}")
+        if change.role not in ("prefill", "decode"):
+            return error_response(400, f"role must be prefill or decode (got {change.role!r})", "role")
+        return change
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        change = await self._change(request)
+        if isinstance(change, web.Response):
+            return change
+        worker = await self.router.add_worker(change.worker, change.role)
+        log.info("admin: added %s worker %s (healthy=%s)", change.role, worker.url, worker.healthy)
+        return web.json_response({"added": worker.url, "role": change.role, "healthy": worker.healthy})
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        change = await self._change(request)
+        if isinstance(change, web.Response):
+            return change
+        worker = self.router.remove_worker(change.worker.url, change.role)
+        if worker is None:
+            return error_response(404, f"no {change.role} worker {change.worker.url}")
+        log.info("admin: removed %s worker %s (%d requests still finishing)", change.role,
+                 worker.url, worker.in_flight)
+        return web.json_response({"removed": worker.url, "role": change.role,
+                                  "finishing": worker.in_flight})

@@ -1,0 +1,193 @@
+"""Router configuration: a YAML file for the full policy stack, flags for the common case.
+
+Everything is a msgspec Struct with `forbid_unknown_fields`, so a typo fails at startup with an
+error that names the bad key and where it is (`... at $.timeouts.prefil_s`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the person who wrote the file or the flags."""
+
+
+class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class WorkerSpec(_Strict):
+    url: str
+    # vLLM push mode: the prefill's fixed NIXL engine id and side-channel port, which the decode
+    # leg needs before the prefill has answered.
+    engine_id: str | None = None
+    kv_host: str | None = None
+    kv_port: int | None = None
+    tp_size: int = 1
+    # SGLang prefill: bootstrap server port and data-parallel size (rooms pick the DP rank).
+    bootstrap_port: int | None = None
+    dp_size: int = 1
+    # vLLM KV events (ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557) for the prefix_cache scorer.
+    kv_events: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"worker url {self.url!r} must look like http://host:port")
+        self.url = self.url.rstrip("/")
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).hostname or "127.0.0.1"
+
+
+class ComponentSpec(_Strict):
+    """One named policy piece and its parameters (validated by the piece's own factory)."""
+
+    name: str
+    weight: float = 1.0
+    params: dict[str, Any] = {}
+
+
+class ProfileSpec(_Strict):
+    """How one pool (prefill or decode) is chosen: filters, weighted scorers, a picker."""
+
+    filters: list[ComponentSpec] = []
+    scorers: list[ComponentSpec] = []
+    picker: ComponentSpec = msgspec.field(default_factory=lambda: ComponentSpec(name="max_score"))
+
+
+class PolicySpec(_Strict):
+    prefill: ProfileSpec = msgspec.field(default_factory=ProfileSpec)
+    decode: ProfileSpec = msgspec.field(default_factory=ProfileSpec)
+    # Whether to disaggregate this request at all: only if every decider agrees (none: always).
+    deciders: list[ComponentSpec] = []
+    # Early rejection (None: admit everything).
+    admission: ComponentSpec | None = None
+
+
+class TimeoutSpec(_Strict):
+    connect_s: float = 3.0
+    prefill_s: float = 60.0          # whole prefill leg
+    decode_first_byte_s: float = 60.0  # decode leg until its first byte
+    decode_idle_s: float = 30.0      # longest silence between streamed chunks
+    decode_total_s: float = 600.0
+
+
+class FailoverSpec(_Strict):
+    prefill_retries: int = 1         # another prefill worker after a failed prefill leg
+    decode_retries: int = 1          # another decode worker, only before the first byte
+    local_prefill_fallback: bool = True  # no usable prefill worker: decode prefills itself
+
+
+class HealthSpec(_Strict):
+    interval_s: float = 5.0
+    timeout_s: float = 10.0
+    failure_threshold: int = 2       # consecutive failures (probes or live requests) to go down
+    success_threshold: int = 1       # consecutive successful probes to come back
+    canary: bool = True              # probe with a 1-token generation, not only GET /health
+    metrics_interval_s: float = 1.0  # engine /metrics scrape (waiting queue, KV usage)
+
+
+class LatencySpec(_Strict):
+    """Priors of the learned latency models (policy/latency_model.py) until samples arrive."""
+
+    prefill_base_s: float = 0.02
+    prefill_per_token_s: float = 0.0002
+    decode_step_base_s: float = 0.02
+    decode_step_per_request_s: float = 0.002
+    kv_bytes_per_token: float = 0.0     # 0: KV transfer time not modelled
+    link_bytes_per_s: float = 25e9
+
+
+class RouterConfig(_Strict):
+    engine: Literal["vllm", "sglang"] = "vllm"
+    # gateway: choose both workers. sidecar: run beside one decode server, choose only the prefill.
+    mode: Literal["gateway", "sidecar"] = "gateway"
+    transfer: Literal["pull", "push"] = "pull"  # vLLM NIXL mode of the workers
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: list[WorkerSpec] = []
+    decode: list[WorkerSpec] = []
+    policy: PolicySpec = msgspec.field(default_factory=PolicySpec)
+    timeouts: TimeoutSpec = msgspec.field(default_factory=TimeoutSpec)
+    failover: FailoverSpec = msgspec.field(default_factory=FailoverSpec)
+    health: HealthSpec = msgspec.field(default_factory=HealthSpec)
+    latency: LatencySpec = msgspec.field(default_factory=LatencySpec)
+    # Served model names; empty: learned from the workers' /v1/models.
+    models: list[str] = []
+    # Optional tokenizer (a local path) so text prompts get exact token-block keys.
+    tokenizer: str | None = None
+    block_size: int = 16             # token block size of the prefix index (match the engines)
+    max_body_bytes: int = 4 * 1024 * 1024
+    # What to do with client-sent kv_transfer_params / bootstrap_*: they never reach a worker.
+    client_transfer_fields: Literal["reject", "strip"] = "reject"
+    push_head_start_s: float = 0.1   # vLLM push: decode leg goes this much before the prefill
+    admin_token: str | None = None   # bearer token for /admin; None: admin API disabled
+    log_level: str = "info"
+
+    def validate(self) -> RouterConfig:
+        if not self.decode:
+            raise ConfigError("no decode worker: give --decode URL (or `decode:` in the YAML)")
+        if self.mode == "sidecar" and len(self.decode) != 1:
+            raise ConfigError("mode sidecar runs beside exactly one decode server "
+                              f"(got {len(self.decode)} decode workers)")
+        if self.engine == "vllm" and self.transfer == "push":
+            for worker in self.prefill:
+                if worker.engine_id is None or worker.kv_port is None:
+                    raise ConfigError(
+                        f"prefill {worker.url}: vLLM push mode needs engine_id and kv_port "
+                        "(the prefill's kv_transfer_config engine_id and VLLM_NIXL_SIDE_CHANNEL_PORT)")
+        if self.engine == "sglang":
+            for worker in self.prefill:
+                if worker.bootstrap_port is None:
+                    raise ConfigError(f"prefill {worker.url}: SGLang needs bootstrap_port")
+        for name, value in msgspec.structs.asdict(self.timeouts).items():
+            if value <= 0:
+                raise ConfigError(f"timeouts.{name} must be > 0 (got {value})")
+        if self.failover.prefill_retries < 0 or self.failover.decode_retries < 0:
+            raise ConfigError("failover retries must be >= 0")
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
+        return self
+
+
+def config_from_mapping(data: dict[str, Any], source: str = "config") -> RouterConfig:
+    try:
+        config = msgspec.convert(data, RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return config.validate()
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys")
+    return data
+
+
+def parse_worker_arg(values: list[str]) -> dict[str, Any]:
+    """`URL [KEY=VALUE ...] [BOOTSTRAP_PORT]` from one --prefill/--decode flag."""
+    url, *rest = values
+    spec: dict[str, Any] = {"url": url}
+    for item in rest:
+        if item.isdigit():  # sglang-router style: --prefill URL 8998
+            spec["bootstrap_port"] = int(item)
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"worker option {item!r} after {url}: expected KEY=VALUE")
+        spec[key] = int(value) if value.isdigit() else value
+    return spec

@@ -1,0 +1,42 @@
+"""What every flow shares: the attempt being run and the prefill-leg callback."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol
+
+from pd_plugins.routers.policy.base import Decision
+from pd_plugins.routers.request import ClientRequest
+
+
+@dataclass
+class Attempt:
+    """One try at serving a request on one (prefill, decode) pair."""
+
+    request: ClientRequest
+    decision: Decision
+    request_id: str               # unique per attempt; both legs carry it as X-Request-Id
+    path: str                     # /v1/completions or /v1/chat/completions
+
+
+# Runs the prefill leg on attempt.decision.prefill with the router's accounting and timeout;
+# returns the parsed answer or raises WorkerFailed / RequestRefused.
+PrefillLeg = Callable[[Attempt, dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class PdFlow(Protocol):
+    async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg
+                      ) -> tuple[dict[str, Any], asyncio.Task | None]: ...
+
+
+def one_token_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg's body: the client's request cut to one token, not streamed."""
+    leg = dict(body)
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        leg.pop(key, None)
+    return leg

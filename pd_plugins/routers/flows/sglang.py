@@ -1,0 +1,37 @@
+"""SGLang's PD flow: the same body to prefill and decode, tied together by bootstrap fields.
+
+The decode engine asks the prefill's bootstrap server (bootstrap_host:bootstrap_port) for room
+`bootstrap_room`; the prefill engine runs it on DP rank `room % dp_size`. Rooms are drawn so that
+one conversation (x-session-id) always lands on the same prefill DP rank, where its prefix is cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import zlib
+
+from pd_plugins.routers.flows.base import Attempt, PrefillLeg
+
+ROOM_BITS = 63
+
+
+def bootstrap_room(dp_size: int, session_id: str | None, rng: random.Random = random._inst) -> int:
+    room = rng.getrandbits(ROOM_BITS)
+    if dp_size <= 1 or session_id is None:
+        return room
+    rank = zlib.crc32(session_id.encode()) % dp_size
+    room -= room % dp_size - rank
+    return room if room >= 0 else room + dp_size
+
+
+class SglangFlow:
+    async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
+        body = attempt.request.body
+        prefill = attempt.decision.prefill
+        if prefill is None:
+            return body, None
+        spec = prefill.spec
+        tied = {**body, "bootstrap_host": spec.host, "bootstrap_port": spec.bootstrap_port,
+                "bootstrap_room": bootstrap_room(spec.dp_size, attempt.request.info.session_id)}
+        return tied, asyncio.create_task(prefill_leg(attempt, {**tied, "stream": False}))

@@ -1,0 +1,62 @@
+"""vLLM's PD flows with NIXL (upstream connectors and PdNixlConnector).
+
+pull: prefill leg (max_tokens=1, do_remote_decode) first; its kv_transfer_params go verbatim into the
+      decode leg, which reads the KV from the prefill.
+push: both legs together. The decode leg names the prefill's engine id and side channel up front and
+      registers its blocks; the prefill writes into them. The decode leg goes `head_start_s` first:
+      a prefill that finishes before any decode registered keeps its engine stepping (engines.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pd_plugins.routers.flows.base import Attempt, PrefillLeg, one_token_body
+from pd_plugins.routers.upstream import WorkerFailed
+
+PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    leg = one_token_body(body)
+    leg["kv_transfer_params"] = dict(PREFILL_FLAGS)
+    return leg
+
+
+class VllmPullFlow:
+    async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
+        body = attempt.request.body
+        prefill = attempt.decision.prefill
+        if prefill is None:
+            return body, None
+        answer = await prefill_leg(attempt, vllm_prefill_body(body))
+        params = answer.get("kv_transfer_params")
+        if not isinstance(params, dict) or not params.get("remote_engine_id"):
+            raise WorkerFailed(prefill, "prefill", "answer has no kv_transfer_params "
+                                                   "(is the prefill started with a kv_producer connector?)")
+        return {**body, "kv_transfer_params": params}, None
+
+
+class VllmPushFlow:
+    def __init__(self, head_start_s: float) -> None:
+        self.head_start_s = head_start_s
+
+    async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
+        body = attempt.request.body
+        prefill = attempt.decision.prefill
+        if prefill is None:
+            return body, None
+        spec = prefill.spec
+        params = {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": spec.engine_id, "remote_request_id": attempt.request_id,
+            "remote_host": spec.kv_host or spec.host, "remote_port": spec.kv_port,
+            "tp_size": spec.tp_size,
+        }
+
+        async def delayed_prefill() -> dict[str, Any]:
+            await asyncio.sleep(self.head_start_s)
+            return await prefill_leg(attempt, vllm_prefill_body(body))
+
+        return {**body, "kv_transfer_params": params}, asyncio.create_task(delayed_prefill())

@@ -1,0 +1,127 @@
+"""Background upkeep of the pool: active health checks and engine metrics scrapes.
+
+Health: every `interval_s` each worker gets GET /v1/models (which also tells the router the served
+models and max_model_len) and, with `canary`, a one-token generation, because an engine can answer
+/health while its scheduler is wedged. `failure_threshold` consecutive failures (probes or live
+legs) take a worker out; `success_threshold` consecutive good probes bring it back.
+Metrics: every `metrics_interval_s`, the engine's /metrics: queue length, running requests, KV usage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import msgspec
+
+from pd_plugins.routers.config import RouterConfig
+from pd_plugins.routers.workers import Worker, WorkerPool
+
+log = logging.getLogger("pd_router.health")
+
+# engine -> (waiting, running, kv usage) metric names
+ENGINE_METRICS = {
+    "vllm": ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"),
+    "sglang": ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
+}
+
+
+def parse_engine_metrics(text: str, engine: str) -> tuple[float, float, float]:
+    """Sum each gauge over its label sets (one per DP rank or model)."""
+    names = ENGINE_METRICS[engine]
+    totals = [0.0, 0.0, 0.0]
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        for i, name in enumerate(names):
+            if line.startswith(name) and line[len(name)] in " {":
+                try:
+                    totals[i] += float(line.rsplit(" ", 1)[1])
+                except (ValueError, IndexError):
+                    pass
+    waiting, running, usage = totals
+    return waiting, running, min(1.0, usage)
+
+
+class PoolUpkeep:
+    def __init__(self, config: RouterConfig, pool: WorkerPool, session: aiohttp.ClientSession) -> None:
+        self.config, self.pool, self.session = config, pool, session
+        self.spec = config.health
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._health_loop()),
+                       asyncio.create_task(self._metrics_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- health -------------------------------------------------------------------------
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.spec.interval_s)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in self.pool))
+
+    async def check(self, worker: Worker) -> bool:
+        try:
+            await asyncio.wait_for(self._probe(worker), self.spec.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - any failure of the probe counts against the worker
+            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+            if worker.record_failure(self.spec.failure_threshold):
+                log.warning("worker %s down: health probe %s", worker.url, reason)
+            return False
+        worker.consecutive_failures = 0
+        worker.consecutive_successes += 1
+        if not worker.healthy and worker.consecutive_successes >= self.spec.success_threshold:
+            worker.healthy = True
+            log.info("worker %s back up", worker.url)
+        return True
+
+    async def _probe(self, worker: Worker) -> None:
+        async with self.session.get(worker.url + "/v1/models") as resp:
+            resp.raise_for_status()
+            listing = msgspec.json.decode(await resp.read())
+        models = [m for m in listing.get("data", []) if isinstance(m, dict) and "id" in m]
+        worker.models = tuple(m["id"] for m in models)
+        lengths = [m["max_model_len"] for m in models if isinstance(m.get("max_model_len"), int)]
+        worker.max_model_len = min(lengths) if lengths else None
+        if not self.spec.canary:
+            return
+        if self.config.engine == "sglang":
+            async with self.session.get(worker.url + "/health_generate") as resp:
+                resp.raise_for_status()
+            return
+        body = {"prompt": [1], "max_tokens": 1, "temperature": 0}
+        if worker.models:
+            body["model"] = worker.models[0]
+        async with self.session.post(worker.url + "/v1/completions", json=body,
+                                     headers={"X-Request-Id": f"pd-router-canary-{worker.ordinal}"}) as resp:
+            resp.raise_for_status()
+            answer = msgspec.json.decode(await resp.read())
+        if not answer.get("choices"):
+            raise ValueError("canary generation returned no choices")
+
+    # -- engine metrics --------------------------------------------------------------------
+    async def _metrics_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self.scrape(w) for w in self.pool if w.healthy))
+            await asyncio.sleep(self.spec.metrics_interval_s)
+
+    async def scrape(self, worker: Worker) -> None:
+        try:
+            async with self.session.get(worker.url + "/metrics",
+                                        timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s)) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return
+        worker.engine_waiting, worker.engine_running, worker.kv_usage = \
+            parse_engine_metrics(text, self.config.engine)
+        worker.last_scrape = asyncio.get_running_loop().time()

@@ -1,0 +1,53 @@
+"""Prometheus metrics of the router (its own registry, served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+disable_created_metrics()  # no *_created series: they double the scrape for nothing
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self, pool) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pd_router_requests", "Requests by PD decision and outcome",
+                                ["decision", "outcome"], registry=r)
+        self.ttft = Histogram("pd_router_ttft_seconds", "Router-measured time to first token "
+                              "(streaming requests)", buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pd_router_tpot_seconds", "Router-measured time per output token "
+                              "(streaming requests)", buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pd_router_e2e_seconds", "Request latency, arrival to last byte",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.leg = Histogram("pd_router_leg_seconds", "Latency of each leg", ["leg"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.retries = Counter("pd_router_retries", "Legs retried on another worker", ["leg"], registry=r)
+        self.rejections = Counter("pd_router_rejections", "Requests rejected before routing",
+                                  ["reason"], registry=r)
+        self.prefill_leg = self.leg.labels("prefill")
+        self.decode_leg = self.leg.labels("decode")
+        r.register(_PoolCollector(pool))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PoolCollector:
+    """Per-worker gauges, read from the pool at scrape time (nothing to update per request)."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        in_flight = GaugeMetricFamily("pd_router_worker_in_flight", "Requests in flight per worker",
+                                      labels=["role", "url"])
+        healthy = GaugeMetricFamily("pd_router_worker_healthy", "1 if the worker takes requests",
+                                    labels=["role", "url"])
+        for w in self.pool:
+            in_flight.add_metric([w.role, w.url], w.in_flight)
+            healthy.add_metric([w.role, w.url], 1.0 if w.usable else 0.0)
+        yield in_flight
+        yield healthy

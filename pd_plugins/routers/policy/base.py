@@ -1,0 +1,132 @@
+"""The policy framework: what a request looks like to a policy, and the five kinds of piece.
+
+Modelled on llm-d's scheduler: filters narrow the candidates, scorers return a score in [0, 1] per
+candidate and are combined by configured weights, a picker chooses; a decider says whether to
+disaggregate at all; an admission step may reject early. Every piece registers under a name with a
+factory that takes its parameters, so a YAML file can compose them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import msgspec
+
+from pd_plugins.routers.config import ConfigError
+
+if TYPE_CHECKING:
+    from pd_plugins.routers.policy.latency_model import LatencyModels
+    from pd_plugins.routers.policy.prefix_index import PrefixIndex
+    from pd_plugins.routers.workers import Worker, WorkerPool
+
+
+@dataclass
+class RequestInfo:
+    """What policies may know about a request before it runs."""
+
+    prompt_tokens: int              # exact when the prompt is token ids or a tokenizer is set
+    block_keys: list[int]           # chained hashes of the prompt's full blocks (prefix_index.py)
+    max_tokens: int | None = None
+    stream: bool = False
+    session_id: str | None = None
+    exact_tokens: bool = True
+
+
+@dataclass
+class Choice:
+    worker: Worker
+    reason: str
+
+
+@dataclass
+class Rejection:
+    status: int
+    message: str
+    retry_after_s: float | None = None
+
+
+@dataclass
+class PolicyContext:
+    """Shared state the pieces read: the pool, the prefix index, the latency models."""
+
+    pool: WorkerPool
+    prefix_index: PrefixIndex
+    latency: LatencyModels
+    block_size: int
+
+
+class Filter(Protocol):
+    def filter(self, request: RequestInfo, workers: list[Worker]) -> list[Worker]: ...
+
+
+class Scorer(Protocol):
+    def score(self, request: RequestInfo, workers: list[Worker]) -> list[float]: ...
+
+
+class Picker(Protocol):
+    def pick(self, workers: list[Worker], scores: list[float]) -> Worker: ...
+
+
+class Decider(Protocol):
+    """True to disaggregate (remote prefill), False to prefill on the decode worker."""
+
+    def disaggregate(self, request: RequestInfo, decode: Worker,
+                     prefills: list[Worker]) -> tuple[bool, str]: ...
+
+
+class Admission(Protocol):
+    def admit(self, request: RequestInfo) -> Rejection | None: ...
+
+
+Factory = Callable[[dict[str, Any], PolicyContext], Any]
+_REGISTRY: dict[str, dict[str, Factory]] = {
+    "filter": {}, "scorer": {}, "picker": {}, "decider": {}, "admission": {},
+}
+
+
+def register(kind: str, name: str) -> Callable[[Factory], Factory]:
+    def wrap(factory: Factory) -> Factory:
+        _REGISTRY[kind][name] = factory
+        return factory
+    return wrap
+
+
+def build(kind: str, name: str, params: dict[str, Any], ctx: PolicyContext) -> Any:
+    factories = _REGISTRY[kind]
+    if name not in factories:
+        raise ConfigError(f"unknown {kind} {name!r}; known: {', '.join(sorted(factories))}")
+    return factories[name](params, ctx)
+
+
+def registered(kind: str) -> list[str]:
+    return sorted(_REGISTRY[kind])
+
+
+def parse_params(params: dict[str, Any], schema: type, owner: str) -> Any:
+    """Validate a piece's parameters against its Struct; errors name the piece and the key."""
+    try:
+        return msgspec.convert(params, schema)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{owner} params: {exc}") from None
+
+
+class Params(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base for each piece's parameter schema."""
+
+
+def normalise_lower_is_better(values: Sequence[float]) -> list[float]:
+    """Map costs to scores in [0, 1]: the cheapest gets 1, the dearest 0, all equal all 1."""
+    low, high = min(values), max(values)
+    if high - low <= 1e-12:
+        return [1.0] * len(values)
+    return [(high - v) / (high - low) for v in values]
+
+
+@dataclass
+class Decision:
+    """The scheduler's answer for one request (also what the x-pd-route header reports)."""
+
+    decode: Worker
+    prefill: Worker | None          # None: the decode worker prefills locally
+    reasons: list[str] = field(default_factory=list)

@@ -1,0 +1,61 @@
+"""PD deciders: should this request be disaggregated, or prefilled on its decode worker?
+
+- uncached_length (llm-d): disaggregate only if the decode worker lacks at least
+  `min_uncached_tokens` of the prompt; a short or mostly cached prompt is cheaper to prefill there.
+- prefill_load (TokenScale's convertible decoders): when the prefill pool is saturated, the decode
+  worker prefills locally if its own estimate beats the best prefill worker's by `margin`.
+"""
+
+from __future__ import annotations
+
+from pd_plugins.routers.policy.base import Params, PolicyContext, RequestInfo, parse_params, register
+from pd_plugins.routers.policy.ttft import TtftEstimator
+
+
+class UncachedLengthParams(Params):
+    min_uncached_tokens: int = 16
+
+
+class UncachedLengthDecider:
+    def __init__(self, params: UncachedLengthParams, ctx: PolicyContext) -> None:
+        self.params, self.ctx = params, ctx
+
+    def disaggregate(self, request: RequestInfo, decode, prefills: list) -> tuple[bool, str]:
+        cached = self.ctx.prefix_index.matched_blocks(decode.url, request.block_keys) * self.ctx.block_size
+        uncached = max(0, request.prompt_tokens - cached)
+        if uncached < self.params.min_uncached_tokens:
+            return False, f"uncached {uncached} < {self.params.min_uncached_tokens} tokens"
+        return True, f"uncached {uncached} tokens"
+
+
+class PrefillLoadParams(Params):
+    margin: float = 1.5             # local prefill must be this many times faster
+    min_prefill_queue: int = 2      # only when every prefill worker has this many queued
+
+
+class PrefillLoadDecider:
+    def __init__(self, params: PrefillLoadParams, ctx: PolicyContext) -> None:
+        self.params = params
+        self.estimator = TtftEstimator(ctx)
+        self.ctx = ctx
+
+    def disaggregate(self, request: RequestInfo, decode, prefills: list) -> tuple[bool, str]:
+        if not prefills or min(w.in_flight for w in prefills) < self.params.min_prefill_queue:
+            return True, "prefill pool not saturated"
+        remote = min(self.estimator.estimate_s(request, w) for w in prefills)
+        # A local prefill also stalls the decode's running batch for its duration.
+        local = (self.ctx.latency.prefill_s(self.estimator.uncached_tokens(request, decode))
+                 * (1 + decode.in_flight_prefill_tokens / max(1, request.prompt_tokens)))
+        if local * self.params.margin < remote:
+            return False, f"prefill pool saturated: local {local * 1e3:.0f} ms vs remote {remote * 1e3:.0f} ms"
+        return True, f"remote prefill {remote * 1e3:.0f} ms"
+
+
+@register("decider", "uncached_length")
+def _uncached(params, ctx):
+    return UncachedLengthDecider(parse_params(params, UncachedLengthParams, "decider uncached_length"), ctx)
+
+
+@register("decider", "prefill_load")
+def _prefill_load(params, ctx):
+    return PrefillLoadDecider(parse_params(params, PrefillLoadParams, "decider prefill_load"), ctx)

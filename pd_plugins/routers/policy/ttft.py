@@ -1,0 +1,84 @@
+"""Mooncake-style TTFT estimate, as a scorer and as an early-rejection admission step.
+
+For a prefill worker: TTFT = queue (its queued prefills) + prefill(uncached tokens after its prefix
+cache) + transfer (the prompt's KV over the link). The scorer prefers the lowest estimate; the
+admission step answers 429 with Retry-After when even the best estimate misses the TTFT SLO, or when
+the least-loaded decode worker's next step would miss the TPOT SLO (Mooncake Conductor, Alg. 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pd_plugins.routers.policy.base import (
+    Params, PolicyContext, Rejection, RequestInfo, parse_params, register,
+)
+
+
+class TtftEstimator:
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.ctx = ctx
+
+    def uncached_tokens(self, request: RequestInfo, worker) -> int:
+        cached = self.ctx.prefix_index.matched_blocks(worker.url, request.block_keys) * self.ctx.block_size
+        return max(1, request.prompt_tokens - cached)
+
+    def estimate_s(self, request: RequestInfo, worker) -> float:
+        model = self.ctx.latency
+        return (model.queue_s(worker.in_flight_prefill_tokens, worker.in_flight)
+                + model.prefill_s(self.uncached_tokens(request, worker))
+                + model.transfer_s(request.prompt_tokens))
+
+
+class TtftScorer:
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.estimator = TtftEstimator(ctx)
+
+    def score(self, request: RequestInfo, workers: list) -> list[float]:
+        estimates = [self.estimator.estimate_s(request, w) for w in workers]
+        best = min(estimates)
+        return [best / e if e > 0 else 1.0 for e in estimates]
+
+
+class SloParams(Params):
+    ttft_slo_ms: float = 2000.0
+    tpot_slo_ms: float | None = None
+
+
+class SloAdmission:
+    def __init__(self, params: SloParams, ctx: PolicyContext) -> None:
+        self.params, self.ctx = params, ctx
+        self.estimator = TtftEstimator(ctx)
+
+    def admit(self, request: RequestInfo) -> Rejection | None:
+        pool = self.ctx.pool
+        prefills = pool.usable("prefill") or pool.usable("decode")
+        if not prefills:
+            return None  # nothing to estimate on: the proxy answers 503 itself
+        best = min(self.estimator.estimate_s(request, w) for w in prefills)
+        slo = self.params.ttft_slo_ms / 1e3
+        if best > slo:
+            return Rejection(429, f"predicted TTFT {best * 1e3:.0f} ms exceeds the "
+                                  f"{self.params.ttft_slo_ms:.0f} ms SLO; retry later",
+                             retry_after_s=_retry_after(best - slo))
+        if self.params.tpot_slo_ms is not None:
+            decodes = pool.usable("decode")
+            if decodes:
+                step = min(self.ctx.latency.decode_step_s(w.load + 1) for w in decodes)
+                if step * 1e3 > self.params.tpot_slo_ms:
+                    return Rejection(429, f"predicted TPOT {step * 1e3:.0f} ms exceeds the "
+                                          f"{self.params.tpot_slo_ms:.0f} ms SLO; retry later",
+                                     retry_after_s=1.0)
+        return None
+
+
+def _retry_after(excess_s: float) -> float:
+    return float(min(60, max(1, math.ceil(excess_s))))
+
+
+register("scorer", "ttft")(lambda params, ctx: TtftScorer(ctx))
+
+
+@register("admission", "slo")
+def _slo(params, ctx):
+    return SloAdmission(parse_params(params, SloParams, "admission slo"), ctx)

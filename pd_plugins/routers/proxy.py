@@ -1,0 +1,286 @@
+"""Serve one client request: admit, schedule, run the engine flow, relay the answer, fail over.
+
+Failover rules: a failed prefill leg is retried on another prefill worker (`prefill_retries`), then
+the decode worker prefills locally if `local_prefill_fallback`; a decode failure before the first
+byte reaches the client is retried on another decode worker with a fresh prefill (the old one's KV
+may be gone); after streaming has begun the stream ends with an error event. Every leg has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from pd_plugins.routers.config import RouterConfig
+from pd_plugins.routers.flows import Attempt, PdFlow
+from pd_plugins.routers.metrics import RouterMetrics
+from pd_plugins.routers.policy import Decision, PolicyContext, Scheduler
+from pd_plugins.routers.request import ClientRequest
+from pd_plugins.routers.upstream import RequestRefused, WorkerFailed, json_leg, open_leg
+
+log = logging.getLogger("pd_router.proxy")
+_encode = msgspec.json.Encoder().encode
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> bytes:
+    kind = kind or ("invalid_request_error" if status < 500 else "upstream_error")
+    return _encode({"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=error_body(status, message, param),
+                        content_type="application/json", headers=headers)
+
+
+class Proxy:
+    def __init__(self, config: RouterConfig, scheduler: Scheduler, ctx: PolicyContext,
+                 flow: PdFlow, metrics: RouterMetrics, session: aiohttp.ClientSession) -> None:
+        self.config, self.scheduler, self.ctx = config, scheduler, ctx
+        self.flow, self.metrics, self.session = flow, metrics, session
+        self.timeouts = config.timeouts
+
+    # -- the request ----------------------------------------------------------------------
+    async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
+        started = time.monotonic()
+        rejection = self.scheduler.admit(request.info)
+        if rejection is not None:
+            self.metrics.rejections.labels("slo").inc()
+            self.metrics.requests.labels("rejected", "rejected").inc()
+            headers = {"Retry-After": str(int(rejection.retry_after_s))} if rejection.retry_after_s else None
+            return error_response(rejection.status, rejection.message, headers=headers)
+
+        failover = self.config.failover
+        prefill_tries, decode_tries = failover.prefill_retries, failover.decode_retries
+        excluded_prefill: set = set()
+        excluded_decode: set = set()
+        force_local, history = False, []
+        base_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
+        for attempt_no in range(1 + failover.prefill_retries + failover.decode_retries + 1):
+            decision = self.scheduler.schedule(request.info, excluded_prefill, excluded_decode)
+            if decision is None:
+                break
+            if force_local and decision.prefill is not None:
+                decision = Decision(decision.decode, None,
+                                    decision.reasons[:1] + ["local prefill: prefill workers failed"])
+            elif (decision.prefill is None and not failover.local_prefill_fallback
+                  and self.ctx.pool.by_role("prefill") and "no usable prefill" in decision.reasons[-1]):
+                return self._fail(request, "none", 503, "no usable prefill worker", history)
+            attempt = Attempt(request, decision, f"{base_id}-{attempt_no}", path)
+            try:
+                return await self._run(http, attempt, started, history)
+            except RequestRefused as refused:
+                self.metrics.requests.labels(_decision_label(decision), "refused").inc()
+                return web.Response(status=refused.status, body=refused.body,
+                                    headers={"Content-Type": refused.content_type or "application/json"})
+            except WorkerFailed as failed:
+                history.append(f"{failed.leg} {failed.worker.url}: {failed.message}")
+                if failed.worker.record_failure(self.config.health.failure_threshold):
+                    log.warning("worker %s marked unhealthy after %d failures", failed.worker.url,
+                                failed.worker.consecutive_failures)
+                log.warning("request %s: %s", base_id, history[-1])
+                if failed.leg == "prefill":
+                    excluded_prefill.add(failed.worker)
+                    prefill_tries -= 1
+                    if prefill_tries < 0:
+                        if not failover.local_prefill_fallback:
+                            break
+                        force_local = True
+                    self.metrics.retries.labels("prefill").inc()
+                else:
+                    excluded_decode.add(failed.worker)
+                    decode_tries -= 1
+                    if decode_tries < 0:
+                        break
+                    self.metrics.retries.labels("decode").inc()
+        if not history:
+            return self._fail(request, "none", 503, "no healthy decode worker", history)
+        return self._fail(request, "failed", 502, "the request failed on every worker tried", history)
+
+    def _fail(self, request: ClientRequest, decision: str, status: int, message: str,
+              history: list[str]) -> web.Response:
+        self.metrics.requests.labels(decision, "error").inc()
+        detail = f"{message}: " + "; ".join(history) if history else message
+        return error_response(status, detail)
+
+    # -- one attempt ------------------------------------------------------------------------
+    async def _run(self, http: web.Request, attempt: Attempt, started: float,
+                   history: list[str]) -> web.StreamResponse:
+        decision, info = attempt.decision, attempt.request.info
+        decode_body, prefill_task = await self.flow.prepare(attempt, self._prefill_leg)
+        decode = decision.decode
+        decode.in_flight += 1
+        decode.in_flight_tokens += info.prompt_tokens
+        decode_started = time.monotonic()
+        try:
+            first = asyncio.create_task(self._decode_first(attempt, decode_body))
+            if prefill_task is not None:
+                await asyncio.wait({first, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task.done() and prefill_task.exception() is not None and not first.done():
+                    first.cancel()  # closes the decode leg: the engine aborts it
+                    await asyncio.gather(first, return_exceptions=True)
+                    raise prefill_task.exception()
+            try:
+                resp, payload = await first
+            except BaseException:
+                if prefill_task is not None:
+                    prefill_task.cancel()
+                    await asyncio.gather(prefill_task, return_exceptions=True)
+                raise
+            if prefill_task is not None:  # finishes on its own; nothing waits for it now
+                prefill_task.add_done_callback(_consume)
+            decode.record_success()
+            header = self._route_header(decision, history)
+            if not info.stream:
+                self._finish(attempt, started, decode_started, None, 0)
+                return web.Response(body=payload, headers={"Content-Type": "application/json",
+                                                           "x-pd-route": header})
+            return await self._relay_stream(http, attempt, resp, payload, header, started, decode_started)
+        finally:
+            decode.in_flight -= 1
+            decode.in_flight_tokens -= info.prompt_tokens
+
+    async def _prefill_leg(self, attempt: Attempt, body: dict[str, Any]) -> dict[str, Any]:
+        worker, info = attempt.decision.prefill, attempt.request.info
+        index = self.ctx.prefix_index
+        uncached = max(1, info.prompt_tokens
+                       - index.matched_blocks(worker.url, info.block_keys) * self.ctx.block_size)
+        worker.in_flight += 1
+        worker.in_flight_prefill_tokens += uncached
+        worker.in_flight_tokens += info.prompt_tokens
+        started = time.monotonic()
+        try:
+            answer = await json_leg(self.session, worker, "prefill", attempt.path, body,
+                                    attempt.request_id, self.timeouts.prefill_s)
+        finally:
+            worker.in_flight -= 1
+            worker.in_flight_prefill_tokens -= uncached
+            worker.in_flight_tokens -= info.prompt_tokens
+        elapsed = time.monotonic() - started
+        self.metrics.prefill_leg.observe(elapsed)
+        pd = (answer.get("kv_transfer_params") or {}).get("pd") or {}
+        if info.exact_tokens and isinstance(pd.get("cached_tokens"), int):
+            uncached = max(1, info.prompt_tokens - pd["cached_tokens"])  # the engine's own count
+        self.ctx.latency.prefill.observe(uncached, elapsed)
+        index.record_routed(worker.url, info.block_keys)
+        worker.record_success()
+        return answer
+
+    async def _decode_first(self, attempt: Attempt, body: dict[str, Any]):
+        """Open the decode leg; return it with its first chunk (streaming) or whole body."""
+        worker = attempt.decision.decode
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeouts.decode_first_byte_s
+        resp = await open_leg(self.session, worker, "decode", attempt.path, body,
+                              attempt.request_id, self.timeouts.decode_first_byte_s)
+        try:
+            if attempt.request.info.stream:
+                chunk = await asyncio.wait_for(resp.content.readany(), max(0.001, deadline - loop.time()))
+                if not chunk:
+                    raise WorkerFailed(worker, "decode", "stream ended before any data")
+                return resp, chunk
+            payload = await asyncio.wait_for(
+                resp.read(), self.timeouts.decode_total_s - self.timeouts.decode_first_byte_s
+                + max(0.001, deadline - loop.time()))
+            if not payload.lstrip().startswith(b"{"):
+                raise WorkerFailed(worker, "decode", f"answer is not a JSON object: {payload[:80]!r}")
+            resp.release()
+            return resp, payload
+        except asyncio.TimeoutError:
+            resp.close()
+            raise WorkerFailed(worker, "decode", "no answer before the timeout") from None
+        except aiohttp.ClientError as exc:
+            resp.close()
+            raise WorkerFailed(worker, "decode", f"{type(exc).__name__}: {exc}") from None
+        except BaseException:
+            resp.close()
+            raise
+
+    async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: aiohttp.ClientResponse,
+                            first_chunk: bytes, header: str, started: float,
+                            decode_started: float) -> web.StreamResponse:
+        out = web.StreamResponse(headers={**SSE_HEADERS, "x-pd-route": header})
+        await out.prepare(http)
+        first_at = time.monotonic()
+        last_at, events = first_at, first_chunk.count(b"data:")
+        try:
+            await out.write(first_chunk)
+            deadline = decode_started + self.timeouts.decode_total_s
+            while True:
+                timeout = min(self.timeouts.decode_idle_s, deadline - time.monotonic())
+                try:
+                    chunk = await asyncio.wait_for(resp.content.readany(), max(0.001, timeout))
+                except asyncio.TimeoutError:
+                    raise WorkerFailed(attempt.decision.decode, "decode",
+                                       "stream stalled past the idle timeout") from None
+                if not chunk:
+                    break
+                events += chunk.count(b"data:")
+                last_at = time.monotonic()
+                await out.write(chunk)
+        except (WorkerFailed, aiohttp.ClientError) as exc:
+            message = exc.message if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {exc}"
+            worker = attempt.decision.decode
+            worker.record_failure(self.config.health.failure_threshold)
+            log.warning("request %s: decode %s failed mid-stream: %s", attempt.request_id, worker.url, message)
+            self.metrics.requests.labels(_decision_label(attempt.decision), "error").inc()
+            await _write_quietly(out, b"data: " + error_body(502, f"decode worker failed mid-stream: "
+                                                                  f"{message}") + b"\n\n")
+            return out
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            return out  # the client left; closing resp aborts the decode
+        finally:
+            resp.close()
+        tokens = max(1, events - 1)  # the last event is [DONE]
+        self.metrics.ttft.observe(first_at - started)
+        if tokens > 1:
+            tpot = (last_at - first_at) / (tokens - 1)
+            self.metrics.tpot.observe(tpot)
+            self.ctx.latency.decode_step.observe(attempt.decision.decode.in_flight, tpot)
+        self._finish(attempt, started, decode_started, first_at, tokens)
+        await _write_quietly(out, None)
+        return out
+
+    def _finish(self, attempt: Attempt, started: float, decode_started: float,
+                first_at: float | None, tokens: int) -> None:
+        now = time.monotonic()
+        self.metrics.e2e.observe(now - started)
+        self.metrics.decode_leg.observe(now - decode_started)
+        self.metrics.requests.labels(_decision_label(attempt.decision), "ok").inc()
+        self.ctx.prefix_index.record_routed(attempt.decision.decode.url, attempt.request.info.block_keys)
+
+    def _route_header(self, decision: Decision, history: list[str]) -> str:
+        prefill = decision.prefill.url if decision.prefill else "local"
+        why = "; ".join(decision.reasons)
+        retried = f"; retried after {len(history)} failure(s)" if history else ""
+        return _ascii(f"prefill={prefill}, decode={decision.decode.url}, why={why}{retried}")
+
+
+def _decision_label(decision: Decision) -> str:
+    return "disaggregated" if decision.prefill is not None else "local"
+
+
+def _ascii(text: str) -> str:
+    return text.encode("ascii", "replace").decode().replace("\n", " ")[:1000]
+
+
+def _consume(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _write_quietly(out: web.StreamResponse, data: bytes | None) -> None:
+    try:
+        if data is not None:
+            await out.write(data)
+        await out.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError):
+        pass

@@ -1,0 +1,150 @@
+"""The pd-router HTTP server: OpenAI endpoints, health, readiness, metrics, admin."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+from aiohttp import web
+
+from pd_plugins.routers.admin import AdminApi
+from pd_plugins.routers.config import RouterConfig, WorkerSpec
+from pd_plugins.routers.flows import flow_for
+from pd_plugins.routers.health import PoolUpkeep
+from pd_plugins.routers.metrics import RouterMetrics
+from pd_plugins.routers.policy import PolicyContext, Scheduler
+from pd_plugins.routers.policy.latency_model import LatencyModels
+from pd_plugins.routers.policy.prefix_index import KvEventSubscriber, PrefixIndex
+from pd_plugins.routers.proxy import Proxy, error_response
+from pd_plugins.routers.request import BadRequest, parse_request
+from pd_plugins.routers.tokenizer import load_tokenizer
+from pd_plugins.routers.upstream import new_session
+from pd_plugins.routers.workers import Worker, WorkerPool
+
+log = logging.getLogger("pd_router")
+
+ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+class Router:
+    """Owns the pool, the scheduler and the upkeep tasks; builds the aiohttp app."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pool = WorkerPool()
+        self.prefix_index = PrefixIndex()
+        self.latency = LatencyModels(config.latency)
+        self.ctx = PolicyContext(self.pool, self.prefix_index, self.latency, config.block_size)
+        fixed = config.decode[0].url if config.mode == "sidecar" else None
+        self.scheduler = Scheduler(config.policy, self.ctx, fixed_decode_url=fixed)
+        self.metrics = RouterMetrics(self.pool)
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
+        self._subscribers: dict[str, asyncio.Task] = {}
+        for spec in config.prefill:
+            self.pool.add(spec, "prefill")
+        for spec in config.decode:
+            self.pool.add(spec, "decode")
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: Proxy | None = None
+        self.upkeep: PoolUpkeep | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def startup(self, app: web.Application) -> None:
+        self.session = new_session(self.config.timeouts.connect_s)
+        flow = flow_for(self.config.engine, self.config.transfer, self.config.push_head_start_s)
+        self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, self.metrics, self.session)
+        self.upkeep = PoolUpkeep(self.config, self.pool, self.session)
+        for worker in self.pool:
+            self._subscribe(worker)
+        await self.upkeep.check_all()  # know health and models before the first request
+        self.upkeep.start()
+        log.info("pd-router ready on http://%s:%d: %d prefill, %d decode (%s, %s)", self.config.host,
+                 self.config.port, len(self.pool.by_role("prefill")), len(self.pool.by_role("decode")),
+                 self.config.engine, self.config.mode)
+
+    async def cleanup(self, app: web.Application) -> None:
+        if self.upkeep:
+            await self.upkeep.stop()
+        for task in self._subscribers.values():
+            task.cancel()
+        await asyncio.gather(*self._subscribers.values(), return_exceptions=True)
+        if self.session:
+            await self.session.close()
+
+    def _subscribe(self, worker: Worker) -> None:
+        if worker.spec.kv_events and worker.url not in self._subscribers:
+            sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events)
+            self._subscribers[worker.url] = asyncio.create_task(sub.run())
+
+    async def add_worker(self, spec: WorkerSpec, role: str) -> Worker:
+        worker = self.pool.add(spec, role)
+        self._subscribe(worker)
+        if self.upkeep:
+            await self.upkeep.check(worker)
+        return worker
+
+    def remove_worker(self, url: str, role: str) -> Worker | None:
+        worker = self.pool.remove(url, role)
+        if worker is not None:
+            task = self._subscribers.pop(worker.url, None)
+            if task:
+                task.cancel()
+            self.prefix_index.forget_worker(worker.url)
+        return worker
+
+    # -- serving ----------------------------------------------------------------------------
+    def served_models(self) -> set[str]:
+        if self.config.models:
+            return set(self.config.models)
+        return {m for w in self.pool if w.usable for m in w.models}
+
+    def max_model_len(self) -> int | None:
+        lengths = [w.max_model_len for w in self.pool if w.usable and w.max_model_len]
+        return min(lengths) if lengths else None
+
+    async def generate(self, http: web.Request) -> web.StreamResponse:
+        path = http.path
+        try:
+            raw = await http.read()
+            request = parse_request(
+                raw, ENDPOINTS[path], http.headers, served_models=self.served_models(),
+                max_model_len=self.max_model_len(), block_size=self.config.block_size,
+                strip_transfer_fields=self.config.client_transfer_fields == "strip",
+                tokenize=self.tokenizer)
+        except BadRequest as bad:
+            self.metrics.rejections.labels("bad_request").inc()
+            return error_response(bad.status, bad.message, bad.param)
+        except web.HTTPRequestEntityTooLarge:
+            self.metrics.rejections.labels("too_large").inc()
+            return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes")
+        return await self.proxy.serve(http, request, path)
+
+    async def models(self, http: web.Request) -> web.Response:
+        data = [{"id": m, "object": "model", "owned_by": "pd-router", "max_model_len": self.max_model_len()}
+                for m in sorted(self.served_models())]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, http: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, http: web.Request) -> web.Response:
+        decodes = len(self.pool.usable("decode"))
+        prefills = len(self.pool.usable("prefill"))
+        body = {"ready": decodes > 0, "usable_decode": decodes, "usable_prefill": prefills,
+                "workers": self.pool.snapshot()}
+        return web.json_response(body, status=200 if decodes > 0 else 503)
+
+    async def prometheus(self, http: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(),
+                            headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.add_routes([web.post(path, self.generate) for path in ENDPOINTS])
+        app.add_routes([web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/ready", self.ready), web.get("/metrics", self.prometheus)])
+        app.add_routes(AdminApi(self, self.config.admin_token).routes())
+        app.on_startup.append(self.startup)
+        app.on_cleanup.append(self.cleanup)
+        return app

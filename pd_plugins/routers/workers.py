@@ -1,0 +1,111 @@
+"""The worker pool: every prefill and decode server the router knows, with its live state.
+
+State comes from three places: the router's own accounting (in-flight requests and prefill tokens,
+updated around every leg), active health checks (health.py), and each engine's /metrics scraped on
+an interval (waiting queue, KV usage). Policies read it; only the proxy and the checkers write it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Literal
+
+from pd_plugins.routers.config import WorkerSpec
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass(eq=False)
+class Worker:
+    spec: WorkerSpec
+    role: Role
+    healthy: bool = True
+    draining: bool = False          # removed through the admin API, finishing what it holds
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    in_flight: int = 0              # requests with a leg running on this worker now
+    in_flight_prefill_tokens: int = 0  # uncached prompt tokens queued for prefill here
+    in_flight_tokens: int = 0       # prompt tokens of every request in flight here (KV it holds)
+    engine_waiting: float = 0.0     # scraped: requests waiting in the engine queue
+    engine_running: float = 0.0     # scraped: requests running in the engine
+    kv_usage: float = 0.0           # scraped: KV cache usage, 0..1
+    last_scrape: float = 0.0
+    models: tuple[str, ...] = ()    # from its /v1/models
+    max_model_len: int | None = None
+    ordinal: int = field(default_factory=itertools.count().__next__)
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def load(self) -> float:
+        """Requests this worker has to get through: the router's in-flight count, or the engine's
+        own queue when other clients load it too."""
+        return max(float(self.in_flight), self.engine_waiting + self.engine_running)
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+
+    def record_failure(self, failure_threshold: int) -> bool:
+        """Count a failed leg or probe; True when this one took the worker down."""
+        self.consecutive_successes = 0
+        self.consecutive_failures += 1
+        if self.healthy and self.consecutive_failures >= failure_threshold:
+            self.healthy = False
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return f"Worker({self.role} {self.url})"
+
+
+class WorkerPool:
+    def __init__(self) -> None:
+        self._workers: dict[tuple[Role, str], Worker] = {}
+
+    def add(self, spec: WorkerSpec, role: Role) -> Worker:
+        key = (role, spec.url)
+        existing = self._workers.get(key)
+        if existing is not None:
+            existing.draining = False
+            return existing
+        worker = Worker(spec, role)
+        self._workers[key] = worker
+        return worker
+
+    def remove(self, url: str, role: Role) -> Worker | None:
+        """Stop routing new requests to a worker; requests it holds finish normally."""
+        worker = self._workers.pop((role, url.rstrip("/")), None)
+        if worker is not None:
+            worker.draining = True
+        return worker
+
+    def get(self, url: str, role: Role) -> Worker | None:
+        return self._workers.get((role, url.rstrip("/")))
+
+    def by_role(self, role: Role) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role]
+
+    def usable(self, role: Role) -> list[Worker]:
+        return [w for w in self._workers.values() if w.role == role and w.usable]
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def snapshot(self) -> list[dict]:
+        now = time.monotonic()
+        return [{
+            "url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight,
+            "in_flight_prefill_tokens": w.in_flight_prefill_tokens,
+            "in_flight_tokens": w.in_flight_tokens,
+            "engine_waiting": w.engine_waiting, "engine_running": w.engine_running,
+            "kv_usage": w.kv_usage,
+            "metrics_age_s": round(now - w.last_scrape, 1) if w.last_scrape else None,
+        } for w in self]

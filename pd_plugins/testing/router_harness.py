@@ -1,0 +1,81 @@
+"""pd-router and pd-mock-engine as managed processes (for tests, benchmarks and the demo)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+import yaml
+
+from pd_plugins.testing.processes import ManagedProcess, free_port
+
+
+def pinned(cmd: list[str], cpu: str | None) -> list[str]:
+    return ["taskset", "-c", cpu, *cmd] if cpu is not None else cmd
+
+
+@dataclass
+class MockEngineProcess(ManagedProcess):
+    name: str
+    role: str = "both"                 # prefill | decode | both
+    engine: str = "vllm"
+    args: tuple[str, ...] = ()         # more pd-mock-engine flags (delays, faults)
+    cpu: str | None = None
+    side_port: int = field(default_factory=free_port)
+    engine_id: str | None = None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "pd_plugins.mock.engine", "--port", str(self.port),
+               "--side-port", str(self.side_port), "--role", self.role, "--engine", self.engine,
+               *(["--engine-id", self.engine_id] if self.engine_id else []), *self.args]
+        return pinned(cmd, self.cpu)
+
+    def worker_arg(self) -> list[str]:
+        """This engine as a pd-router --prefill/--decode value."""
+        extra = []
+        if self.role == "prefill" and self.engine == "sglang":
+            extra = [f"bootstrap_port={self.side_port}"]
+        elif self.role == "prefill" and self.engine_id:
+            extra = [f"engine_id={self.engine_id}", f"kv_port={self.side_port}"]
+        return [self.url, *extra]
+
+    def stats(self) -> dict:
+        return requests.get(f"{self.url}/mock/stats", timeout=5).json()
+
+    def set_faults(self, **faults: float) -> dict:
+        return requests.post(f"{self.url}/mock/faults", json=faults, timeout=5).json()
+
+
+@dataclass
+class RouterProcess(ManagedProcess):
+    name: str
+    prefill: list[list[str]] = field(default_factory=list)
+    decode: list[list[str]] = field(default_factory=list)
+    args: tuple[str, ...] = ()
+    config: dict | None = None         # written to a YAML file and passed with --config
+    cpu: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.health_path = "/ready"  # up once a decode worker passed its health check
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "pd_plugins.routers", "--host", "127.0.0.1",
+               "--port", str(self.port), *self.args]
+        for role in ("prefill", "decode"):
+            for worker in getattr(self, role):
+                cmd += [f"--{role}", *worker]
+        if self.config is not None:
+            path = Path(self.log_dir) / f"{self.name}.yaml"
+            path.write_text(yaml.safe_dump(self.config))
+            cmd += ["--config", str(path)]
+        return pinned(cmd, self.cpu)
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, **self.env}
+
+    def metrics(self) -> str:
+        return requests.get(f"{self.url}/metrics", timeout=10).text
