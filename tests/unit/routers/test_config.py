@@ -1,0 +1,73 @@
+import pytest
+
+from pd_plugins.routers.cli import build_parser, config_from_args
+from pd_plugins.routers.config import ConfigError, parse_worker_arg
+
+
+def config(*argv: str, yaml_text: str | None = None, tmp_path=None):
+    args = list(argv)
+    if yaml_text is not None:
+        path = tmp_path / "router.yaml"
+        path.write_text(yaml_text)
+        args += ["--config", str(path)]
+    return config_from_args(build_parser().parse_args(args))
+
+
+def test_flags_give_a_working_config():
+    cfg = config("--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200/",
+                 "--decode", "http://127.0.0.1:8201", "--policy", "kv_cost", "--port", "9000")
+    assert [w.url for w in cfg.decode] == ["http://127.0.0.1:8200", "http://127.0.0.1:8201"]
+    assert cfg.port == 9000 and cfg.policy.prefill.scorers[0].name == "kv_cost"
+
+
+def test_worker_options_after_the_url():
+    assert parse_worker_arg(["http://h:1", "engine_id=p0", "kv_port=5600"]) == {
+        "url": "http://h:1", "engine_id": "p0", "kv_port": 5600}
+    assert parse_worker_arg(["http://h:1", "8998"]) == {"url": "http://h:1", "bootstrap_port": 8998}
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_worker_arg(["http://h:1", "oops"])
+
+
+def test_yaml_errors_name_the_bad_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown field `prefil_s` - at `\$.timeouts`"):
+        config(yaml_text="decode: [{url: 'http://127.0.0.1:1'}]\ntimeouts: {prefil_s: 3}\n",
+               tmp_path=tmp_path)
+    with pytest.raises(ConfigError, match=r"Expected `float`, got `str` - at `\$.timeouts.prefill_s`"):
+        config(yaml_text="decode: [{url: 'http://127.0.0.1:1'}]\ntimeouts: {prefill_s: soon}\n",
+               tmp_path=tmp_path)
+    with pytest.raises(ConfigError, match="scorer kv_cost params: .*unknown field `scale`"):
+        config(yaml_text="decode: [{url: 'http://127.0.0.1:1'}]\npolicy:\n  prefill:\n"
+                         "    scorers: [{name: kv_cost, params: {scale: 2}}]\n", tmp_path=tmp_path)
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config(yaml_text="decode: [", tmp_path=tmp_path)
+
+
+def test_yaml_policy_stack_and_flags_override(tmp_path):
+    cfg = config("--port", "9100", tmp_path=tmp_path, yaml_text="""
+port: 9000
+decode: [{url: "http://127.0.0.1:8200"}]
+prefill: [{url: "http://127.0.0.1:8100", kv_events: "tcp://127.0.0.1:5557"}]
+policy:
+  prefill:
+    scorers: [{name: prefix_cache, weight: 3}, {name: least_loaded}]
+    picker: {name: random, params: {seed: 1}}
+  deciders: [{name: uncached_length, params: {min_uncached_tokens: 64}}]
+  admission: {name: slo, params: {ttft_slo_ms: 800}}
+""")
+    assert cfg.port == 9100
+    assert cfg.policy.prefill.scorers[0].weight == 3
+    assert cfg.policy.admission.params == {"ttft_slo_ms": 800}
+    assert cfg.prefill[0].kv_events == "tcp://127.0.0.1:5557"
+
+
+@pytest.mark.parametrize("argv, message", [
+    ((), "no decode worker"),
+    (("--decode", "ftp://x"), "must look like http://host:port"),
+    (("--decode", "http://a:1", "--policy", "best"), "unknown policy 'best'"),
+    (("--decode", "http://a:1", "--mode", "sidecar", "--decode", "http://a:2"), "exactly one decode"),
+    (("--decode", "http://a:1", "--transfer", "push", "--prefill", "http://a:2"), "needs engine_id and kv_port"),
+    (("--decode", "http://a:1", "--engine", "sglang", "--prefill", "http://a:2"), "needs bootstrap_port"),
+])
+def test_invalid_configurations_are_refused(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        config(*argv)

@@ -1,0 +1,26 @@
+import random
+
+from pd_plugins.routers.flows.sglang import bootstrap_room
+from pd_plugins.routers.health import parse_engine_metrics
+
+VLLM_METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting.
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
+vllm:num_requests_waiting{engine="1",model_name="tiny"} 2.0
+vllm:num_requests_running{engine="0",model_name="tiny"} 4.0
+vllm:num_requests_waiting_by_reason{reason="capacity"} 99.0
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+"""
+
+
+def test_engine_metrics_are_summed_over_ranks_and_prefix_names_ignored():
+    assert parse_engine_metrics(VLLM_METRICS, "vllm") == (5.0, 4.0, 0.25)
+    assert parse_engine_metrics("sglang:num_queue_reqs 7\nsglang:token_usage 0.5\n", "sglang") == (7.0, 0.0, 0.5)
+
+
+def test_bootstrap_rooms_keep_a_conversation_on_one_dp_rank():
+    rng = random.Random(0)
+    ranks = {bootstrap_room(4, "conversation-a", rng) % 4 for _ in range(50)}
+    assert len(ranks) == 1
+    rooms = [bootstrap_room(4, None, rng) for _ in range(50)]
+    assert len({r % 4 for r in rooms}) > 1 and all(0 <= r < 2**63 for r in rooms)
+    assert len(set(rooms)) == 50
