@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: bootstrap demo test test-unit test-e2e test-gpu clean
+.PHONY: bootstrap demo test test-unit test-e2e test-gpu bench-router clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -22,6 +22,11 @@ test-e2e: bootstrap
 # The same end-to-end suite on a CUDA machine (see docs/gpu.md); skips where there is no GPU.
 test-gpu:
 	@bash scripts/test_gpu.sh
+
+# pd-router vs vllm-router and sglang-router on mock engines: docs/benchmarks.md, docs/img/ (~8 min;
+# `$(PY) bench/router_overhead.py --quick` for a 1-minute smoke run). Peers go in bench/.venv-peers.
+bench-router: bootstrap
+	$(PY) bench/router_overhead.py
 
 clean:
 	rm -rf .venv .venv-gpu

@@ -1,6 +1,19 @@
+import signal
+import sys
+
 import pytest
 
 from pd_plugins.testing.engine_harness import LIVE_SERVERS
+
+
+def _stop_servers_and_exit(signum, frame):
+    """A killed test run (CI timeout, Ctrl-C twice) still stops the servers it started."""
+    for server in list(LIVE_SERVERS):
+        server.stop(grace=2)
+    sys.exit(128 + signum)
+
+
+signal.signal(signal.SIGTERM, _stop_servers_and_exit)
 
 
 @pytest.hookimpl(hookwrapper=True)

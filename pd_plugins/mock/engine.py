@@ -46,9 +46,10 @@ class MockState:
     engine_id: str
     rooms: dict[str, asyncio.Future] = field(default_factory=dict)
     running: int = 0
+    streaming: int = 0           # streams that have sent at least one token
     stats: dict[str, int] = field(default_factory=lambda: {
         "requests": 0, "prefill_legs": 0, "remote_decodes": 0, "local": 0, "mismatched_kv": 0,
-        "failed_injected": 0})
+        "failed_injected": 0, "canaries": 0})
 
 
 def prompt_digest(body: dict[str, Any]) -> str:
@@ -80,6 +81,13 @@ class MockEngine:
     # -- OpenAI endpoints --------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         s, a = self.s, self.s.args
+        if request.headers.get("X-Request-Id", "").startswith("pd-router-canary"):
+            s.stats["canaries"] += 1  # health probes, kept apart from the traffic tests count
+            injected = self._injected_fault()
+            if injected is not None:
+                return await injected
+            return web.Response(body=_encode(_completion(False, a.model, ["ok "], 1)),
+                                content_type="application/json")
         s.stats["requests"] += 1
         try:
             body = msgspec.json.decode(await request.read())
@@ -170,6 +178,14 @@ class MockEngine:
                                 content_type="application/json")
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
+        self.s.streaming += 1
+        try:
+            return await self._stream_words(request, out, chat, words)
+        finally:
+            self.s.streaming -= 1
+
+    async def _stream_words(self, request, out, chat, words) -> web.StreamResponse:
+        a = self.s.args
         for i, word in enumerate(words):
             if i and a.tpot_ms:
                 await asyncio.sleep(a.tpot_ms / 1e3)
@@ -217,7 +233,8 @@ class MockEngine:
 
     async def stats(self, request: web.Request) -> web.Response:
         return web.json_response({**self.s.stats, "rooms_held": sum(
-            1 for f in self.s.rooms.values() if f.done()), "running": self.s.running})
+            1 for f in self.s.rooms.values() if f.done()), "running": self.s.running,
+            "streaming": self.s.streaming})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

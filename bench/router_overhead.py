@@ -1,0 +1,632 @@
+#!/usr/bin/env python
+"""Router overhead: pd-router against vllm-router and sglang-router on mock engines.
+
+    .venv/bin/python bench/router_overhead.py            # full run, about 8-10 minutes
+    .venv/bin/python bench/router_overhead.py --quick    # smoke run, about a minute
+
+Mock prefill and decode engines (pd-mock-engine, zero delays) and the load generator share core 1;
+each router runs alone on core 0. For every target and concurrency the closed-loop load generator
+measures requests/s and latency over a fixed window, and the router's CPU time (utime + stime from
+/proc/PID/stat) over the same window gives CPU per request. Targets: the decode engine directly
+(no router: the latency baseline), pd-router (vLLM pull flow), vllm-router, pd-router --engine
+sglang, sglang-router, and bench/naive_proxy.py (the least an aiohttp PD proxy can do: the floor
+under pd-router on this machine). Every request is disaggregated (round_robin everywhere).
+
+The peer routers are installed on demand into bench/.venv-peers (matplotlib too, for the plots),
+so the project's .venv stays as its lock file says. Results: the "Router overhead" section of
+docs/benchmarks.md (between markers, so other sections survive), docs/img/router_*.png, and the
+raw numbers and every process log under bench/results/router_overhead/<timestamp>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import requests
+
+from pd_plugins.testing.processes import ManagedProcess, free_port
+from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess, pinned
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_VENV = ROOT / "bench" / ".venv-peers"
+PEERS_PY = PEERS_VENV / "bin" / "python"
+PEER_PINS = {"vllm-router": "vllm-router==0.1.17", "sglang-router": "sglang-router==0.3.2"}
+PLOT_REQ = "matplotlib>=3.7"
+DOC = ROOT / "docs" / "benchmarks.md"
+IMG_DIR = ROOT / "docs" / "img"
+RESULTS_DIR = ROOT / "bench" / "results" / "router_overhead"
+START, END = "<!-- router-overhead:start -->", "<!-- router-overhead:end -->"
+
+ROUTER_CPU, LOAD_CPU = "0", "1"
+CONCURRENCY = (1, 16, 64)
+PROMPT = ("In a disaggregated serving system the router first sends the prompt to a prefill "
+          "worker, which computes the KV cache and hands it to a decode worker that streams "
+          "the answer back to the client; this sentence only has to be long enough.")
+BODY = json.dumps({"model": "mock", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                   "stream": False}).encode()
+HEADERS = {"Content-Type": "application/json"}
+ENGINE_ARGS = ("--ttft-ms", "0", "--tpot-ms", "0")
+PD_ROUTER_CONFIG = {"health": {"interval_s": 3600, "canary": False, "metrics_interval_s": 3600}}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# -- processes ------------------------------------------------------------------------------
+@dataclass
+class PeerRouterProcess(ManagedProcess):
+    """vllm-router or sglang-router from bench/.venv-peers, in PD mode, round robin."""
+
+    name: str
+    kind: str = "vllm"                 # vllm | sglang
+    prefill: MockEngineProcess | None = None
+    decode: MockEngineProcess | None = None
+    cpu: str | None = None
+    prometheus_port: int = field(default_factory=free_port)
+
+    def command(self) -> list[str]:
+        assert self.prefill is not None and self.decode is not None
+        if self.kind == "vllm":
+            cmd = [str(PEERS_VENV / "bin" / "vllm-router"), "--vllm-pd-disaggregation",
+                   "--prefill", self.prefill.url]
+        else:
+            cmd = [str(PEERS_PY), "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                   "--prefill", self.prefill.url, str(self.prefill.side_port)]
+        cmd += ["--decode", self.decode.url, "--policy", "round_robin",
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.prometheus_port),
+                "--log-level", "error", "--worker-startup-check-interval", "1",
+                "--health-check-interval-secs", "3600", "--disable-retries",
+                "--disable-circuit-breaker"]
+        return pinned(cmd, self.cpu)
+
+    def wait_healthy(self, timeout: float = 240.0) -> PeerRouterProcess:
+        # vllm-router listens only once its workers are healthy; sglang-router answers /health
+        # at once, and /readiness says when its workers are.
+        path = "/health" if self.kind == "vllm" else "/readiness"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited early:\n{self.log_tail()}")
+            try:
+                resp = requests.get(self.url + path, timeout=2)
+                if resp.status_code == 200 and (self.kind == "vllm" or "ready" in resp.text
+                                                and "not_ready" not in resp.text):
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+
+@dataclass
+class NaiveProxyProcess(ManagedProcess):
+    """bench/naive_proxy.py: aiohttp's own cost, the floor under any aiohttp-based router."""
+
+    name: str
+    prefill: MockEngineProcess | None = None
+    decode: MockEngineProcess | None = None
+    cpu: str | None = None
+
+    def command(self) -> list[str]:
+        assert self.prefill is not None and self.decode is not None
+        return pinned([sys.executable, str(ROOT / "bench" / "naive_proxy.py"), self.prefill.url,
+                       self.decode.url, str(self.port)], self.cpu)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads, live or gone), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # fields[0] is field 3 (state)
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# -- peers venv -----------------------------------------------------------------------------
+def installed_versions(dists: list[str]) -> dict[str, str | None]:
+    if not PEERS_PY.exists():
+        return {d: None for d in dists}
+    code = ("import importlib.metadata as m, json, sys\n"
+            "out = {}\n"
+            "for d in sys.argv[1:]:\n"
+            "    try: out[d] = m.version(d)\n"
+            "    except m.PackageNotFoundError: out[d] = None\n"
+            "print(json.dumps(out))")
+    res = subprocess.run([str(PEERS_PY), "-c", code, *dists], capture_output=True, text=True)
+    return json.loads(res.stdout) if res.returncode == 0 else {d: None for d in dists}
+
+
+def ensure_peers_venv() -> tuple[dict[str, str | None], bool]:
+    """Install the pinned peer routers and matplotlib into bench/.venv-peers where missing.
+    Returns the peer versions (None: unavailable) and whether plotting is possible."""
+    wanted = {**PEER_PINS, "matplotlib": PLOT_REQ}
+    have = installed_versions(list(wanted))
+    ok = {d: v is not None and (d == "matplotlib" or wanted[d].endswith("==" + v))
+          for d, v in have.items()}
+    if all(ok.values()):
+        return {d: have[d] for d in PEER_PINS}, True
+    if not PEERS_PY.exists():
+        print(f"creating {PEERS_VENV.relative_to(ROOT)} for the peer routers and matplotlib", flush=True)
+        base = getattr(sys, "_base_executable", None) or "python3"
+        res = subprocess.run([base, "-m", "venv", str(PEERS_VENV)], capture_output=True, text=True)
+        if res.returncode != 0:
+            print(f"  cannot create the venv: {res.stderr.strip()[-500:]}\n  skipping peers and plots")
+            return {d: None for d in PEER_PINS}, False
+    for dist, req in wanted.items():
+        if ok[dist]:
+            continue
+        print(f"  pip install {req} into {PEERS_VENV.relative_to(ROOT)}", flush=True)
+        res = subprocess.run([str(PEERS_PY), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                              req], capture_output=True, text=True)
+        if res.returncode != 0:
+            what = "its rows" if dist in PEER_PINS else "the plots"
+            print(f"  could not install {req}; skipping {what}:\n    "
+                  + "\n    ".join(res.stderr.strip().splitlines()[-5:]), flush=True)
+    have = installed_versions(list(wanted))
+    return {d: have[d] for d in PEER_PINS}, have.get("matplotlib") is not None
+
+
+# -- load generation ------------------------------------------------------------------------
+@dataclass
+class Target:
+    key: str
+    label: str
+    url: str
+    proc: ManagedProcess | None  # whose CPU is counted (None: no router)
+    broken: str | None = None
+
+
+@dataclass
+class Window:
+    start: float | None = None
+    end: float | None = None
+
+
+async def measure(target: Target, concurrency: int, warm_s: float, window_s: float) -> dict:
+    """Closed loop with `concurrency` clients; latency and CPU over [warm_s, warm_s + window_s]."""
+    url = target.url + "/v1/completions"
+    win, stop = Window(), asyncio.Event()
+    latencies: list[float] = []
+    errors: list[str] = []
+    sent = 0
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                     skip_auto_headers=("User-Agent",)) as session:
+        async def client() -> None:
+            nonlocal sent
+            while not stop.is_set():
+                sent += 1
+                t0 = time.perf_counter()
+                try:
+                    async with session.post(url, data=BODY, headers=HEADERS) as resp:
+                        payload = await resp.read()
+                        ok = resp.status == 200 and b'"choices"' in payload
+                        problem = None if ok else f"HTTP {resp.status}: {payload[:200]!r}"
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    problem = f"{type(exc).__name__}: {exc}"
+                t1 = time.perf_counter()
+                if problem is not None:
+                    errors.append(problem)
+                    await asyncio.sleep(0.01)  # do not spin on a dead target
+                elif win.start is not None and t1 >= win.start and (win.end is None or t1 <= win.end):
+                    latencies.append(t1 - t0)
+
+        tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
+        try:
+            await asyncio.sleep(warm_s)
+            pid = target.proc.proc.pid if target.proc is not None else None
+            cpu0 = cpu_seconds(pid) if pid else 0.0
+            win.start = time.perf_counter()
+            await asyncio.sleep(window_s)
+            win.end = time.perf_counter()
+            cpu1 = cpu_seconds(pid) if pid else 0.0
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    n = len(latencies)
+    latencies.sort()
+    elapsed = win.end - win.start
+    return {
+        "n": n, "sent": sent, "errors": len(errors), "error_samples": sorted(set(errors))[:5],
+        "rps": n / elapsed,
+        "p50_ms": quantile(latencies, 0.50) * 1e3 if n else None,
+        "p99_ms": quantile(latencies, 0.99) * 1e3 if n else None,
+        "cpu_us": (cpu1 - cpu0) / n * 1e6 if (pid and n) else None,
+        "cpu_s": cpu1 - cpu0 if pid else None,
+        "window_s": elapsed,
+    }
+
+
+def quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+# -- summary --------------------------------------------------------------------------------
+def spread(values: list[float | None]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": values}
+
+
+def summarize(targets: list[Target], runs: dict[tuple[str, int], list[dict]]) -> dict:
+    out: dict[str, dict[str, dict]] = {}
+    for t in targets:
+        out[t.key] = {}
+        for c in CONCURRENCY:
+            reps = runs.get((t.key, c), [])
+            if not reps:
+                continue
+            direct = runs.get(("direct", c), [])
+            added50, added99 = [], []
+            for r, rep in enumerate(reps):  # paired with the direct run of the same repeat
+                base = direct[r] if r < len(direct) else None
+                if t.key != "direct" and base and base["p50_ms"] is not None and rep["p50_ms"] is not None:
+                    added50.append(rep["p50_ms"] - base["p50_ms"])
+                    added99.append(rep["p99_ms"] - base["p99_ms"])
+            out[t.key][str(c)] = {
+                "rps": spread([r["rps"] for r in reps]),
+                "p50_ms": spread([r["p50_ms"] for r in reps]),
+                "p99_ms": spread([r["p99_ms"] for r in reps]),
+                "added_p50_ms": spread(added50), "added_p99_ms": spread(added99),
+                "cpu_us": spread([r["cpu_us"] for r in reps]),
+                "errors": sum(r["errors"] for r in reps), "requests": sum(r["n"] for r in reps),
+                "error_samples": sorted({e for r in reps for e in r["error_samples"]})[:5],
+            }
+    return out
+
+
+def fmt(s: dict | None, digits: int = 2, signed: bool = False) -> str:
+    if s is None:
+        return "—"
+    f = f"{{:{'+' if signed else ''}.{digits}f}}"
+    if len(s["values"]) == 1:
+        return f.format(s["median"])
+    return f"{f.format(s['median'])} ({f.format(s['min'])}–{f.format(s['max'])})"
+
+
+def ratio(a: dict | None, b: dict | None) -> str:
+    if a is None or b is None or b["median"] <= 0:
+        return "—"
+    return f"{a['median'] / b['median']:.2f}×"
+
+
+def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
+    lines = [START, "## Router overhead", "",
+             "What a PD router costs per request: pd-router against the Rust routers that ship with vLLM "
+             "(`vllm-router`) and SGLang (`sglang-router`), all on the same mock engines "
+             "(`pd-mock-engine`, zero prefill and decode time, non-streaming, a ~60-token prompt, "
+             "`max_tokens` 8), every request disaggregated (round robin, one prefill and one decode "
+             "engine). The routers' own health checks and metric scrapes are turned off or set to an "
+             "hour so that only request work is counted. A reference row, `bench/naive_proxy.py`, is "
+             "the least an aiohttp PD proxy can do (prefill, then decode, relay; no policy, metrics, "
+             "timeouts or failover): the floor under any aiohttp-based router on this machine.", "",
+             f"Rerun: `make bench-router` (or `.venv/bin/python bench/router_overhead.py [--quick] "
+             f"[--repeats N]`). This run: `{meta['command']}`, {meta['date']}, "
+             f"{meta['runtime_s'] / 60:.1f} min.", "",
+             f"- Machine: {meta['machine']}.",
+             "- Pinning: each router alone on core 0; the mock prefill and decode engines and the "
+             "load generator (an aiohttp closed loop in the benchmark process, uvloop) share core 1.",
+             f"- Versions: {meta['versions']}.",
+             f"- Method: closed loop with 1, 16 and 64 concurrent clients; per measurement "
+             f"{meta['warm_s']:g} s of ramp-up (not counted), then a {meta['window_s']:g} s window. "
+             f"{meta['repeats']} repeat(s), targets interleaved within each repeat (order rotated) "
+             "to spread the machine's noise; each cell is the median over repeats with the min–max "
+             "in brackets. Every response is checked (HTTP 200 with `choices`).",
+             "- CPU µs/request: the router process's utime + stime (`/proc/PID/stat`, all threads) "
+             "over the window divided by the requests completed in it.",
+             "- Added p50/p99: the target's latency percentile minus the direct-to-decode one of the "
+             "same repeat and concurrency. It includes the prefill leg and the KV hand-off of the PD "
+             "flow, not only router code (vllm-router and pd-router's vLLM flow run the legs one "
+             "after the other; sglang-router and pd-router's SGLang flow run them together).",
+             "- Requests/s are bounded by core 1 (client + two Python mock engines) for the faster "
+             "routers, so compare routers by CPU/request first; at concurrency 64 latency is mostly "
+             "queueing (≈ concurrency / throughput).", ""]
+    lines += ["| target | conc. | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | "
+              "router CPU µs/req | CPU vs vllm-router | added p50 vs vllm-router | errors |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for t in targets:
+        rows = summary.get(t["key"], {})
+        if t.get("broken"):
+            lines.append(f"| {t['label']} | — | skipped: {t['broken']} |||||||||")
+            continue
+        for c in CONCURRENCY:
+            s = rows.get(str(c))
+            if s is None:
+                continue
+            ref = summary.get("vllm-router", {}).get(str(c))
+            lines.append(
+                f"| {t['label']} | {c} | {fmt(s['rps'], 0)} | {fmt(s['p50_ms'])} | {fmt(s['p99_ms'])} | "
+                f"{fmt(s['added_p50_ms'], signed=True)} | {fmt(s['added_p99_ms'], signed=True)} | "
+                f"{fmt(s['cpu_us'], 0)} | "
+                f"{ratio(s['cpu_us'], ref['cpu_us']) if ref else '—'} | "
+                f"{ratio(s['added_p50_ms'], ref['added_p50_ms']) if ref else '—'} | "
+                f"{s['errors']} / {s['requests']} |")
+    lines.append("")
+    lines += comparison(summary)
+    if meta.get("plots"):
+        lines += ["", "![Router CPU per request](img/router_cpu_per_request.png)", "",
+                  "![Added latency vs direct](img/router_added_latency.png)"]
+    else:
+        lines += ["", f"(No plots this run: {meta.get('plot_problem', 'matplotlib unavailable')}.)"]
+    errors = [(t["label"], c, summary[t["key"]][str(c)]["error_samples"]) for t in targets
+              if t["key"] in summary for c in CONCURRENCY
+              if str(c) in summary[t["key"]] and summary[t["key"]][str(c)]["errors"]]
+    if errors:
+        lines += ["", "Errors seen:", ""]
+        lines += [f"- {label} at {c}: {'; '.join(samples)}" for label, c, samples in errors]
+    lines.append(END)
+    return "\n".join(lines) + "\n"
+
+
+def comparison(summary: dict) -> list[str]:
+    """One line per pair: ours against the peer with the same engine flow."""
+    out = []
+    for ours, peer, label in (("pd-vllm", "vllm-router", "pd-router (vLLM pull) vs vllm-router"),
+                              ("pd-sglang", "sglang-router", "pd-router (SGLang) vs sglang-router")):
+        if ours not in summary or peer not in summary:
+            continue
+        parts = []
+        for c in CONCURRENCY:
+            a, b = summary[ours].get(str(c)), summary[peer].get(str(c))
+            if not a or not b:
+                continue
+            parts.append(f"{c}: CPU {ratio(a['cpu_us'], b['cpu_us'])}, added p50 "
+                         f"{fmt(a['added_p50_ms'], signed=True)} vs {fmt(b['added_p50_ms'], signed=True)} ms")
+        if parts:
+            out.append(f"- {label}, by concurrency: " + "; ".join(parts) + ".")
+    if "pd-vllm" in summary and "naive" in summary:
+        parts = []
+        for c in CONCURRENCY:
+            a, b = summary["pd-vllm"].get(str(c)), summary["naive"].get(str(c))
+            if a and b and a["cpu_us"] and b["cpu_us"]:
+                parts.append(f"{c}: {a['cpu_us']['median'] - b['cpu_us']['median']:+.0f} µs "
+                             f"({ratio(a['cpu_us'], b['cpu_us'])})")
+        if parts:
+            out.append("- pd-router's own code (pd-router vLLM pull minus the naive aiohttp proxy), "
+                       "CPU per request by concurrency: " + "; ".join(parts) + ".")
+    return out
+
+
+def write_section(text: str) -> None:
+    DOC.parent.mkdir(parents=True, exist_ok=True)
+    if DOC.exists():
+        doc = DOC.read_text()
+    else:
+        doc = ("# Benchmarks\n\n"
+               "Measurements of pd-plugins against the engines' own tooling. Each section below is "
+               "written by a script under `bench/` (it replaces only its own section, between "
+               "`<!-- NAME:start -->` and `<!-- NAME:end -->` markers) and says how to rerun it, "
+               "on what machine, when, and with which versions.\n\n")
+    if START in doc and END in doc:
+        head, rest = doc.split(START, 1)
+        tail = rest.split(END, 1)[1].lstrip("\n")
+        doc = head + text + ("\n" + tail if tail else "")
+    else:
+        doc = doc.rstrip("\n") + "\n\n" + text
+    DOC.write_text(doc)
+
+
+# -- the run --------------------------------------------------------------------------------
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    virt = " (VM)" if "hypervisor" in Path("/proc/cpuinfo").read_text() else ""
+    return f"{model}{virt}, {os.cpu_count()} cores{mem}, Linux {platform.release()}"
+
+
+def versions(peers: dict[str, str | None]) -> str:
+    def v(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "?"
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "pd_plugins"],
+                           capture_output=True, text=True).stdout.strip()
+    parts = [f"pd-plugins {v('pd-plugins')} (git {rev}{', pd_plugins/ modified' if dirty else ''})",
+             f"Python {platform.python_version()}", f"aiohttp {v('aiohttp')}", f"uvloop {v('uvloop')}"]
+    parts += [f"{d} {ver}" if ver else f"{d} not installed" for d, ver in peers.items()]
+    return ", ".join(parts)
+
+
+def start_checked(procs: list[ManagedProcess], timeout: float = 60.0) -> list[str]:
+    """Start each, wait for each; the names of those that failed (already stopped)."""
+    failed = []
+    for p in procs:
+        try:
+            p.start()
+        except OSError as exc:
+            print(f"  {p.name}: cannot start: {exc}", flush=True)
+            failed.append(p.name)
+    for p in procs:
+        if p.name in failed:
+            continue
+        try:
+            p.wait_healthy(timeout)
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"  {p.name} did not come up; skipping it. {exc}", flush=True)
+            p.stop()
+            failed.append(p.name)
+    return failed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short windows (~1 min)")
+    ap.add_argument("--repeats", type=int, help="measurements per target and concurrency (default 3; 1 with --quick)")
+    ap.add_argument("--window-s", type=float, help="measured window per measurement (default 7; 1.5 with --quick)")
+    ap.add_argument("--no-docs", action="store_true", help="do not touch docs/ (raw results only)")
+    args = ap.parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    window_s = args.window_s or (1.5 if args.quick else 7.0)
+    warm_s = 0.5 if args.quick else 1.0
+    began = time.monotonic()
+
+    # Load generator (this process) on core 1 with the engines; routers get core 0 to themselves.
+    if not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2:
+        sys.exit("router_overhead: needs Linux with at least 2 cores (router on 0, load on 1)")
+    os.sched_setaffinity(0, {int(LOAD_CPU)})
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop our processes on the way out
+
+    peers, can_plot = ensure_peers_venv()
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = RESULTS_DIR / stamp
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"logs and raw results: {run_dir.relative_to(ROOT)}", flush=True)
+
+    def engine(name: str, role: str, kind: str) -> MockEngineProcess:
+        return MockEngineProcess(name, role=role, engine=kind, args=ENGINE_ARGS, cpu=LOAD_CPU,
+                                 log_dir=run_dir)
+
+    vp, vd = engine("vllm-prefill", "prefill", "vllm"), engine("vllm-decode", "decode", "vllm")
+    sp, sd = engine("sglang-prefill", "prefill", "sglang"), engine("sglang-decode", "decode", "sglang")
+    common = ("--policy", "round_robin", "--log-level", "warning", "--log-format", "text")
+    pd_vllm = RouterProcess("pd-router-vllm", prefill=[vp.worker_arg()], decode=[vd.worker_arg()],
+                            args=("--engine", "vllm", "--transfer", "pull", *common),
+                            config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
+    pd_sglang = RouterProcess("pd-router-sglang", prefill=[sp.worker_arg()], decode=[sd.worker_arg()],
+                              args=("--engine", "sglang", *common),
+                              config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
+    vllm_router = PeerRouterProcess("vllm-router", kind="vllm", prefill=vp, decode=vd, cpu=ROUTER_CPU,
+                                    log_dir=run_dir)
+    sglang_router = PeerRouterProcess("sglang-router", kind="sglang", prefill=sp, decode=sd,
+                                      cpu=ROUTER_CPU, log_dir=run_dir)
+    naive = NaiveProxyProcess("naive-proxy", prefill=vp, decode=vd, cpu=ROUTER_CPU, log_dir=run_dir)
+
+    targets = [Target("direct", "direct to decode (no router)", vd.url, None),
+               Target("pd-vllm", "pd-router (vLLM pull)", pd_vllm.url, pd_vllm),
+               Target("vllm-router", "vllm-router", vllm_router.url, vllm_router),
+               Target("pd-sglang", "pd-router --engine sglang", pd_sglang.url, pd_sglang),
+               Target("sglang-router", "sglang-router", sglang_router.url, sglang_router),
+               Target("naive", "naive aiohttp proxy (reference)", naive.url, naive)]
+    routers: list[ManagedProcess] = [pd_vllm, pd_sglang, naive]
+    for t, peer in ((targets[2], "vllm-router"), (targets[4], "sglang-router")):
+        if peers.get(peer):
+            routers.append(t.proc)
+        else:
+            t.broken = f"{peer} not installed"
+            print(f"skipping {peer}: not installed in {PEERS_VENV.relative_to(ROOT)}", flush=True)
+    engines: list[ManagedProcess] = [vp, vd, sp, sd]
+    everything = [*engines, *routers]
+    runs: dict[tuple[str, int], list[dict]] = {}
+    try:
+        import uvloop
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None
+    try:
+        print("starting 4 mock engines (core 1) and the routers (core 0)", flush=True)
+        failed = start_checked(engines)
+        if failed:
+            raise RuntimeError(f"mock engines failed to start: {failed}")
+        for name in start_checked(routers):
+            for t in targets:
+                if t.proc is not None and t.proc.name == name:
+                    t.broken = "did not start (see its log)"
+        live = [t for t in targets if not t.broken]
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            for t in live:  # warm-up: connections, caches, the router's first-request paths
+                res = runner.run(measure(t, 16, 0.5 if args.quick else 1.5, 0.5))
+                print(f"warm-up {t.label:28s} {res['rps']:7.0f} req/s, {res['errors']} errors", flush=True)
+                if res["n"] == 0:
+                    t.broken = f"no successful request in warm-up ({'; '.join(res['error_samples'])})"
+                    print(f"  skipping {t.label}: {t.broken}\n{t.proc.log_tail(20) if t.proc else ''}",
+                          flush=True)
+            live = [t for t in live if not t.broken]
+            total = repeats * len(CONCURRENCY) * len(live)
+            done = 0
+            for r in range(repeats):
+                for ci, c in enumerate(CONCURRENCY):
+                    shift = (r * len(CONCURRENCY) + ci) % len(live)
+                    for t in live[shift:] + live[:shift]:
+                        if t.proc is not None and not t.proc.alive():
+                            if not t.broken:
+                                t.broken = "process died (see its log)"
+                                print(f"{t.label} died:\n{t.proc.log_tail(20)}", flush=True)
+                            continue
+                        res = runner.run(measure(t, c, warm_s, window_s))
+                        runs.setdefault((t.key, c), []).append(res)
+                        done += 1
+                        cpu = f"{res['cpu_us']:6.0f} µs/req CPU" if res["cpu_us"] is not None else " " * 15
+                        p50 = f"{res['p50_ms']:7.2f}" if res["p50_ms"] is not None else "    n/a"
+                        p99 = f"{res['p99_ms']:7.2f}" if res["p99_ms"] is not None else "    n/a"
+                        print(f"[{done:2d}/{total}] repeat {r + 1} c={c:<3d} {t.label:28s} "
+                              f"{res['rps']:7.0f} req/s  p50 {p50} ms  p99 {p99} ms  {cpu}  "
+                              f"errors {res['errors']}", flush=True)
+                        for e in res["error_samples"][:2]:
+                            print(f"      error: {e}", flush=True)
+        router_logs = {p.name: p.log_tail(40) for p in routers}
+    finally:
+        for p in reversed(everything):
+            p.stop()
+
+    summary = summarize([t for t in targets if not t.broken], runs)
+    meta = {
+        "command": " ".join(["bench/router_overhead.py", *sys.argv[1:]]),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine(), "versions": versions(peers), "repeats": repeats,
+        "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
+        "runtime_s": time.monotonic() - began,
+    }
+    target_info = [{"key": t.key, "label": t.label, "broken": t.broken} for t in targets]
+    raw = {"meta": meta, "targets": target_info, "summary": summary,
+           "runs": {f"{k}@{c}": v for (k, c), v in runs.items()}}
+    (run_dir / "results.json").write_text(json.dumps(raw, indent=1))
+    for name, tail in router_logs.items():
+        if any(w in tail for w in ("Traceback", "ERROR", "error", "WARNING")):
+            print(f"--- {name} log tail (has warnings/errors) ---\n{tail}", flush=True)
+
+    if not args.no_docs:
+        if can_plot:
+            IMG_DIR.mkdir(parents=True, exist_ok=True)
+            res = subprocess.run([str(PEERS_PY), str(ROOT / "bench" / "router_overhead_plot.py"),
+                                  str(run_dir / "results.json"), str(IMG_DIR)],
+                                 capture_output=True, text=True)
+            meta["plots"] = res.returncode == 0
+            if res.returncode != 0:
+                meta["plot_problem"] = "plotting failed"
+                print(f"plotting failed:\n{res.stderr[-2000:]}", flush=True)
+            else:
+                print(res.stdout.strip(), flush=True)
+        meta["runtime_s"] = time.monotonic() - began
+        section = markdown(meta, target_info, summary)
+        write_section(section)
+        print(f"wrote {DOC.relative_to(ROOT)}", flush=True)
+        print(section, flush=True)
+    print(f"done in {(time.monotonic() - began) / 60:.1f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Each engine flow end to end through the router: the decode really got its KV from the prefill
+the router chose (the mock decode checks the prompt digest its prefill registered)."""
+
+import json
+
+import pytest
+import requests
+
+from tests.router.conftest import LONG_PROMPT, deployment, mocks
+
+FLOWS = [("vllm", "pull"), ("vllm", "push"), ("sglang", "pull")]
+
+
+def sse_text(resp: requests.Response, chat: bool) -> str:
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            choice = json.loads(line[6:])["choices"][0]
+            out.append(choice["delta"].get("content", "") if chat else choice["text"])
+    return "".join(out)
+
+
+def answer_text(resp: requests.Response, chat: bool, stream: bool) -> str:
+    assert resp.status_code == 200, resp.text
+    if stream:
+        assert resp.text.rstrip().endswith("data: [DONE]")
+        return sse_text(resp, chat)
+    choice = resp.json()["choices"][0]
+    return choice["message"]["content"] if chat else choice["text"]
+
+
+@pytest.mark.parametrize("engine, transfer", FLOWS)
+def test_flow_streaming_and_not_chat_and_completions(engine, transfer):
+    prefills, decodes = mocks(engine, push=transfer == "push")
+    reference = mocks(engine)[1][0]  # an aggregated server answering on its own
+    reference.role = "both"
+    args = ("--engine", engine, "--transfer", transfer, "--policy", "round_robin")
+    with deployment(prefills, decodes, *args) as router:
+        reference.start().wait_healthy(30)
+        try:
+            for chat in (False, True):
+                path = "/v1/chat/completions" if chat else "/v1/completions"
+                body = ({"messages": [{"role": "user", "content": LONG_PROMPT}]} if chat
+                        else {"prompt": LONG_PROMPT})
+                body.update(model="mock", max_tokens=7)
+                expected = answer_text(requests.post(reference.url + path, json=body, timeout=10), chat, False)
+                for stream in (False, True):
+                    resp = requests.post(router.url + path, json={**body, "stream": stream}, timeout=20)
+                    assert answer_text(resp, chat, stream) == expected
+                    route = resp.headers["x-pd-route"]
+                    assert f"prefill={prefills[0].url}" in route and f"decode={decodes[0].url}" in route
+        finally:
+            reference.stop()
+        decode_stats, prefill_stats = decodes[0].stats(), prefills[0].stats()
+        assert decode_stats["remote_decodes"] == 4 and decode_stats["mismatched_kv"] == 0
+        assert prefill_stats["prefill_legs"] >= 4 and prefill_stats["rooms_held"] == 0
+        metrics = router.metrics()
+        assert 'pd_router_requests_total{decision="disaggregated",outcome="ok"} 4.0' in metrics
+        assert "pd_router_ttft_seconds_count 2.0" in metrics
+
+
+def test_short_prompt_is_prefilled_on_the_decode_worker():
+    prefills, decodes = mocks()
+    with deployment(prefills, decodes, "--policy", "prefix_cache") as router:
+        resp = requests.post(router.url + "/v1/completions",
+                             json={"model": "mock", "prompt": "hi there", "max_tokens": 3}, timeout=10)
+        assert resp.status_code == 200
+        assert "prefill=local" in resp.headers["x-pd-route"]
+        assert "uncached_length" in resp.headers["x-pd-route"]
+        assert decodes[0].stats()["local"] == 1 and prefills[0].stats()["prefill_legs"] == 0
+
+
+def test_sidecar_mode_uses_its_decode_and_chooses_the_prefill():
+    prefills, decodes = mocks(prefills=2)
+    with deployment(prefills, decodes, "--mode", "sidecar", "--policy", "least_loaded") as router:
+        for _ in range(4):
+            resp = requests.post(router.url + "/v1/completions",
+                                 json={"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 3}, timeout=10)
+            assert resp.status_code == 200 and "decode: sidecar" in resp.headers["x-pd-route"]
+        assert sum(p.stats()["prefill_legs"] for p in prefills) >= 4
+        assert decodes[0].stats()["remote_decodes"] == 4
+
+
+def test_service_endpoints():
+    prefills, decodes = mocks()
+    with deployment(prefills, decodes) as router:
+        assert requests.get(router.url + "/health", timeout=5).json() == {"status": "ok"}
+        ready = requests.get(router.url + "/ready", timeout=5).json()
+        assert ready["ready"] and ready["usable_prefill"] == 1
+        models = requests.get(router.url + "/v1/models", timeout=5).json()["data"]
+        assert [m["id"] for m in models] == ["mock"] and models[0]["max_model_len"] == 4096
+        assert "pd_router_worker_healthy" in router.metrics()
