@@ -126,6 +126,16 @@ class NaiveProxyProcess(ManagedProcess):
                        self.decode.url, str(self.port)], self.cpu)
 
 
+def core_busy_seconds(cpu: str) -> float:
+    """Busy time of one core (all processes), from /proc/stat: user+nice+system+irq+softirq+steal."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith(f"cpu{cpu} "):
+                v = [int(x) for x in line.split()[1:]]
+                return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / CLK_TCK
+    return 0.0
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads, live or gone), in seconds."""
     with open(f"/proc/{pid}/stat") as f:
@@ -228,10 +238,12 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
             await asyncio.sleep(warm_s)
             pid = target.proc.proc.pid if target.proc is not None else None
             cpu0 = cpu_seconds(pid) if pid else 0.0
+            core0 = core_busy_seconds(ROUTER_CPU)
             win.start = time.perf_counter()
             await asyncio.sleep(window_s)
             win.end = time.perf_counter()
             cpu1 = cpu_seconds(pid) if pid else 0.0
+            core1 = core_busy_seconds(ROUTER_CPU)
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -246,6 +258,8 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
         "cpu_us": (cpu1 - cpu0) / n * 1e6 if (pid and n) else None,
         "cpu_s": cpu1 - cpu0 if pid else None,
         "window_s": elapsed,
+        # The router's core busy with anything but the router: other load on the machine.
+        "foreign_pct": max(0.0, (core1 - core0) - (cpu1 - cpu0)) / elapsed * 100,
     }
 
 
@@ -332,6 +346,10 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "in brackets. Every response is checked (HTTP 200 with `choices`).",
              "- CPU µs/request: the router process's utime + stime (`/proc/PID/stat`, all threads) "
              "over the window divided by the requests completed in it.",
+             f"- Other load: core 0 was busy with processes other than the router for "
+             f"{noise_note(meta)} of each window (`/proc/stat`); the machine is shared, so expect "
+             "some spread between runs. Ratios between targets are steadier than absolute numbers, "
+             "since the targets are interleaved.",
              "- Added p50/p99: the target's latency percentile minus the direct-to-decode one of the "
              "same repeat and concurrency. It includes the prefill leg and the KV hand-off of the PD "
              "flow, not only router code (vllm-router and pd-router's vLLM flow run the legs one "
@@ -403,6 +421,13 @@ def comparison(summary: dict) -> list[str]:
             out.append("- pd-router's own code (pd-router vLLM pull minus the naive aiohttp proxy), "
                        "CPU per request by concurrency: " + "; ".join(parts) + ".")
     return out
+
+
+def noise_note(meta: dict) -> str:
+    s = meta.get("foreign_pct")
+    if not s:
+        return "an unknown share"
+    return f"a median {s['median']:.1f}% (max {s['max']:.0f}%)"
 
 
 def write_section(text: str) -> None:
@@ -481,13 +506,45 @@ def start_checked(procs: list[ManagedProcess], timeout: float = 60.0) -> list[st
     return failed
 
 
+def publish(results: Path, meta: dict, target_info: list[dict], summary: dict, can_plot: bool) -> None:
+    """Plots into docs/img/ and the section of docs/benchmarks.md, from one run's numbers."""
+    if can_plot:
+        IMG_DIR.mkdir(parents=True, exist_ok=True)
+        res = subprocess.run([str(PEERS_PY), str(ROOT / "bench" / "router_overhead_plot.py"),
+                              str(results), str(IMG_DIR)], capture_output=True, text=True)
+        meta["plots"] = res.returncode == 0
+        if res.returncode != 0:
+            meta["plot_problem"] = "plotting failed"
+            print(f"plotting failed:\n{res.stderr[-2000:]}", flush=True)
+        else:
+            print(res.stdout.strip(), flush=True)
+    section = markdown(meta, target_info, summary)
+    write_section(section)
+    print(f"wrote {DOC.relative_to(ROOT)}", flush=True)
+    print(section, flush=True)
+
+
+def render(results: Path) -> int:
+    """--render: rewrite the docs section and plots from a saved results.json (no measuring)."""
+    raw = json.loads(results.read_text())
+    _, can_plot = ensure_peers_venv()
+    publish(results, raw["meta"], raw["targets"], raw["summary"], can_plot)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short windows (~1 min)")
-    ap.add_argument("--repeats", type=int, help="measurements per target and concurrency (default 3; 1 with --quick)")
-    ap.add_argument("--window-s", type=float, help="measured window per measurement (default 7; 1.5 with --quick)")
+    ap.add_argument("--repeats", type=int,
+                    help="measurements per target and concurrency (default 3; 1 with --quick)")
+    ap.add_argument("--window-s", type=float,
+                    help="measured window per measurement in s (default 7; 1.5 with --quick)")
     ap.add_argument("--no-docs", action="store_true", help="do not touch docs/ (raw results only)")
+    ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
+                    help="only rewrite docs/ from a saved bench/results/.../results.json")
     args = ap.parse_args()
+    if args.render:
+        return render(args.render)
     repeats = args.repeats or (1 if args.quick else 3)
     window_s = args.window_s or (1.5 if args.quick else 7.0)
     warm_s = 0.5 if args.quick else 1.0
@@ -558,7 +615,7 @@ def main() -> int:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             for t in live:  # warm-up: connections, caches, the router's first-request paths
                 res = runner.run(measure(t, 16, 0.5 if args.quick else 1.5, 0.5))
-                print(f"warm-up {t.label:28s} {res['rps']:7.0f} req/s, {res['errors']} errors", flush=True)
+                print(f"warm-up {t.label:32s} {res['rps']:7.0f} req/s, {res['errors']} errors", flush=True)
                 if res["n"] == 0:
                     t.broken = f"no successful request in warm-up ({'; '.join(res['error_samples'])})"
                     print(f"  skipping {t.label}: {t.broken}\n{t.proc.log_tail(20) if t.proc else ''}",
@@ -581,9 +638,11 @@ def main() -> int:
                         cpu = f"{res['cpu_us']:6.0f} µs/req CPU" if res["cpu_us"] is not None else " " * 15
                         p50 = f"{res['p50_ms']:7.2f}" if res["p50_ms"] is not None else "    n/a"
                         p99 = f"{res['p99_ms']:7.2f}" if res["p99_ms"] is not None else "    n/a"
-                        print(f"[{done:2d}/{total}] repeat {r + 1} c={c:<3d} {t.label:28s} "
-                              f"{res['rps']:7.0f} req/s  p50 {p50} ms  p99 {p99} ms  {cpu}  "
-                              f"errors {res['errors']}", flush=True)
+                        noisy = (f"  (core {ROUTER_CPU} {res['foreign_pct']:.0f}% busy with other "
+                                 "processes)" if res["foreign_pct"] > 5 else "")
+                        print(f"[{done:2d}/{total}] repeat {r + 1} c={c:<3d} {t.label:32s} "
+                              f"{res['rps']:6.0f} req/s  p50 {p50} ms  p99 {p99} ms  {cpu}  "
+                              f"errors {res['errors']}{noisy}", flush=True)
                         for e in res["error_samples"][:2]:
                             print(f"      error: {e}", flush=True)
         router_logs = {p.name: p.log_tail(40) for p in routers}
@@ -598,6 +657,7 @@ def main() -> int:
         "machine": machine(), "versions": versions(peers), "repeats": repeats,
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
         "runtime_s": time.monotonic() - began,
+        "foreign_pct": spread([r["foreign_pct"] for reps in runs.values() for r in reps]),
     }
     target_info = [{"key": t.key, "label": t.label, "broken": t.broken} for t in targets]
     raw = {"meta": meta, "targets": target_info, "summary": summary,
@@ -608,22 +668,13 @@ def main() -> int:
             print(f"--- {name} log tail (has warnings/errors) ---\n{tail}", flush=True)
 
     if not args.no_docs:
-        if can_plot:
-            IMG_DIR.mkdir(parents=True, exist_ok=True)
-            res = subprocess.run([str(PEERS_PY), str(ROOT / "bench" / "router_overhead_plot.py"),
-                                  str(run_dir / "results.json"), str(IMG_DIR)],
-                                 capture_output=True, text=True)
-            meta["plots"] = res.returncode == 0
-            if res.returncode != 0:
-                meta["plot_problem"] = "plotting failed"
-                print(f"plotting failed:\n{res.stderr[-2000:]}", flush=True)
-            else:
-                print(res.stdout.strip(), flush=True)
         meta["runtime_s"] = time.monotonic() - began
-        section = markdown(meta, target_info, summary)
-        write_section(section)
-        print(f"wrote {DOC.relative_to(ROOT)}", flush=True)
-        print(section, flush=True)
+        publish(run_dir / "results.json", meta, target_info, summary, can_plot)
+    noise = meta.get("foreign_pct")
+    if noise and noise["median"] > 10:
+        print(f"WARNING: core {ROUTER_CPU} was {noise['median']:.0f}% busy with other processes "
+              "(median over the windows): these numbers are unreliable; rerun on a quiet machine",
+              flush=True)
     print(f"done in {(time.monotonic() - began) / 60:.1f} min", flush=True)
     return 0
 

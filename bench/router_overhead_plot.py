@@ -38,8 +38,9 @@ def bars(ax, results: dict, metric: str, ylabel: str, title: str) -> None:
             hi.append(s["max"] - s["median"])
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=t["label"], color=COLORS[t["key"]],
                edgecolor="black", linewidth=0.5)
-        for x, y in zip(xs, ys):
-            ax.annotate(f"{y:.0f}" if abs(y) >= 10 else f"{y:.2f}", (x, y), ha="center",
+        for x, y, up, down in zip(xs, ys, hi, lo):  # above the error bar, not on it
+            ax.annotate(f"{y:.0f}" if abs(y) >= 10 else f"{y:.2f}",
+                        (x, y + up if y >= 0 else y - down), ha="center",
                         va="bottom" if y >= 0 else "top", fontsize=7, xytext=(0, 2),
                         textcoords="offset points")
     ax.set_xticks(range(len(conc)), [f"concurrency {c}" for c in conc])

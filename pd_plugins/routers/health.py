@@ -49,6 +49,7 @@ class PoolUpkeep:
         self.config, self.pool, self.session = config, pool, session
         self.spec = config.health
         self._tasks: list[asyncio.Task] = []
+        self.on_change = lambda: None  # called after each round of checks
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._health_loop()),
@@ -61,9 +62,10 @@ class PoolUpkeep:
 
     # -- health -------------------------------------------------------------------------
     async def _health_loop(self) -> None:
-        while True:
-            await self.check_all()
+        while True:  # startup has just checked everyone once
             await asyncio.sleep(self.spec.interval_s)
+            await self.check_all()
+            self.on_change()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.pool))

@@ -9,6 +9,7 @@ may be gone); after streaming has begun the stream ends with an error event. Eve
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
@@ -27,7 +28,7 @@ from pd_plugins.routers.upstream import RequestRefused, WorkerFailed, json_leg, 
 
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> bytes:
@@ -47,6 +48,11 @@ class Proxy:
         self.config, self.scheduler, self.ctx = config, scheduler, ctx
         self.flow, self.metrics, self.session = flow, metrics, session
         self.timeouts = config.timeouts
+        self.record_prefixes = scheduler.uses_prefix_index
+        # Request ids: a random per-process prefix and a counter (unique across routers, cheap).
+        self._id_prefix = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        self._ok = {d: metrics.requests.labels(d, "ok") for d in ("disaggregated", "local")}
 
     # -- the request ----------------------------------------------------------------------
     async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
@@ -63,7 +69,9 @@ class Proxy:
         excluded_prefill: set = set()
         excluded_decode: set = set()
         force_local, history = False, []
-        base_id = http.headers.get("X-Request-Id") or uuid.uuid4().hex
+        # A client's own X-Request-Id is kept for tracing, made unique so it cannot collide.
+        client_id = http.headers.get("X-Request-Id")
+        base_id = f"{self._id_prefix}-{next(self._ids)}" + (f"-{client_id[:64]}" if client_id else "")
         for attempt_no in range(1 + failover.prefill_retries + failover.decode_retries + 1):
             decision = self.scheduler.schedule(request.info, excluded_prefill, excluded_decode)
             if decision is None:
@@ -121,8 +129,10 @@ class Proxy:
         decode.in_flight_tokens += info.prompt_tokens
         decode_started = time.monotonic()
         try:
-            first = asyncio.create_task(self._decode_first(attempt, decode_body))
-            if prefill_task is not None:
+            if prefill_task is None:  # pull flow or local prefill: nothing runs alongside
+                first = self._decode_first(attempt, decode_body)
+            else:
+                first = asyncio.create_task(self._decode_first(attempt, decode_body))
                 await asyncio.wait({first, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
                 if prefill_task.done() and prefill_task.exception() is not None and not first.done():
                     first.cancel()  # closes the decode leg: the engine aborts it
@@ -170,7 +180,8 @@ class Proxy:
         if info.exact_tokens and isinstance(pd.get("cached_tokens"), int):
             uncached = max(1, info.prompt_tokens - pd["cached_tokens"])  # the engine's own count
         self.ctx.latency.prefill.observe(uncached, elapsed)
-        index.record_routed(worker.url, info.block_keys)
+        if self.record_prefixes:
+            index.record_routed(worker.url, info.block_keys)
         worker.record_success()
         return answer
 
@@ -254,8 +265,9 @@ class Proxy:
         now = time.monotonic()
         self.metrics.e2e.observe(now - started)
         self.metrics.decode_leg.observe(now - decode_started)
-        self.metrics.requests.labels(_decision_label(attempt.decision), "ok").inc()
-        self.ctx.prefix_index.record_routed(attempt.decision.decode.url, attempt.request.info.block_keys)
+        self._ok[_decision_label(attempt.decision)].inc()
+        if self.record_prefixes:
+            self.ctx.prefix_index.record_routed(attempt.decision.decode.url, attempt.request.info.block_keys)
 
     def _route_header(self, decision: Decision, history: list[str]) -> str:
         prefill = decision.prefill.url if decision.prefill else "local"

@@ -2,6 +2,7 @@
 
 Cheap checks only (the engine validates the rest and its 4xx is passed through): the body is a JSON
 object, the prompt or messages are there and well-formed, max_tokens is sane, the model is served.
+`block_size=None` skips the prefix block keys (no policy piece reads them).
 Transfer fields (`kv_transfer_params`, `bootstrap_*`) are the router's alone: a client that sends
 them is refused or has them removed (`client_transfer_fields`), so it can never point a decode at
 KV blocks it does not own.
@@ -51,7 +52,7 @@ _decoder = msgspec.json.Decoder()
 
 
 def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[str],
-                  max_model_len: int | None, block_size: int, strip_transfer_fields: bool,
+                  max_model_len: int | None, block_size: int | None, strip_transfer_fields: bool,
                   tokenize: Tokenize | None = None) -> ClientRequest:
     try:
         body = _decoder.decode(raw)
@@ -93,10 +94,11 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
     if tokens is None and tokenize is not None:
         tokens = tokenize(text)  # chat: the rendered messages, a close estimate of the template
     if tokens is not None:
-        prompt_tokens, keys = len(tokens), block_keys(tokens, block_size)
+        prompt_tokens = len(tokens)
+        keys = block_keys(tokens, block_size) if block_size else []
     else:
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
-        keys = text_block_keys(text, block_size, CHARS_PER_TOKEN)
+        keys = text_block_keys(text, block_size, CHARS_PER_TOKEN) if block_size else []
     if exact and max_model_len is not None and prompt_tokens + (max_tokens or 1) > max_model_len:
         raise BadRequest(400, f"prompt of {prompt_tokens} tokens plus {max_tokens or 1} to generate "
                               f"exceeds the model's context of {max_model_len} tokens", param="prompt")

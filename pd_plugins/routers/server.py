@@ -46,6 +46,9 @@ class Router:
         for spec in config.decode:
             self.pool.add(spec, "decode")
         self.session: aiohttp.ClientSession | None = None
+        self._models: set[str] = set()
+        self._max_model_len: int | None = None
+        self._key_block_size = config.block_size if self.scheduler.uses_prefix_index else None
         self.proxy: Proxy | None = None
         self.upkeep: PoolUpkeep | None = None
 
@@ -58,6 +61,8 @@ class Router:
         for worker in self.pool:
             self._subscribe(worker)
         await self.upkeep.check_all()  # know health and models before the first request
+        self.refresh_served()
+        self.upkeep.on_change = self.refresh_served
         self.upkeep.start()
         log.info("pd-router ready on http://%s:%d: %d prefill, %d decode (%s, %s)", self.config.host,
                  self.config.port, len(self.pool.by_role("prefill")), len(self.pool.by_role("decode")),
@@ -82,6 +87,7 @@ class Router:
         self._subscribe(worker)
         if self.upkeep:
             await self.upkeep.check(worker)
+        self.refresh_served()
         return worker
 
     def remove_worker(self, url: str, role: str) -> Worker | None:
@@ -91,25 +97,26 @@ class Router:
             if task:
                 task.cancel()
             self.prefix_index.forget_worker(worker.url)
+            self.refresh_served()
         return worker
 
     # -- serving ----------------------------------------------------------------------------
-    def served_models(self) -> set[str]:
+    def refresh_served(self) -> None:
+        """Served models and context length, recomputed when workers change (not per request)."""
         if self.config.models:
-            return set(self.config.models)
-        return {m for w in self.pool if w.usable for m in w.models}
-
-    def max_model_len(self) -> int | None:
+            self._models = set(self.config.models)
+        else:
+            self._models = {m for w in self.pool if w.usable for m in w.models}
         lengths = [w.max_model_len for w in self.pool if w.usable and w.max_model_len]
-        return min(lengths) if lengths else None
+        self._max_model_len = min(lengths) if lengths else None
 
     async def generate(self, http: web.Request) -> web.StreamResponse:
         path = http.path
         try:
             raw = await http.read()
             request = parse_request(
-                raw, ENDPOINTS[path], http.headers, served_models=self.served_models(),
-                max_model_len=self.max_model_len(), block_size=self.config.block_size,
+                raw, ENDPOINTS[path], http.headers, served_models=self._models,
+                max_model_len=self._max_model_len, block_size=self._key_block_size,
                 strip_transfer_fields=self.config.client_transfer_fields == "strip",
                 tokenize=self.tokenizer)
         except BadRequest as bad:
@@ -121,8 +128,8 @@ class Router:
         return await self.proxy.serve(http, request, path)
 
     async def models(self, http: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "owned_by": "pd-router", "max_model_len": self.max_model_len()}
-                for m in sorted(self.served_models())]
+        data = [{"id": m, "object": "model", "owned_by": "pd-router", "max_model_len": self._max_model_len}
+                for m in sorted(self._models)]
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, http: web.Request) -> web.Response:

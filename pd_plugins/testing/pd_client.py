@@ -8,9 +8,9 @@ push: the decode leg goes first so it can register its blocks with the prefill w
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,17 +71,14 @@ def pd_push(target: PrefillTarget, decode_url: str, body: dict[str, Any],
     """
     request_id = uuid.uuid4().hex
     decode_body = {**body, "kv_transfer_params": push_decode_params(target, request_id)}
-    result: dict[str, requests.Response] = {}
-    decode_leg = threading.Thread(
-        target=lambda: result.setdefault("decode", completion(decode_url, decode_body, request_id))
-    )
-    decode_leg.start()
-    time.sleep(registration_head_start)
-    try:
-        params = prefill(target, prefill_body or body, request_id)
-    finally:
-        decode_leg.join()
-    return params, result["decode"]
+    with ThreadPoolExecutor(1) as pool:
+        decode_leg = pool.submit(completion, decode_url, decode_body, request_id)
+        time.sleep(registration_head_start)
+        try:
+            params = prefill(target, prefill_body or body, request_id)
+        finally:
+            decode = decode_leg.result()  # re-raises the decode leg's own error
+    return params, decode
 
 
 def pd_legs(mode: str, target: PrefillTarget, decode_url: str,

@@ -165,7 +165,7 @@ class PdDeployment:
             try:
                 if self.complete(completion_body(token_prompt(40, seed=7))).status_code == 200:
                     return
-            except requests.RequestException:
+            except requests.RequestException:  # a stalled first handshake; the next one works
                 pass
 
 

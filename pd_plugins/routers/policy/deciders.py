@@ -17,6 +17,8 @@ class UncachedLengthParams(Params):
 
 
 class UncachedLengthDecider:
+    uses_prefix_index = True
+
     def __init__(self, params: UncachedLengthParams, ctx: PolicyContext) -> None:
         self.params, self.ctx = params, ctx
 
@@ -34,6 +36,8 @@ class PrefillLoadParams(Params):
 
 
 class PrefillLoadDecider:
+    uses_prefix_index = True
+
     def __init__(self, params: PrefillLoadParams, ctx: PolicyContext) -> None:
         self.params = params
         self.estimator = TtftEstimator(ctx)

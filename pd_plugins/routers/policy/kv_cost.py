@@ -20,6 +20,8 @@ class KvCostParams(Params):
 
 
 class KvCostScorer:
+    uses_prefix_index = True
+
     def __init__(self, params: KvCostParams, ctx: PolicyContext) -> None:
         self.params, self.ctx = params, ctx
 

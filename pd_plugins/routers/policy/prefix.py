@@ -6,6 +6,8 @@ from pd_plugins.routers.policy.base import PolicyContext, RequestInfo, register
 
 
 class PrefixCacheScorer:
+    uses_prefix_index = True
+
     def __init__(self, ctx: PolicyContext) -> None:
         self.index = ctx.prefix_index
 

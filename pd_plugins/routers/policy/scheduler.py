@@ -86,6 +86,10 @@ class Scheduler:
         self.admission = (build("admission", spec.admission.name, spec.admission.params, ctx)
                           if spec.admission else None)
         self.fixed_decode_url = fixed_decode_url  # sidecar mode
+        pieces = [*self.prefill.filters, *self.decode.filters, *(s for _, _, s in self.prefill.scorers),
+                  *(s for _, _, s in self.decode.scorers), *(d for _, d in self.deciders), self.admission]
+        # Block keys cost CPU per request: only compute and record them when a piece reads them.
+        self.uses_prefix_index = any(getattr(p, "uses_prefix_index", False) for p in pieces)
 
     def admit(self, request: RequestInfo) -> Rejection | None:
         return self.admission.admit(request) if self.admission else None

@@ -31,6 +31,8 @@ class TtftEstimator:
 
 
 class TtftScorer:
+    uses_prefix_index = True
+
     def __init__(self, ctx: PolicyContext) -> None:
         self.estimator = TtftEstimator(ctx)
 
@@ -46,6 +48,8 @@ class SloParams(Params):
 
 
 class SloAdmission:
+    uses_prefix_index = True
+
     def __init__(self, params: SloParams, ctx: PolicyContext) -> None:
         self.params, self.ctx = params, ctx
         self.estimator = TtftEstimator(ctx)
