@@ -38,7 +38,7 @@ class WorkerSpec(_Strict):
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        if parts.scheme != "http" or not parts.hostname:  # legs speak plain HTTP (http_client.py)
             raise ValueError(f"worker url {self.url!r} must look like http://host:port")
         self.url = self.url.rstrip("/")
 

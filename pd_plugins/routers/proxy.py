@@ -2,8 +2,8 @@
 
 Failover rules: a failed prefill leg is retried on another prefill worker (`prefill_retries`), then
 the decode worker prefills locally if `local_prefill_fallback`; a decode failure before the first
-byte reaches the client is retried on another decode worker with a fresh prefill (the old one's KV
-may be gone); after streaming has begun the stream ends with an error event. Every leg has a timeout.
+byte reaches the client is retried (`decode_retries`) on another decode worker, or on the same one
+when it is the only one left, always with a fresh prefill (the old one's KV may be gone); after streaming has begun the stream ends with an error event. Every leg has a timeout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, Scheduler
 from pd_plugins.routers.request import ClientRequest
-from pd_plugins.routers.upstream import RequestRefused, WorkerFailed, json_leg, open_leg
+from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
+from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
 
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
@@ -44,9 +45,9 @@ def error_response(status: int, message: str, param: str | None = None,
 
 class Proxy:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, ctx: PolicyContext,
-                 flow: PdFlow, metrics: RouterMetrics, session: aiohttp.ClientSession) -> None:
+                 flow: PdFlow, metrics: RouterMetrics, pools: Pools) -> None:
         self.config, self.scheduler, self.ctx = config, scheduler, ctx
-        self.flow, self.metrics, self.session = flow, metrics, session
+        self.flow, self.metrics, self.pools = flow, metrics, pools
         self.timeouts = config.timeouts
         self.record_prefixes = scheduler.uses_prefix_index
         # Request ids: a random per-process prefix and a counter (unique across routers, cheap).
@@ -104,7 +105,13 @@ class Proxy:
                         force_local = True
                     self.metrics.retries.labels("prefill").inc()
                 else:
-                    excluded_decode.add(failed.worker)
+                    # Another decode worker if there is one; else the same one again (with a
+                    # fresh prefill), as a transient stall is more likely than a dead worker that
+                    # still passes its health checks.
+                    others = [w for w in self.ctx.pool.usable("decode")
+                              if w is not failed.worker and w not in excluded_decode]
+                    if others:
+                        excluded_decode.add(failed.worker)
                     decode_tries -= 1
                     if decode_tries < 0:
                         break
@@ -168,7 +175,7 @@ class Proxy:
         worker.in_flight_tokens += info.prompt_tokens
         started = time.monotonic()
         try:
-            answer = await json_leg(self.session, worker, "prefill", attempt.path, body,
+            answer = await json_leg(self.pools, worker, "prefill", attempt.path, body,
                                     attempt.request_id, self.timeouts.prefill_s)
         finally:
             worker.in_flight -= 1
@@ -188,57 +195,51 @@ class Proxy:
     async def _decode_first(self, attempt: Attempt, body: dict[str, Any]):
         """Open the decode leg; return it with its first chunk (streaming) or whole body."""
         worker = attempt.decision.decode
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.timeouts.decode_first_byte_s
-        resp = await open_leg(self.session, worker, "decode", attempt.path, body,
-                              attempt.request_id, self.timeouts.decode_first_byte_s)
-        try:
-            if attempt.request.info.stream:
-                chunk = await asyncio.wait_for(resp.content.readany(), max(0.001, deadline - loop.time()))
-                if not chunk:
-                    raise WorkerFailed(worker, "decode", "stream ended before any data")
-                return resp, chunk
-            payload = await asyncio.wait_for(
-                resp.read(), self.timeouts.decode_total_s - self.timeouts.decode_first_byte_s
-                + max(0.001, deadline - loop.time()))
+        timeouts = self.timeouts
+        resp = await open_leg(self.pools, worker, "decode", attempt.path, body,
+                              attempt.request_id, timeouts.decode_first_byte_s)
+        if not attempt.request.info.stream:
+            resp.rearm(timeouts.decode_total_s)
+            payload = await read_body(resp, worker, "decode", timeouts.decode_total_s)
             if not payload.lstrip().startswith(b"{"):
                 raise WorkerFailed(worker, "decode", f"answer is not a JSON object: {payload[:80]!r}")
-            resp.release()
             return resp, payload
-        except asyncio.TimeoutError:
-            resp.close()
-            raise WorkerFailed(worker, "decode", "no answer before the timeout") from None
-        except aiohttp.ClientError as exc:
-            resp.close()
-            raise WorkerFailed(worker, "decode", f"{type(exc).__name__}: {exc}") from None
+        try:
+            chunk = await resp.next_chunk()  # still under the first-byte timeout
+        except UpstreamError as exc:
+            resp.release()
+            raise WorkerFailed(worker, "decode", "no first token within "
+                               f"{timeouts.decode_first_byte_s:g} s" if isinstance(exc, UpstreamTimeout)
+                               else str(exc)) from None
         except BaseException:
-            resp.close()
+            resp.release()
             raise
+        if not chunk:
+            resp.release()
+            raise WorkerFailed(worker, "decode", "stream ended before any data")
+        return resp, chunk
 
-    async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: aiohttp.ClientResponse,
+    async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: Response,
                             first_chunk: bytes, header: str, started: float,
                             decode_started: float) -> web.StreamResponse:
         out = web.StreamResponse(headers={**SSE_HEADERS, "x-pd-route": header})
         await out.prepare(http)
         first_at = time.monotonic()
         last_at, events = first_at, first_chunk.count(b"data:")
+        idle_s, deadline = self.timeouts.decode_idle_s, decode_started + self.timeouts.decode_total_s
         try:
             await out.write(first_chunk)
-            deadline = decode_started + self.timeouts.decode_total_s
             while True:
-                timeout = min(self.timeouts.decode_idle_s, deadline - time.monotonic())
-                try:
-                    chunk = await asyncio.wait_for(resp.content.readany(), max(0.001, timeout))
-                except asyncio.TimeoutError:
-                    raise WorkerFailed(attempt.decision.decode, "decode",
-                                       "stream stalled past the idle timeout") from None
+                resp.rearm(max(0.001, min(idle_s, deadline - time.monotonic())))
+                chunk = await resp.next_chunk()
                 if not chunk:
                     break
                 events += chunk.count(b"data:")
                 last_at = time.monotonic()
                 await out.write(chunk)
-        except (WorkerFailed, aiohttp.ClientError) as exc:
-            message = exc.message if isinstance(exc, WorkerFailed) else f"{type(exc).__name__}: {exc}"
+        except UpstreamError as exc:
+            message = ("stream stalled past the idle timeout" if isinstance(exc, UpstreamTimeout)
+                       else str(exc))
             worker = attempt.decision.decode
             worker.record_failure(self.config.health.failure_threshold)
             log.warning("request %s: decode %s failed mid-stream: %s", attempt.request_id, worker.url, message)
@@ -247,9 +248,9 @@ class Proxy:
                                                                   f"{message}") + b"\n\n")
             return out
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            return out  # the client left; closing resp aborts the decode
+            return out  # the client left; releasing resp closes the leg and aborts the decode
         finally:
-            resp.close()
+            resp.release()
         tokens = max(1, events - 1)  # the last event is [DONE]
         self.metrics.ttft.observe(first_at - started)
         if tokens > 1:

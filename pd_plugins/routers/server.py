@@ -19,7 +19,7 @@ from pd_plugins.routers.policy.prefix_index import KvEventSubscriber, PrefixInde
 from pd_plugins.routers.proxy import Proxy, error_response
 from pd_plugins.routers.request import BadRequest, parse_request
 from pd_plugins.routers.tokenizer import load_tokenizer
-from pd_plugins.routers.upstream import new_session
+from pd_plugins.routers.upstream import Pools, new_session
 from pd_plugins.routers.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd_router")
@@ -55,8 +55,9 @@ class Router:
     # -- lifecycle --------------------------------------------------------------------------
     async def startup(self, app: web.Application) -> None:
         self.session = new_session(self.config.timeouts.connect_s)
+        self.pools = Pools(self.config.timeouts.connect_s)
         flow = flow_for(self.config.engine, self.config.transfer, self.config.push_head_start_s)
-        self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, self.metrics, self.session)
+        self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, self.metrics, self.pools)
         self.upkeep = PoolUpkeep(self.config, self.pool, self.session)
         for worker in self.pool:
             self._subscribe(worker)
@@ -76,6 +77,7 @@ class Router:
         await asyncio.gather(*self._subscribers.values(), return_exceptions=True)
         if self.session:
             await self.session.close()
+            await self.pools.close()
 
     def _subscribe(self, worker: Worker) -> None:
         if worker.spec.kv_events and worker.url not in self._subscribers:

@@ -3,16 +3,18 @@
 A leg either succeeds, fails because of the worker (connection refused or reset, timeout, 5xx, 429,
 a malformed answer): `WorkerFailed`, which the proxy may retry elsewhere; or the worker refuses the
 request itself (4xx): `RequestRefused`, which is passed to the client as it is, because another
-worker would refuse it too.
+worker would refuse it too. Legs go through `http_client` (one keep-alive pool per worker).
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
+
+from pd_plugins.routers.http_client import Response, Upstream, UpstreamError, UpstreamTimeout
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -32,51 +34,77 @@ class RequestRefused(Exception):
 
 
 def new_session(connect_timeout_s: float) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None, enable_cleanup_closed=True)
+    """For background requests (health checks, metric scrapes), not for legs."""
     return aiohttp.ClientSession(
-        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
-        skip_auto_headers=("User-Agent",),
-    )
+        cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s))
 
 
-async def open_leg(session: aiohttp.ClientSession, worker: Any, leg: str, path: str,
-                   body: dict[str, Any], request_id: str, timeout_s: float) -> aiohttp.ClientResponse:
-    """POST and wait for the response headers; non-2xx answers are classified and raised."""
+class Pools:
+    """One keep-alive connection pool per worker URL."""
+
+    def __init__(self, connect_timeout_s: float) -> None:
+        self.connect_timeout_s = connect_timeout_s
+        self._pools: dict[str, Upstream] = {}
+
+    def get(self, url: str) -> Upstream:
+        pool = self._pools.get(url)
+        if pool is None:
+            parts = urlsplit(url)
+            pool = Upstream(parts.hostname or "127.0.0.1", parts.port or 80,
+                            connect_timeout=self.connect_timeout_s)
+            self._pools[url] = pool
+        return pool
+
+    async def close(self) -> None:
+        for pool in self._pools.values():
+            await pool.close()
+
+
+def _failure(worker: Any, leg: str, exc: UpstreamError, timeout_s: float) -> WorkerFailed:
+    if isinstance(exc, UpstreamTimeout):
+        return WorkerFailed(worker, leg, f"no response within {timeout_s:g} s")
+    return WorkerFailed(worker, leg, str(exc))
+
+
+async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
+                   request_id: str, timeout_s: float) -> Response:
+    """POST and wait for the response headers; non-2xx answers are classified and raised.
+
+    The timeout keeps running over the body until the caller re-arms it (Response.rearm)."""
     headers = {**JSON_HEADERS, "X-Request-Id": request_id}
     try:
-        resp = await asyncio.wait_for(
-            session.post(worker.url + path, data=_encode(body), headers=headers), timeout_s)
-    except asyncio.TimeoutError:
-        raise WorkerFailed(worker, leg, f"no response within {timeout_s:g} s") from None
-    except aiohttp.ClientError as exc:
-        raise WorkerFailed(worker, leg, f"{type(exc).__name__}: {exc}") from None
+        resp = await pools.get(worker.url).request("POST", path, _encode(body), headers, timeout_s)
+    except UpstreamError as exc:
+        raise _failure(worker, leg, exc, timeout_s) from None
     if resp.status == 200:
         return resp
     try:
-        payload = await asyncio.wait_for(resp.read(), timeout_s)
-    except (asyncio.TimeoutError, aiohttp.ClientError):
+        payload = await resp.read()
+    except UpstreamError:
         payload = b""
     finally:
         resp.release()
     if 400 <= resp.status < 500 and resp.status not in (408, 429):
-        raise RequestRefused(resp.status, payload, resp.headers.get("Content-Type"))
+        content_type = resp.header(b"content-type")
+        raise RequestRefused(resp.status, payload, content_type.decode() if content_type else None)
     raise WorkerFailed(worker, leg, f"HTTP {resp.status}: {payload[:200]!r}")
 
 
-async def json_leg(session: aiohttp.ClientSession, worker: Any, leg: str, path: str,
-                   body: dict[str, Any], request_id: str, timeout_s: float) -> dict[str, Any]:
-    """A whole non-streaming leg, parsed; a body that is not a JSON object is the worker's fault."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    resp = await open_leg(session, worker, leg, path, body, request_id, timeout_s)
+async def read_body(resp: Response, worker: Any, leg: str, timeout_s: float) -> bytes:
     try:
-        payload = await asyncio.wait_for(resp.read(), max(0.001, deadline - loop.time()))
-    except asyncio.TimeoutError:
-        resp.close()
-        raise WorkerFailed(worker, leg, f"no complete answer within {timeout_s:g} s") from None
-    except aiohttp.ClientError as exc:
-        raise WorkerFailed(worker, leg, f"{type(exc).__name__}: {exc}") from None
+        return await resp.read()
+    except UpstreamError as exc:
+        raise _failure(worker, leg, exc, timeout_s) from None
+    finally:
+        resp.release()
+
+
+async def json_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
+                   request_id: str, timeout_s: float) -> dict[str, Any]:
+    """A whole non-streaming leg, parsed; a body that is not a JSON object is the worker's fault."""
+    resp = await open_leg(pools, worker, leg, path, body, request_id, timeout_s)
+    payload = await read_body(resp, worker, leg, timeout_s)
     try:
         data = _decode(payload)
     except msgspec.DecodeError:

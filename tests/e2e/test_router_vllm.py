@@ -34,7 +34,9 @@ def routed(request, pool):
     router = RouterProcess("router", prefill=[prefill], decode=[[pd.decode.url]],
                            args=("--transfer", pd.config.mode, "--policy", "round_robin",
                                  "--block-size", "32", "--log-format", "text"),
-                           config={"push_head_start_s": 0.3, "health": {"interval_s": 30}})
+                           config={"push_head_start_s": 0.3, "health": {"interval_s": 30},
+                                   # A stalled first push handshake (upstream, issue 10) is retried.
+                                   "timeouts": {"prefill_s": 30, "decode_first_byte_s": 30}})
     start_all([router], timeout=120)
     yield pd, router
     router.stop()

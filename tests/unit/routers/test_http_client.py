@@ -1,0 +1,109 @@
+"""The router's lean HTTP client against a real aiohttp server on loopback."""
+
+import asyncio
+import time
+
+import pytest
+from aiohttp import web
+
+from pd_plugins.routers.http_client import Upstream, UpstreamError, UpstreamTimeout
+
+
+async def serve(handlers):
+    app = web.Application()
+    for path, handler in handlers.items():
+        app.router.add_route("*", path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+async def echo(request):
+    return web.Response(body=b"x" * 100_000 + await request.read(),
+                        headers={"X-Seen": request.headers.get("X-Request-Id", "")})
+
+
+async def stream(request):
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    for i in range(5):
+        await out.write(b"data: %d\n\n" % i)
+        await asyncio.sleep(0.01)
+    await out.write_eof()
+    return out
+
+
+async def slow(request):
+    await asyncio.sleep(2)
+    return web.Response(text="late")
+
+
+async def stall_after_first(request):
+    out = web.StreamResponse()
+    await out.prepare(request)
+    await out.write(b"first")
+    await asyncio.sleep(2)
+    return out
+
+
+def run(scenario):
+    async def main():
+        runner, port = await serve({"/echo": echo, "/stream": stream, "/slow": slow,
+                                    "/stall": stall_after_first})
+        upstream = Upstream("127.0.0.1", port)
+        try:
+            await scenario(upstream)
+        finally:
+            await upstream.close()
+            await runner.cleanup()
+    asyncio.run(main())
+
+
+def test_content_length_body_headers_and_connection_reuse():
+    async def scenario(up):
+        resp = await up.request("POST", "/echo", b"hello", {"X-Request-Id": "r1"})
+        body = await resp.read()
+        assert resp.status == 200 and len(body) == 100_005 and body.endswith(b"hello")
+        assert resp.header(b"x-seen") == b"r1"
+        resp = await up.request("POST", "/echo", b"again")
+        assert (await resp.read()).endswith(b"again") and len(up._idle) == 1  # one connection reused
+        answers = await asyncio.gather(*[up.request("POST", "/echo", b"%d" % i) for i in range(10)])
+        bodies = await asyncio.gather(*[a.read() for a in answers])
+        assert all(b.endswith(b"%d" % i) for i, b in enumerate(bodies))
+    run(scenario)
+
+
+def test_chunked_stream_in_pieces():
+    async def scenario(up):
+        resp = await up.request("GET", "/stream")
+        pieces = []
+        while chunk := await resp.next_chunk():
+            pieces.append(chunk)
+        resp.release()
+        assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(5))
+    run(scenario)
+
+
+def test_timeouts_and_rearm():
+    async def scenario(up):
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout):
+            await up.request("GET", "/slow", timeout=0.2)
+        assert time.monotonic() - t0 < 1
+        resp = await up.request("GET", "/stall", timeout=5)
+        assert await resp.next_chunk() == b"first"
+        resp.rearm(0.2)  # an idle timeout for the rest
+        with pytest.raises(UpstreamTimeout):
+            await resp.next_chunk()
+        resp.release()
+    run(scenario)
+
+
+def test_connection_refused_is_an_upstream_error():
+    async def main():
+        up = Upstream("127.0.0.1", 1, connect_timeout=1)
+        with pytest.raises(UpstreamError):
+            await up.request("GET", "/")
+    asyncio.run(main())
