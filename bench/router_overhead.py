@@ -418,8 +418,10 @@ def comparison(summary: dict) -> list[str]:
                 parts.append(f"{c}: {a['cpu_us']['median'] - b['cpu_us']['median']:+.0f} µs "
                              f"({ratio(a['cpu_us'], b['cpu_us'])})")
         if parts:
-            out.append("- pd-router's own code (pd-router vLLM pull minus the naive aiohttp proxy), "
-                       "CPU per request by concurrency: " + "; ".join(parts) + ".")
+            out.append("- pd-router (vLLM pull, with its policy, metrics, timeouts and failover) against the "
+                       "naive aiohttp proxy, CPU per request by concurrency: " + "; ".join(parts)
+                       + ". pd-router's legs run on its own httptools client (see \"Choosing the "
+                       "router's HTTP stack\" below), which is why it costs less than the naive proxy.")
     return out
 
 

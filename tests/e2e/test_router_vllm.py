@@ -105,3 +105,38 @@ def test_router_concurrent_requests(routed, references):
     assert outputs == [references[pd.config.model][tuple(p)] for p in CONCURRENT]
     metrics = router.metrics()
     assert 'pd_router_requests_total{decision="disaggregated",outcome="ok"}' in metrics
+
+
+def test_prefix_index_follows_real_vllm_kv_events(references):
+    """A vLLM server publishing KV events over ZMQ: the router learns from them which prompt blocks
+    it holds (in exact mode the router records nothing itself), so a repeated prompt is prefilled
+    on the decode worker and a new one is not."""
+    from pd_plugins.testing.engine_harness import VllmServer
+    from pd_plugins.testing.processes import free_port
+    from tests.e2e.deployments import model_path
+
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"}
+    server = VllmServer("decode-kv-events", model_path("tiny-llama"), "1",
+                        extra_args=("--kv-events-config", json.dumps(events)))
+    router = RouterProcess("router-events", decode=[[server.url, f"kv_events=tcp://127.0.0.1:{port}"]],
+                           args=("--policy", "prefix_cache", "--block-size", "32", "--log-format", "text"),
+                           config={"health": {"interval_s": 30}})
+    try:
+        start_all([server], timeout=300)
+        start_all([router], timeout=60)
+        prompt = PROMPTS[100]  # 3 full blocks of 32 + 4 tokens
+        first = post(router, "/v1/completions", completion_body(prompt))
+        assert output_ids(first) == references["tiny-llama"][tuple(prompt)]
+        assert "no usable prefill worker" in first.headers["x-pd-route"]  # the decider said go
+        route = ""
+        for _ in range(50):  # events arrive asynchronously
+            route = post(router, "/v1/completions", completion_body(prompt)).headers["x-pd-route"]
+            if "uncached 4 <" in route:
+                break
+        assert "uncached 4 < 16 tokens" in route, route
+        other = post(router, "/v1/completions", completion_body(PROMPTS[150]))
+        assert "uncached_length" not in other.headers["x-pd-route"]  # nothing of it cached
+    finally:
+        router.stop()
+        server.stop()
