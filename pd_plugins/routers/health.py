@@ -1,9 +1,10 @@
 """Background upkeep of the pool: active health checks and engine metrics scrapes.
 
-Health: every `interval_s` each worker gets GET /v1/models (which also tells the router the served
+Health: every `interval_s` each worker (every second, one that is down) gets GET /v1/models (which also tells the router the served
 models and max_model_len) and, with `canary`, a one-token generation, because an engine can answer
 /health while its scheduler is wedged. `failure_threshold` consecutive failures (probes or live
-legs) take a worker out; `success_threshold` consecutive good probes bring it back.
+legs) take a worker out; `success_threshold` consecutive good probes bring it back. A worker that
+has never answered a probe is out from the start.
 Metrics: every `metrics_interval_s`, the engine's /metrics: queue length, running requests, KV usage.
 """
 
@@ -62,22 +63,32 @@ class PoolUpkeep:
 
     # -- health -------------------------------------------------------------------------
     async def _health_loop(self) -> None:
-        while True:  # startup has just checked everyone once
-            await asyncio.sleep(self.spec.interval_s)
-            await self.check_all()
-            self.on_change()
+        # Healthy workers every interval_s; workers that are down every tick, so they come back
+        # quickly. Startup has just checked everyone once.
+        tick = min(self.spec.interval_s, 1.0)
+        while True:
+            await asyncio.sleep(tick)
+            now = asyncio.get_running_loop().time()
+            due = [w for w in self.pool if not w.healthy or now - w.last_probe >= self.spec.interval_s]
+            if due:
+                await asyncio.gather(*(self.check(w) for w in due))
+                self.on_change()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.pool))
 
     async def check(self, worker: Worker) -> bool:
+        worker.last_probe = asyncio.get_running_loop().time()
         try:
             await asyncio.wait_for(self._probe(worker), self.spec.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the probe counts against the worker
             reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
-            if worker.record_failure(self.spec.failure_threshold):
+            if not worker.ever_up:  # never seen working: not routable until a probe succeeds
+                worker.healthy = False
+            if worker.record_failure(self.spec.failure_threshold) or not worker.ever_up:
                 log.warning("worker %s down: health probe %s", worker.url, reason)
             return False
+        worker.ever_up = True
         worker.consecutive_failures = 0
         worker.consecutive_successes += 1
         if not worker.healthy and worker.consecutive_successes >= self.spec.success_threshold:

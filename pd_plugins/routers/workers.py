@@ -25,6 +25,8 @@ class Worker:
     draining: bool = False          # removed through the admin API, finishing what it holds
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    last_probe: float = 0.0         # monotonic time of the last health probe
+    ever_up: bool = False           # a probe has succeeded at least once
     in_flight: int = 0              # requests with a leg running on this worker now
     in_flight_prefill_tokens: int = 0  # uncached prompt tokens queued for prefill here
     in_flight_tokens: int = 0       # prompt tokens of every request in flight here (KV it holds)

@@ -119,12 +119,12 @@ def test_prefix_index_follows_real_vllm_kv_events(references):
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"}
     server = VllmServer("decode-kv-events", model_path("tiny-llama"), "1",
                         extra_args=("--kv-events-config", json.dumps(events)))
-    router = RouterProcess("router-events", decode=[[server.url, f"kv_events=tcp://127.0.0.1:{port}"]],
+    # vLLM connects to a non-wildcard endpoint, so the router binds it (loopback only).
+    router = RouterProcess("router-events", decode=[[server.url, f"kv_events=bind:tcp://127.0.0.1:{port}"]],
                            args=("--policy", "prefix_cache", "--block-size", "32", "--log-format", "text"),
                            config={"health": {"interval_s": 30}})
     try:
-        start_all([server], timeout=300)
-        start_all([router], timeout=60)
+        start_all([router, server], timeout=300)
         prompt = PROMPTS[100]  # 3 full blocks of 32 + 4 tokens
         first = post(router, "/v1/completions", completion_body(prompt))
         assert output_ids(first) == references["tiny-llama"][tuple(prompt)]

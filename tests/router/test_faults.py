@@ -9,6 +9,8 @@ import aiohttp
 import pytest
 import requests
 
+from pd_plugins.testing.engine_harness import start_all
+from pd_plugins.testing.router_harness import RouterProcess
 from tests.router.conftest import LONG_PROMPT, deployment, mocks, wait_until
 
 BODY = {"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 4}
@@ -158,3 +160,23 @@ def test_slo_admission_rejects_early_with_retry_after():
         assert resp.status_code == 429 and int(resp.headers["Retry-After"]) >= 1
         assert "SLO" in resp.json()["error"]["message"]
         assert decodes[0].stats()["requests"] == 0
+
+
+def test_workers_started_after_the_router_are_taken_in_quickly():
+    prefills, decodes = mocks()
+    router = RouterProcess("router", prefill=[p.worker_arg() for p in prefills],
+                           decode=[d.worker_arg() for d in decodes], args=("--log-format", "text"),
+                           config={"health": {"interval_s": 60}})  # down workers are probed every second
+    router.health_path = "/health"
+    try:
+        router.start().wait_healthy(30)
+        ready = requests.get(router.url + "/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["usable_decode"] == 0
+        assert post(router).status_code == 503
+        start_all([*prefills, *decodes], timeout=30)
+        wait_until(lambda: requests.get(router.url + "/ready", timeout=5).status_code == 200, 10,
+                   "the late workers to be taken in")
+        assert post(router).status_code == 200
+    finally:
+        for proc in [router, *prefills, *decodes]:
+            proc.stop(grace=5)

@@ -108,7 +108,12 @@ class PrefixIndex:
 
 
 class KvEventSubscriber:
-    """Feeds one worker's vLLM KV events (ZMQ SUB) into the index until cancelled."""
+    """Feeds one worker's vLLM KV events (ZMQ SUB) into the index until cancelled.
+
+    vLLM binds its PUB socket only for wildcard (`tcp://*:5557`) or ipc endpoints and connects to
+    any other. So `endpoint` is either where the engine binds (the router connects), or
+    `bind:tcp://127.0.0.1:5557`: the router binds there and the engine's config names that address.
+    """
 
     def __init__(self, index: PrefixIndex, worker_url: str, endpoint: str, topic: str = "") -> None:
         self.index, self.worker_url, self.endpoint, self.topic = index, worker_url, endpoint, topic
@@ -120,7 +125,10 @@ class KvEventSubscriber:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
-        sock.connect(self.endpoint)
+        if self.endpoint.startswith("bind:"):
+            sock.bind(self.endpoint[5:])  # the engine connects to us (a non-wildcard endpoint)
+        else:
+            sock.connect(self.endpoint)  # the engine binds (`tcp://*:PORT` in its config)
         self.index.exact_workers.add(self.worker_url)
         decoder = msgspec.msgpack.Decoder()
         log.info("subscribed to KV events of %s at %s", self.worker_url, self.endpoint)
