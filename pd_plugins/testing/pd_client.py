@@ -33,10 +33,11 @@ def completion(url: str, body: dict[str, Any], request_id: str | None = None,
     return requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=timeout)
 
 
-def prefill(target: PrefillTarget, body: dict[str, Any], request_id: str | None = None) -> dict:
+def prefill(target: PrefillTarget, body: dict[str, Any], request_id: str | None = None,
+            timeout: float = 120.0) -> dict:
     leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_FLAGS)}
     leg.pop("min_tokens", None)
-    resp = completion(target.url, leg, request_id)
+    resp = completion(target.url, leg, request_id, timeout)
     resp.raise_for_status()
     return resp.json()["kv_transfer_params"]
 
@@ -62,7 +63,7 @@ def push_decode_params(target: PrefillTarget, request_id: str) -> dict[str, Any]
 
 def pd_push(target: PrefillTarget, decode_url: str, body: dict[str, Any],
             prefill_body: dict[str, Any] | None = None, registration_head_start: float = 0.3,
-            ) -> tuple[dict[str, Any], requests.Response]:
+            timeout: float = 120.0) -> tuple[dict[str, Any], requests.Response]:
     """Both legs of a push-mode request: (prefill's kv_transfer_params, decode response).
 
     `prefill_body` lets the swap test prefill a different prompt than the decode serves.
@@ -72,10 +73,10 @@ def pd_push(target: PrefillTarget, decode_url: str, body: dict[str, Any],
     request_id = uuid.uuid4().hex
     decode_body = {**body, "kv_transfer_params": push_decode_params(target, request_id)}
     with ThreadPoolExecutor(1) as pool:
-        decode_leg = pool.submit(completion, decode_url, decode_body, request_id)
+        decode_leg = pool.submit(completion, decode_url, decode_body, request_id, timeout)
         time.sleep(registration_head_start)
         try:
-            params = prefill(target, prefill_body or body, request_id)
+            params = prefill(target, prefill_body or body, request_id, timeout)
         finally:
             decode = decode_leg.result()  # re-raises the decode leg's own error
     return params, decode

@@ -12,7 +12,7 @@ import pytest
 
 from pd_plugins.connectors.transfer_params import pd_section_of
 from pd_plugins.testing.engine_harness import metric_value
-from pd_plugins.testing.pd_client import completion, pd_push
+from pd_plugins.testing.pd_client import completion
 from tests.e2e.deployments import (
     CONCURRENT,
     PROMPTS,
@@ -57,8 +57,7 @@ def test_swap_proves_kv_travelled(pd, references):
         params = pd.prefill_only(completion_body(SWAP_A))
         resp = completion(pd.decode.url, {**completion_body(SWAP_B), "kv_transfer_params": params})
     else:
-        _, resp = pd_push(pd.target, pd.decode.url, completion_body(SWAP_B),
-                          prefill_body=completion_body(SWAP_A))
+        _, resp = pd.push_legs(completion_body(SWAP_B), prefill_body=completion_body(SWAP_A))
     assert output_ids(resp) == refs[tuple(SWAP_A)]
 
 
