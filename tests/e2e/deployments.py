@@ -19,6 +19,7 @@ from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
 
 MAX_TOKENS = 24
 PUSH_STALL_S = 45.0  # a push request not answered by then has stalled (see PdDeployment.legs)
+PUSH_ATTEMPTS = 3    # stalls come in runs when CI's host is loaded
 FIRST_ORDINARY_TOKEN = 6  # ids below are special tokens
 
 # Prompt lengths against block size 32: shorter than a block, block-aligned, two unaligned.
@@ -128,7 +129,7 @@ class PdDeployment:
 
         Push mode: upstream NIXL push stalls about one request in twenty on a busy 2-core machine
         (neither leg ever answers; issue 10). Like pd-router, the test client then gives up after
-        PUSH_STALL_S and retries once with a fresh request id; a second stall fails the test.
+        PUSH_STALL_S and retries with a fresh request id, PUSH_ATTEMPTS times in all.
         """
         if self.config.mode == "pull":
             return pd_legs("pull", self.target, self.decode.url, body)
@@ -136,11 +137,12 @@ class PdDeployment:
 
     def push_legs(self, body: dict[str, Any], prefill_body: dict[str, Any] | None = None
                   ) -> tuple[dict[str, Any], requests.Response]:
-        try:
-            return pd_push(self.target, self.decode.url, body, prefill_body, timeout=PUSH_STALL_S)
-        except requests.Timeout:
-            warnings.warn("push request stalled (upstream, issue 10); retrying once")
-            return pd_push(self.target, self.decode.url, body, prefill_body, timeout=PUSH_STALL_S)
+        for _ in range(PUSH_ATTEMPTS - 1):
+            try:
+                return pd_push(self.target, self.decode.url, body, prefill_body, timeout=PUSH_STALL_S)
+            except requests.Timeout:
+                warnings.warn("push request stalled (upstream, issue 10); retrying")
+        return pd_push(self.target, self.decode.url, body, prefill_body, timeout=PUSH_STALL_S)
 
     def prefill_only(self, body: dict[str, Any]) -> dict[str, Any]:
         """A prefill leg with no decode leg (pull mode only: see pd_client.pd_push)."""

@@ -36,7 +36,8 @@ def routed(request, pool):
                                  "--block-size", "32", "--log-format", "text"),
                            config={"push_head_start_s": 0.3, "health": {"interval_s": 30},
                                    # A stalled first push handshake (upstream, issue 10) is retried.
-                                   "timeouts": {"prefill_s": 30, "decode_first_byte_s": 30}})
+                                   "timeouts": {"prefill_s": 30, "decode_first_byte_s": 30},
+                                   "failover": {"decode_retries": 2}})
     start_all([router], timeout=120)
     yield pd, router
     router.stop()
@@ -124,7 +125,8 @@ def test_prefix_index_follows_real_vllm_kv_events(references):
                            args=("--policy", "prefix_cache", "--block-size", "32", "--log-format", "text"),
                            config={"health": {"interval_s": 30}})
     try:
-        start_all([router, server], timeout=300)
+        start_all([server], timeout=600)
+        start_all([router], timeout=120)
         prompt = PROMPTS[100]  # 3 full blocks of 32 + 4 tokens
         first = post(router, "/v1/completions", completion_body(prompt))
         assert output_ids(first) == references["tiny-llama"][tuple(prompt)]

