@@ -14,6 +14,7 @@ from pd_plugins.connectors.transfer_params import pd_section_of
 from pd_plugins.testing.engine_harness import metric_value
 from pd_plugins.testing.pd_client import completion
 from tests.e2e.deployments import (
+    pd_param,
     CONCURRENT,
     PROMPTS,
     SWAP_A,
@@ -34,7 +35,7 @@ CONFIGS = [
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c.id)
+@pytest.fixture(scope="module", params=[pd_param(c) for c in CONFIGS])
 def pd(request, pool):
     return pool.get(request.param)
 

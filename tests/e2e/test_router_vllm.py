@@ -14,7 +14,7 @@ import requests
 
 from pd_plugins.testing.engine_harness import metric_value, start_all
 from pd_plugins.testing.router_harness import RouterProcess
-from tests.e2e.deployments import CONCURRENT, PROMPTS, PdConfig, completion_body, output_ids
+from tests.e2e.deployments import CONCURRENT, PROMPTS, PdConfig, completion_body, output_ids, pd_param
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cache blo
         "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
 
-@pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: c.id)
+@pytest.fixture(scope="module", params=[pd_param(c) for c in CONFIGS])
 def routed(request, pool):
     pd = pool.get(request.param)
     prefill = [pd.prefill.url]
