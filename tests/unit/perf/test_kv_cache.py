@@ -1,0 +1,46 @@
+"""The KV cache model: prefix hits, bounded capacity, LRU eviction of unpinned blocks only."""
+
+from pd_plugins.perf.kv_cache import KvCache
+
+
+def test_prefix_hit_and_release_keeps_blocks_cached():
+    cache = KvCache(10)
+    assert cache.try_allocate([1, 2, 3], private_blocks=1) == 0
+    assert cache.used_blocks == 4
+    cache.release([1, 2, 3], 1)
+    assert cache.used_blocks == 3 and cache.cached_blocks == 3
+    assert cache.try_allocate([1, 2, 9], private_blocks=0) == 2  # shares the first two blocks
+
+
+def test_full_cache_refuses_until_released_and_never_evicts_pinned_blocks():
+    stored, removed = [], []
+    cache = KvCache(4, on_stored=stored.extend, on_removed=removed.extend)
+    assert cache.try_allocate([1, 2, 3], 1) == 0
+    assert cache.try_allocate([7], 0) is None  # all four blocks pinned
+    assert cache.used_blocks == 4 and removed == []
+    cache.release([1, 2, 3], 1)
+    assert cache.try_allocate([7, 8], 0) == 0
+    assert removed == [1] and stored == [1, 2, 3, 7, 8]  # least recently used first
+
+
+def test_lru_order_follows_use():
+    removed = []
+    cache = KvCache(3, on_removed=removed.extend)
+    for keys in ([1], [2], [3]):
+        cache.try_allocate(keys, 0)
+        cache.release(keys, 0)
+    cache.try_allocate([1], 0)  # touch 1: now 2 is the oldest
+    cache.release([1], 0)
+    cache.try_allocate([4], 0)
+    assert removed == [2]
+
+
+def test_allocation_never_evicts_its_own_prefix():
+    removed = []
+    cache = KvCache(3, on_removed=removed.extend)
+    cache.try_allocate([1, 2], 0)
+    cache.release([1, 2], 0)
+    assert cache.try_allocate([1, 2, 3], 0) == 2
+    assert removed == []
+    cache.release([1, 2, 3], 0)
+    assert cache.try_allocate([1, 5, 6, 7], 0) is None  # would have to evict block 1 itself
