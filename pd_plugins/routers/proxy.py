@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from pd_plugins.routers import accounting
 from pd_plugins.routers.config import RouterConfig
 from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.metrics import RouterMetrics
@@ -82,7 +83,7 @@ class Proxy:
                                     decision.reasons[:1] + ["local prefill: prefill workers failed"])
             elif (decision.prefill is None and not failover.local_prefill_fallback
                   and self.ctx.pool.by_role("prefill") and "no usable prefill" in decision.reasons[-1]):
-                return self._fail(request, "none", 503, "no usable prefill worker", history)
+                return self._fail("none", 503, "no usable prefill worker", history)
             attempt = Attempt(request, decision, f"{base_id}-{attempt_no}", path)
             try:
                 return await self._run(http, attempt, started, history)
@@ -117,10 +118,10 @@ class Proxy:
                         break
                     self.metrics.retries.labels("decode").inc()
         if not history:
-            return self._fail(request, "none", 503, "no healthy decode worker", history)
-        return self._fail(request, "failed", 502, "the request failed on every worker tried", history)
+            return self._fail("none", 503, "no healthy decode worker", history)
+        return self._fail("failed", 502, "the request failed on every worker tried", history)
 
-    def _fail(self, request: ClientRequest, decision: str, status: int, message: str,
+    def _fail(self, decision: str, status: int, message: str,
               history: list[str]) -> web.Response:
         self.metrics.requests.labels(decision, "error").inc()
         detail = f"{message}: " + "; ".join(history) if history else message
@@ -132,8 +133,10 @@ class Proxy:
         decision, info = attempt.decision, attempt.request.info
         decode_body, prefill_task = await self.flow.prepare(attempt, self._prefill_leg)
         decode = decision.decode
-        decode.in_flight += 1
-        decode.in_flight_tokens += info.prompt_tokens
+        accounting.decode_started(decode, info)
+        # A local prefill queues on the decode worker until its first token: policies see it there.
+        local_uncached = (accounting.local_prefill_started(self.ctx, decode, info)
+                          if decision.prefill is None else 0)
         decode_started = time.monotonic()
         try:
             if prefill_task is None:  # pull flow or local prefill: nothing runs alongside
@@ -152,44 +155,37 @@ class Proxy:
                     prefill_task.cancel()
                     await asyncio.gather(prefill_task, return_exceptions=True)
                 raise
+            finally:
+                accounting.local_prefill_ended(decode, local_uncached)
+                local_uncached = 0
             if prefill_task is not None:  # finishes on its own; nothing waits for it now
                 prefill_task.add_done_callback(_consume)
             decode.record_success()
             header = self._route_header(decision, history)
             if not info.stream:
-                self._finish(attempt, started, decode_started, None, 0)
+                self._finish(attempt, started, decode_started)
                 return web.Response(body=payload, headers={"Content-Type": "application/json",
                                                            "x-pd-route": header})
             return await self._relay_stream(http, attempt, resp, payload, header, started, decode_started)
         finally:
-            decode.in_flight -= 1
-            decode.in_flight_tokens -= info.prompt_tokens
+            accounting.local_prefill_ended(decode, local_uncached)  # when never reached
+            accounting.decode_ended(decode, info)
 
     async def _prefill_leg(self, attempt: Attempt, body: dict[str, Any]) -> dict[str, Any]:
         worker, info = attempt.decision.prefill, attempt.request.info
-        index = self.ctx.prefix_index
-        uncached = max(1, info.prompt_tokens
-                       - index.matched_blocks(worker.url, info.block_keys) * self.ctx.block_size)
-        worker.in_flight += 1
-        worker.in_flight_prefill_tokens += uncached
-        worker.in_flight_tokens += info.prompt_tokens
+        charge = accounting.prefill_started(self.ctx, worker, info)
         started = time.monotonic()
         try:
             answer = await json_leg(self.pools, worker, "prefill", attempt.path, body,
                                     attempt.request_id, self.timeouts.prefill_s)
         finally:
-            worker.in_flight -= 1
-            worker.in_flight_prefill_tokens -= uncached
-            worker.in_flight_tokens -= info.prompt_tokens
+            accounting.prefill_ended(worker, info, charge)
         elapsed = time.monotonic() - started
         self.metrics.prefill_leg.observe(elapsed)
         pd = (answer.get("kv_transfer_params") or {}).get("pd") or {}
-        if info.exact_tokens and isinstance(pd.get("cached_tokens"), int):
-            uncached = max(1, info.prompt_tokens - pd["cached_tokens"])  # the engine's own count
-        self.ctx.latency.prefill.observe(uncached, elapsed)
-        if self.record_prefixes:
-            index.record_routed(worker.url, info.block_keys)
-        worker.record_success()
+        cached = pd.get("cached_tokens")
+        accounting.prefill_succeeded(self.ctx, worker, info, charge, elapsed,
+                                     cached if isinstance(cached, int) else None, self.record_prefixes)
         return answer
 
     async def _decode_first(self, attempt: Attempt, body: dict[str, Any]):
@@ -256,19 +252,18 @@ class Proxy:
         if tokens > 1:
             tpot = (last_at - first_at) / (tokens - 1)
             self.metrics.tpot.observe(tpot)
-            self.ctx.latency.decode_step.observe(attempt.decision.decode.in_flight, tpot)
-        self._finish(attempt, started, decode_started, first_at, tokens)
+            accounting.decode_observed(self.ctx, attempt.decision.decode, tpot)
+        self._finish(attempt, started, decode_started)
         await _write_quietly(out, None)
         return out
 
-    def _finish(self, attempt: Attempt, started: float, decode_started: float,
-                first_at: float | None, tokens: int) -> None:
+    def _finish(self, attempt: Attempt, started: float, decode_started: float) -> None:
         now = time.monotonic()
         self.metrics.e2e.observe(now - started)
         self.metrics.decode_leg.observe(now - decode_started)
         self._ok[_decision_label(attempt.decision)].inc()
-        if self.record_prefixes:
-            self.ctx.prefix_index.record_routed(attempt.decision.decode.url, attempt.request.info.block_keys)
+        accounting.request_succeeded(self.ctx, attempt.decision.decode, attempt.request.info,
+                                     self.record_prefixes)
 
     def _route_header(self, decision: Decision, history: list[str]) -> str:
         prefill = decision.prefill.url if decision.prefill else "local"

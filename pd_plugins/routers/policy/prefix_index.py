@@ -66,6 +66,10 @@ class PrefixIndex:
             count += 1
         return count
 
+    def held_blocks(self, worker_url: str) -> int:
+        """How many blocks the index holds for this worker (its approximate cache size)."""
+        return len(self._blocks.get(worker_url, ()))
+
     def record_routed(self, worker_url: str, keys: Iterable[int]) -> None:
         """Approximate mode: assume the worker now caches the prompt it was sent."""
         if worker_url in self.exact_workers:
@@ -82,6 +86,19 @@ class PrefixIndex:
         self._engine_keys.pop(worker_url, None)
 
     # -- exact mode: vLLM KV events ---------------------------------------------------------
+    def store_keys(self, worker_url: str, keys: Iterable[int]) -> None:
+        """Exact mode with keys already in the router's scheme (the cluster simulator's events)."""
+        self.exact_workers.add(worker_url)
+        held = self._blocks.setdefault(worker_url, OrderedDict())
+        for key in keys:
+            held[key] = None
+
+    def remove_keys(self, worker_url: str, keys: Iterable[int]) -> None:
+        held = self._blocks.get(worker_url)
+        if held is not None:
+            for key in keys:
+                held.pop(key, None)
+
     def apply_event(self, worker_url: str, event: dict) -> None:
         kind = event.get("type")
         held = self._blocks.setdefault(worker_url, OrderedDict())

@@ -1,0 +1,90 @@
+"""What the router records about the legs it runs: worker load, learned latencies, routed prefixes.
+
+The proxy calls these around every real leg; the cluster simulator (pd_plugins/perf/cluster_sim.py)
+calls the same functions around simulated legs, so the policies see the same state in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pd_plugins.routers.policy.base import PolicyContext, RequestInfo
+from pd_plugins.routers.workers import Worker
+
+
+def uncached_tokens(ctx: PolicyContext, worker: Worker, info: RequestInfo) -> int:
+    """Prompt tokens `worker` must compute, by the router's prefix index."""
+    cached = ctx.prefix_index.matched_blocks(worker.url, info.block_keys) * ctx.block_size
+    return max(1, info.prompt_tokens - cached)
+
+
+@dataclass(slots=True)
+class PrefillCharge:
+    uncached: int                   # tokens charged to the worker for this leg
+    ahead_tokens: int               # prefill tokens already queued there when it was sent
+
+
+def prefill_started(ctx: PolicyContext, worker: Worker, info: RequestInfo) -> PrefillCharge:
+    """Count a prefill leg in flight, charged with its uncached tokens."""
+    charge = PrefillCharge(uncached_tokens(ctx, worker, info), worker.in_flight_prefill_tokens)
+    worker.in_flight += 1
+    worker.in_flight_prefill_tokens += charge.uncached
+    worker.in_flight_tokens += info.prompt_tokens
+    return charge
+
+
+def prefill_ended(worker: Worker, info: RequestInfo, charge: PrefillCharge) -> None:
+    worker.in_flight -= 1
+    worker.in_flight_prefill_tokens -= charge.uncached
+    worker.in_flight_tokens -= info.prompt_tokens
+
+
+def prefill_succeeded(ctx: PolicyContext, worker: Worker, info: RequestInfo, charge: PrefillCharge,
+                      elapsed_s: float, engine_cached_tokens: int | None,
+                      record_prefixes: bool) -> None:
+    """Learn from a finished prefill leg: its latency, and (approximately) what it now caches.
+
+    The leg's time covers the prefills queued ahead of it too, so the fit is over all the tokens
+    the worker had to get through (fitting it on the leg's own tokens alone would read every
+    queue as a slower machine, and the estimates would inflate under load)."""
+    uncached = charge.uncached
+    if info.exact_tokens and engine_cached_tokens is not None:
+        uncached = max(1, info.prompt_tokens - engine_cached_tokens)  # the engine's own count
+    ctx.latency.prefill.observe(charge.ahead_tokens + uncached, elapsed_s)
+    if record_prefixes:
+        ctx.prefix_index.record_routed(worker.url, info.block_keys)
+    worker.record_success()
+
+
+def decode_started(worker: Worker, info: RequestInfo) -> None:
+    worker.in_flight += 1
+    worker.in_flight_tokens += info.prompt_tokens
+
+
+def local_prefill_started(ctx: PolicyContext, decode: Worker, info: RequestInfo) -> int:
+    """The decode worker prefills this request itself: charge its uncached tokens there."""
+    uncached = uncached_tokens(ctx, decode, info)
+    decode.in_flight_prefill_tokens += uncached
+    return uncached
+
+
+def local_prefill_ended(decode: Worker, uncached: int) -> None:
+    """Called at the first token (or when the attempt ends without one)."""
+    decode.in_flight_prefill_tokens -= uncached
+
+
+def decode_ended(worker: Worker, info: RequestInfo) -> None:
+    worker.in_flight -= 1
+    worker.in_flight_tokens -= info.prompt_tokens
+
+
+def decode_observed(ctx: PolicyContext, worker: Worker, tpot_s: float) -> None:
+    """Learn the decode step time at the worker's current load from a measured TPOT."""
+    ctx.latency.decode_step.observe(worker.in_flight, tpot_s)
+
+
+def request_succeeded(ctx: PolicyContext, decode: Worker, info: RequestInfo,
+                      record_prefixes: bool) -> None:
+    """The decode worker now caches the prompt too (approximate prefix index)."""
+    if record_prefixes:
+        ctx.prefix_index.record_routed(decode.url, info.block_keys)
