@@ -1,13 +1,19 @@
-"""Dynamo-style KV cost: blocks still to prefill (after prefix overlap) plus blocks being decoded.
+"""Dynamo-style KV cost: prompt work left to prefill (after prefix overlap) plus blocks in flight.
 
-cost = prefill_load_scale * max(0, prompt_blocks - overlap_blocks) + active_blocks, where
-active_blocks are the prompt blocks of the requests the router has in flight on the worker. For the
-decode pool Dynamo ignores the overlap (`use_overlap: false`).
+NVIDIA Dynamo's published cost (docs "Routing Concepts", v1.2 to v1.6; ai-dynamo/dynamo
+lib/kv-router/src/scheduling/selector/default.rs `worker_logit`):
+
+    raw_prefill_blocks = (active_prefill_tokens + prompt_tokens) / block_size
+    cost = prefill_load_scale * max(0, raw_prefill_blocks - overlap_blocks) + active_blocks
+
+active_prefill_tokens are the uncached prompt tokens the router has queued for prefill on the
+worker; active_blocks the prompt blocks of the requests it has in flight there. argmin
+(temperature 0). For the decode pool Dynamo ignores the overlap (`use_overlap: false`); it also
+stops tracking prefill tokens there, which only adds a term common to all decode workers in a
+disaggregated flow.
 """
 
 from __future__ import annotations
-
-import math
 
 from pd_plugins.routers.policy.base import (
     Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params, register,
@@ -27,13 +33,14 @@ class KvCostScorer:
 
     def costs(self, request: RequestInfo, workers: list) -> list[float]:
         block = self.ctx.block_size
-        prompt_blocks = math.ceil(request.prompt_tokens / block)
         out = []
         for w in workers:
             overlap = (self.ctx.prefix_index.matched_blocks(w.url, request.block_keys)
                        if self.params.use_overlap else 0)
+            raw_prefill_blocks = (w.in_flight_prefill_tokens + request.prompt_tokens) / block
             active_blocks = w.in_flight_tokens / block
-            out.append(self.params.prefill_load_scale * max(0, prompt_blocks - overlap) + active_blocks)
+            out.append(self.params.prefill_load_scale * max(0.0, raw_prefill_blocks - overlap)
+                       + active_blocks)
         return out
 
     def score(self, request: RequestInfo, workers: list) -> list[float]:

@@ -39,8 +39,61 @@ PRESETS: dict[str, dict[str, Any]] = {
         "deciders": [{"name": "uncached_length"}, {"name": "prefill_load"}],
         "admission": {"name": "slo", "params": {"ttft_slo_ms": 2000}},
     },
+    # Ours for goodput (docs/benchmarks.md, "Routing quality"): the ttft_slo pieces, decode affinity
+    # to the prompt's prefix (less KV to move, a cheap local prefill), and early rejection at an
+    # internal 1.5 s target, headroom under a 2 s TTFT SLO for the estimate's error.
+    "goodput": {
+        "prefill": {"filters": [{"name": "not_saturated"}], "scorers": [{"name": "ttft"}]},
+        "decode": {"filters": [{"name": "not_saturated"}],
+                   "scorers": [{"name": "least_loaded"}, {"name": "prefix_cache"}]},
+        "deciders": [{"name": "uncached_length"}, {"name": "prefill_load"}],
+        "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500}},
+    },
+    # -- the peers' own rules (policy/peers.py cites the source of each) ----------------------
+    # vllm-router 0.1.17 `--vllm-pd-disaggregation --policy kv_aware`: prefill by
+    # new + active prefill tokens, decode by fewest requests; always disaggregates.
+    "vllm_kv_aware": {
+        "prefill": {"scorers": [{"name": "vllm_kv_aware"}]},
+        "decode": {"scorers": [{"name": "vllm_kv_aware", "params": {"decode": True}}]},
+    },
+    # sglang-router 0.3.2 `--pd-disaggregation --policy cache_aware`: one cache_aware instance
+    # (own tree) per pool; always disaggregates.
+    "sglang_cache_aware": {
+        "prefill": {"scorers": [{"name": "sglang_cache_aware"}]},
+        "decode": {"scorers": [{"name": "sglang_cache_aware"}]},
+    },
+    # llm-d-inference-scheduler deploy/config/pd-epp-config.yaml: both profiles score
+    # prefix-cache 2 + queue 1 (engine waiting queue), prefix-based PD decider at 16 tokens.
+    "llm_d": {
+        "prefill": {"scorers": [{"name": "prefix_cache", "weight": 2}, {"name": "queue_depth"}]},
+        "decode": {"scorers": [{"name": "prefix_cache", "weight": 2}, {"name": "queue_depth"}]},
+        "deciders": [{"name": "uncached_length", "params": {"min_uncached_tokens": 16}}],
+    },
+    # Mooncake Conductor (FAST'25 Alg. 1): least TTFT with the option of fetching a longer remote
+    # prefix, decode by load, 429 when the TTFT or the TBT would miss its SLO.
+    "mooncake": {
+        "prefill": {"scorers": [{"name": "mooncake_ttft"}]},
+        "decode": {"scorers": [{"name": "least_loaded"}]},
+        "admission": {"name": "mooncake_slo", "params": {"ttft_slo_ms": 2000, "tpot_slo_ms": 100}},
+    },
 }
+# NVIDIA Dynamo 1.6's KV router is the kv_cost preset (policy/kv_cost.py cites the formula).
+PRESETS["dynamo"] = PRESETS["kv_cost"]
 DEFAULT_POLICY = "prefix_cache"
+
+# The benchmark harness's peers, and where each one's prefix knowledge comes from: "events" = the
+# engines' KV events (exact), "routed" = the router's own record of the prompts it routed
+# (approximate). round_robin reads no prefix, so its entry is moot. vllm-router kv_aware and Dynamo
+# (default --kv-events) subscribe to KV events; sglang-router cache_aware keeps an approximate
+# radix tree of routed text; llm-d's PD sample config uses the approximate prefix-cache-scorer
+# (precise-prefix-cache-scorer, on KV events, is opt-in); Mooncake's Conductor has the global
+# cache view.
+PEER_PRESETS = ("round_robin", "vllm_kv_aware", "sglang_cache_aware", "dynamo", "llm_d", "mooncake")
+PREFIX_SOURCE: dict[str, str] = {
+    "round_robin": "routed", "vllm_kv_aware": "events", "sglang_cache_aware": "routed",
+    "dynamo": "events", "llm_d": "routed", "mooncake": "events",
+}
+OUR_PRESETS = ("prefix_cache", "ttft_slo", "goodput")  # ours read KV events when workers publish them
 
 
 def preset(name: str) -> PolicySpec:
