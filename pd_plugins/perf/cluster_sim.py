@@ -1,0 +1,294 @@
+"""A discrete-event simulator of a PD cluster, routed by pd-router's own scheduler and accounting.
+
+Each prefill and decode instance is an `EngineInstance` (engine_model.py); the router side is the
+real `Scheduler` built from a preset or a `PolicySpec`, over a real `WorkerPool`, `PrefixIndex` and
+`LatencyModels`, updated by the same accounting functions the proxy calls (routers/accounting.py).
+So a policy measured here is the policy that ships. The flow is vLLM's pull flow, as the proxy
+drives it: prefill leg (one token), then the decode leg, whose engine pulls the prompt's KV (less
+what it already caches) and generates; the prefill instance frees that KV once it has been pulled.
+
+What the router knows, as in production: its own in-flight accounting at once; engine queue and KV
+usage by a scrape every `scrape_interval_s`; prefix residency either from KV events (`events`: the
+instances' cache stores and evictions, at once) or from its own routing history (`routed`).
+All instances cache at the trace's prefix-block size (512 tokens), the granularity its hashes
+have. Deterministic: the same inputs and seed give the same result.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Literal
+
+from pd_plugins.perf.engine_model import EngineInstance, EngineRequest
+from pd_plugins.perf.hardware import Hardware
+from pd_plugins.routers import accounting
+from pd_plugins.routers.config import LatencySpec, PolicySpec, WorkerSpec
+from pd_plugins.routers.policy import PolicyContext, RequestInfo, Scheduler
+from pd_plugins.routers.policy.latency_model import LatencyModels
+from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.routers.policy.scheduler import preset
+from pd_plugins.routers.workers import WorkerPool
+from pd_plugins.workloads import TraceRequest
+from pd_plugins.workloads.trace import HASH_BLOCK_SIZE
+
+PrefixSource = Literal["events", "routed"]
+
+
+@dataclass(slots=True)
+class RequestOutcome:
+    """One request's fate, in simulated seconds from its arrival."""
+
+    request_id: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    status: str = "ok"               # ok | rejected | failed
+    ttft_s: float | None = None
+    tpot_s: float | None = None      # mean time per output token after the first
+    e2e_s: float | None = None
+    disaggregated: bool = True
+    prefill: int | None = None       # instance indices
+    decode: int | None = None
+    cached_tokens: int = 0           # prompt tokens the computing instance had cached
+    transfer_tokens: int = 0         # tokens of KV moved prefill -> decode
+    session_id: str | None = None
+    turn: int = 0
+
+
+@dataclass
+class SimConfig:
+    hardware: Hardware
+    prefill_instances: int = 8
+    decode_instances: int = 8
+    policy: str | PolicySpec = "prefix_cache"
+    prefix_source: PrefixSource = "events"
+    max_batched_tokens: int = 8192
+    max_running: int = 256
+    kv_capacity_tokens: int | None = None  # default: what fits in GPU memory (hardware.py)
+    scrape_interval_s: float = 1.0
+    leg_network_s: float = 0.0005     # one router -> engine HTTP hop
+    seed: int = 0
+
+
+@dataclass
+class SimResult:
+    config: SimConfig
+    outcomes: list[RequestOutcome]
+    sim_span_s: float
+    prefill_tokens_computed: int
+    prompt_tokens_cached: int
+    kv_bytes_moved: float
+    instance_busy_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class _Flight:
+    trace: TraceRequest
+    info: RequestInfo
+    outcome: RequestOutcome
+    decision: object = None
+    charge: accounting.PrefillCharge | None = None  # a prefill leg's charge on its worker
+    local_uncached: int = 0         # a local prefill's charge on its decode worker
+    prefill_sent_at: float = 0.0
+    prefill_leg: EngineRequest | None = None
+
+
+def latency_priors(hw: Hardware) -> LatencySpec:
+    """The priors an operator would configure for this hardware (the router refits them online)."""
+    per_token = hw.prefill_s(2048) - hw.prefill_s(1024)
+    return LatencySpec(prefill_base_s=max(0.0, hw.prefill_s(1024) - 1024 * per_token / 1024),
+                       prefill_per_token_s=per_token / 1024,
+                       decode_step_base_s=hw.decode_step_s(1, 2048),
+                       decode_step_per_request_s=hw.decode_step_s(33, 33 * 2048) / 33
+                       - hw.decode_step_s(1, 2048) / 33,
+                       kv_bytes_per_token=hw.model.kv_bytes_per_token,
+                       link_bytes_per_s=hw.link_bytes_per_s)
+
+
+class ClusterSim:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = c = config
+        random.seed(c.seed)  # pickers with an unseeded RNG stay reproducible
+        spec = preset(c.policy) if isinstance(c.policy, str) else c.policy
+        self.pool = WorkerPool()
+        self.index = PrefixIndex()
+        self.ctx = PolicyContext(self.pool, self.index, LatencyModels(latency_priors(c.hardware)),
+                                 HASH_BLOCK_SIZE)
+        self.scheduler = Scheduler(spec, self.ctx)
+        self.record_prefixes = self.scheduler.uses_prefix_index and c.prefix_source == "routed"
+        self.workers, self.instances = {}, {}
+        for role, count in (("prefill", c.prefill_instances), ("decode", c.decode_instances)):
+            for i in range(count):
+                url = f"http://sim-{role}-{i}"
+                worker = self.pool.add(WorkerSpec(url=url), role)
+                worker.ever_up = True
+                events = c.prefix_source == "events"
+                inst = EngineInstance(
+                    c.hardware, HASH_BLOCK_SIZE, c.max_batched_tokens, c.max_running, c.kv_capacity_tokens,
+                    on_stored=(lambda keys, u=url: self.index.store_keys(u, keys)) if events else None,
+                    on_removed=(lambda keys, u=url: self.index.remove_keys(u, keys)) if events else None)
+                inst.name, inst.index = url, i
+                self.workers[inst] = worker
+                self.instances[worker] = inst
+        self._events: list = []
+        self._seq = itertools.count()
+        self._flights: dict[int, _Flight] = {}
+        self.kv_bytes_moved = 0.0
+
+    # -- the event loop ----------------------------------------------------------------------
+    def _at(self, t: float, action: Callable, *args) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), action, args))
+
+    def run(self, requests: Iterable[TraceRequest],
+            progress: Callable[[int], None] | None = None) -> SimResult:
+        requests = list(requests)
+        for r in requests:
+            self._at(r.arrival_s, self._arrive, r)
+        if self.config.scrape_interval_s > 0:
+            self._at(0.0, self._scrape)
+        outcomes: list[RequestOutcome] = []
+        self._outcomes, self._progress = outcomes, progress
+        now = 0.0
+        while self._events and len(outcomes) < len(requests):
+            now, _, action, args = heapq.heappop(self._events)
+            action(now, *args)
+        outcomes.sort(key=lambda o: o.request_id)
+        insts = list(self.workers)
+        return SimResult(self.config, outcomes, now,
+                         sum(i.prefill_tokens_computed for i in insts),
+                         sum(i.prompt_tokens_cached for i in insts), self.kv_bytes_moved,
+                         {i.name: i.busy_s for i in insts})
+
+    def _kick(self, inst: EngineInstance, now: float) -> None:
+        if inst.in_step:
+            return
+        duration = inst.plan(now)
+        if duration is not None:
+            self._at(now + duration, self._step_done, inst)
+
+    def _scrape(self, now: float) -> None:
+        for inst, worker in self.workers.items():
+            worker.engine_waiting = float(inst.num_waiting)
+            worker.engine_running = float(inst.num_running)
+            worker.kv_usage = inst.kv_usage
+        self._at(now + self.config.scrape_interval_s, self._scrape)
+
+    # -- a request's life --------------------------------------------------------------------
+    def _arrive(self, now: float, r: TraceRequest) -> None:
+        info = RequestInfo(prompt_tokens=r.input_tokens, block_keys=list(r.full_block_hashes()),
+                           max_tokens=r.output_tokens, session_id=r.session_id)
+        outcome = RequestOutcome(r.request_id, r.arrival_s, r.input_tokens, r.output_tokens,
+                                 session_id=r.session_id, turn=r.turn)
+        flight = _Flight(r, info, outcome)
+        if self.scheduler.admit(info) is not None:
+            self._end(flight, "rejected")
+            return
+        decision = self.scheduler.schedule(info)
+        if decision is None:
+            self._end(flight, "failed")
+            return
+        flight.decision = decision
+        outcome.decode = self.instances[decision.decode].index
+        if decision.prefill is None:
+            outcome.disaggregated = False
+            accounting.decode_started(decision.decode, info)
+            flight.local_uncached = accounting.local_prefill_started(self.ctx, decision.decode, info)
+            self._submit(flight, decision.decode, "local", r.output_tokens, now + self.config.leg_network_s)
+            return
+        outcome.prefill = self.instances[decision.prefill].index
+        flight.charge = accounting.prefill_started(self.ctx, decision.prefill, info)
+        flight.prefill_sent_at = now
+        flight.prefill_leg = self._submit(flight, decision.prefill, "prefill", 1,
+                                          now + self.config.leg_network_s)
+
+    def _submit(self, flight: _Flight, worker, kind: str, output_tokens: int, at: float) -> EngineRequest:
+        req = EngineRequest(flight, flight.info.prompt_tokens, output_tokens, flight.info.block_keys, kind)
+        self._at(at, self._deliver, self.instances[worker], req)
+        return req
+
+    def _deliver(self, now: float, inst: EngineInstance, req: EngineRequest) -> None:
+        inst.submit(req, now)
+        self._kick(inst, now)
+
+    def _step_done(self, now: float, inst: EngineInstance) -> None:
+        result = inst.finish(now)
+        for req in result.failed:
+            self._leg_failed(now, inst, req)
+        for req in result.first_tokens:
+            if req.kind != "prefill":
+                self._first_token(now, req)
+        for req in result.finished:
+            if req.kind == "prefill":
+                self._prefill_done(now, inst, req)
+            else:
+                self._decode_done(now, req)
+        self._kick(inst, now)
+
+    def _prefill_done(self, now: float, inst: EngineInstance, req: EngineRequest) -> None:
+        flight: _Flight = req.rid
+        worker = self.workers[inst]
+        info = flight.info
+        accounting.prefill_ended(worker, info, flight.charge)
+        accounting.prefill_succeeded(self.ctx, worker, info, flight.charge,
+                                     now + self.config.leg_network_s - flight.prefill_sent_at,
+                                     req.cached_tokens, self.record_prefixes)
+        flight.outcome.cached_tokens = req.cached_tokens
+        decode = flight.decision.decode
+        accounting.decode_started(decode, info)
+        # The answer travels back to the router, the decode leg out to the decode engine.
+        self._submit(flight, decode, "remote_decode", flight.trace.output_tokens,
+                     now + 2 * self.config.leg_network_s)
+
+    def _first_token(self, now: float, req: EngineRequest) -> None:
+        flight: _Flight = req.rid
+        flight.outcome.ttft_s = now + self.config.leg_network_s - flight.trace.arrival_s
+        if req.kind == "remote_decode":
+            flight.outcome.transfer_tokens = req.transfer_tokens
+            self.kv_bytes_moved += self.config.hardware.kv_bytes(req.transfer_tokens)
+            prefill_inst = self.instances[flight.decision.prefill]
+            prefill_inst.release(flight.prefill_leg)  # pulled: the prefill's blocks are free again
+            self._kick(prefill_inst, now)
+        else:
+            flight.outcome.cached_tokens = req.cached_tokens
+            accounting.local_prefill_ended(flight.decision.decode, flight.local_uncached)
+
+    def _decode_done(self, now: float, req: EngineRequest) -> None:
+        flight: _Flight = req.rid
+        outcome, decode = flight.outcome, flight.decision.decode
+        end = now + self.config.leg_network_s
+        outcome.e2e_s = end - flight.trace.arrival_s
+        if req.output_tokens > 1:
+            outcome.tpot_s = (now - req.first_token_at) / (req.output_tokens - 1)
+            accounting.decode_observed(self.ctx, decode, outcome.tpot_s)
+        accounting.decode_ended(decode, flight.info)
+        accounting.request_succeeded(self.ctx, decode, flight.info, self.record_prefixes)
+        self._end(flight, "ok")
+
+    def _leg_failed(self, now: float, inst: EngineInstance, req: EngineRequest) -> None:
+        flight: _Flight = req.rid
+        worker = self.workers[inst]
+        if req.kind == "prefill":
+            accounting.prefill_ended(worker, flight.info, flight.charge)
+        else:
+            accounting.decode_ended(worker, flight.info)
+        if req.kind == "local":
+            accounting.local_prefill_ended(worker, flight.local_uncached)
+        if req.kind == "remote_decode":  # its prefill's KV will never be pulled now
+            prefill_inst = self.instances[flight.decision.prefill]
+            prefill_inst.release(flight.prefill_leg)
+            self._kick(prefill_inst, now)
+        self._end(flight, "failed")
+
+    def _end(self, flight: _Flight, status: str) -> None:
+        flight.outcome.status = status
+        self._outcomes.append(flight.outcome)
+        if self._progress is not None:
+            self._progress(len(self._outcomes))
+
+
+def simulate(requests: Iterable[TraceRequest], config: SimConfig,
+             progress: Callable[[int], None] | None = None) -> SimResult:
+    return ClusterSim(config).run(requests, progress)

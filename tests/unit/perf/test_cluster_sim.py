@@ -1,0 +1,51 @@
+"""The cluster simulator: one request timed by hand, determinism, and the router's policies at work."""
+
+import pytest
+
+from pd_plugins.perf.cluster_sim import SimConfig, simulate
+from pd_plugins.perf.hardware import preset
+from pd_plugins.perf.report import Slo, summarize
+from pd_plugins.workloads import ConversationSpec, TraceRequest, generate_conversations, load_trace
+
+HW = preset("llama-3.1-8b@h100")
+
+
+def test_one_request_through_prefill_transfer_and_decode_by_hand():
+    net = 0.001
+    req = TraceRequest(0, 0.0, input_tokens=1024, output_tokens=3, block_hashes=(11, 12))
+    out = simulate([req], SimConfig(HW, 1, 1, policy="round_robin", leg_network_s=net)).outcomes[0]
+    prefill = HW.prefill_s(1024)
+    first = net + prefill + 2 * net + HW.transfer_s(1024) + HW.decode_step_s(1, 1024)
+    assert out.status == "ok" and out.disaggregated
+    assert out.ttft_s == pytest.approx(first + net)
+    assert out.tpot_s == pytest.approx((HW.decode_step_s(1, 1025) + HW.decode_step_s(1, 1026)) / 2)
+    assert out.transfer_tokens == 1024
+
+
+def test_same_seed_same_result_and_the_result_depends_on_the_policy():
+    reqs = load_trace("mooncake_conv")[:400]
+    def run(policy, seed=0):
+        r = simulate(reqs, SimConfig(HW, 2, 2, policy=policy, seed=seed))
+        return [(o.status, o.ttft_s, o.tpot_s, o.prefill, o.decode) for o in r.outcomes]
+    assert run("prefix_cache") == run("prefix_cache")
+    assert run("round_robin") != run("prefix_cache")
+
+
+def test_prefix_aware_routing_finds_more_cache_than_round_robin():
+    # Sessions of many turns: each turn repeats the whole conversation so far.
+    spec = ConversationSpec(session_rate_per_s=2.0, mean_turns=6, shared_system_tokens=0)
+    reqs = generate_conversations(spec, n_sessions=60, seed=1)
+    def hit_rate(policy):
+        r = simulate(reqs, SimConfig(HW, 4, 2, policy=policy))
+        return summarize(r.outcomes, Slo(2, 0.1), r.sim_span_s, cached_tokens=r.prompt_tokens_cached,
+                         computed_tokens=r.prefill_tokens_computed,
+                         kv_bytes_moved=r.kv_bytes_moved)["cache_hit_rate"]
+    assert hit_rate("prefix_cache") > hit_rate("round_robin") + 0.2
+
+
+def test_slo_admission_rejects_under_overload_and_everything_is_accounted_for():
+    reqs = [TraceRequest(i, i * 0.01, 16_000, 20, tuple(range(i * 40, i * 40 + 32))) for i in range(300)]
+    result = simulate(reqs, SimConfig(HW, 1, 1, policy="ttft_slo"))
+    statuses = [o.status for o in result.outcomes]
+    assert len(statuses) == 300 and set(statuses) <= {"ok", "rejected"}
+    assert statuses.count("rejected") > 100 and statuses.count("ok") > 10
