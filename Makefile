@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: bootstrap demo test test-unit test-e2e test-gpu bench-router clean
+.PHONY: bootstrap demo test test-unit test-e2e test-gpu bench-router bench-routing clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -27,6 +27,12 @@ test-gpu:
 # `$(PY) bench/router_overhead.py --quick` for a 1-minute smoke run). Peers go in bench/.venv-peers.
 bench-router: bootstrap
 	$(PY) bench/router_overhead.py
+
+# Routing quality in the cluster simulator: every peer policy and ours on the Mooncake and Azure
+# traces over a rate sweep (~15 minutes; `$(PY) bench/routing_sim.py --quick` takes ~1). Writes
+# docs/benchmarks.md "Routing quality" and docs/img/routing_*.png. docs/simulation.md explains.
+bench-routing: bootstrap
+	$(PY) bench/routing_sim.py
 
 clean:
 	rm -rf .venv .venv-gpu

@@ -38,6 +38,7 @@ from pathlib import Path
 import aiohttp
 import requests
 
+import common  # noqa: E402  (bench/common.py)
 from pd_plugins.testing.processes import ManagedProcess, free_port
 from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess, pinned
 
@@ -433,44 +434,10 @@ def noise_note(meta: dict) -> str:
 
 
 def write_section(text: str) -> None:
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    if DOC.exists():
-        doc = DOC.read_text()
-    else:
-        doc = ("# Benchmarks\n\n"
-               "Measurements of pd-plugins against the engines' own tooling. Each section below is "
-               "written by a script under `bench/` (it replaces only its own section, between "
-               "`<!-- NAME:start -->` and `<!-- NAME:end -->` markers) and says how to rerun it, "
-               "on what machine, when, and with which versions.\n\n")
-    if START in doc and END in doc:
-        head, rest = doc.split(START, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        doc = head + text + ("\n" + tail if tail else "")
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    DOC.write_text(doc)
+    common.write_section("router-overhead", text)
 
 
 # -- the run --------------------------------------------------------------------------------
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    virt = " (VM)" if "hypervisor" in Path("/proc/cpuinfo").read_text() else ""
-    return f"{model}{virt}, {os.cpu_count()} cores{mem}, Linux {platform.release()}"
-
-
 def versions(peers: dict[str, str | None]) -> str:
     def v(dist: str) -> str:
         try:
@@ -570,12 +537,12 @@ def main() -> int:
 
     vp, vd = engine("vllm-prefill", "prefill", "vllm"), engine("vllm-decode", "decode", "vllm")
     sp, sd = engine("sglang-prefill", "prefill", "sglang"), engine("sglang-decode", "decode", "sglang")
-    common = ("--policy", "round_robin", "--log-level", "warning", "--log-format", "text")
+    router_flags = ("--policy", "round_robin", "--log-level", "warning", "--log-format", "text")
     pd_vllm = RouterProcess("pd-router-vllm", prefill=[vp.worker_arg()], decode=[vd.worker_arg()],
-                            args=("--engine", "vllm", "--transfer", "pull", *common),
+                            args=("--engine", "vllm", "--transfer", "pull", *router_flags),
                             config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
     pd_sglang = RouterProcess("pd-router-sglang", prefill=[sp.worker_arg()], decode=[sd.worker_arg()],
-                              args=("--engine", "sglang", *common),
+                              args=("--engine", "sglang", *router_flags),
                               config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
     vllm_router = PeerRouterProcess("vllm-router", kind="vllm", prefill=vp, decode=vd, cpu=ROUTER_CPU,
                                     log_dir=run_dir)
@@ -656,7 +623,7 @@ def main() -> int:
     meta = {
         "command": " ".join(["bench/router_overhead.py", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(), "versions": versions(peers), "repeats": repeats,
+        "machine": common.machine(), "versions": versions(peers), "repeats": repeats,
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
         "runtime_s": time.monotonic() - began,
         "foreign_pct": spread([r["foreign_pct"] for reps in runs.values() for r in reps]),
