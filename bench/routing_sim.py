@@ -194,7 +194,11 @@ def markdown(results: dict) -> str:
                       f"({pols[meta['ours']][len(pols[meta['ours']]) // 2]['rate']:.1f} req/s).", "",
                   f"![{trace}](img/routing_{trace}.png)", ""]
     cpu = sum(r["cpu_s"] for r in results["runs"])
-    lines += [f"{len(results['runs'])} simulations, {cpu / 60:.1f} CPU-minutes in all.",
+    slowest = max(results["runs"], key=lambda r: r["cpu_s"])
+    lines += [f"{len(results['runs'])} simulations, {cpu / 60:.1f} CPU-minutes in all; the slowest "
+              f"({slowest['policy']} on {slowest['trace']} at {slowest['rate']:.1f} req/s, "
+              f"{results['traces'][slowest['trace']]['count']:,} requests on "
+              f"{sum(meta['cluster'])} instances) took {slowest['cpu_s']:.0f} s of one core.",
               "<!-- routing-sim:end -->"]
     return "\n".join(lines) + "\n"
 
