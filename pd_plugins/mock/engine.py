@@ -9,6 +9,10 @@ decode whose prefill never arrives waits (up to --transfer-timeout-s) as a real 
 
 Transfer keys: vLLM pull: remote_request_id from the prefill's kv_transfer_params; vLLM push: the
 shared X-Request-Id; SGLang: bootstrap_room.
+
+With --latency-model MODEL@GPU the fixed delays give way to the engine model of pd_plugins.perf
+(continuous batching, prefix cache, bounded KV, KV transfer times) on an accelerated clock
+(--speedup), with engine metrics and optional vLLM KV events to match: see modelled.py.
 """
 
 from __future__ import annotations
@@ -77,6 +81,10 @@ class MockEngine:
                                         args.break_stream_after),
                            random.Random(args.seed), args.engine_id or uuid.uuid4().hex)
         self.session: aiohttp.ClientSession | None = None
+        self.modelled = None
+        if getattr(args, "latency_model", None):  # answers timed by the engine model (modelled.py)
+            from pd_plugins.mock.modelled import ModelledServing
+            self.modelled = ModelledServing(self)
 
     # -- OpenAI endpoints --------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -89,6 +97,7 @@ class MockEngine:
             return web.Response(body=_encode(_completion(False, a.model, ["ok "], 1)),
                                 content_type="application/json")
         s.stats["requests"] += 1
+        arrived = self.modelled.driver.now() if self.modelled is not None else 0.0
         try:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError:
@@ -109,12 +118,18 @@ class MockEngine:
         is_prefill = a.role == "prefill" or kv.get("do_remote_decode") or (
             a.engine == "sglang" and a.role == "prefill")
         s.running += 1
+        if self.modelled is not None:
+            try:
+                return await self.modelled.generate(request, body, chat, digest, key, kv, bool(is_prefill),
+                                                    max_tokens, arrived)
+            finally:
+                s.running -= 1
         try:
             if is_prefill:
                 return await self._prefill(request, body, chat, digest, key)
             if key is not None:
                 s.stats["remote_decodes"] += 1
-                held = await self._fetch_kv(kv, body, key)
+                held = await self.fetch_kv(kv, body, key)
                 if held != digest:
                     s.stats["mismatched_kv"] += 1
                     return _error(409, f"KV under {key} belongs to another prompt")
@@ -145,22 +160,33 @@ class MockEngine:
         s.stats["prefill_legs"] += 1
         await asyncio.sleep(self._prefill_s(body))
         if key is not None:
-            s.rooms.setdefault(key, asyncio.get_running_loop().create_future())
-            if not s.rooms[key].done():
-                s.rooms[key].set_result(digest)
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": s.engine_id,
-                  "remote_request_id": key, "remote_block_ids": [list(range(3))],
-                  "remote_host": "127.0.0.1", "remote_port": s.args.side_port, "tp_size": 1}
+            self.register_room(key, digest)
+        params = self.transfer_params(key)
         return web.Response(body=_encode(_completion(chat, s.args.model, output_words(digest, 1),
                                                      prompt_tokens(body), params)),
                             content_type="application/json")
 
-    async def _fetch_kv(self, kv: dict, body: dict, key: str) -> str | None:
+    def register_room(self, key: str, digest: str) -> None:
+        """The prefill's KV under `key` is ready for a decode to read."""
+        rooms = self.s.rooms
+        rooms.setdefault(key, asyncio.get_running_loop().create_future())
+        if not rooms[key].done():
+            rooms[key].set_result(digest)
+
+    def transfer_params(self, key: str | None) -> dict[str, Any]:
+        s = self.s
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": s.engine_id,
+                "remote_request_id": key, "remote_block_ids": [list(range(3))],
+                "remote_host": "127.0.0.1", "remote_port": s.args.side_port, "tp_size": 1}
+
+    async def fetch_kv(self, kv: dict, body: dict, key: str, peek: bool = False) -> str | None:
+        """The digest the prefill registered under `key` (waiting for it); reading it frees the
+        transfer there, unless `peek`."""
         if self.s.args.engine == "sglang":
             host, port = body.get("bootstrap_host"), body.get("bootstrap_port")
         else:
             host, port = kv.get("remote_host"), kv.get("remote_port")
-        url = f"http://{host}:{port}/room/{key}"
+        url = f"http://{host}:{port}/room/{key}" + ("?peek=1" if peek else "")
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(
                     total=self.s.args.transfer_timeout_s)) as resp:
@@ -223,7 +249,11 @@ class MockEngine:
             digest = await asyncio.wait_for(asyncio.shield(future), self.s.args.transfer_timeout_s)
         except asyncio.TimeoutError:
             return web.Response(status=404, text="no such transfer")
+        if request.query.get("peek"):  # a modelled decode checks early and reads at its first token
+            return web.Response(text=digest)
         self.s.rooms.pop(key, None)  # read once, then freed
+        if self.modelled is not None:
+            self.modelled.room_read(key)  # the prefill's KV is free again
         return web.Response(text=digest)
 
     # -- control and info --------------------------------------------------------------------
@@ -232,15 +262,18 @@ class MockEngine:
         return web.json_response(self.s.faults.__dict__)
 
     async def stats(self, request: web.Request) -> web.Response:
+        modelled = self.modelled.driver.stats() if self.modelled is not None else {}
         return web.json_response({**self.s.stats, "rooms_held": sum(
             1 for f in self.s.rooms.values() if f.done()), "running": self.s.running,
-            "streaming": self.s.streaming})
+            "streaming": self.s.streaming, **modelled})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.s.args.model, "object": "model", "max_model_len": self.s.args.max_model_len}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.modelled is not None:
+            return web.Response(text=self.modelled.driver.metrics())
         return web.Response(text=(f"vllm:num_requests_waiting 0\nvllm:num_requests_running {self.s.running}\n"
                                   f"vllm:kv_cache_usage_perc 0\nsglang:num_queue_reqs 0\n"
                                   f"sglang:num_running_reqs {self.s.running}\nsglang:token_usage 0\n"))
@@ -270,6 +303,9 @@ class MockEngine:
             yield
             await self.session.close()
         app.cleanup_ctx.append(open_session)
+        if self.modelled is not None:
+            app.on_startup.append(self.modelled.start)
+            app.on_cleanup.append(self.modelled.stop)
         return app, side
 
 
@@ -328,11 +364,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-rate", type=float, default=0.0)
     p.add_argument("--break-stream-after", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    m = p.add_argument_group("latency model", "time answers with the engine model (pd_plugins.perf) "
+                                              "instead of the fixed delays above")
+    m.add_argument("--latency-model", metavar="PRESET",
+                   help="MODEL@GPU hardware preset, e.g. llama-3.1-8b@h100 (default: off)")
+    m.add_argument("--speedup", type=float, default=1.0,
+                   help="model seconds per wall second (an accelerated clock)")
+    m.add_argument("--block-size", type=int, default=16, help="KV block size (match the router's)")
+    m.add_argument("--kv-capacity-tokens", type=int,
+                   help="KV cache size (default: what fits in GPU memory beside the weights)")
+    m.add_argument("--max-batched-tokens", type=int, default=8192)
+    m.add_argument("--max-running", type=int, default=256)
+    m.add_argument("--kv-events", metavar="ENDPOINT",
+                   help="publish vLLM KV events on a ZMQ PUB socket bound here, e.g. tcp://127.0.0.1:5557")
     return p
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.latency_model:
+        return
+    from pd_plugins.perf.hardware import preset
+    try:
+        preset(args.latency_model)
+    except ValueError as exc:
+        p.error(str(exc))
+    for name in ("speedup", "block_size", "max_batched_tokens", "max_running"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.kv_capacity_tokens is not None and args.kv_capacity_tokens < args.block_size:
+        p.error("--kv-capacity-tokens must hold at least one block")
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     try:
         import uvloop
         uvloop.install()
@@ -344,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     async def serve() -> None:
         runners = []
         for application, port in ((app, args.port), (side, args.side_port)):
-            runner = web.AppRunner(application, access_log=None)
+            runner = web.AppRunner(application, access_log=None,
+                                   handler_cancellation=bool(args.latency_model))
             await runner.setup()
             await web.TCPSite(runner, args.host, port).start()
             runners.append(runner)
