@@ -54,6 +54,8 @@ class RequestOutcome:
     decode: int | None = None
     cached_tokens: int = 0           # prompt tokens the computing instance had cached
     transfer_tokens: int = 0         # tokens of KV moved prefill -> decode
+    prefill_leg_s: float | None = None   # where the TTFT went: the prefill engine's share ...
+    decode_first_s: float | None = None  # ... and the decode engine's (queue, KV pull, first step)
     session_id: str | None = None
     turn: int = 0
 
@@ -236,6 +238,7 @@ class ClusterSim:
                                      now + self.config.leg_network_s - flight.prefill_sent_at,
                                      req.cached_tokens, self.record_prefixes)
         flight.outcome.cached_tokens = req.cached_tokens
+        flight.outcome.prefill_leg_s = now - req.submitted_at
         decode = flight.decision.decode
         accounting.decode_started(decode, info)
         # The answer travels back to the router, the decode leg out to the decode engine.
@@ -245,6 +248,7 @@ class ClusterSim:
     def _first_token(self, now: float, req: EngineRequest) -> None:
         flight: _Flight = req.rid
         flight.outcome.ttft_s = now + self.config.leg_network_s - flight.trace.arrival_s
+        flight.outcome.decode_first_s = now - req.submitted_at
         if req.kind == "remote_decode":
             flight.outcome.transfer_tokens = req.transfer_tokens
             self.kv_bytes_moved += self.config.hardware.kv_bytes(req.transfer_tokens)

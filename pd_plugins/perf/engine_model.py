@@ -102,7 +102,7 @@ class EngineInstance:
 
     @property
     def kv_usage(self) -> float:
-        return self.cache.used_blocks / self.cache.capacity_blocks
+        return self.cache.in_use_blocks / self.cache.capacity_blocks
 
     @property
     def in_step(self) -> bool:

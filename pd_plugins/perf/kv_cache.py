@@ -24,11 +24,18 @@ class KvCache:
         self.on_stored, self.on_removed = on_stored, on_removed
         self._resident: OrderedDict[int, int] = OrderedDict()  # key -> pin count, oldest first
         self.private_blocks = 0
+        self.pinned_keyed_blocks = 0
         self.evicted_blocks = 0
 
     @property
     def used_blocks(self) -> int:
         return len(self._resident) + self.private_blocks
+
+    @property
+    def in_use_blocks(self) -> int:
+        """Blocks running requests hold: what vLLM reports as KV usage (cached but unpinned
+        blocks count as free there, since they can be evicted at once)."""
+        return self.pinned_keyed_blocks + self.private_blocks
 
     @property
     def free_blocks(self) -> int:
@@ -80,6 +87,8 @@ class KvCache:
             if pins is None:
                 stored.append(key)
                 pins = 0
+            if pins == 0:
+                self.pinned_keyed_blocks += 1
             self._resident[key] = pins + 1  # re-inserted: most recently used
         self.private_blocks += private_blocks
         if stored and self.on_stored:
@@ -92,6 +101,8 @@ class KvCache:
             pins = self._resident.get(key)
             if pins:
                 self._resident[key] = pins - 1
+                if pins == 1:
+                    self.pinned_keyed_blocks -= 1
         self.private_blocks -= private_blocks
 
     def clear_cache(self) -> None:

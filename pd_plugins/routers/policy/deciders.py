@@ -33,6 +33,7 @@ class UncachedLengthDecider:
 class PrefillLoadParams(Params):
     margin: float = 1.5             # local prefill must be this many times faster
     min_prefill_queue: int = 2      # only when every prefill worker has this many queued
+    max_decode_kv_usage: float = 1.0  # and the decode worker's KV cache (scraped) is below this
 
 
 class PrefillLoadDecider:
@@ -46,6 +47,8 @@ class PrefillLoadDecider:
     def disaggregate(self, request: RequestInfo, decode, prefills: list) -> tuple[bool, str]:
         if not prefills or min(w.in_flight for w in prefills) < self.params.min_prefill_queue:
             return True, "prefill pool not saturated"
+        if decode.kv_usage >= self.params.max_decode_kv_usage:
+            return True, f"decode KV {decode.kv_usage:.0%} full"
         remote = min(self.estimator.estimate_s(request, w) for w in prefills)
         # A local prefill also stalls the decode's running batch for its duration.
         local = (self.ctx.latency.prefill_s(self.estimator.uncached_tokens(request, decode))

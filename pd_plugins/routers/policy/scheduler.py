@@ -39,15 +39,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "deciders": [{"name": "uncached_length"}, {"name": "prefill_load"}],
         "admission": {"name": "slo", "params": {"ttft_slo_ms": 2000}},
     },
-    # Ours for goodput (docs/benchmarks.md, "Routing quality"): the ttft_slo pieces, decode affinity
-    # to the prompt's prefix (less KV to move, a cheap local prefill), and early rejection at an
-    # internal 1.5 s target, headroom under a 2 s TTFT SLO for the estimate's error.
+    # Ours for goodput (docs/benchmarks.md, "Routing quality"): Mooncake's TTFT estimate for the
+    # prefill; decode by load, prefix affinity (less KV to move) and free KV; prompts with under
+    # 1024 uncached tokens on the decode worker are prefilled there (PPD's append-prefill), and
+    # decode workers prefill when the prefill pool is saturated, while their KV is under 70%
+    # (TokenScale); early rejection at an internal 1.5 s target (headroom under a 2 s SLO for the
+    # estimate's error) and while every decode worker's KV cache is 90% full.
     "goodput": {
         "prefill": {"filters": [{"name": "not_saturated"}], "scorers": [{"name": "ttft"}]},
         "decode": {"filters": [{"name": "not_saturated"}],
-                   "scorers": [{"name": "least_loaded"}, {"name": "prefix_cache"}]},
-        "deciders": [{"name": "uncached_length"}, {"name": "prefill_load"}],
-        "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500}},
+                   "scorers": [{"name": "least_loaded"}, {"name": "prefix_cache", "weight": 2},
+                               {"name": "kv_usage"}]},
+        "deciders": [{"name": "uncached_length", "params": {"min_uncached_tokens": 1024}},
+                     {"name": "prefill_load", "params": {"max_decode_kv_usage": 0.7}}],
+        "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
     },
     # -- the peers' own rules (policy/peers.py cites the source of each) ----------------------
     # vllm-router 0.1.17 `--vllm-pd-disaggregation --policy kv_aware`: prefill by

@@ -45,6 +45,9 @@ class TtftScorer:
 class SloParams(Params):
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float | None = None
+    # Also reject while every decode worker's KV cache is this full (scraped) or its engine queues:
+    # a new request would wait there for KV space, a delay the TTFT estimate cannot see.
+    decode_kv_limit: float | None = None
 
 
 class SloAdmission:
@@ -65,6 +68,12 @@ class SloAdmission:
             return Rejection(429, f"predicted TTFT {best * 1e3:.0f} ms exceeds the "
                                   f"{self.params.ttft_slo_ms:.0f} ms SLO; retry later",
                              retry_after_s=_retry_after(best - slo))
+        limit = self.params.decode_kv_limit
+        if limit is not None:
+            decodes = pool.usable("decode")
+            if decodes and all(w.kv_usage >= limit or w.engine_waiting > 0 for w in decodes):
+                return Rejection(429, "every decode worker's KV cache is full; retry later",
+                                 retry_after_s=1.0)
         if self.params.tpot_slo_ms is not None:
             decodes = pool.usable("decode")
             if decodes:

@@ -44,3 +44,14 @@ def test_allocation_never_evicts_its_own_prefix():
     assert removed == []
     cache.release([1, 2, 3], 0)
     assert cache.try_allocate([1, 5, 6, 7], 0) is None  # would have to evict block 1 itself
+
+
+def test_in_use_counts_pinned_and_private_blocks_but_not_the_evictable_cache():
+    cache = KvCache(10)
+    cache.try_allocate([1, 2], 1)
+    cache.try_allocate([1, 3], 0)  # block 1 pinned twice
+    assert cache.in_use_blocks == 4 and cache.used_blocks == 4
+    cache.release([1, 2], 1)
+    assert cache.in_use_blocks == 2  # 1 (still pinned by the second) and 3
+    cache.release([1, 3], 0)
+    assert cache.in_use_blocks == 0 and cache.used_blocks == 3

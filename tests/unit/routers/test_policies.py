@@ -119,6 +119,34 @@ def test_prefill_load_decider_converts_decode_when_prefill_pool_is_saturated():
     assert go is False and "saturated" in why
 
 
+def test_prefill_load_decider_spares_a_decode_worker_whose_kv_is_full():
+    ctx = context(prefill_base_s=0.01, prefill_per_token_s=0.001)
+    decode = ctx.pool.by_role("decode")[0]
+    prefills = ctx.pool.by_role("prefill")
+    for w in prefills:
+        w.in_flight, w.in_flight_prefill_tokens = 6, 3000
+    decider = build("decider", "prefill_load", {"max_decode_kv_usage": 0.7}, ctx)
+    decode.kv_usage = 0.69
+    assert decider.disaggregate(request(PROMPT), decode, prefills)[0] is False
+    decode.kv_usage = 0.7
+    go, why = decider.disaggregate(request(PROMPT), decode, prefills)
+    assert go is True and "decode KV 70% full" in why
+
+
+def test_slo_admission_rejects_while_every_decode_kv_cache_is_full():
+    ctx = context()
+    admission = build("admission", "slo", {"ttft_slo_ms": 10_000, "decode_kv_limit": 0.9}, ctx)
+    d0, d1 = ctx.pool.by_role("decode")
+    d0.kv_usage = 0.95
+    assert admission.admit(request(PROMPT)) is None  # d1 still has room
+    d1.engine_waiting = 1  # d1's engine queues: no room either
+    rejection = admission.admit(request(PROMPT))
+    assert rejection.status == 429 and "KV cache is full" in rejection.message
+    d1.engine_waiting = 0
+    d1.kv_usage = 0.5
+    assert admission.admit(request(PROMPT)) is None
+
+
 def test_slo_admission_rejects_with_retry_after():
     ctx = context(prefill_base_s=0.01, prefill_per_token_s=0.01)
     admission = build("admission", "slo", {"ttft_slo_ms": 500}, ctx)
