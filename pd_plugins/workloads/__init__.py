@@ -20,12 +20,12 @@ from pd_plugins.workloads.conversations import ConversationSpec, block_id, gener
 from pd_plugins.workloads.mooncake import load_mooncake
 from pd_plugins.workloads.trace import (HASH_BLOCK_SIZE, TraceFormatError, TraceRequest,
                                         blocks_for, first_n, prompt_token_ids, scale_time,
-                                        slice_window, summary)
+                                        slice_window, spread_bursts, summary)
 
 __all__ = [
     "AZURE_ID_BASE", "HASH_BLOCK_SIZE", "TRACES", "ConversationSpec", "TraceFormatError",
     "TraceRequest", "block_id", "blocks_for", "first_n", "generate_conversations", "load_azure",
-    "load_mooncake", "load_trace", "prompt_token_ids", "scale_time", "slice_window", "summary",
+    "load_mooncake", "load_trace", "prompt_token_ids", "scale_time", "slice_window", "spread_bursts", "summary",
     "traces_dir",
 ]
 

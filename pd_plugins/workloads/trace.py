@@ -112,6 +112,26 @@ def scale_time(requests: Sequence[TraceRequest], factor: float) -> list[TraceReq
     return [dataclasses.replace(r, arrival_s=r.arrival_s / factor) for r in requests]
 
 
+def spread_bursts(requests: Sequence[TraceRequest], window_s: float) -> list[TraceRequest]:
+    """Spread requests that share a timestamp evenly over [t, t + window_s), in trace order.
+
+    The Mooncake trace records arrivals in batches every 3 s (timestamps quantised), so a dozen
+    requests "arrive" at once and their order is arbitrary: any FCFS queue then depends on which of
+    them a replay happens to deliver first. Spreading them over the quantum makes the order well
+    defined (and closer to how they really came)."""
+    if not window_s > 0:
+        raise ValueError(f"window must be > 0, got {window_s}")
+    groups: dict[float, list[TraceRequest]] = {}
+    for r in requests:
+        groups.setdefault(r.arrival_s, []).append(r)
+    out = []
+    for t, group in groups.items():
+        step = window_s / len(group)
+        out += [dataclasses.replace(r, arrival_s=t + i * step) for i, r in enumerate(group)]
+    out.sort(key=lambda r: (r.arrival_s, r.request_id))
+    return out
+
+
 def slice_window(requests: Sequence[TraceRequest], start_s: float, duration_s: float
                  ) -> list[TraceRequest]:
     """Requests arriving in [start_s, start_s + duration_s), times re-based so the window starts at

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from pd_plugins.workloads import (HASH_BLOCK_SIZE, TraceRequest, first_n, prompt_token_ids,
+from pd_plugins.workloads import (HASH_BLOCK_SIZE, TraceRequest, first_n, prompt_token_ids, spread_bursts,
                                   scale_time, slice_window, summary)
 
 
@@ -98,3 +98,11 @@ def test_summary_counts():
     assert s["full_block_cacheable_share"] == 3 / 5
     assert s["sessions"] == 2
     assert summary([])["count"] == 0
+
+
+def test_spread_bursts_orders_simultaneous_arrivals_within_the_window():
+    reqs = [TraceRequest(i, t, 10, 1, (i,)) for i, t in enumerate([0.0, 0.0, 0.0, 3.0, 6.0, 6.0])]
+    spread = spread_bursts(reqs, 3.0)
+    assert [r.request_id for r in spread] == [0, 1, 2, 3, 4, 5]
+    assert [r.arrival_s for r in spread] == [0.0, 1.0, 2.0, 3.0, 6.0, 7.5]
+    assert [r.arrival_s for r in reqs][:3] == [0.0, 0.0, 0.0]  # the input is left alone
