@@ -106,6 +106,14 @@ class LatencySpec(_Strict):
     link_bytes_per_s: float = 25e9
 
 
+class SessionSpec(_Strict):
+    """Conversation tracking (routers/sessions.py), on when a policy piece uses sessions."""
+
+    ttl_s: float = 3600.0            # a conversation idle this long is forgotten
+    max_sessions: int = 100_000      # past this, the least recently used are forgotten
+    detect: bool = True              # find a session without an id from its prompt's prefix chain
+
+
 class RouterConfig(_Strict):
     engine: Literal["vllm", "sglang"] = "vllm"
     # gateway: choose both workers. sidecar: run beside one decode server, choose only the prefill.
@@ -120,6 +128,7 @@ class RouterConfig(_Strict):
     failover: FailoverSpec = msgspec.field(default_factory=FailoverSpec)
     health: HealthSpec = msgspec.field(default_factory=HealthSpec)
     latency: LatencySpec = msgspec.field(default_factory=LatencySpec)
+    sessions: SessionSpec = msgspec.field(default_factory=SessionSpec)
     # Served model names; empty: learned from the workers' /v1/models.
     models: list[str] = []
     # Optional tokenizer (a local path) so text prompts get exact token-block keys.
@@ -153,6 +162,8 @@ class RouterConfig(_Strict):
                 raise ConfigError(f"timeouts.{name} must be > 0 (got {value})")
         if self.failover.prefill_retries < 0 or self.failover.decode_retries < 0:
             raise ConfigError("failover retries must be >= 0")
+        if self.sessions.ttl_s <= 0 or self.sessions.max_sessions < 1:
+            raise ConfigError("sessions: ttl_s must be > 0 and max_sessions >= 1")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
         return self

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the scrape for nothing
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -11,7 +11,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class RouterMetrics:
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, sessions=None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pd_router_requests", "Requests by PD decision and outcome",
@@ -30,6 +30,8 @@ class RouterMetrics:
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
         r.register(_PoolCollector(pool))
+        if sessions is not None:
+            r.register(_SessionCollector(sessions))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -51,3 +53,18 @@ class _PoolCollector:
             healthy.add_metric([w.role, w.url], 1.0 if w.usable else 0.0)
         yield in_flight
         yield healthy
+
+
+class _SessionCollector:
+    """The session table's size and its pin counters (routers/sessions.py)."""
+
+    def __init__(self, sessions) -> None:
+        self.sessions = sessions
+
+    def collect(self):
+        yield GaugeMetricFamily("pd_router_sessions", "Conversations tracked now", value=len(self.sessions))
+        events = CounterMetricFamily("pd_router_session_events", "Pins, re-pins, expiries, evictions "
+                                     "and automatic detections of conversations", labels=["event"])
+        for event, count in self.sessions.counts.items():
+            events.add_metric([event], count)
+        yield events

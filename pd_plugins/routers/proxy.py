@@ -25,6 +25,7 @@ from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, Scheduler
 from pd_plugins.routers.request import ClientRequest
+from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
 
@@ -46,8 +47,10 @@ def error_response(status: int, message: str, param: str | None = None,
 
 class Proxy:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, ctx: PolicyContext,
-                 flow: PdFlow, metrics: RouterMetrics, pools: Pools) -> None:
+                 flow: PdFlow, metrics: RouterMetrics, pools: Pools,
+                 sessions: SessionTable | None = None) -> None:
         self.config, self.scheduler, self.ctx = config, scheduler, ctx
+        self.sessions = sessions
         self.flow, self.metrics, self.pools = flow, metrics, pools
         self.timeouts = config.timeouts
         self.record_prefixes = scheduler.uses_prefix_index
@@ -59,6 +62,8 @@ class Proxy:
     # -- the request ----------------------------------------------------------------------
     async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
         started = time.monotonic()
+        if self.sessions is not None:
+            self.sessions.resolve(request.info)  # its session, turn and pinned decode worker
         rejection = self.scheduler.admit(request.info)
         if rejection is not None:
             self.metrics.rejections.labels("slo").inc()
@@ -161,7 +166,7 @@ class Proxy:
             if prefill_task is not None:  # finishes on its own; nothing waits for it now
                 prefill_task.add_done_callback(_consume)
             decode.record_success()
-            header = self._route_header(decision, history)
+            header = self._route_header(decision, history, info)
             if not info.stream:
                 self._finish(attempt, started, decode_started)
                 return web.Response(body=payload, headers={"Content-Type": "application/json",
@@ -264,12 +269,16 @@ class Proxy:
         self._ok[_decision_label(attempt.decision)].inc()
         accounting.request_succeeded(self.ctx, attempt.decision.decode, attempt.request.info,
                                      self.record_prefixes)
+        if self.sessions is not None:
+            self.sessions.record(attempt.request.info, attempt.decision.decode.url)
 
-    def _route_header(self, decision: Decision, history: list[str]) -> str:
+    def _route_header(self, decision: Decision, history: list[str], info=None) -> str:
         prefill = decision.prefill.url if decision.prefill else "local"
+        session = (f", session={info.session_id}, turn={info.turn + 1}"
+                   if info is not None and info.session_id and self.sessions is not None else "")
         why = "; ".join(decision.reasons)
         retried = f"; retried after {len(history)} failure(s)" if history else ""
-        return _ascii(f"prefill={prefill}, decode={decision.decode.url}, why={why}{retried}")
+        return _ascii(f"prefill={prefill}, decode={decision.decode.url}{session}, why={why}{retried}")
 
 
 def _decision_label(decision: Decision) -> str:

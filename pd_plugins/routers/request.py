@@ -21,6 +21,8 @@ from pd_plugins.routers.policy.prefix_index import block_keys, text_block_keys
 TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
                    "bootstrap_pair_key", "disagg_prefill_dp_rank", "data_parallel_rank")
 SESSION_HEADERS = ("x-session-id", "x-conversation-id", "x-user-id")
+SESSION_FIELDS = ("session_id", "user")  # body fields, after the headers
+MAX_SESSION_ID = 128
 CHARS_PER_TOKEN = 4  # estimate for text prompts without a tokenizer
 
 Kind = Literal["completion", "chat"]
@@ -103,10 +105,29 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
         raise BadRequest(400, f"prompt of {prompt_tokens} tokens plus {max_tokens or 1} to generate "
                               f"exceeds the model's context of {max_model_len} tokens", param="prompt")
 
-    session = next((headers.get(h) for h in SESSION_HEADERS if headers.get(h)), None)
+    session = _session_id(headers, body)
     info = RequestInfo(prompt_tokens=prompt_tokens, block_keys=keys, max_tokens=max_tokens,
                        stream=stream, session_id=session, exact_tokens=exact)
     return ClientRequest(kind, body, info)
+
+
+def _session_id(headers: Any, body: dict) -> str | None:
+    """The conversation's id from the first header or body field that has one: trimmed, at most
+    MAX_SESSION_ID printable ASCII characters (a 400 otherwise, never a silent truncation)."""
+    for source, name, value in [*(("header", h, headers.get(h)) for h in SESSION_HEADERS),
+                                *(("field", f, body.get(f)) for f in SESSION_FIELDS)]:
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise BadRequest(400, f"'{name}' must be a string", param=name)
+        value = value.strip()
+        if not value:
+            continue
+        if len(value) > MAX_SESSION_ID or not value.isascii() or not value.isprintable():
+            raise BadRequest(400, f"session id in {source} '{name}' must be at most {MAX_SESSION_ID} "
+                                  "printable ASCII characters", param=name)
+        return value
+    return None
 
 
 def _completion_prompt(body: dict) -> tuple[list[int] | None, str]:

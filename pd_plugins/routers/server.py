@@ -19,6 +19,7 @@ from pd_plugins.routers.policy.prefix_index import KvEventSubscriber, PrefixInde
 from pd_plugins.routers.proxy import Proxy, error_response
 from pd_plugins.routers.request import BadRequest, parse_request
 from pd_plugins.routers.tokenizer import load_tokenizer
+from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.upstream import Pools, new_session
 from pd_plugins.routers.workers import Worker, WorkerPool
 
@@ -38,7 +39,8 @@ class Router:
         self.ctx = PolicyContext(self.pool, self.prefix_index, self.latency, config.block_size)
         fixed = config.decode[0].url if config.mode == "sidecar" else None
         self.scheduler = Scheduler(config.policy, self.ctx, fixed_decode_url=fixed)
-        self.metrics = RouterMetrics(self.pool)
+        self.sessions = SessionTable(config.sessions) if self.scheduler.uses_sessions else None
+        self.metrics = RouterMetrics(self.pool, self.sessions)
         self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
         self._subscribers: dict[str, asyncio.Task] = {}
         for spec in config.prefill:
@@ -57,7 +59,8 @@ class Router:
         self.session = new_session(self.config.timeouts.connect_s)
         self.pools = Pools(self.config.timeouts.connect_s)
         flow = flow_for(self.config.engine, self.config.transfer, self.config.push_head_start_s)
-        self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, self.metrics, self.pools)
+        self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, self.metrics, self.pools,
+                           self.sessions)
         self.upkeep = PoolUpkeep(self.config, self.pool, self.session)
         for worker in self.pool:
             self._subscribe(worker)
@@ -99,6 +102,8 @@ class Router:
             if task:
                 task.cancel()
             self.prefix_index.forget_worker(worker.url)
+            if self.sessions is not None and role == "decode":
+                self.sessions.forget_worker(worker.url)
             self.refresh_served()
         return worker
 

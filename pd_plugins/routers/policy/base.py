@@ -31,6 +31,10 @@ class RequestInfo:
     stream: bool = False
     session_id: str | None = None
     exact_tokens: bool = True
+    # Filled in by the session table (routers/sessions.py) when sessions are tracked:
+    turn: int = 0                   # turns of this conversation served before this one
+    pinned_decode: str | None = None  # the decode worker that holds the conversation's KV
+    resident_tokens: int = 0        # prompt tokens of the last turn, cached there
 
 
 @dataclass

@@ -54,6 +54,17 @@ PRESETS: dict[str, dict[str, Any]] = {
                      {"name": "prefill_load", "params": {"max_decode_kv_usage": 0.7}}],
         "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
     },
+    # Ours for multi-turn traffic: `goodput`, plus conversations pinned to their decode worker
+    # (ConServe) and later turns appended there without a prefill leg when that pays (PPD).
+    "multi_turn": {
+        "prefill": {"filters": [{"name": "not_saturated"}], "scorers": [{"name": "ttft"}]},
+        "decode": {"filters": [{"name": "session_pin"}, {"name": "not_saturated"}],
+                   "scorers": [{"name": "least_loaded"}, {"name": "prefix_cache", "weight": 2},
+                               {"name": "kv_usage"}]},
+        "deciders": [{"name": "append_prefill"},
+                     {"name": "prefill_load", "params": {"max_decode_kv_usage": 0.7}}],
+        "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
+    },
     # -- the peers' own rules (policy/peers.py cites the source of each) ----------------------
     # vllm-router 0.1.17 `--vllm-pd-disaggregation --policy kv_aware`: prefill by
     # new + active prefill tokens, decode by fewest requests; always disaggregates.
@@ -82,6 +93,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         "admission": {"name": "mooncake_slo", "params": {"ttft_slo_ms": 2000, "tpot_slo_ms": 100}},
     },
 }
+# vllm-router with session affinity (its sticky sessions by x-session-id): every turn to the
+# conversation's decode worker, always through a prefill leg (no append-prefill).
+PRESETS["vllm_session_affinity"] = {
+    "prefill": PRESETS["vllm_kv_aware"]["prefill"],
+    "decode": {"filters": [{"name": "session_pin", "params": {"min_resident_share": 0.0}}],
+               "scorers": [{"name": "vllm_kv_aware", "params": {"decode": True}}]},
+}
 # NVIDIA Dynamo 1.6's KV router is the kv_cost preset (policy/kv_cost.py cites the formula).
 PRESETS["dynamo"] = PRESETS["kv_cost"]
 DEFAULT_POLICY = "prefix_cache"
@@ -96,9 +114,9 @@ DEFAULT_POLICY = "prefix_cache"
 PEER_PRESETS = ("round_robin", "vllm_kv_aware", "sglang_cache_aware", "dynamo", "llm_d", "mooncake")
 PREFIX_SOURCE: dict[str, str] = {
     "round_robin": "routed", "vllm_kv_aware": "events", "sglang_cache_aware": "routed",
-    "dynamo": "events", "llm_d": "routed", "mooncake": "events",
+    "dynamo": "events", "llm_d": "routed", "mooncake": "events", "vllm_session_affinity": "events",
 }
-OUR_PRESETS = ("prefix_cache", "ttft_slo", "goodput")  # ours read KV events when workers publish them
+OUR_PRESETS = ("prefix_cache", "ttft_slo", "goodput", "multi_turn")  # ours read KV events when workers publish them
 
 
 def preset(name: str) -> PolicySpec:
@@ -148,6 +166,8 @@ class Scheduler:
                   *(s for _, _, s in self.decode.scorers), *(d for _, d in self.deciders), self.admission]
         # Block keys cost CPU per request: only compute and record them when a piece reads them.
         self.uses_prefix_index = any(getattr(p, "uses_prefix_index", False) for p in pieces)
+        # Conversation tracking (routers/sessions.py) costs a table lookup per request: only then.
+        self.uses_sessions = any(getattr(p, "uses_sessions", False) for p in pieces)
 
     def admit(self, request: RequestInfo) -> Rejection | None:
         return self.admission.admit(request) if self.admission else None

@@ -223,7 +223,7 @@ def test_mooncake_rejects_with_429_over_the_tbt_slo():
 
 # -- the harness's list ---------------------------------------------------------------------------
 def test_every_peer_preset_builds_and_schedules_and_names_its_prefix_source():
-    assert set(PREFIX_SOURCE) == set(PEER_PRESETS)
+    assert set(PEER_PRESETS) <= set(PREFIX_SOURCE)  # (plus vllm_session_affinity, multi-turn studies)
     assert set(PREFIX_SOURCE.values()) <= {"events", "routed"}
     for name in PEER_PRESETS:
         ctx = context()

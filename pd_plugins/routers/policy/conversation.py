@@ -1,0 +1,91 @@
+"""Multi-turn pieces: pin a conversation to its decode worker (ConServe), and run a later turn's
+new tokens there without a prefill leg when that pays (PPD's append-prefill).
+
+- filter `session_pin`: if the conversation is pinned to a usable decode worker that still holds
+  its history (at least `min_resident_share` of its last turn's prompt blocks, by the prefix
+  index), only that worker remains; otherwise every candidate does, and the worker that serves
+  this turn becomes the new pin (the table records it after the turn).
+- decider `append_prefill`: for turn 2+ on the pinned worker, prefill locally when the uncached part
+  is under `max_append_tokens` (512, PPD's default); otherwise weigh the TTFT gain against the TPOT
+  cost to the decodes running there,
+      score = w_ttft * (ttft_remote - ttft_local) / ttft_remote - w_tpot * stall / tpot_budget
+  where stall is the local prefill's time, which every co-running decode waits once, spread over
+  `typical_output_tokens` steps of decode_step_s(load); local if the score is positive.
+"""
+
+from __future__ import annotations
+
+from pd_plugins.routers.policy.base import Params, PolicyContext, RequestInfo, parse_params, register
+from pd_plugins.routers.policy.ttft import TtftEstimator
+
+
+class SessionPinParams(Params):
+    min_resident_share: float = 0.5
+
+
+class SessionPinFilter:
+    uses_prefix_index = True
+    uses_sessions = True
+
+    def __init__(self, params: SessionPinParams, ctx: PolicyContext) -> None:
+        self.params, self.ctx = params, ctx
+
+    def filter(self, request: RequestInfo, workers: list) -> list:
+        if request.pinned_decode is None:
+            return workers
+        pinned = next((w for w in workers if w.url == request.pinned_decode), None)
+        if pinned is None:  # gone, unhealthy or draining: full PD elsewhere, then re-pin
+            return workers
+        expected = request.resident_tokens // self.ctx.block_size
+        held = self.ctx.prefix_index.matched_blocks(pinned.url, request.block_keys)
+        if expected and held < self.params.min_resident_share * expected:
+            return workers  # it evicted the history: no reason to stay
+        return [pinned]
+
+
+class AppendPrefillParams(Params):
+    max_append_tokens: int = 512
+    w_ttft: float = 1.0
+    w_tpot: float = 1.0
+    typical_output_tokens: int = 256
+
+
+class AppendPrefillDecider:
+    uses_prefix_index = True
+    uses_sessions = True
+
+    def __init__(self, params: AppendPrefillParams, ctx: PolicyContext) -> None:
+        self.params, self.ctx = params, ctx
+        self.estimator = TtftEstimator(ctx)
+
+    def disaggregate(self, request: RequestInfo, decode, prefills: list) -> tuple[bool, str]:
+        if request.turn == 0 or request.pinned_decode != decode.url:
+            return True, "not a later turn on its pinned worker"
+        uncached = self.estimator.uncached_tokens(request, decode)
+        p = self.params
+        if uncached < p.max_append_tokens:
+            return False, f"append-prefill: {uncached} new tokens < {p.max_append_tokens}"
+        if not prefills:
+            return False, "append-prefill: no prefill worker"
+        latency = self.ctx.latency
+        local = latency.prefill_s(uncached) * (1 + decode.in_flight_prefill_tokens / max(1, uncached))
+        remote = min(self.estimator.estimate_s(request, w) for w in prefills)
+        gain = (remote - local) / remote if remote > 0 else 0.0
+        cost = 0.0
+        if decode.in_flight > 0:
+            budget = p.typical_output_tokens * latency.decode_step_s(decode.load)
+            cost = latency.prefill_s(uncached) / budget if budget > 0 else 0.0
+        score = p.w_ttft * gain - p.w_tpot * cost
+        if score > 0:
+            return False, f"append-prefill: TTFT gain {gain:.2f} > TPOT cost {cost:.2f}"
+        return True, f"full PD: TTFT gain {gain:.2f} <= TPOT cost {cost:.2f}"
+
+
+@register("filter", "session_pin")
+def _session_pin(params, ctx):
+    return SessionPinFilter(parse_params(params, SessionPinParams, "filter session_pin"), ctx)
+
+
+@register("decider", "append_prefill")
+def _append_prefill(params, ctx):
+    return AppendPrefillDecider(parse_params(params, AppendPrefillParams, "decider append_prefill"), ctx)

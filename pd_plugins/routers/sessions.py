@@ -1,0 +1,118 @@
+"""Conversations and the decode worker that holds each one's KV (ConServe's pinning).
+
+A session is named by the client (x-session-id and friends, or the body's `session_id` / `user`;
+request.py reads them) or found automatically: a request whose prompt extends the prompt of an
+earlier one is its next turn (their prefix block keys chain). After every successful turn the
+table records the decode worker that served it; the `session_pin` filter sends the next turn there,
+where the conversation's KV is cached, and the `append_prefill` decider may skip the prefill leg.
+
+The table is bounded twice: entries unused for `ttl_s` expire, and past `max_sessions` the least
+recently used go first, so memory stays flat under millions of conversations. The proxy and the
+cluster simulator both call `resolve` before scheduling and `record` after a turn succeeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from pd_plugins.routers.config import SessionSpec
+from pd_plugins.routers.policy.base import RequestInfo
+
+
+@dataclass(slots=True)
+class Session:
+    decode_url: str | None          # where its KV is (None: not pinned yet, or unpinned)
+    turns: int = 0                  # turns served so far
+    resident_tokens: int = 0        # prompt tokens of its last turn, cached on decode_url
+    last_use: float = 0.0
+
+
+class SessionTable:
+    def __init__(self, spec: SessionSpec, clock: Callable[[], float] = time.monotonic) -> None:
+        self.spec, self.clock = spec, clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        # last prompt block key of a served turn -> its session (automatic detection)
+        self._chains: OrderedDict[int, str] = OrderedDict()
+        self._auto_ids = itertools.count(1)
+        self.counts = {"pinned": 0, "repinned": 0, "expired": 0, "evicted": 0, "detected": 0}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    # -- before scheduling ----------------------------------------------------------------------
+    def resolve(self, info: RequestInfo) -> None:
+        """Fill in the request's session, turn and pinned decode worker (if any)."""
+        now = self.clock()
+        self._expire(now)
+        if info.session_id is None and self.spec.detect:
+            info.session_id = self._detect(info.block_keys)
+        if info.session_id is None:
+            return
+        session = self._sessions.get(info.session_id)
+        if session is None:
+            return
+        info.turn = session.turns
+        info.pinned_decode = session.decode_url
+        info.resident_tokens = session.resident_tokens
+
+    def _detect(self, keys: list[int]) -> str | None:
+        """The session whose last turn's prompt is the longest prefix of this prompt."""
+        for key in reversed(keys):
+            session_id = self._chains.get(key)
+            if session_id is not None and session_id in self._sessions:
+                self.counts["detected"] += 1
+                return session_id
+        return None
+
+    # -- after a successful turn ----------------------------------------------------------------
+    def record(self, info: RequestInfo, decode_url: str) -> str:
+        """The turn ran on `decode_url`: pin the session there. Returns the session id (a new
+        automatic one when the request had none)."""
+        now = self.clock()
+        session_id = info.session_id
+        if session_id is None:
+            if not self.spec.detect or not info.block_keys:
+                return ""
+            session_id = info.session_id = f"auto-{next(self._auto_ids)}"
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            session = Session(None)
+        if session.decode_url != decode_url:
+            self.counts["repinned" if session.decode_url else "pinned"] += 1
+        session.decode_url, session.turns = decode_url, session.turns + 1
+        session.resident_tokens, session.last_use = info.prompt_tokens, now
+        self._sessions[session_id] = session  # most recently used
+        while len(self._sessions) > self.spec.max_sessions:
+            self._sessions.popitem(last=False)
+            self.counts["evicted"] += 1
+        if self.spec.detect and info.block_keys:
+            self._chains[info.block_keys[-1]] = session_id
+            self._chains.move_to_end(info.block_keys[-1])
+            while len(self._chains) > 4 * self.spec.max_sessions:
+                self._chains.popitem(last=False)
+        return session_id
+
+    def forget_worker(self, decode_url: str) -> int:
+        """A decode worker left: its sessions re-pin on their next turn. Returns how many."""
+        moved = 0
+        for session in self._sessions.values():
+            if session.decode_url == decode_url:
+                session.decode_url = None
+                moved += 1
+        return moved
+
+    def _expire(self, now: float) -> None:
+        ttl = self.spec.ttl_s
+        while self._sessions:
+            session_id, session = next(iter(self._sessions.items()))
+            if now - session.last_use < ttl:
+                return
+            del self._sessions[session_id]
+            self.counts["expired"] += 1
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
