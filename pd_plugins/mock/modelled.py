@@ -53,6 +53,7 @@ class Flight:
 
     req: EngineRequest
     ids: list[int] | None                 # prompt token ids (None: a text prompt)
+    output_ids: list[int] | None = None   # what it "generates", when the client said so
     tokens: int = 0                       # output tokens made so far
     done: bool = False                    # finished, failed or aborted
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -190,6 +191,8 @@ class ModelDriver:
             flight.notify()
         for req in result.finished:
             flight = req.rid
+            if flight.output_ids and self.events is not None:
+                self._publish_output_blocks(flight)
             flight.tokens = req.output_tokens
             flight.done = True
             self.decoding.discard(flight)
@@ -197,11 +200,16 @@ class ModelDriver:
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, prompt_tokens: int, ids: list[int] | None, output_tokens: int, kind: str,
-               arrived: float | None = None) -> Flight:
-        """`arrived`: model time the request reached the server (default: now)."""
+               arrived: float | None = None, output_ids: list[int] | None = None) -> Flight:
+        """`arrived`: model time the request reached the server (default: now). `output_ids`:
+        the tokens it is to "generate" (`mock_output_ids`): the full blocks they complete are
+        cached when it finishes, as an engine caches generated blocks."""
         keys = block_keys(ids, self.block_size) if ids is not None else []
-        req = EngineRequest(None, prompt_tokens, output_tokens, keys, kind)
-        flight = Flight(req, ids)
+        out_keys: list[int] = []
+        if ids is not None and output_ids and kind != "prefill":
+            out_keys = block_keys(ids + output_ids, self.block_size)[len(keys):]
+        req = EngineRequest(None, prompt_tokens, output_tokens, keys, kind, output_block_keys=out_keys)
+        flight = Flight(req, ids, output_ids=output_ids if out_keys else None)
         req.rid = flight
         arrived = self.now() if arrived is None else arrived
         if self.idle and (self._arrived is None or arrived < self._arrived):
@@ -220,6 +228,15 @@ class ModelDriver:
         """A prefill leg's KV was pulled (or given up on)."""
         self.inst.release(flight.req)
         self.wake.set()
+
+    def _publish_output_blocks(self, flight: Flight) -> None:
+        """BlockStored for the blocks a finished request's output completed (cached by the
+        engine model as it finished), chained on its last prompt block."""
+        req, size = flight.req, self.block_size
+        keys = list(req.output_block_keys)
+        first = len(req.block_keys)
+        tokens = (flight.ids + flight.output_ids)[first * size:(first + len(keys)) * size]
+        self.events.stored(keys, req.block_keys[-1] if req.block_keys else None, tokens, size)
 
     def _on_stored(self, keys: list[int]) -> None:
         """KvCache stored `keys`: it does so while admitting the head of the queue. One
@@ -269,6 +286,14 @@ def token_ids(body: dict[str, Any]) -> list[int] | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
         return prompt
+    return None
+
+
+def mock_output_ids(body: dict[str, Any]) -> list[int] | None:
+    """The replay's `mock_output_ids` (perf.replay.request_body), if well formed."""
+    ids = body.get("mock_output_ids")
+    if isinstance(ids, list) and all(type(t) is int for t in ids):
+        return ids
     return None
 
 
@@ -357,10 +382,11 @@ class ModelledServing:
                     self._spawn(e.fetch_kv(kv, body, key))
                     return _error(409, f"KV under {key} belongs to another prompt")
             flight = driver.submit(n_prompt, ids, max_tokens, "remote_decode",
-                                   arrived if pull else None)
+                                   arrived if pull else None, output_ids=mock_output_ids(body))
         else:
             s.stats["local"] += 1
-            flight = driver.submit(n_prompt, ids, max_tokens, "local", arrived)
+            flight = driver.submit(n_prompt, ids, max_tokens, "local", arrived,
+                                   output_ids=mock_output_ids(body))
         try:
             await self._wait(flight, lambda f: f.tokens > 0 or f.done)
             if peek is not None:

@@ -25,11 +25,12 @@ from typing import Callable, Iterable, Literal
 from pd_plugins.perf.engine_model import EngineInstance, EngineRequest
 from pd_plugins.perf.hardware import Hardware
 from pd_plugins.routers import accounting
-from pd_plugins.routers.config import LatencySpec, PolicySpec, WorkerSpec
+from pd_plugins.routers.config import LatencySpec, PolicySpec, SessionSpec, WorkerSpec
 from pd_plugins.routers.policy import PolicyContext, RequestInfo, Scheduler
 from pd_plugins.routers.policy.latency_model import LatencyModels
 from pd_plugins.routers.policy.prefix_index import PrefixIndex
 from pd_plugins.routers.policy.scheduler import preset
+from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.workers import WorkerPool
 from pd_plugins.workloads import TraceRequest
 from pd_plugins.workloads.trace import HASH_BLOCK_SIZE
@@ -72,6 +73,7 @@ class SimConfig:
     kv_capacity_tokens: int | None = None  # default: what fits in GPU memory (hardware.py)
     scrape_interval_s: float = 1.0
     leg_network_s: float = 0.0005     # one router -> engine HTTP hop
+    sessions: SessionSpec = field(default_factory=SessionSpec)  # when the policy tracks them
     seed: int = 0
 
 
@@ -137,8 +139,11 @@ class ClusterSim:
                 self.instances[worker] = inst
         self._events: list = []
         self._seq = itertools.count()
-        self._flights: dict[int, _Flight] = {}
         self.kv_bytes_moved = 0.0
+        self._now = 0.0
+        self.sessions = (SessionTable(c.sessions, clock=lambda: self._now)
+                         if self.scheduler.uses_sessions else None)
+        self._output_keys: dict[int, tuple[int, ...]] = {}
 
     # -- the event loop ----------------------------------------------------------------------
     def _at(self, t: float, action: Callable, *args) -> None:
@@ -147,6 +152,7 @@ class ClusterSim:
     def run(self, requests: Iterable[TraceRequest],
             progress: Callable[[int], None] | None = None) -> SimResult:
         requests = list(requests)
+        self._output_keys = context_keys(requests)
         for r in requests:
             self._at(r.arrival_s, self._arrive, r)
         if self.config.scrape_interval_s > 0:
@@ -156,6 +162,7 @@ class ClusterSim:
         now = 0.0
         while self._events and len(outcomes) < len(requests):
             now, _, action, args = heapq.heappop(self._events)
+            self._now = now
             action(now, *args)
         outcomes.sort(key=lambda o: o.request_id)
         insts = list(self.workers)
@@ -185,6 +192,8 @@ class ClusterSim:
         outcome = RequestOutcome(r.request_id, r.arrival_s, r.input_tokens, r.output_tokens,
                                  session_id=r.session_id, turn=r.turn)
         flight = _Flight(r, info, outcome)
+        if self.sessions is not None:
+            self.sessions.resolve(info)
         if self.scheduler.admit(info) is not None:
             self._end(flight, "rejected")
             return
@@ -207,7 +216,9 @@ class ClusterSim:
                                           now + self.config.leg_network_s)
 
     def _submit(self, flight: _Flight, worker, kind: str, output_tokens: int, at: float) -> EngineRequest:
-        req = EngineRequest(flight, flight.info.prompt_tokens, output_tokens, flight.info.block_keys, kind)
+        req = EngineRequest(flight, flight.info.prompt_tokens, output_tokens, flight.info.block_keys, kind,
+                            output_block_keys=() if kind == "prefill"
+                            else self._output_keys.get(flight.trace.request_id, ()))
         self._at(at, self._deliver, self.instances[worker], req)
         return req
 
@@ -269,6 +280,8 @@ class ClusterSim:
             accounting.decode_observed(self.ctx, decode, outcome.tpot_s)
         accounting.decode_ended(decode, flight.info)
         accounting.request_succeeded(self.ctx, decode, flight.info, self.record_prefixes)
+        if self.sessions is not None:
+            self.sessions.record(flight.info, decode.url)
         self._end(flight, "ok")
 
     def _leg_failed(self, now: float, inst: EngineInstance, req: EngineRequest) -> None:
@@ -291,6 +304,24 @@ class ClusterSim:
         self._outcomes.append(flight.outcome)
         if self._progress is not None:
             self._progress(len(self._outcomes))
+
+
+def context_keys(requests: list[TraceRequest]) -> dict[int, tuple[int, ...]]:
+    """For each turn followed by another in its session: the keys of the full blocks its output
+    completes (the next turn's prompt holds them, so the decode worker has them cached)."""
+    out, last = {}, {}
+    for r in requests:  # in arrival order, so a session's turns come in order
+        if r.session_id is None:
+            continue
+        prev = last.get(r.session_id)
+        if prev is not None:
+            keys = r.full_block_hashes()
+            done = len(prev.full_block_hashes())
+            upto = min(len(keys), (prev.input_tokens + prev.output_tokens) // HASH_BLOCK_SIZE)
+            if keys[:done] == prev.full_block_hashes() and upto > done:
+                out[prev.request_id] = keys[done:upto]
+        last[r.session_id] = r
+    return out
 
 
 def simulate(requests: Iterable[TraceRequest], config: SimConfig,

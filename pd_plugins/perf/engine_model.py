@@ -44,6 +44,9 @@ class EngineRequest:
     output_tokens: int              # tokens generated here (a prefill leg: 1)
     block_keys: Sequence[int]       # keys of the prompt's full blocks, at the instance's block size
     kind: Kind = "local"
+    # Keys of the blocks the output completes after the prompt's (a conversation's next turn starts
+    # with them): cached here when the request finishes, as vLLM caches generated blocks.
+    output_block_keys: Sequence[int] = ()
     # Filled in by the model:
     cached_tokens: int = 0          # prompt tokens found in this instance's prefix cache
     transfer_tokens: int = 0        # remote_decode: tokens pulled over the link
@@ -259,4 +262,6 @@ class EngineInstance:
     def _done(self, req: EngineRequest, now: float, result: StepResult) -> None:
         req.finished_at = now
         self.cache.release(req.block_keys, req._private)
+        if req.output_block_keys:
+            self.cache.insert_cached(req.output_block_keys)
         result.finished.append(req)

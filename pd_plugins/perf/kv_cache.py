@@ -105,6 +105,20 @@ class KvCache:
                     self.pinned_keyed_blocks -= 1
         self.private_blocks -= private_blocks
 
+    def insert_cached(self, keys: Sequence[int]) -> None:
+        """Blocks a finished request completed with its output (the next turn's prompt will start
+        with them): cached unpinned, as far as free space allows (they come from freed private
+        blocks, so there normally is)."""
+        stored = []
+        for key in keys:
+            if key in self._resident:
+                self._resident.move_to_end(key)
+            elif self.free_blocks > 0:
+                self._resident[key] = 0
+                stored.append(key)
+        if stored and self.on_stored:
+            self.on_stored(stored)
+
     def clear_cache(self) -> None:
         """Drop every unpinned block (vLLM's reset_prefix_cache)."""
         victims = [k for k, pins in self._resident.items() if pins == 0]

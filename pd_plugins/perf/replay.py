@@ -55,21 +55,46 @@ class ReplayResult:
         return [gap for o in self.outcomes if o.status == "ok" for gap in o.itl_s]
 
 
+def next_turn_outputs(requests: Sequence[TraceRequest]) -> dict[int, list[int]]:
+    """For a turn followed by another of its session: the tokens its answer adds to the
+    conversation, as the next turn's prompt holds them."""
+    out, last = {}, {}
+    for r in requests:
+        prev = last.get(r.session_id) if r.session_id is not None else None
+        if prev is not None:
+            ids = prompt_token_ids(r)
+            out[prev.request_id] = ids[prev.input_tokens:prev.input_tokens + prev.output_tokens]
+        if r.session_id is not None:
+            last[r.session_id] = r
+    return out
+
+
+def request_body(r: TraceRequest, model: str, mock_outputs: dict[int, list[int]] | bool = False) -> dict:
+    body = {"model": model, "prompt": prompt_token_ids(r), "max_tokens": r.output_tokens,
+            "ignore_eos": True, "stream": True, "temperature": 0}
+    if mock_outputs and r.request_id in mock_outputs:
+        # A named fake's extension: a real engine's answer is what the next turn resends; a
+        # modelled mock is told those tokens so that it caches the blocks they complete.
+        body["mock_output_ids"] = mock_outputs[r.request_id]
+    return body
+
+
 async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, model: str,
                  timeout_s: float, progress: Callable[[int], None] | None = None,
-                 max_connections: int = 10_000) -> ReplayResult:
+                 max_connections: int = 10_000, mock_outputs: bool = False) -> ReplayResult:
     """Send `requests` open loop to `url` (a router or an engine); `timeout_s` bounds each
-    request in WALL seconds (past it the request counts as failed)."""
+    request in WALL seconds (past it the request counts as failed). `mock_outputs`: tell
+    latency-modelled mocks which tokens each turn "generates" (see request_body)."""
     if not speedup > 0:
         raise ValueError(f"speedup must be > 0, got {speedup}")
     loop = asyncio.get_running_loop()
+    if mock_outputs:
+        mock_outputs = next_turn_outputs(requests)
     endpoint = url.rstrip("/") + "/v1/completions"
     outcomes: list[ReplayOutcome] = []
     done = 0
     # Prompts are built before the clock starts: materialising one costs ~1 ms per 10k tokens.
-    bodies = [msgspec.json.encode({"model": model, "prompt": prompt_token_ids(r),
-                                   "max_tokens": r.output_tokens, "ignore_eos": True, "stream": True,
-                                   "temperature": 0}) for r in requests]
+    bodies = [msgspec.json.encode(request_body(r, model, mock_outputs)) for r in requests]
     connector = aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:

@@ -7,8 +7,9 @@ then every earlier user and assistant segment of its session, then the new user 
 Block ids (HASH_BLOCK_SIZE tokens each) follow the prefix-cache view of that prompt:
   * a full block lying entirely inside the system prompt has an id shared by all sessions;
   * any other full block k of session n has one id, the same in every turn of that session;
-  * a partial last block has an id unique to its request (it differs from the id that block
-    gets once a later turn fills it).
+  * a partial last block has the id that block gets once a later turn fills it, so
+    `prompt_token_ids` of turn t is a token-for-token prefix of turn t+1's (a real client resends
+    the same text); only full blocks are cacheable, so the partial id never counts as a hit.
 Ids are 64-bit blake2b hashes of (seed, scope, block index) with the top bit set, so they never
 collide with Mooncake's small remapped ints or Azure's counter ids (from 2**40).
 
@@ -95,7 +96,7 @@ def generate_conversations(spec: ConversationSpec, n_sessions: int, seed: int
             full_ids += [block_id(seed, session, k) for k in range(len(full_ids), n_full)]
             hashes = full_ids[:n_full]
             if blocks_for(n_in) > n_full:
-                hashes.append(block_id(seed, f"{session}/t{turn}/partial", n_full))
+                hashes.append(block_id(seed, session, n_full))
             rows.append((arrival, n, turn, n_in, answer, tuple(hashes)))
             context = n_in + answer  # the answer becomes part of the next turn's prompt
             arrival += answer * spec.service_s_per_output_token + rng.lognormvariate(

@@ -102,7 +102,9 @@ def test_shared_prefix_is_cached_and_metrics_show_what_runs():
         def metrics():
             return parse_engine_metrics(requests.get(mock.url + "/metrics", timeout=5).text, "vllm")
 
-        assert metrics()[:2] == (0, 0) and metrics()[2] > 0  # idle, its prefix cache holds blocks
+        # idle: nothing waits or runs, and KV usage is 0 although its prefix cache holds blocks
+        # (vLLM counts evictable cached blocks as free)
+        assert metrics() == (0, 0, 0.0) and mock.stats()["prompt_tokens_cached"] == 512
         # ~20000 decode steps: minutes of model time, many wall seconds; the client leaves early
         body = {"prompt": prompt_token_ids(trace(512, 1, 10)), "max_tokens": 20_000, "stream": True}
         resp = requests.post(mock.url + "/v1/completions", json=body, stream=True, timeout=10)
@@ -212,3 +214,23 @@ def test_kv_events_feed_the_router_prefix_index_and_oversized_requests_fail():
         asyncio.run(scenario())
         stats = mock.stats()
         assert stats["evicted_blocks"] > 0 and stats["kv_events_sent"] > 0
+
+
+def test_mock_output_ids_are_cached_for_the_next_turn():
+    """A conversation's second turn finds its first turn's prompt AND answer in the cache, when
+    the replay tells the mock which tokens that answer was (`mock_output_ids`)."""
+    from pd_plugins.workloads import ConversationSpec, generate_conversations
+    spec = ConversationSpec(session_rate_per_s=1.0, mean_turns=50, max_turns=2, shared_system_tokens=0,
+                            user_tokens_range=(300, 600), assistant_tokens_range=(200, 400),
+                            think_time_median_s=0.5, think_time_sigma=0.1)
+    turns = [r for r in generate_conversations(spec, 1, seed=2)]
+    assert [r.turn for r in turns] == [0, 1]
+    first, second = turns
+    for with_outputs, expect in ((False, first.input_tokens // 16 * 16),
+                                 (True, (first.input_tokens + first.output_tokens) // 16 * 16)):
+        mock = MockEngineProcess("modelled", args=MODELLED)
+        with running(mock):
+            result = asyncio.run(replay(mock.url, turns, SPEEDUP, "mock", timeout_s=30,
+                                        mock_outputs=with_outputs))
+            assert [o.status for o in result.outcomes] == ["ok", "ok"]
+            assert mock.stats()["prompt_tokens_cached"] == expect, with_outputs

@@ -70,11 +70,20 @@ def test_sessions_share_only_system_prompt_blocks(system_tokens, shared):
     assert {h for h, who in owners.items() if len(who) > 1} == set(system)
 
 
-def test_partial_block_ids_are_unique(big):
-    full = {h for r in big for h in r.full_block_hashes()}
-    partial = [r.block_hashes[-1] for r in big if r.input_tokens % HASH_BLOCK_SIZE]
-    assert len(partial) > 0.9 * len(big)
-    assert len(set(partial)) == len(partial) and full.isdisjoint(partial)
+def test_each_turn_is_a_token_prefix_of_the_next(big):
+    sessions = by_session(big)
+    for turns in list(sessions.values())[:50]:
+        for a, b in zip(turns, turns[1:]):
+            ids_a, ids_b = prompt_token_ids(a), prompt_token_ids(b)
+            assert ids_b[:len(ids_a)] == ids_a  # the client resends the whole conversation
+            assert b.block_hashes[:len(a.block_hashes)] == a.block_hashes
+    partial = {r.block_hashes[-1]: r.session_id for r in big if r.input_tokens % HASH_BLOCK_SIZE}
+    assert len(partial) > 0.5 * len(big)
+    owners = defaultdict(set)
+    for r in big:
+        for h in r.block_hashes:
+            owners[h].add(r.session_id)
+    assert all(owners[h] == {s} for h, s in partial.items())  # a session's own block
     assert all(len(r.block_hashes) == math.ceil(r.input_tokens / HASH_BLOCK_SIZE) for r in big)
     assert min(h for r in big for h in r.block_hashes) >= 1 << 63  # clear of Mooncake and Azure
 
