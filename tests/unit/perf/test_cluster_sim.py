@@ -49,3 +49,23 @@ def test_slo_admission_rejects_under_overload_and_everything_is_accounted_for():
     statuses = [o.status for o in result.outcomes]
     assert len(statuses) == 300 and set(statuses) <= {"ok", "rejected"}
     assert statuses.count("rejected") > 100 and statuses.count("ok") > 10
+
+
+def test_multi_turn_appends_later_turns_on_the_pinned_decode_with_the_answer_cached():
+    spec = ConversationSpec(session_rate_per_s=0.2, mean_turns=50, max_turns=3, shared_system_tokens=0,
+                            user_tokens_range=(100, 300), assistant_tokens_range=(600, 900))
+    reqs = generate_conversations(spec, n_sessions=4, seed=3)
+    result = simulate(reqs, SimConfig(HW, 2, 2, policy="multi_turn"))
+    by_id = {r.request_id: r for r in reqs}
+    for o in result.outcomes:
+        assert o.status == "ok"
+        if o.turn == 0:
+            assert o.disaggregated
+            continue
+        prev = next(r for r in reqs if r.session_id == o.session_id and r.turn == o.turn - 1)
+        first = next(x for x in result.outcomes if x.request_id == prev.request_id)
+        assert not o.disaggregated and o.decode == first.decode  # appended on its pinned decode
+        # its prompt's full blocks up to the end of the last answer were cached there
+        assert o.cached_tokens >= (prev.input_tokens + prev.output_tokens) // 512 * 512, by_id[o.request_id]
+    plain = simulate(reqs, SimConfig(HW, 2, 2, policy="vllm_kv_aware"))
+    assert all(o.disaggregated for o in plain.outcomes)

@@ -55,3 +55,12 @@ def test_in_use_counts_pinned_and_private_blocks_but_not_the_evictable_cache():
     assert cache.in_use_blocks == 2  # 1 (still pinned by the second) and 3
     cache.release([1, 3], 0)
     assert cache.in_use_blocks == 0 and cache.used_blocks == 3
+
+
+def test_insert_cached_adds_unpinned_blocks_while_there_is_room():
+    stored = []
+    cache = KvCache(4, on_stored=stored.extend)
+    cache.try_allocate([1, 2], 1)
+    cache.release([1, 2], 1)
+    cache.insert_cached([3, 4, 5])  # room for two more
+    assert stored == [1, 2, 3, 4] and cache.in_use_blocks == 0 and cache.match([1, 2, 3, 4]) == 4
