@@ -27,8 +27,8 @@ def main(results_path: str, out_dir: str) -> None:
         for r in results["runs"]:
             if r["trace"] == trace:
                 pols.setdefault(r["policy"], []).append(r)
-        fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
-        (att, hit), (ttft, tpot) = axes
+        fig, axes = plt.subplots(2, 3, figsize=(17, 8.5))
+        (att, good, hit), (ttft, tpot, mean_ttft) = axes
         for policy in meta["policies"]:
             runs = sorted(pols.get(policy, []), key=lambda r: r["rate"])
             if not runs:
@@ -38,9 +38,17 @@ def main(results_path: str, out_dir: str) -> None:
             rates = [r["rate"] for r in runs]
             att.plot(rates, [r["slo_attainment"] for r in runs], marker="o", markersize=3, label=label, **style)
             hit.plot(rates, [r["cache_hit_rate"] or 0 for r in runs], marker="o", markersize=3, label=label, **style)
+            mean_ttft.plot(rates, [r["ttft_s"]["mean"] for r in runs], marker="o", markersize=3, label=label, **style)
             mid = runs[len(runs) // 2]
             ttft.plot(*mid["ttft_cdf"], label=label, **style)
             tpot.plot([x * 1e3 for x in mid["tpot_cdf"][0]], mid["tpot_cdf"][1], label=label, **style)
+        names = [p for p in meta["policies"] if p in pols]
+        values = [results["goodput"][trace][p] for p in names]
+        good.bar(range(len(names)), values, color=["black" if p == ours else "#7f7f7f" for p in names])
+        good.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        good.set(ylabel="goodput (req/s)", title="goodput: highest rate with >= 90% attainment")
+        mean_ttft.set(xlabel="request rate (req/s)", ylabel="mean TTFT of served requests (s)",
+                      yscale="log", title="mean TTFT")
         mid_rate = sorted(pols[ours], key=lambda r: r["rate"])[len(pols[ours]) // 2]["rate"]
         att.axhline(0.9, color="grey", linestyle="--", linewidth=1)
         slo = meta["slo"][trace]
@@ -50,7 +58,7 @@ def main(results_path: str, out_dir: str) -> None:
         ttft.set(xlabel="TTFT (s)", ylabel="share of served requests", xscale="log",
                  title=f"TTFT CDF at {mid_rate:.1f} req/s")
         tpot.set(xlabel="TPOT (ms)", ylabel="share of served requests", title=f"TPOT CDF at {mid_rate:.1f} req/s")
-        for ax in (att, hit, ttft, tpot):
+        for ax in (att, hit, ttft, tpot, mean_ttft):
             ax.grid(alpha=0.3)
         att.legend(fontsize=8)
         p, d = meta["cluster"]

@@ -61,8 +61,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "decode": {"filters": [{"name": "session_pin"}, {"name": "not_saturated"}],
                    "scorers": [{"name": "least_loaded"}, {"name": "prefix_cache", "weight": 2},
                                {"name": "kv_usage"}]},
-        "deciders": [{"name": "append_prefill"},
-                     {"name": "prefill_load", "params": {"max_decode_kv_usage": 0.7}}],
+        "deciders": [{"name": "append_prefill"}],
         "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
     },
     # -- the peers' own rules (policy/peers.py cites the source of each) ----------------------
