@@ -31,8 +31,7 @@ from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
 from pd_plugins.perf.replay import replay
 from pd_plugins.perf.report import cdf, percentile
-from pd_plugins.testing.processes import free_port
-from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
+from pd_plugins.testing.router_harness import modelled_deployment
 from pd_plugins.workloads import ConversationSpec, generate_conversations
 
 HARDWARE = "llama-3.1-8b@h100"
@@ -69,33 +68,11 @@ def simulated(rate: float, sessions: int, policy: str) -> dict:
 
 def replayed(sessions: int, policy: str, log_dir: Path) -> dict:
     reqs = conversations(REPLAY_RATE, sessions)
-    modelled = ("--latency-model", HARDWARE, "--speedup", str(SPEEDUP), "--block-size", str(BLOCK),
-                "--max-model-len", "200000")
-    engines, workers = [], {"prefill": [], "decode": []}
-    for role, count in zip(("prefill", "decode"), CLUSTER):
-        for i in range(count):
-            events = free_port()
-            e = MockEngineProcess(f"{role}{i}", role=role, log_dir=log_dir,
-                                  args=(*modelled, "--kv-events", f"tcp://127.0.0.1:{events}"))
-            engines.append(e)
-            workers[role].append([*e.worker_arg(), f"kv_events=tcp://127.0.0.1:{events}"])
-    router = RouterProcess("router", prefill=workers["prefill"], decode=workers["decode"],
-                           args=("--policy", policy, "--log-level", "warning"), log_dir=log_dir,
-                           config={"block_size": BLOCK,
-                                   "health": {"interval_s": 5.0, "metrics_interval_s": SCRAPE_S}})
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_healthy(60)
-        router.start()
-        router.wait_healthy(60)
+    with modelled_deployment(HARDWARE, *CLUSTER, policy, speedup=SPEEDUP, block_size=BLOCK,
+                             scrape_s=SCRAPE_S, log_dir=log_dir) as (router, _engines):
         with tqdm(total=len(reqs), desc=f"  {policy} replay", unit="req") as bar:
             result = asyncio.run(replay(router.url, reqs, SPEEDUP, "mock", timeout_s=600, mock_outputs=True,
                                         progress=lambda done: bar.update(done - bar.n)))
-    finally:
-        for proc in [router, *engines]:
-            proc.stop(grace=5)
     return summary(result.outcomes)
 
 

@@ -29,8 +29,7 @@ from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
 from pd_plugins.perf.replay import collect_engine_stats, replay
 from pd_plugins.perf.report import Slo, summarize
-from pd_plugins.testing.processes import free_port
-from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
+from pd_plugins.testing.router_harness import modelled_deployment
 from pd_plugins.workloads import first_n, load_trace, scale_time, spread_bursts
 
 HARDWARE = "llama-3.1-8b@h100"
@@ -52,34 +51,12 @@ def simulated(requests, policy: str, speedup: float) -> dict:
 
 
 def replayed(requests, policy: str, speedup: float, log_dir: str) -> dict:
-    modelled = ("--latency-model", HARDWARE, "--speedup", str(speedup), "--block-size", str(BLOCK),
-                "--max-model-len", "200000")
-    engines, workers = [], {"prefill": [], "decode": []}
-    for role, count in zip(("prefill", "decode"), CLUSTER):
-        for i in range(count):
-            events = free_port()
-            e = MockEngineProcess(f"{role}{i}", role=role, log_dir=Path(log_dir),
-                                  args=(*modelled, "--kv-events", f"tcp://127.0.0.1:{events}"))
-            engines.append(e)
-            workers[role].append([*e.worker_arg(), f"kv_events=tcp://127.0.0.1:{events}"])
-    router = RouterProcess("router", prefill=workers["prefill"], decode=workers["decode"],
-                           args=("--policy", policy, "--log-level", "warning"), log_dir=Path(log_dir),
-                           config={"block_size": BLOCK,
-                                   "health": {"interval_s": 5.0, "metrics_interval_s": SCRAPE_S}})
-    try:
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait_healthy(60)
-        router.start()
-        router.wait_healthy(60)
+    with modelled_deployment(HARDWARE, *CLUSTER, policy, speedup=speedup, block_size=BLOCK,
+                             scrape_s=SCRAPE_S, log_dir=Path(log_dir)) as (router, engines):
         with tqdm(total=len(requests), desc=f"  {policy} replay", unit="req") as bar:
             result = asyncio.run(replay(router.url, requests, speedup, "mock", timeout_s=600,
                                         progress=lambda done: bar.update(done - bar.n)))
         stats = asyncio.run(collect_engine_stats([e.url for e in engines]))
-    finally:
-        for proc in [router, *engines]:
-            proc.stop(grace=5)
     out = summarize(result.outcomes, SLO, result.span_s, itl_s=result.itl_s,
                     cached_tokens=stats["cached_tokens"], computed_tokens=stats["computed_tokens"],
                     kv_bytes_moved=stats["kv_bytes_moved"])

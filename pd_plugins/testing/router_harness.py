@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import requests
 import yaml
@@ -79,3 +81,36 @@ class RouterProcess(ManagedProcess):
 
     def metrics(self) -> str:
         return requests.get(f"{self.url}/metrics", timeout=10).text
+
+
+@contextlib.contextmanager
+def modelled_deployment(hardware: str, prefills: int, decodes: int, policy: str, *, speedup: float,
+                        block_size: int, scrape_s: float, log_dir: Path
+                        ) -> Iterator[tuple[RouterProcess, list[MockEngineProcess]]]:
+    """pd-router (`--policy policy`) in front of latency-modelled mocks (`--latency-model
+    hardware`) that publish KV events to it: the HTTP instrument of the routing studies."""
+    modelled = ("--latency-model", hardware, "--speedup", str(speedup), "--block-size", str(block_size),
+                "--max-model-len", "200000")
+    engines, workers = [], {"prefill": [], "decode": []}
+    for role, count in (("prefill", prefills), ("decode", decodes)):
+        for i in range(count):
+            events = f"tcp://127.0.0.1:{free_port()}"
+            engine = MockEngineProcess(f"{role}{i}", role=role, log_dir=log_dir,
+                                       args=(*modelled, "--kv-events", events))
+            engines.append(engine)
+            workers[role].append([*engine.worker_arg(), f"kv_events={events}"])
+    router = RouterProcess("router", prefill=workers["prefill"], decode=workers["decode"],
+                           args=("--policy", policy, "--log-level", "warning"), log_dir=log_dir,
+                           config={"block_size": block_size,
+                                   "health": {"interval_s": 5.0, "metrics_interval_s": scrape_s}})
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_healthy(60)
+        router.start()
+        router.wait_healthy(60)
+        yield router, engines
+    finally:
+        for proc in [router, *engines]:
+            proc.stop(grace=5)
