@@ -112,6 +112,11 @@ class SessionSpec(_Strict):
     ttl_s: float = 3600.0            # a conversation idle this long is forgotten
     max_sessions: int = 100_000      # past this, the least recently used are forgotten
     detect: bool = True              # find a session without an id from its prompt's prefix chain
+    # Share the pins of named sessions between router replicas through Redis
+    # (routers/session_store.py), e.g. redis://127.0.0.1:6379/0; None: this router's table only.
+    redis_url: str | None = None
+    redis_prefix: str = "pd-router:session:"
+    redis_timeout_s: float = 0.25    # per Redis command; past it the local table decides
 
 
 class RouterConfig(_Strict):
@@ -164,6 +169,12 @@ class RouterConfig(_Strict):
             raise ConfigError("failover retries must be >= 0")
         if self.sessions.ttl_s <= 0 or self.sessions.max_sessions < 1:
             raise ConfigError("sessions: ttl_s must be > 0 and max_sessions >= 1")
+        if self.sessions.redis_url is not None:
+            if not self.sessions.redis_url.startswith(("redis://", "rediss://", "unix://")):
+                raise ConfigError("sessions.redis_url must be a redis://, rediss:// or unix:// URL "
+                                  f"(got {self.sessions.redis_url!r})")
+            if self.sessions.redis_timeout_s <= 0:
+                raise ConfigError("sessions.redis_timeout_s must be > 0")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
         return self

@@ -25,6 +25,7 @@ from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, Scheduler
 from pd_plugins.routers.request import ClientRequest
+from pd_plugins.routers.session_store import SessionSharing
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
@@ -48,9 +49,9 @@ def error_response(status: int, message: str, param: str | None = None,
 class Proxy:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, ctx: PolicyContext,
                  flow: PdFlow, metrics: RouterMetrics, pools: Pools,
-                 sessions: SessionTable | None = None) -> None:
+                 sessions: SessionTable | None = None, sharing: SessionSharing | None = None) -> None:
         self.config, self.scheduler, self.ctx = config, scheduler, ctx
-        self.sessions = sessions
+        self.sessions, self.sharing = sessions, sharing  # sharing: pins shared through Redis
         self.flow, self.metrics, self.pools = flow, metrics, pools
         self.timeouts = config.timeouts
         self.record_prefixes = scheduler.uses_prefix_index
@@ -63,6 +64,8 @@ class Proxy:
     async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
         started = time.monotonic()
         if self.sessions is not None:
+            if self.sharing is not None and request.info.session_id is not None:
+                await self.sharing.pull(request.info)  # another replica's newer pin
             self.sessions.resolve(request.info)  # its session, turn and pinned decode worker
         rejection = self.scheduler.admit(request.info)
         if rejection is not None:
@@ -270,7 +273,9 @@ class Proxy:
         accounting.request_succeeded(self.ctx, attempt.decision.decode, attempt.request.info,
                                      self.record_prefixes)
         if self.sessions is not None:
-            self.sessions.record(attempt.request.info, attempt.decision.decode.url)
+            session_id = self.sessions.record(attempt.request.info, attempt.decision.decode.url)
+            if self.sharing is not None:
+                self.sharing.push(session_id)  # in the background; never fails the request
 
     def _route_header(self, decision: Decision, history: list[str], info=None) -> str:
         prefill = decision.prefill.url if decision.prefill else "local"

@@ -19,6 +19,7 @@ from pd_plugins.routers.policy.prefix_index import KvEventSubscriber, PrefixInde
 from pd_plugins.routers.proxy import Proxy, error_response
 from pd_plugins.routers.request import BadRequest, parse_request
 from pd_plugins.routers.tokenizer import load_tokenizer
+from pd_plugins.routers.session_store import RedisSessionStore, SessionSharing
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.upstream import Pools, new_session
 from pd_plugins.routers.workers import Worker, WorkerPool
@@ -40,6 +41,15 @@ class Router:
         fixed = config.decode[0].url if config.mode == "sidecar" else None
         self.scheduler = Scheduler(config.policy, self.ctx, fixed_decode_url=fixed)
         self.sessions = SessionTable(config.sessions) if self.scheduler.uses_sessions else None
+        self.sharing: SessionSharing | None = None  # made in startup (needs the event loop)
+        if config.sessions.redis_url is not None:
+            if self.sessions is None:
+                log.warning("sessions.redis_url is set but the policy tracks no sessions "
+                            "(no session_pin / append_prefill): Redis unused")
+            else:
+                RedisSessionStore.check_installed()
+                for event in ("store_error", "store_adopted"):  # on /metrics from the start
+                    self.sessions.counts.setdefault(event, 0)
         self.metrics = RouterMetrics(self.pool, self.sessions)
         self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
         self._subscribers: dict[str, asyncio.Task] = {}
@@ -59,8 +69,14 @@ class Router:
         self.session = new_session(self.config.timeouts.connect_s)
         self.pools = Pools(self.config.timeouts.connect_s)
         flow = flow_for(self.config.engine, self.config.transfer, self.config.push_head_start_s)
+        spec = self.config.sessions
+        if spec.redis_url is not None and self.sessions is not None:
+            store = RedisSessionStore(spec.redis_url, spec.redis_prefix, spec.redis_timeout_s)
+            index = self.prefix_index if self.scheduler.uses_prefix_index else None
+            self.sharing = SessionSharing(self.sessions, store, spec, index, self.config.block_size)
+            await self.sharing.start()
         self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, self.metrics, self.pools,
-                           self.sessions)
+                           self.sessions, self.sharing)
         self.upkeep = PoolUpkeep(self.config, self.pool, self.session)
         for worker in self.pool:
             self._subscribe(worker)
@@ -81,6 +97,8 @@ class Router:
         if self.session:
             await self.session.close()
             await self.pools.close()
+        if self.sharing is not None:
+            await self.sharing.aclose()
 
     def _subscribe(self, worker: Worker) -> None:
         if worker.spec.kv_events and worker.url not in self._subscribers:

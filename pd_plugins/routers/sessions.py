@@ -29,6 +29,7 @@ class Session:
     turns: int = 0                  # turns served so far
     resident_tokens: int = 0        # prompt tokens of its last turn, cached on decode_url
     last_use: float = 0.0
+    auto: bool = False              # found by prefix detection (`auto-N`): local to this router
 
 
 class SessionTable:
@@ -78,23 +79,37 @@ class SessionTable:
             if not self.spec.detect or not info.block_keys:
                 return ""
             session_id = info.session_id = f"auto-{next(self._auto_ids)}"
-        session = self._sessions.pop(session_id, None)
-        if session is None:
-            session = Session(None)
+            session = self._sessions.pop(session_id, None) or Session(None, auto=True)
+        else:
+            session = self._sessions.pop(session_id, None) or Session(None)
         if session.decode_url != decode_url:
             self.counts["repinned" if session.decode_url else "pinned"] += 1
         session.decode_url, session.turns = decode_url, session.turns + 1
         session.resident_tokens, session.last_use = info.prompt_tokens, now
         self._sessions[session_id] = session  # most recently used
-        while len(self._sessions) > self.spec.max_sessions:
-            self._sessions.popitem(last=False)
-            self.counts["evicted"] += 1
+        self._bound()
         if self.spec.detect and info.block_keys:
             self._chains[info.block_keys[-1]] = session_id
             self._chains.move_to_end(info.block_keys[-1])
             while len(self._chains) > 4 * self.spec.max_sessions:
                 self._chains.popitem(last=False)
         return session_id
+
+    def adopt(self, session_id: str, session: Session) -> None:
+        """Take a session another router replica recorded (routers/session_store.py): it replaces
+        this table's entry, as the most recently used."""
+        self._sessions.pop(session_id, None)
+        session.last_use = self.clock()
+        self._sessions[session_id] = session
+        self._bound()
+
+    def count(self, event: str) -> None:
+        self.counts[event] = self.counts.get(event, 0) + 1
+
+    def _bound(self) -> None:
+        while len(self._sessions) > self.spec.max_sessions:
+            self._sessions.popitem(last=False)
+            self.counts["evicted"] += 1
 
     def forget_worker(self, decode_url: str) -> int:
         """A decode worker left: its sessions re-pin on their next turn. Returns how many."""
