@@ -45,8 +45,10 @@ class TtftScorer:
 class SloParams(Params):
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float | None = None
-    # Also reject while every decode worker's KV cache is this full (scraped) or its engine queues:
-    # a new request would wait there for KV space, a delay the TTFT estimate cannot see.
+    # Also reject while every decode worker's KV cache is this full (scraped), or more than half
+    # that and its engine queues: a new request would wait there for KV space, a delay the TTFT
+    # estimate cannot see. (A queue alone is no sign: vLLM counts a request that is pulling its
+    # KV as waiting.)
     decode_kv_limit: float | None = None
 
 
@@ -71,9 +73,9 @@ class SloAdmission:
         limit = self.params.decode_kv_limit
         if limit is not None:
             decodes = pool.usable("decode")
-            if decodes and all(w.kv_usage >= limit or w.engine_waiting > 0 for w in decodes):
-                return Rejection(429, "every decode worker's KV cache is full; retry later",
-                                 retry_after_s=1.0)
+            if decodes and all(_kv_full(w, limit) for w in decodes):
+                return Rejection(429, f"every decode worker's KV cache is {limit:.0%} full or "
+                                      "queueing for space; retry later", retry_after_s=1.0)
         if self.params.tpot_slo_ms is not None:
             decodes = pool.usable("decode")
             if decodes:
@@ -83,6 +85,10 @@ class SloAdmission:
                                           f"{self.params.tpot_slo_ms:.0f} ms SLO; retry later",
                                      retry_after_s=1.0)
         return None
+
+
+def _kv_full(worker, limit: float) -> bool:
+    return worker.kv_usage >= limit or (worker.engine_waiting > 0 and worker.kv_usage >= limit / 2)
 
 
 def _retry_after(excess_s: float) -> float:

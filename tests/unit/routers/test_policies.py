@@ -139,11 +139,12 @@ def test_slo_admission_rejects_while_every_decode_kv_cache_is_full():
     d0, d1 = ctx.pool.by_role("decode")
     d0.kv_usage = 0.95
     assert admission.admit(request(PROMPT)) is None  # d1 still has room
-    d1.engine_waiting = 1  # d1's engine queues: no room either
+    d1.engine_waiting = 1  # a queue on a nearly empty cache: requests pulling their KV
+    assert admission.admit(request(PROMPT)) is None
+    d1.kv_usage = 0.5  # half full and queueing: no room either
     rejection = admission.admit(request(PROMPT))
-    assert rejection.status == 429 and "KV cache is full" in rejection.message
+    assert rejection.status == 429 and "90% full or queueing" in rejection.message
     d1.engine_waiting = 0
-    d1.kv_usage = 0.5
     assert admission.admit(request(PROMPT)) is None
 
 
