@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import statistics
@@ -41,11 +42,12 @@ BASELINE = "vllm_kv_aware"
 SPEC = ConversationSpec()  # its stated distributions; the session rate is swept
 SIM_RATES = (1.0, 2.0, 4.0, 6.0)  # new sessions per second
 REPLAY_RATE, REPLAY_SESSIONS, SPEEDUP, SCRAPE_S, BLOCK = 2.0, 80, 2.0, 0.25, 16
+REPLAY_REQUESTS = 160  # the first ones by arrival: the think-time tail would make a replay long
 RESULTS = common.RESULTS / "multi_turn.json"
 
 
 def conversations(rate: float, sessions: int):
-    spec = ConversationSpec(**{**SPEC.__dict__, "session_rate_per_s": rate})
+    spec = dataclasses.replace(SPEC, session_rate_per_s=rate)
     return generate_conversations(spec, sessions, seed=1)
 
 
@@ -67,7 +69,7 @@ def simulated(rate: float, sessions: int, policy: str) -> dict:
 
 
 def replayed(sessions: int, policy: str, log_dir: Path) -> dict:
-    reqs = conversations(REPLAY_RATE, sessions)
+    reqs = conversations(REPLAY_RATE, sessions)[:REPLAY_REQUESTS]
     with modelled_deployment(HARDWARE, *CLUSTER, policy, speedup=SPEEDUP, block_size=BLOCK,
                              scrape_s=SCRAPE_S, log_dir=log_dir) as (router, _engines):
         with tqdm(total=len(reqs), desc=f"  {policy} replay", unit="req") as bar:
@@ -117,7 +119,7 @@ def markdown(results: dict) -> str:
     for rate, by_policy in results["sim"].items():
         lines += rows(f"simulator, {float(rate):g} sessions/s", by_policy)
     for by_policy in results["replay"]:
-        lines += rows(f"replay, {REPLAY_RATE:g} sessions/s ({meta['replay_sessions']} conv.)", by_policy)
+        lines += rows(f"replay, {REPLAY_RATE:g} sessions/s (first {REPLAY_REQUESTS} requests)", by_policy)
     reps = results["replay"]
     if reps:
         def spread(policy, key):
@@ -153,7 +155,7 @@ def main() -> int:
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
     replay_sessions = 30 if args.quick else REPLAY_SESSIONS
     results = {"meta": {"date": dt.date.today().isoformat(), "machine": common.machine(), "quick": args.quick,
-                        "spec": SPEC.__dict__, "sessions": sessions, "replay_sessions": replay_sessions},
+                        "spec": dataclasses.asdict(SPEC), "sessions": sessions, "replay_sessions": replay_sessions},
                "sim": {}, "replay": []}
     jobs = [(rate, p) for rate in SIM_RATES for p in POLICIES]
     for rate, policy in tqdm(jobs, desc="simulations", unit="run"):
