@@ -7,6 +7,7 @@ server is listed in LIVE_SERVERS so a failing test can attach its log tail.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,37 @@ import requests
 LIVE_SERVERS: list[ManagedProcess] = []
 
 
+_HANDED_OUT: set[int] = set()
+_rng = random.Random()  # seeded from the OS: concurrent test runs pick different ports
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, below the kernel's ephemeral range, never handed out twice by this process.
+
+    A port the kernel picks for bind(0) comes from the ephemeral range, where any outgoing
+    connection (an HTTP client, ZMQ, UCX) may take it between our pick and the server's bind: that
+    made a router fail to start with "address already in use" on a busy CI machine."""
+    floor = _ephemeral_floor()
+    low = max(1024, floor - 12000)
+    for _ in range(2000):
+        port = _rng.randrange(low, floor)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {low}-{floor}")
 
 
 @dataclass(kw_only=True)
