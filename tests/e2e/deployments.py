@@ -184,15 +184,16 @@ class PdDeployment:
         decode_server = VllmServer("decode", model, "1", configs["decode"], args)
         start_all([prefill_server, decode_server])
         deployment = cls(config, prefill_server, decode_server)
-        if config.mode == "push":
-            deployment.warm_up()
+        deployment.warm_up()
         return deployment
 
     def warm_up(self, attempts: int = 3) -> None:
-        """Establish the push-mode NIXL handshake before tests measure anything.
+        """Establish the NIXL handshake before tests measure anything.
 
-        On a loaded 2-core machine the very first push registration of a fresh pair can stall past
-        its timeout (upstream weakness, see the push issue); later requests reuse the handshake.
+        On a loaded 2-core machine the very first handshake of a fresh pair can miss its timeout
+        (push: the registration stalls; pull: the side-channel reply comes too late, and with
+        kv_load_failure_policy=fail that request fails): upstream weaknesses, see the push issue.
+        Later requests redo or reuse the handshake.
         """
         for _ in range(attempts):
             try:
