@@ -8,14 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pd_plugins.routers.policy.base import PolicyContext, RequestInfo
+from pd_plugins.routers.policy.base import PolicyContext, RequestInfo, uncached_tokens
 from pd_plugins.routers.workers import Worker
-
-
-def uncached_tokens(ctx: PolicyContext, worker: Worker, info: RequestInfo) -> int:
-    """Prompt tokens `worker` must compute, by the router's prefix index."""
-    cached = ctx.prefix_index.matched_blocks(worker.url, info.block_keys) * ctx.block_size
-    return max(1, info.prompt_tokens - cached)
 
 
 @dataclass(slots=True)

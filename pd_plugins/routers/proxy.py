@@ -23,7 +23,7 @@ from pd_plugins.routers import accounting
 from pd_plugins.routers.config import RouterConfig
 from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.metrics import RouterMetrics
-from pd_plugins.routers.policy import Decision, PolicyContext, Scheduler
+from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
 from pd_plugins.routers.request import ClientRequest
 from pd_plugins.routers.session_store import SessionSharing
 from pd_plugins.routers.sessions import SessionTable
@@ -277,10 +277,10 @@ class Proxy:
             if self.sharing is not None:
                 self.sharing.push(session_id)  # in the background; never fails the request
 
-    def _route_header(self, decision: Decision, history: list[str], info=None) -> str:
+    def _route_header(self, decision: Decision, history: list[str], info: RequestInfo) -> str:
         prefill = decision.prefill.url if decision.prefill else "local"
         session = (f", session={info.session_id}, turn={info.turn + 1}"
-                   if info is not None and info.session_id and self.sessions is not None else "")
+                   if info.session_id and self.sessions is not None else "")
         why = "; ".join(decision.reasons)
         retried = f"; retried after {len(history)} failure(s)" if history else ""
         return _ascii(f"prefill={prefill}, decode={decision.decode.url}{session}, why={why}{retried}")

@@ -119,6 +119,12 @@ class Params(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base for each piece's parameter schema."""
 
 
+def uncached_tokens(ctx: PolicyContext, worker: Worker, request: RequestInfo) -> int:
+    """Prompt tokens `worker` must compute (at least one), by the router's prefix index."""
+    cached = ctx.prefix_index.matched_blocks(worker.url, request.block_keys) * ctx.block_size
+    return max(1, request.prompt_tokens - cached)
+
+
 def normalise_lower_is_better(values: Sequence[float]) -> list[float]:
     """Map costs to scores in [0, 1]: the cheapest gets 1, the dearest 0, all equal all 1."""
     low, high = min(values), max(values)

@@ -68,13 +68,14 @@ class AppendPrefillDecider:
         if not prefills:
             return False, "append-prefill: no prefill worker"
         latency = self.ctx.latency
-        local = latency.prefill_s(uncached) * (1 + decode.in_flight_prefill_tokens / max(1, uncached))
+        own_s = latency.prefill_s(uncached)
+        local = own_s * (1 + decode.in_flight_prefill_tokens / max(1, uncached))
         remote = min(self.estimator.estimate_s(request, w) for w in prefills)
         gain = (remote - local) / remote if remote > 0 else 0.0
         cost = 0.0
         if decode.in_flight > 0:
             budget = p.typical_output_tokens * latency.decode_step_s(decode.load)
-            cost = latency.prefill_s(uncached) / budget if budget > 0 else 0.0
+            cost = own_s / budget if budget > 0 else 0.0
         score = p.w_ttft * gain - p.w_tpot * cost
         if score > 0:
             return False, f"append-prefill: TTFT gain {gain:.2f} > TPOT cost {cost:.2f}"

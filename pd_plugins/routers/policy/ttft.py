@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from pd_plugins.routers.policy.base import (
-    Params, PolicyContext, Rejection, RequestInfo, parse_params, register,
+    Params, PolicyContext, Rejection, RequestInfo, parse_params, register, uncached_tokens,
 )
 
 
@@ -20,8 +20,7 @@ class TtftEstimator:
         self.ctx = ctx
 
     def uncached_tokens(self, request: RequestInfo, worker) -> int:
-        cached = self.ctx.prefix_index.matched_blocks(worker.url, request.block_keys) * self.ctx.block_size
-        return max(1, request.prompt_tokens - cached)
+        return uncached_tokens(self.ctx, worker, request)
 
     def estimate_s(self, request: RequestInfo, worker) -> float:
         model = self.ctx.latency
