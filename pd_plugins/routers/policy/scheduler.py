@@ -54,8 +54,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                      {"name": "prefill_load", "params": {"max_decode_kv_usage": 0.7}}],
         "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
     },
-    # Ours for multi-turn traffic: `goodput`, plus conversations pinned to their decode worker
-    # (ConServe) and later turns appended there without a prefill leg when that pays (PPD).
+    # Ours for multi-turn traffic: `goodput`'s scoring and admission, conversations pinned to their
+    # decode worker (ConServe), and, as the only decider, later turns appended there without a
+    # prefill leg when that pays (PPD; convertible prefill only cost TPOT here).
     "multi_turn": {
         "prefill": {"filters": [{"name": "not_saturated"}], "scorers": [{"name": "ttft"}]},
         "decode": {"filters": [{"name": "session_pin"}, {"name": "not_saturated"}],
