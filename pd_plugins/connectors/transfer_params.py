@@ -25,6 +25,8 @@ class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     engine_id: str  # the prefill engine that holds the KV
     mode: TransferMode  # pull: decode READs; push: prefill WRITEs
     block_size: int  # KV block size in tokens, for block-level cost models
+    # pull: where the prefill answers lease checks (transfer/lease_check.py), on remote_host
+    lease_check_port: int | None = None
 
 
 def pd_section_of(kv_transfer_params: dict[str, Any] | None) -> PdSection | None:
@@ -89,3 +91,16 @@ def remote_prefill_error(params: dict[str, Any], mode: TransferMode = "pull") ->
         if value is not None and not (_is_int(value) and value >= 0):
             return f"kv_transfer_params.{field} must be a non-negative integer, got {value!r}"
     return None
+
+
+def lease_check_of(params: dict[str, Any]) -> tuple[str, int, str] | None:
+    """(host, port, prefill request id) to ask whether a pull read was on time; None if the
+    prefill offers no lease check (not PdNixlConnector, or an unusable port)."""
+    section = params.get(PD_SECTION_KEY)
+    port = section.get("lease_check_port") if isinstance(section, dict) else None
+    if not (_is_int(port) and 0 < port < 65536):
+        return None
+    host, request_id = params.get("remote_host"), params.get("remote_request_id")
+    if not (_is_nonempty_str(host) and _is_nonempty_str(request_id)):
+        return None
+    return host, port, request_id

@@ -101,11 +101,15 @@ class PdConfig:
     prefix_caching: bool = True
     failure_policy: str = "fail"
     lease_seconds: int | None = None
+    connector: str = "PdNixlConnector"  # or upstream's "NixlConnector", to compare
+    num_blocks: int | None = None       # a small KV pool makes freed blocks come back fast
+    extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config
 
     @property
     def id(self) -> str:
         cache = "cache" if self.prefix_caching else "nocache"
-        return f"{self.model}-{self.mode}-{cache}-{self.failure_policy}"
+        upstream = "" if self.connector == "PdNixlConnector" else f"-{self.connector}"
+        return f"{self.model}-{self.mode}-{cache}-{self.failure_policy}{upstream}"
 
 
 # Upstream NIXL push stalls (issue 10) come in runs on a loaded 2-core CI host and turned CI red
@@ -170,13 +174,16 @@ class PdDeployment:
     @classmethod
     def start(cls, config: PdConfig) -> PdDeployment:
         model = model_path(config.model)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(config.extra)
         if config.lease_seconds is not None:
             extra["kv_lease_duration"] = config.lease_seconds
         args = () if config.prefix_caching else ("--no-enable-prefix-caching",)
+        if config.num_blocks is not None:
+            args += ("--num-gpu-blocks-override", str(config.num_blocks))
         configs = {}
         for role in ("prefill", "decode"):
             kv = nixl_config(role, config.mode, **extra)
+            kv["kv_connector"] = config.connector
             kv["kv_load_failure_policy"] = config.failure_policy
             kv["engine_id"] = f"{role}-{uuid.uuid4().hex[:8]}"
             configs[role] = kv

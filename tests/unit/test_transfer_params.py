@@ -1,6 +1,11 @@
 import pytest
 
-from pd_plugins.connectors.transfer_params import PdSection, pd_section_of, remote_prefill_error
+from pd_plugins.connectors.transfer_params import (
+    PdSection,
+    lease_check_of,
+    pd_section_of,
+    remote_prefill_error,
+)
 
 GOOD_PULL = {
     "do_remote_prefill": True,
@@ -67,3 +72,15 @@ def test_pd_section_round_trip():
     assert pd_section_of(params) == section
     assert pd_section_of(GOOD_PULL) is None
     assert pd_section_of(None) is None
+
+
+def test_lease_check_endpoint_comes_from_the_pd_section():
+    params = {**GOOD_PULL, "pd": {"lease_check_port": 5700}}
+    assert lease_check_of(params) == ("127.0.0.1", 5700, "cmpl-abc-0-1234abcd")
+
+
+@pytest.mark.parametrize("pd", [None, {}, {"lease_check_port": None}, {"lease_check_port": "5700"},
+                                {"lease_check_port": 0}, {"lease_check_port": 70000}, "x"])
+def test_no_usable_lease_check_port_means_unchecked(pd):
+    params = dict(GOOD_PULL) if pd is None else {**GOOD_PULL, "pd": pd}
+    assert lease_check_of(params) is None

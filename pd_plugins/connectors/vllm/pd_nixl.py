@@ -6,15 +6,26 @@ All transfer machinery (handshake, lease, heartbeat, transfers) is upstream's; t
 - a `pd` section in the prefill response's kv_transfer_params (see transfer_params.PdSection);
 - validation of the decode request's transfer params: malformed ones are reported to vLLM as a
   failed KV load, so vLLM's `kv_load_failure_policy` (fail | recompute) decides, instead of the
-  engine crashing or reading from a bad address.
+  engine crashing or reading from a bad address;
+- pull: lease checks. A decode uses KV it read only once the prefill confirms its lease still
+  held the blocks when the read finished; a late read is a failed load (transfer/lease_check.py);
+- push: a deadline on every transfer (`push_timeout_s`) on the decode, and no freeing of blocks
+  under an in-flight WRITE on the prefill (pd_nixl_guards.py);
+- counters for all of it on /metrics (pd_nixl_stats.py).
+Every failed load goes through vLLM's `kv_load_failure_policy` (fail | recompute).
 """
 
 from __future__ import annotations
 
+import socket
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlBaseConnector,
     NixlPullConnector,
@@ -26,15 +37,24 @@ from pd_plugins.connectors.transfer_params import (
     PD_SECTION_KEY,
     PdSection,
     TransferMode,
+    lease_check_of,
     remote_prefill_error,
 )
+from pd_plugins.connectors.vllm.pd_nixl_guards import (
+    LeaseVerdicts,
+    NotifTap,
+    PushDeadlines,
+    SendHold,
+)
+from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
+from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorMetadata,
-        KVConnectorRole,
     )
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -43,6 +63,9 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 TRANSFER_MODES: tuple[TransferMode, ...] = ("pull", "push")
+DEFAULT_LEASE_S = 30  # upstream's kv_lease_duration default
+# Past the prefill's lease, so no WRITE can still come when the decode gives up on a push.
+PUSH_TIMEOUT_MARGIN_S = 15.0
 
 
 def transfer_mode_of(vllm_config: VllmConfig) -> TransferMode:
@@ -56,7 +79,19 @@ def transfer_mode_of(vllm_config: VllmConfig) -> TransferMode:
     return mode
 
 
-class _PdAdditions:
+class _PdStatsClassMethods:
+    """vLLM builds connector stats and metrics from the class the user named: ours."""
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdNixlStats:
+        return PdNixlStats(data=data) if data is not None else PdNixlStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return PdNixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+class _PdAdditions(_PdStatsClassMethods):
     """Mixed in front of an upstream NIXL connector (pull or push)."""
 
     pd_mode: TransferMode
@@ -65,11 +100,49 @@ class _PdAdditions:
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        config = vllm_config.kv_transfer_config
         self._block_size = vllm_config.cache_config.block_size
+        self._recompute_failed_loads = config.kv_load_failure_policy == "recompute"
+        self._reads = config.kv_role in ("kv_consumer", "kv_both")   # decode side
+        self._serves = config.kv_role in ("kv_producer", "kv_both")  # prefill side
+        lease_s = float(config.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S))
+        self._push_timeout_s = float(config.get_from_extra_config(
+            "push_timeout_s", lease_s + PUSH_TIMEOUT_MARGIN_S))
         # Scheduler side.
         self._local_prefix_hits: dict[str, int] = {}  # request id -> tokens hit locally
         self._params_rejected: set[str] = set()  # await allocation, then reported failed
         self._rejections_to_report: set[str] = set()  # shipped to workers next step
+        self._lease_checks_to_send: dict[str, tuple[str, int, str] | None] = {}
+        self._push_waits_to_send: dict[str, float] = {}
+        self._lease_server: LeaseCheckServer | None = None
+        if role == KVConnectorRole.SCHEDULER and self.pd_mode == "pull" and self._serves:
+            host = socket.gethostbyname(self.connector_scheduler.side_channel_host)
+            self._lease_server = LeaseCheckServer(
+                host, int(config.get_from_extra_config("lease_check_port", 0)))
+        # Worker side.
+        self._notif_tap: NotifTap | None = None
+        self._late_read_guard: LateReadGuard | None = None
+        self._lease_checks: dict[str, tuple[str, int, str] | None] = {}
+        self._push_deadlines: PushDeadlines | None = None
+        self._send_hold: SendHold | None = None
+        if role == KVConnectorRole.WORKER:
+            self._set_up_worker_guards(lease_s)
+
+    def _set_up_worker_guards(self, lease_s: float) -> None:
+        worker = self.connector_worker
+        worker.xfer_stats = PdNixlStats()
+        if self.pd_mode == "pull":
+            if self._serves:
+                worker.nixl_wrapper = self._notif_tap = NotifTap(
+                    worker.nixl_wrapper,
+                    lambda r: r in worker._reqs_to_send or r in worker._reqs_to_process)
+            if self._reads:
+                self._late_read_guard = LateReadGuard(reader=worker.nixl_wrapper.name)
+        else:
+            if self._reads:
+                self._push_deadlines = PushDeadlines()
+            if self._serves:
+                self._send_hold = SendHold(max_hold_s=lease_s)
 
     # ---- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -116,13 +189,31 @@ class _PdAdditions:
             self._params_rejected.discard(request.request_id)
             self._rejections_to_report.add(request.request_id)
             return None
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill") and num_external_tokens > 0:
+            # A transfer into this request's blocks starts: guard it (see the module doc).
+            if self.pd_mode == "pull":
+                self._lease_checks_to_send[request.request_id] = lease_check_of(params)
+            else:
+                self._push_waits_to_send[request.request_id] = self._push_timeout_s
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
-        meta.pd_rejected_recv = self._rejections_to_report
-        self._rejections_to_report = set()
+        meta.pd_rejected_recv, self._rejections_to_report = self._rejections_to_report, set()
+        meta.pd_lease_checks, self._lease_checks_to_send = self._lease_checks_to_send, {}
+        meta.pd_push_waits, self._push_waits_to_send = self._push_waits_to_send, {}
         return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput):
+        if self._lease_server is not None:
+            table = self._lease_server.table
+            verdicts = connector_output.kv_connector_worker_meta
+            if isinstance(verdicts, LeaseVerdicts):
+                verdicts.record_into(table)  # before the releases of the same step
+            for request_id in connector_output.finished_sending or ():
+                table.release(request_id)
+        return super().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]):
         self._disarm_on_finish(request)
@@ -153,6 +244,7 @@ class _PdAdditions:
                 engine_id=self.engine_id,
                 mode=self.pd_mode,
                 block_size=self._block_size,
+                lease_check_port=self._lease_server.port if self._lease_server else None,
             )
             out_params[PD_SECTION_KEY] = msgspec.to_builtins(section)
         return delay_free, out_params
@@ -160,12 +252,79 @@ class _PdAdditions:
     # ---- worker side ----------------------------------------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
-        rejected = getattr(self._connector_metadata, "pd_rejected_recv", None)
+        meta = self._connector_metadata
+        rejected = getattr(meta, "pd_rejected_recv", None)
         if rejected:
             # vLLM expects failed receives in finished_recving too.
             results.failed_recving |= rejected
             results.finished_recving |= rejected
+        stats: PdNixlStats = self.connector_worker.xfer_stats
+        if self._late_read_guard is not None:
+            self._check_leases(results, getattr(meta, "pd_lease_checks", None) or {},
+                               finished_req_ids)
+        if self._push_deadlines is not None:
+            self._push_deadlines.expect(getattr(meta, "pd_push_waits", None) or {})
+            timed_out = self._push_deadlines.settle(results.finished_recving,
+                                                    results.failed_recving)
+            for request_id in timed_out:
+                logger.error("PdNixlConnector: push for request %s did not complete within "
+                             "%.0f s; its KV load failed", request_id, self._push_timeout_s)
+            stats.count("pd_push_timeouts", len(timed_out))
+        if self._send_hold is not None:
+            worker = self.connector_worker
+            with worker._sending_transfers_lock:
+                in_flight = {r for r, handles in worker._sending_transfers.items() if handles}
+            stats.count("pd_held_sends", len(self._send_hold.settle(results.finished_sending,
+                                                                    in_flight)))
+        stats.count("pd_recomputes" if self._recompute_failed_loads else "pd_failed_loads",
+                    len(results.failed_recving))
         return results
+
+    def _check_leases(self, results: KVConnectorTransferResults,
+                      new_checks: dict[str, tuple[str, int, str] | None],
+                      finished_req_ids: set[str]) -> None:
+        """Hold this step's finished reads until their prefill confirms its lease held."""
+        guard, stats = self._late_read_guard, self.connector_worker.xfer_stats
+        self._lease_checks.update(new_checks)
+        for request_id in results.failed_recving:
+            self._lease_checks.pop(request_id, None)
+        for request_id in results.finished_recving - results.failed_recving:
+            if request_id not in self._lease_checks:
+                continue  # no remote read (e.g. rejected params)
+            check = self._lease_checks.pop(request_id)
+            if check is None:
+                stats.count("pd_unchecked_reads")
+                continue
+            host, port, remote_request_id = check
+            results.finished_recving.discard(request_id)
+            guard.hold(request_id, (host, port), remote_request_id)
+        for request_id in finished_req_ids:  # aborted before their read finished
+            self._lease_checks.pop(request_id, None)
+        verdicts = guard.poll()
+        for request_id in verdicts.late:
+            logger.error("PdNixlConnector: request %s read KV blocks its prefill had already "
+                         "released (lease expired); the data is discarded and the load failed",
+                         request_id)
+        for request_id in verdicts.timed_out:
+            logger.error("PdNixlConnector: no lease verdict for request %s's read; treated as "
+                         "late", request_id)
+        failed = verdicts.late | verdicts.timed_out
+        results.finished_recving |= verdicts.on_time | failed
+        results.failed_recving |= failed
+        stats.count("pd_late_reads", len(verdicts.late))
+        stats.count("pd_lease_check_timeouts", len(verdicts.timed_out))
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._notif_tap is not None:
+            return self._notif_tap.take_verdicts()
+        return super().build_connector_worker_meta()
+
+    def shutdown(self):
+        if self._lease_server is not None:
+            self._lease_server.close()
+        if self._late_read_guard is not None:
+            self._late_read_guard.close()
+        return super().shutdown()
 
 
 class PdNixlPullConnector(_PdAdditions, NixlPullConnector):
@@ -176,7 +335,7 @@ class PdNixlPushConnector(_PdAdditions, NixlPushConnector):
     pd_mode: TransferMode = "push"
 
 
-class PdNixlConnector(NixlBaseConnector):
+class PdNixlConnector(_PdStatsClassMethods, NixlBaseConnector):
     """The name users select; builds the pull or push variant from the config's `mode`."""
 
     def __new__(

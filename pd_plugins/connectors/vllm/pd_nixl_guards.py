@@ -1,0 +1,145 @@
+"""The pieces PdNixlConnector adds on top of upstream's NIXL connectors to stay correct under load.
+
+- `NotifTap` (prefill, pull): sees every read-completion notification before upstream handles it
+  and records whether the prefill still held the blocks; the verdicts go to the scheduler process
+  (`LeaseVerdicts`, worker metadata) whose `LeaseCheckServer` answers decodes (transfer/lease_check).
+- `PushDeadlines` (decode, push): a registered push that has not completed by its deadline is
+  reported as a failed load, so `kv_load_failure_policy` decides and the blocks come back, instead
+  of the request waiting forever; a completion that turns up later is dropped.
+- `SendHold` (prefill, push): a lease that expires while a WRITE from its blocks is still in flight
+  keeps the blocks until the WRITE ends (upstream frees them at once, and the WRITE could then
+  copy another request's KV).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+from pd_plugins.transfer.lease_check import VerdictTable
+
+
+@dataclass
+class LeaseVerdicts(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: (prefill request id, reader agent, read finished while leased)."""
+
+    verdicts: list[tuple[str, str, bool]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, LeaseVerdicts):
+            self.verdicts.extend(other.verdicts)
+        return self
+
+    def record_into(self, table: VerdictTable) -> None:
+        for request_id, reader, on_time in self.verdicts:
+            table.record(request_id, reader, on_time)
+
+
+class NotifTap:
+    """Wraps a worker's NIXL agent; classifies read-completion notifications as they are fetched.
+
+    Upstream fetches notifications and, in the same call, frees the blocks of the requests they
+    name; `is_leased(request_id)` is asked just before that, so it sees the lease as the read did.
+    """
+
+    def __init__(self, agent: Any, is_leased: Callable[[str], bool]) -> None:
+        self._agent = agent
+        self._is_leased = is_leased
+        self._verdicts: list[tuple[str, str, bool]] = []
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        notifs = self._agent.get_new_notifs(*args, **kwargs)
+        for reader, messages in notifs.items():
+            for message in messages:
+                # Completions are b"<request id>:<consumers>"; heartbeats are b"HB:...".
+                if message.startswith(b"HB:") or b":" not in message:
+                    continue
+                request_id = message.rsplit(b":", 1)[0].decode("utf-8", "replace")
+                self._verdicts.append((request_id, reader, self._is_leased(request_id)))
+        return notifs
+
+    def take_verdicts(self) -> LeaseVerdicts | None:
+        if not self._verdicts:
+            return None
+        verdicts, self._verdicts = self._verdicts, []
+        return LeaseVerdicts(verdicts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+class _BoundedSet:
+    """Remembers the last `size` ids (for dropping late reports of settled requests)."""
+
+    def __init__(self, size: int = 10_000) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._size = size
+
+    def add(self, item: str) -> None:
+        self._ids[item] = None
+        while len(self._ids) > self._size:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, item: str) -> bool:
+        return item in self._ids
+
+
+class PushDeadlines:
+    """Decode side of push: request id -> when its push must have completed."""
+
+    def __init__(self) -> None:
+        self._deadlines: dict[str, float] = {}
+        self._given_up = _BoundedSet()
+
+    def expect(self, waits: dict[str, float], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for request_id, timeout_s in waits.items():
+            self._deadlines[request_id] = now + timeout_s
+
+    def settle(self, finished_recving: set[str], failed_recving: set[str],
+               now: float | None = None) -> set[str]:
+        """Apply deadlines to one step's results in place; returns the requests that timed out."""
+        # Reports of requests already given up would reach the scheduler twice: drop them.
+        late_reports = {r for r in finished_recving | failed_recving if r in self._given_up}
+        finished_recving -= late_reports
+        failed_recving -= late_reports
+        for request_id in finished_recving | failed_recving:
+            self._deadlines.pop(request_id, None)
+        now = time.monotonic() if now is None else now
+        timed_out = {r for r, deadline in self._deadlines.items() if now >= deadline}
+        for request_id in timed_out:
+            del self._deadlines[request_id]
+            self._given_up.add(request_id)
+        finished_recving |= timed_out
+        failed_recving |= timed_out
+        return timed_out
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
+
+
+class SendHold:
+    """Prefill side of push: expired leases wait for their in-flight WRITEs before freeing."""
+
+    def __init__(self, max_hold_s: float) -> None:
+        self.max_hold_s = max_hold_s
+        self._held: dict[str, float] = {}  # request id -> when the hold gives up
+
+    def settle(self, finished_sending: set[str], in_flight: set[str],
+               now: float | None = None) -> set[str]:
+        """Apply to one step's finished_sending in place; returns the newly held requests."""
+        now = time.monotonic() if now is None else now
+        newly_held = finished_sending & in_flight
+        for request_id in newly_held:
+            self._held[request_id] = now + self.max_hold_s
+        finished_sending -= newly_held
+        released = {r for r, until in self._held.items()
+                    if r not in in_flight or now >= until}
+        for request_id in released:
+            del self._held[request_id]
+        finished_sending |= released
+        return newly_held

@@ -1,0 +1,250 @@
+"""Lease checks: a pull-mode reader learns whether the blocks it read were still leased to it.
+
+In pull mode the decode READs the prefill's KV blocks with a one-sided transfer; the prefill learns
+of the read only from the completion notification the transfer carries. If the prefill's lease on
+the blocks ran out first, it freed them, and by the time the read ran they may hold another
+request's KV: the decode read garbage and nothing on its side can tell.
+
+The prefill can tell. When the notification arrives it still holds the blocks or it does not; the
+notification follows the data, and a request's blocks are freed once, so "still held at the
+notification" means "held throughout the read". The prefill records that verdict per (request,
+reader); the reader asks for it before it uses the data: ok -> use it; late -> a failed load (the
+engine recomputes or fails the request); no verdict by the deadline -> a failed load as well
+(fail closed). A late notification that is really on time only costs a recompute.
+
+The prefill also records when it released a request's blocks. A reader with no verdict by then
+was late: an on-time notification is handled no later than the release it causes. So an idle
+prefill that has stopped handling notifications still answers at once.
+
+Engine-agnostic: pyzmq and msgspec only. The prefill side runs a `LeaseCheckServer`; the reader
+side holds finished reads in a `LateReadGuard` until their verdicts arrive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import zmq
+
+Verdict = Literal["ok", "late", "pending"]
+
+MAX_VERDICTS = 100_000          # prefill side: verdicts kept for readers that have yet to ask
+CHECK_TIMEOUT_S = 10.0          # reader side: no verdict by then -> the read counts as late
+RETRY_INTERVAL_S = 0.002        # reader side: re-ask a "pending" verdict this often
+REPLY_WAIT_S = 0.005            # reader side: how long one poll waits for replies
+
+
+class VerdictTable:
+    """(request id, reader) -> whether the reader's read finished while the blocks were leased.
+
+    Bounded: the oldest verdicts go first (a reader that asks after that gets no verdict and
+    fails closed).
+    """
+
+    def __init__(self, max_entries: int = MAX_VERDICTS) -> None:
+        self._verdicts: OrderedDict[tuple[str, str], bool] = OrderedDict()
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._max_entries = max_entries
+        self._lock = threading.Lock()
+
+    def release(self, request_id: str) -> None:
+        """The prefill freed the request's blocks; record verdicts of the same step first."""
+        with self._lock:
+            self._released[request_id] = None
+            while len(self._released) > self._max_entries:
+                self._released.popitem(last=False)
+
+    def record(self, request_id: str, reader: str, on_time: bool) -> None:
+        with self._lock:
+            key = (request_id, reader)
+            # A reader that notifies twice (retried transfer) stays late once it was late.
+            self._verdicts[key] = on_time and self._verdicts.get(key, True)
+            self._verdicts.move_to_end(key)
+            while len(self._verdicts) > self._max_entries:
+                self._verdicts.popitem(last=False)
+
+    def lookup(self, request_id: str, reader: str) -> Verdict:
+        with self._lock:
+            on_time = self._verdicts.get((request_id, reader))
+            released = request_id in self._released
+        if on_time is None:
+            return "late" if released else "pending"
+        return "ok" if on_time else "late"
+
+    def __len__(self) -> int:
+        return len(self._verdicts)
+
+
+# Wire format (one ZMQ frame each way, msgpack): query [query_id, request_id, reader];
+# reply [query_id, verdict].
+_Query = tuple[int, str, str]
+_Reply = tuple[int, str]
+
+
+class LeaseCheckServer:
+    """Answers lease-check queries from readers (a ZMQ ROUTER socket on its own thread)."""
+
+    def __init__(self, host: str, port: int = 0, table: VerdictTable | None = None) -> None:
+        self.table = table or VerdictTable()
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        address = f"tcp://{host}:{port}" if port else f"tcp://{host}:*"
+        self._socket.bind(address)
+        self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pd-lease-check", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        decoder = msgspec.msgpack.Decoder(_Query)
+        encoder = msgspec.msgpack.Encoder()
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    identity, payload = self._socket.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                except ValueError:  # wrong frame count: not one of ours
+                    continue
+                try:
+                    query_id, request_id, reader = decoder.decode(payload)
+                except msgspec.DecodeError:
+                    continue  # malformed query: no answer, the asker times out
+                verdict = self.table.lookup(request_id, reader)
+                self._socket.send_multipart([identity, encoder.encode((query_id, verdict))])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._socket.close()
+
+
+Endpoint = tuple[str, int]  # (host, port) of a LeaseCheckServer
+
+
+@dataclass
+class _HeldRead:
+    endpoint: Endpoint
+    request_id: str  # the prefill's id for the request (what its notification names)
+    deadline: float
+    query_id: int | None = None  # the query in flight, if any
+    ask_after: float = 0.0
+
+
+@dataclass
+class GuardResult:
+    on_time: set[str] = field(default_factory=set)   # reads to use
+    late: set[str] = field(default_factory=set)      # the prefill had released the blocks
+    timed_out: set[str] = field(default_factory=set)  # no verdict by the deadline
+
+
+class LateReadGuard:
+    """Reader side: holds finished reads until their prefill's verdict says the data is valid.
+
+    Keys are the reader's own request ids; `reader` is this reader's transfer agent name, the
+    name the prefill sees on the notification. Used from one thread (the engine's step loop).
+    """
+
+    def __init__(self, reader: str, check_timeout_s: float = CHECK_TIMEOUT_S) -> None:
+        self.reader = reader
+        self.check_timeout_s = check_timeout_s
+        self._held: dict[str, _HeldRead] = {}
+        self._by_query: dict[int, str] = {}
+        self._query_ids = itertools.count()
+        self._sockets: dict[Endpoint, zmq.Socket] = {}
+        self._poller = zmq.Poller()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_Reply)
+
+    def hold(self, key: str, endpoint: Endpoint, request_id: str, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._held[key] = _HeldRead(endpoint, request_id, deadline=now + self.check_timeout_s)
+
+    def held(self) -> set[str]:
+        return set(self._held)
+
+    def poll(self, wait_s: float = REPLY_WAIT_S) -> GuardResult:
+        """Ask for missing verdicts, collect replies (waiting up to wait_s), expire the overdue."""
+        result = GuardResult()
+        if not self._held:
+            return result
+        self._send_queries(time.monotonic())
+        deadline = time.monotonic() + wait_s
+        while self._by_query:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            ready = dict(self._poller.poll(remaining_ms))
+            if not ready:
+                break
+            for sock in ready:
+                self._read_replies(sock, result)
+            if not self._by_query or time.monotonic() >= deadline:
+                break
+        now = time.monotonic()
+        for key, held in list(self._held.items()):
+            if now >= held.deadline:
+                self._drop(key)
+                result.timed_out.add(key)
+        return result
+
+    def _send_queries(self, now: float) -> None:
+        for key, held in self._held.items():
+            if held.query_id is not None or now < held.ask_after:
+                continue
+            held.query_id = next(self._query_ids)
+            self._by_query[held.query_id] = key
+            query = (held.query_id, held.request_id, self.reader)
+            try:
+                self._socket(held.endpoint).send(self._encoder.encode(query), zmq.NOBLOCK)
+            except zmq.Again:  # queue full: ask again next poll
+                self._by_query.pop(held.query_id)
+                held.query_id = None
+
+    def _read_replies(self, sock: zmq.Socket, result: GuardResult) -> None:
+        while True:
+            try:
+                query_id, verdict = self._decoder.decode(sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            except msgspec.DecodeError:
+                continue
+            key = self._by_query.pop(query_id, None)
+            if key is None or key not in self._held:
+                continue  # an answer to a query whose read was already settled
+            held = self._held[key]
+            held.query_id = None
+            if verdict == "pending":
+                held.ask_after = time.monotonic() + RETRY_INTERVAL_S
+                continue
+            self._drop(key)
+            (result.on_time if verdict == "ok" else result.late).add(key)
+
+    def _drop(self, key: str) -> None:
+        held = self._held.pop(key)
+        if held.query_id is not None:
+            self._by_query.pop(held.query_id, None)
+
+    def _socket(self, endpoint: Endpoint) -> zmq.Socket:
+        sock = self._sockets.get(endpoint)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            host, port = endpoint
+            sock.connect(f"tcp://{host}:{port}")
+            self._poller.register(sock, zmq.POLLIN)
+            self._sockets[endpoint] = sock
+        return sock
+
+    def close(self) -> None:
+        for sock in self._sockets.values():
+            sock.close()
+        self._sockets.clear()

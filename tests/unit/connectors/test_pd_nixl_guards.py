@@ -1,0 +1,67 @@
+"""PdNixlConnector's guards, on their own (the e2e tests run them inside real vLLM engines)."""
+
+from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts, NotifTap, PushDeadlines, SendHold
+from pd_plugins.transfer.lease_check import VerdictTable
+
+
+class FakeAgent:
+    """Stands in for a NIXL agent (named as a fake: only its notification queue matters here)."""
+
+    name = "prefill-agent"
+
+    def __init__(self, notifs):
+        self.notifs = notifs
+
+    def get_new_notifs(self):
+        notifs, self.notifs = self.notifs, {}
+        return notifs
+
+
+def test_notif_tap_classifies_completions_against_the_lease_and_passes_everything_on():
+    notifs = {"decode-a": [b"req-1:1", b"HB:req-1,req-2"], "decode-b": [b"req-2:1"]}
+    leased = {"req-1"}
+    tap = NotifTap(FakeAgent(dict(notifs)), lambda r: r in leased)
+    assert tap.get_new_notifs() == notifs  # upstream sees exactly what NIXL delivered
+    assert tap.name == "prefill-agent"     # everything else goes to the agent
+    verdicts = tap.take_verdicts()
+    assert verdicts.verdicts == [("req-1", "decode-a", True), ("req-2", "decode-b", False)]
+    assert tap.take_verdicts() is None
+    table = VerdictTable()
+    verdicts.aggregate(LeaseVerdicts([("req-3", "decode-a", True)])).record_into(table)
+    assert [table.lookup(r, a) for r, a in [("req-1", "decode-a"), ("req-2", "decode-b"),
+                                            ("req-3", "decode-a")]] == ["ok", "late", "ok"]
+
+
+def test_push_deadline_fails_the_load_once_and_drops_the_late_completion():
+    deadlines = PushDeadlines()
+    deadlines.expect({"a": 10.0, "b": 10.0}, now=0.0)
+    finished, failed = {"a"}, set()
+    assert deadlines.settle(finished, failed, now=5.0) == set()
+    assert finished == {"a"} and len(deadlines) == 1
+    finished, failed = set(), set()
+    assert deadlines.settle(finished, failed, now=10.0) == {"b"}
+    assert finished == {"b"} and failed == {"b"}  # vLLM wants failed loads in both
+    finished, failed = {"b"}, set()  # the push completed after all: too late, drop it
+    deadlines.settle(finished, failed, now=11.0)
+    assert finished == set() and failed == set() and len(deadlines) == 0
+
+
+def test_send_hold_keeps_blocks_while_a_write_is_in_flight():
+    hold = SendHold(max_hold_s=30.0)
+    sending = {"expired-mid-write", "done"}
+    assert hold.settle(sending, in_flight={"expired-mid-write"}, now=0.0) == {"expired-mid-write"}
+    assert sending == {"done"}
+    sending = set()
+    hold.settle(sending, in_flight={"expired-mid-write"}, now=1.0)
+    assert sending == set()
+    hold.settle(sending, in_flight=set(), now=2.0)  # the WRITE ended: free now
+    assert sending == {"expired-mid-write"}
+
+
+def test_send_hold_gives_up_on_a_stuck_write():
+    hold = SendHold(max_hold_s=30.0)
+    sending = {"r"}
+    hold.settle(sending, in_flight={"r"}, now=0.0)
+    sending = set()
+    hold.settle(sending, in_flight={"r"}, now=30.0)
+    assert sending == {"r"}

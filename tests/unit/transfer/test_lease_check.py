@@ -1,0 +1,96 @@
+"""Lease checks over real ZMQ on loopback: the verdict a reader gets is the one the prefill recorded."""
+
+import time
+
+import pytest
+
+from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer, VerdictTable
+
+
+@pytest.fixture
+def server():
+    srv = LeaseCheckServer("127.0.0.1")
+    yield srv
+    srv.close()
+
+
+def poll_until_settled(guard: LateReadGuard, timeout_s: float = 5.0):
+    on_time, late, timed_out = set(), set(), set()
+    deadline = time.monotonic() + timeout_s
+    while guard.held() and time.monotonic() < deadline:
+        result = guard.poll(wait_s=0.05)
+        on_time |= result.on_time
+        late |= result.late
+        timed_out |= result.timed_out
+    return on_time, late, timed_out
+
+
+def test_verdict_table_is_bounded_and_late_sticks():
+    table = VerdictTable(max_entries=3)
+    table.record("r1", "d0", True)
+    assert table.lookup("r1", "d0") == "ok"
+    table.record("r1", "d0", False)
+    table.record("r1", "d0", True)  # a second, on-time notification cannot clear a late one
+    assert table.lookup("r1", "d0") == "late"
+    assert table.lookup("r1", "d1") == "pending"  # verdicts are per reader
+    for i in range(5):
+        table.record(f"x{i}", "d0", True)
+    assert len(table) == 3 and table.lookup("r1", "d0") == "pending"
+
+
+def test_reader_gets_each_recorded_verdict(server):
+    server.table.record("p-ok", "decode-agent", True)
+    server.table.record("p-late", "decode-agent", False)
+    server.table.record("p-other-reader", "someone-else", True)
+    guard = LateReadGuard(reader="decode-agent", check_timeout_s=0.5)
+    endpoint = ("127.0.0.1", server.port)
+    guard.hold("d-ok", endpoint, "p-ok")
+    guard.hold("d-late", endpoint, "p-late")
+    guard.hold("d-other", endpoint, "p-other-reader")  # not this reader's verdict: never ok
+    on_time, late, timed_out = poll_until_settled(guard)
+    assert (on_time, late, timed_out) == ({"d-ok"}, {"d-late"}, {"d-other"})
+    guard.close()
+
+
+def test_pending_verdict_is_asked_again_until_it_arrives(server):
+    guard = LateReadGuard(reader="decode-agent", check_timeout_s=5.0)
+    guard.hold("d1", ("127.0.0.1", server.port), "p1")
+    for _ in range(5):
+        assert guard.poll(wait_s=0.02).on_time == set()
+    server.table.record("p1", "decode-agent", True)  # the notification is processed now
+    on_time, late, timed_out = poll_until_settled(guard)
+    assert on_time == {"d1"} and not late and not timed_out
+    guard.close()
+
+
+def test_unreachable_server_fails_closed():
+    guard = LateReadGuard(reader="decode-agent", check_timeout_s=0.3)
+    from pd_plugins.testing.processes import free_port
+    guard.hold("d1", ("127.0.0.1", free_port()), "p1")  # nobody listens there
+    on_time, late, timed_out = poll_until_settled(guard)
+    assert timed_out == {"d1"} and not on_time
+    guard.close()
+
+
+def test_server_ignores_malformed_queries(server):
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    sock.send(b"\x93garbage")
+    sock.send_multipart([b"a", b"b"])
+    server.table.record("p1", "r", True)
+    guard = LateReadGuard(reader="r", check_timeout_s=2.0)
+    guard.hold("d1", ("127.0.0.1", server.port), "p1")
+    assert poll_until_settled(guard)[0] == {"d1"}  # still serving after the garbage
+    sock.close()
+    guard.close()
+
+
+def test_released_request_without_verdict_is_late():
+    table = VerdictTable()
+    table.record("r1", "d0", True)
+    table.release("r1")
+    assert table.lookup("r1", "d0") == "ok"    # confirmed before the release
+    assert table.lookup("r1", "d1") == "late"  # d1's notification had not come by then
+    assert table.lookup("r2", "d0") == "pending"
