@@ -18,6 +18,7 @@ Every failed load goes through vLLM's `kv_load_failure_policy` (fail | recompute
 from __future__ import annotations
 
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -43,8 +44,10 @@ from pd_plugins.connectors.transfer_params import (
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
     LeaseVerdicts,
     NotifTap,
+    WRITE_BY_KEY,
     PushDeadlines,
     SendHold,
+    WriteGate,
 )
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
@@ -66,6 +69,8 @@ TRANSFER_MODES: tuple[TransferMode, ...] = ("pull", "push")
 DEFAULT_LEASE_S = 30  # upstream's kv_lease_duration default
 # Past the prefill's lease, so no WRITE can still come when the decode gives up on a push.
 PUSH_TIMEOUT_MARGIN_S = 15.0
+# A prefill starts no WRITE later than this before the decode gives up (the WRITE must land in it).
+WRITE_MARGIN_S = 5.0
 
 
 def transfer_mode_of(vllm_config: VllmConfig) -> TransferMode:
@@ -125,6 +130,7 @@ class _PdAdditions(_PdStatsClassMethods):
         self._lease_checks: dict[str, tuple[str, int, str] | None] = {}
         self._push_deadlines: PushDeadlines | None = None
         self._send_hold: SendHold | None = None
+        self._write_gate: WriteGate | None = None
         if role == KVConnectorRole.WORKER:
             self._set_up_worker_guards(lease_s)
 
@@ -143,6 +149,7 @@ class _PdAdditions(_PdStatsClassMethods):
                 self._push_deadlines = PushDeadlines()
             if self._serves:
                 self._send_hold = SendHold(max_hold_s=lease_s)
+                self._write_gate = WriteGate(worker)
 
     # ---- scheduler side -------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -196,7 +203,13 @@ class _PdAdditions(_PdStatsClassMethods):
                 self._lease_checks_to_send[request.request_id] = lease_check_of(params)
             else:
                 self._push_waits_to_send[request.request_id] = self._push_timeout_s
-        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        registration = (self.connector_scheduler._push_pending_registrations.get(request.request_id)
+                        if self.pd_mode == "push" else None)
+        if registration is not None and self._reads:
+            # Tell the prefill when this decode stops waiting, so no WRITE lands after that.
+            registration[WRITE_BY_KEY] = time.time() + self._push_timeout_s - WRITE_MARGIN_S
+        return result
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
@@ -251,7 +264,12 @@ class _PdAdditions(_PdStatsClassMethods):
 
     # ---- worker side ----------------------------------------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = super().get_transfer_results(finished_req_ids)
+        if self._write_gate is not None:
+            # Lease reaping (in upstream's call) and WRITE submission exclude each other.
+            with self._write_gate.lock:
+                results = super().get_transfer_results(finished_req_ids)
+        else:
+            results = super().get_transfer_results(finished_req_ids)
         meta = self._connector_metadata
         rejected = getattr(meta, "pd_rejected_recv", None)
         if rejected:
@@ -270,6 +288,8 @@ class _PdAdditions(_PdStatsClassMethods):
                 logger.error("PdNixlConnector: push for request %s did not complete within "
                              "%.0f s; its KV load failed", request_id, self._push_timeout_s)
             stats.count("pd_push_timeouts", len(timed_out))
+        if self._write_gate is not None:
+            stats.count("pd_refused_writes", self._write_gate.take_refused())
         if self._send_hold is not None:
             worker = self.connector_worker
             with worker._sending_transfers_lock:

@@ -9,18 +9,25 @@
 - `SendHold` (prefill, push): a lease that expires while a WRITE from its blocks is still in flight
   keeps the blocks until the WRITE ends (upstream frees them at once, and the WRITE could then
   copy another request's KV).
+- `WriteGate` (prefill, push): no WRITE starts from blocks whose lease has run out, or into a
+  decode that has stopped waiting (the decode's registration says until when it waits). Upstream
+  starts deferred WRITEs whenever their handshake completes, which was seen 20 s after both.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.logger import init_logger
 
 from pd_plugins.transfer.lease_check import VerdictTable
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -143,3 +150,49 @@ class SendHold:
             del self._held[request_id]
         finished_sending |= released
         return newly_held
+
+
+WRITE_BY_KEY = "pd_write_by"  # in a push registration: wall-clock time after which the decode
+                              # no longer waits (set by the decode, honoured by the prefill)
+
+
+class WriteGate:
+    """Wraps a push worker's WRITE start (`_do_start_push_kv`, run on its writer thread).
+
+    A WRITE starts only while the prefill still leases the blocks (its lease deadline, not only
+    the reaping, which a stalled engine step can delay) and before the decode's write-by time.
+    `lock` is held around the start and around upstream's lease reaping, so a WRITE either starts
+    (and is in flight, see SendHold) before its lease is reaped, or not at all.
+    """
+
+    def __init__(self, worker: Any) -> None:
+        self.lock = threading.Lock()
+        self._worker = worker
+        self._start_write = worker._do_start_push_kv
+        worker._do_start_push_kv = self._guarded_start
+        self._refused = 0
+
+    def _guarded_start(self, request_id: str, local_block_ids: Any,
+                       registration: dict[str, Any]) -> None:
+        with self.lock:
+            why = self._refusal(request_id, registration)
+            if why is None:
+                self._start_write(request_id, local_block_ids, registration)
+                return
+            self._refused += 1
+        logger.warning("PdNixlConnector: no WRITE for request %s: %s", request_id, why)
+
+    def _refusal(self, request_id: str, registration: dict[str, Any]) -> str | None:
+        write_by = registration.get(WRITE_BY_KEY)
+        if isinstance(write_by, (int, float)) and time.time() > write_by:
+            return "the decode has stopped waiting for it"
+        lease_ends = self._worker._reqs_to_send.get(request_id)
+        if lease_ends is not None and time.perf_counter() >= lease_ends:
+            return "its lease has run out"
+        if lease_ends is None and request_id not in self._worker._reqs_to_process:
+            return "its blocks were released"
+        return None
+
+    def take_refused(self) -> int:
+        refused, self._refused = self._refused, 0
+        return refused

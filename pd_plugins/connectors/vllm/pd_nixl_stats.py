@@ -35,6 +35,10 @@ PD_COUNTERS: dict[str, tuple[str, str]] = {
         "vllm:pd_nixl_held_sends",
         "Expired push leases whose blocks were kept until an in-flight WRITE finished "
         "(prefill side)."),
+    "pd_refused_writes": (
+        "vllm:pd_nixl_refused_writes",
+        "Push WRITEs not started: the lease had run out or the decode had stopped waiting "
+        "(prefill side)."),
     "pd_recomputes": (
         "vllm:pd_nixl_recomputes",
         "Failed KV loads the engine recomputes locally (kv_load_failure_policy=recompute)."),

@@ -65,3 +65,35 @@ def test_send_hold_gives_up_on_a_stuck_write():
     sending = set()
     hold.settle(sending, in_flight={"r"}, now=30.0)
     assert sending == {"r"}
+
+
+class FakePushWorker:
+    """Only the lease bookkeeping and the WRITE start of a push worker (a named fake)."""
+
+    def __init__(self):
+        self._reqs_to_send: dict[str, float] = {}
+        self._reqs_to_process: set[str] = set()
+        self.started: list[str] = []
+
+    def _do_start_push_kv(self, request_id, blocks, registration):
+        self.started.append(request_id)
+
+
+def test_write_gate_starts_only_leased_writes_the_decode_still_waits_for():
+    import time as clock
+
+    from pd_plugins.connectors.vllm.pd_nixl_guards import WRITE_BY_KEY, WriteGate
+
+    worker = FakePushWorker()
+    gate = WriteGate(worker)
+    later = clock.perf_counter() + 60
+    worker._reqs_to_send.update({"leased": later, "expired": clock.perf_counter() - 1,
+                                 "decode-gone": later})
+    worker._reqs_to_process.update({"leased", "expired", "decode-gone", "finishing"})
+    worker._do_start_push_kv("leased", [[1]], {WRITE_BY_KEY: clock.time() + 30})
+    worker._do_start_push_kv("finishing", [[1]], {})  # lease not stamped yet: still its own
+    worker._do_start_push_kv("expired", [[1]], {})
+    worker._do_start_push_kv("decode-gone", [[1]], {WRITE_BY_KEY: clock.time() - 1})
+    worker._do_start_push_kv("released", [[1]], {})
+    assert worker.started == ["leased", "finishing"]
+    assert gate.take_refused() == 3 and gate.take_refused() == 0
