@@ -95,8 +95,11 @@ def metric_value(metrics_text: str, name: str) -> float:
     return total
 
 
-def start_all(servers: list[ManagedProcess], timeout: float = 300.0) -> list[ManagedProcess]:
-    """Start servers together, wait for all; stop them all if any fails to come up."""
+def start_all(servers: list[ManagedProcess], timeout: float = 600.0) -> list[ManagedProcess]:
+    """Start servers together, wait for all; stop them all if any fails to come up.
+
+    A vLLM server is healthy in about 25 s, but a clean-clone CI run once saw one take over 5
+    minutes (3 of them spawning its worker) on a busy host: the limit is generous on purpose."""
     try:
         for server in servers:
             server.start()
