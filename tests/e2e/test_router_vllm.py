@@ -7,6 +7,7 @@ push, streaming and not, completions and chat), and the decode's NIXL counter pr
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,7 +15,15 @@ import requests
 
 from pd_plugins.testing.engine_harness import metric_value, start_all
 from pd_plugins.testing.router_harness import RouterProcess
-from tests.e2e.deployments import CONCURRENT, PROMPTS, PdConfig, completion_body, output_ids, pd_param
+from tests.e2e.deployments import (
+    CONCURRENT,
+    PROMPTS,
+    PdConfig,
+    completion_body,
+    output_ids,
+    pd_param,
+    token_prompt,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -108,6 +117,20 @@ def test_router_concurrent_requests(routed, references):
     assert 'pd_router_requests_total{decision="disaggregated",outcome="ok"}' in metrics
 
 
+def wait_for_kv_events(router, attempts: int = 20) -> None:
+    """ZMQ drops what a publisher sends before its connection is up (vLLM connects to the router's
+    bound endpoint, retrying), and a repeated prompt publishes nothing new: so first make sure
+    events flow, with throwaway prompts, before the one the test measures."""
+    for i in range(attempts):
+        throwaway = token_prompt(100, seed=9100 + i)
+        post(router, "/v1/completions", completion_body(throwaway))
+        time.sleep(0.5)
+        route = post(router, "/v1/completions", completion_body(throwaway)).headers["x-pd-route"]
+        if "uncached 4 <" in route:
+            return
+    raise AssertionError(f"no KV events reached the router after {attempts} prompts: {route}")
+
+
 def test_prefix_index_follows_real_vllm_kv_events(references):
     """A vLLM server publishing KV events over ZMQ: the router learns from them which prompt blocks
     it holds (in exact mode the router records nothing itself), so a repeated prompt is prefilled
@@ -127,6 +150,7 @@ def test_prefix_index_follows_real_vllm_kv_events(references):
     try:
         start_all([server], timeout=600)
         start_all([router], timeout=120)
+        wait_for_kv_events(router)
         prompt = PROMPTS[100]  # 3 full blocks of 32 + 4 tokens
         first = post(router, "/v1/completions", completion_body(prompt))
         assert output_ids(first) == references["tiny-llama"][tuple(prompt)]
