@@ -25,7 +25,8 @@ from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
 
 MAX_TOKENS = 24
 PUSH_STALL_S = 45.0  # a push request not answered by then has stalled (see PdDeployment.legs)
-PUSH_ATTEMPTS = 3    # stalls come in runs when CI's host is loaded
+PUSH_ATTEMPTS = 3
+DEFAULT_TEST_LEASE_S = 120    # stalls come in runs when CI's host is loaded
 FIRST_ORDINARY_TOKEN = 6  # ids below are special tokens
 
 # Prompt lengths against block size 32: shorter than a block, block-aligned, two unaligned.
@@ -181,8 +182,9 @@ class PdDeployment:
     def start(cls, config: PdConfig) -> PdDeployment:
         model = model_path(config.model)
         extra: dict[str, Any] = dict(config.extra)
-        if config.lease_seconds is not None:
-            extra["kv_lease_duration"] = config.lease_seconds
+        # Longer than upstream's 30 s by default: on a slow CI host a decode once read later than
+        # that, and PdNixlConnector's lease check rightly failed those reads (policy fail: 500).
+        extra["kv_lease_duration"] = config.lease_seconds or DEFAULT_TEST_LEASE_S
         args = () if config.prefix_caching else ("--no-enable-prefix-caching",)
         if config.num_blocks is not None:
             args += ("--num-gpu-blocks-override", str(config.num_blocks))

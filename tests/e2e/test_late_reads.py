@@ -85,17 +85,19 @@ def test_pd_nixl_detects_every_late_read_and_recomputes(pool, references):
     for prompt in LATE_PROMPTS:
         assert output_ids(late_pd_request(pd, prompt)) == expected[tuple(prompt)]
     poke(pd.prefill)
-    late_at_prefill = wait_for_counter(
-        pd.prefill, "vllm:nixl_num_notifications_after_expiry_total", len(LATE_PROMPTS))
+    # The provoked reads are late; on a slow machine a 2 s lease can make others late too. Every
+    # late read the prefill saw must be one the decode caught, and nothing else.
     detected = wait_for_counter(pd.decode, "vllm:pd_nixl_late_reads_total", len(LATE_PROMPTS))
-    assert late_at_prefill == len(LATE_PROMPTS), "the race was not provoked"
-    assert detected == late_at_prefill  # every late read, and nothing else
+    late_at_prefill = wait_for_counter(
+        pd.prefill, "vllm:nixl_num_notifications_after_expiry_total", detected)
+    assert late_at_prefill >= len(LATE_PROMPTS), "the race was not provoked"
+    assert detected == late_at_prefill
     assert counter(pd.decode, "vllm:pd_nixl_lease_check_timeouts_total") == 0
     assert counter(pd.decode, "vllm:pd_nixl_recomputes_total") >= detected
     assert counter(pd.decode, "vllm:pd_nixl_unchecked_reads_total") == 0
-    # An on-time read right after is checked and used: no recompute, no late read.
+    # A read right after is checked and used; if it is recomputed, only because it was late too.
     recomputes = counter(pd.decode, "vllm:pd_nixl_recomputes_total")
     assert output_ids(pd.complete(completion_body(PROMPTS[150]))) == expected[tuple(PROMPTS[150])]
     time.sleep(2)
-    assert counter(pd.decode, "vllm:pd_nixl_recomputes_total") == recomputes
-    assert counter(pd.decode, "vllm:pd_nixl_late_reads_total") == detected
+    new_late = counter(pd.decode, "vllm:pd_nixl_late_reads_total") - detected
+    assert counter(pd.decode, "vllm:pd_nixl_recomputes_total") - recomputes == new_late
