@@ -9,14 +9,17 @@ All transfer machinery (handshake, lease, heartbeat, transfers) is upstream's; t
   engine crashing or reading from a bad address;
 - pull: lease checks. A decode uses KV it read only once the prefill confirms its lease still
   held the blocks when the read finished; a late read is a failed load (transfer/lease_check.py);
-- push: a deadline on every transfer (`push_timeout_s`) on the decode, and no freeing of blocks
-  under an in-flight WRITE on the prefill (pd_nixl_guards.py);
+- push: a deadline on every transfer (`push_timeout_s`) on the decode; on the prefill no WRITE
+  after its lease or the decode's deadline, and no freeing of blocks under an in-flight WRITE
+  (pd_nixl_guards.py);
 - counters for all of it on /metrics (pd_nixl_stats.py).
 Every failed load goes through vLLM's `kv_load_failure_policy` (fail | recompute).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -48,6 +51,7 @@ from pd_plugins.connectors.vllm.pd_nixl_guards import (
     PushDeadlines,
     SendHold,
     WriteGate,
+    holds_blocks,
 )
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
@@ -140,8 +144,7 @@ class _PdAdditions(_PdStatsClassMethods):
         if self.pd_mode == "pull":
             if self._serves:
                 worker.nixl_wrapper = self._notif_tap = NotifTap(
-                    worker.nixl_wrapper,
-                    lambda r: r in worker._reqs_to_send or r in worker._reqs_to_process)
+                    worker.nixl_wrapper, functools.partial(holds_blocks, worker))
             if self._reads:
                 self._late_read_guard = LateReadGuard(reader=worker.nixl_wrapper.name)
         else:
@@ -264,11 +267,8 @@ class _PdAdditions(_PdStatsClassMethods):
 
     # ---- worker side ----------------------------------------------------------------------
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self._write_gate is not None:
-            # Lease reaping (in upstream's call) and WRITE submission exclude each other.
-            with self._write_gate.lock:
-                results = super().get_transfer_results(finished_req_ids)
-        else:
+        # Push prefill: lease reaping (in upstream's call) and WRITE starts exclude each other.
+        with self._write_gate.lock if self._write_gate is not None else contextlib.nullcontext():
             results = super().get_transfer_results(finished_req_ids)
         meta = self._connector_metadata
         rejected = getattr(meta, "pd_rejected_recv", None)

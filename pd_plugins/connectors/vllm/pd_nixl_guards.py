@@ -46,6 +46,11 @@ class LeaseVerdicts(KVConnectorWorkerMetadata):
             table.record(request_id, reader, on_time)
 
 
+def holds_blocks(worker: Any, request_id: str) -> bool:
+    """Whether an upstream NIXL worker still holds a prefill request's blocks for a transfer."""
+    return request_id in worker._reqs_to_send or request_id in worker._reqs_to_process
+
+
 class NotifTap:
     """Wraps a worker's NIXL agent; classifies read-completion notifications as they are fetched.
 
@@ -186,11 +191,11 @@ class WriteGate:
         write_by = registration.get(WRITE_BY_KEY)
         if isinstance(write_by, (int, float)) and time.time() > write_by:
             return "the decode has stopped waiting for it"
+        if not holds_blocks(self._worker, request_id):
+            return "its blocks were released"
         lease_ends = self._worker._reqs_to_send.get(request_id)
         if lease_ends is not None and time.perf_counter() >= lease_ends:
             return "its lease has run out"
-        if lease_ends is None and request_id not in self._worker._reqs_to_process:
-            return "its blocks were released"
         return None
 
     def take_refused(self) -> int:
