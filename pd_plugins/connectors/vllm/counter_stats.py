@@ -1,0 +1,62 @@
+"""Connector counters on vLLM's /metrics, from a table of counters (vLLM adds `_total`).
+
+Counted by the worker, carried to the API server in vLLM's KV connector stats. A connector
+declares its table once and subclasses both classes with it (plain subclasses, so the stats
+pickle by name between vLLM's processes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+# data key -> (metric name, help)
+CounterTable = dict[str, tuple[str, str]]
+
+
+class CounterStats(KVConnectorStats):
+    COUNTERS: CounterTable = {}
+
+    def reset(self) -> None:
+        self.data = {key: [] for key in self.COUNTERS}
+
+    def count(self, key: str, n: float = 1) -> None:
+        if n:
+            self.data.setdefault(key, []).append(n)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in self.COUNTERS:
+            self.data.setdefault(key, []).extend(other.data.get(key, ()))
+        return self
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(key) for key in self.COUNTERS)
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name.removeprefix("vllm:"): round(sum(self.data[key]), 6)
+                for key, (name, _) in self.COUNTERS.items() if self.data.get(key)}
+
+
+class CounterPromMetrics(KVConnectorPromMetrics):
+    COUNTERS: CounterTable = {}
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            key: create_metric_per_engine(
+                self._counter_cls(name=name, documentation=doc, labelnames=labelnames),
+                self.per_engine_labelvalues,
+            )
+            for key, (name, doc) in self.COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for key, counter in self.counters.items():
+            for n in transfer_stats_data.get(key, ()):
+                counter[engine_idx].inc(n)
+

@@ -1,0 +1,50 @@
+"""What makes two vLLM engines' KV blocks interchangeable, for connectors whose pool is shared.
+
+A pool (shared memory, LMCache) serves one layout: engines whose blocks differ in model, dtype,
+block size, layers, page size, parallelism or block hash must never read each other's KV.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# hash algorithms whose block hashes differ between processes unless PYTHONHASHSEED is set
+_NON_REPRODUCIBLE_HASHES = ("xxhash", "xxhash_cbor", "builtin", "sha256_cbor_64bit_builtin")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    description: str        # "<tag>|model=...|dtype=...|..." (put into pool ids and keys)
+    layer_names: list[str]  # the KV cache group's layers, in order
+    page_bytes: int         # one block of one layer
+    block_size: int         # tokens per block
+
+    @property
+    def block_bytes(self) -> int:  # one block of every layer
+        return self.page_bytes * len(self.layer_names)
+
+
+def kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tag: str,
+              connector: str) -> KVLayout:
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise ValueError(f"{connector} supports models with one KV cache group "
+                         f"(this model has {len(groups)})")
+    spec, layers = groups[0].kv_cache_spec, groups[0].layer_names
+    cache, model, par = (vllm_config.cache_config, vllm_config.model_config,
+                         vllm_config.parallel_config)
+    algo = cache.prefix_caching_hash_algo
+    if algo in _NON_REPRODUCIBLE_HASHES and os.getenv("PYTHONHASHSEED") is None:
+        raise ValueError(f"{connector}: --prefix-caching-hash-algo {algo} gives each process "
+                         "different block hashes unless PYTHONHASHSEED is set; use sha256")
+    description = (f"{tag}|model={model.model}|rev={model.revision}|dtype={model.dtype}"
+                   f"|kv_dtype={cache.cache_dtype}|block={cache.block_size}|layers={len(layers)}"
+                   f"|page={spec.page_size_bytes}|tp={par.tensor_parallel_size}"
+                   f"|pp={par.pipeline_parallel_size}|hash={algo}")
+    return KVLayout(description, list(layers), spec.page_size_bytes, cache.block_size)

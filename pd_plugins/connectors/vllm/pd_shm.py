@@ -1,0 +1,416 @@
+"""PdShmConnector: KV moves through a shared-memory pool (a /dev/shm file or a CXL DAX device).
+
+Selected with `--kv-transfer-config '{"kv_connector":"PdShmConnector","kv_role":...}'`; options in
+`kv_connector_extra_config` (see `ShmOptions`). Every engine on the host that maps the same pool
+shares it:
+- a prefill (kv_producer) writes the full blocks of each PD prefill leg into the pool while it
+  computes them, skipping blocks the pool already has, and answers with the pool's id and the
+  slots it used in `kv_transfer_params`;
+- any engine looks each new request's block hashes up in the pool and copies the leading blocks it
+  finds into its own paged KV cache before the forward pass; the engine computes only the rest.
+
+Blocks are found by the engine's own block hash of the request's tokens (which covers the tokens,
+LoRA, multimodal inputs and cache salt), never by an address from the request: a client cannot
+make a decode read KV that does not belong to its own prompt. The slots in `kv_transfer_params`
+are only hints, used when they hold exactly the expected block.
+
+A block that vanished or changed while being copied (its lease ran out, or its checksum does not
+match) is a failed load, handled by vLLM's `kv_load_failure_policy` (recompute or fail). The
+pool's own rules (leases, publish order, eviction) are in pd_plugins/transfer/shm_pool.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from pd_plugins.connectors.transfer_params import PD_SECTION_KEY, PdSection, asks_remote_decode
+from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
+from pd_plugins.connectors.vllm.kv_layout import kv_layout
+from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
+from pd_plugins.connectors.vllm.pd_shm_stats import PdShmPromMetrics, PdShmStats
+from pd_plugins.routers.policy.prefix_index import block_keys
+from pd_plugins.transfer.paged_kv import PagedKV
+from pd_plugins.transfer.shm_pool import ShmKVPool, SlotRef
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+POOL_ID_KEY = "pool_id"
+POOL_SLOTS_KEY = "pool_slots"
+SAVE_MODES = ("layer", "step")
+STORE_WHAT = ("pd", "all")
+
+
+class ShmOptions(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    """kv_connector_extra_config keys (unknown keys are other connectors' and ignored)."""
+
+    pool_path: str | None = None  # default: /dev/shm/pd-kv-<model>-<layout hash>
+    pool_size_gb: float = 2.0     # size when this engine creates the pool file
+    hold_s: float = 30.0          # a prefill's blocks stay at least this long for the decode
+    read_lease_s: float = 30.0    # a reader killed mid-copy pins its slots at most this long
+    save_mode: str = "layer"      # write each layer as computed, or all layers after the step
+    checksums: bool = True        # for a pool this engine creates (a pool keeps its own)
+    lookup: bool = True           # load prefix blocks found in the pool (any role)
+    store: str = "pd"             # producers store PD prefill legs only, or every request
+
+    def __post_init__(self) -> None:
+        if self.save_mode not in SAVE_MODES:
+            raise ValueError(f"PdShmConnector: save_mode must be one of {SAVE_MODES}, "
+                             f"got {self.save_mode!r}")
+        if self.store not in STORE_WHAT:
+            raise ValueError(f"PdShmConnector: store must be one of {STORE_WHAT}, "
+                             f"got {self.store!r}")
+        if self.pool_size_gb <= 0 or self.hold_s < 0 or self.read_lease_s <= 0:
+            raise ValueError("PdShmConnector: pool_size_gb and read_lease_s must be positive, "
+                             "hold_s non-negative")
+
+
+def pool_key(block_hash: bytes, rank: int) -> bytes:
+    """The pool key of one block: the engine's block hash, per tensor-parallel rank."""
+    return hashlib.blake2b(bytes(block_hash), digest_size=32,
+                           person=b"pd-shm-r%d" % rank).digest()
+
+
+def default_pool_path(vllm_config: VllmConfig, layout: str) -> str:
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(
+        str(vllm_config.model_config.model).rstrip("/")))[:40]
+    return f"/dev/shm/pd-kv-{name}-{hashlib.sha1(layout.encode()).hexdigest()[:10]}"
+
+
+# -- what the scheduler tells the workers each step -----------------------------------------------
+@dataclass
+class LoadOp:
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    hints: list[SlotRef | None]
+
+
+@dataclass
+class StoreOp:
+    req_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    content_keys: list[int]
+
+
+@dataclass
+class PdShmMetadata(KVConnectorMetadata):
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+
+
+def _slot_hints(params: Any, pool_id: str, first: int, count: int) -> list[SlotRef | None]:
+    """Slot hints from a prefill's kv_transfer_params (for this pool only; anything malformed
+    is ignored, as the hints are verified against the expected block anyway)."""
+    hints: list[SlotRef | None] = [None] * count
+    if not isinstance(params, dict) or params.get(POOL_ID_KEY) != pool_id:
+        return hints
+    slots = params.get(POOL_SLOTS_KEY)
+    if not isinstance(slots, list):
+        return hints
+    for i in range(count):
+        item = slots[first + i] if first + i < len(slots) else None
+        if (isinstance(item, list) and len(item) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)):
+            hints[i] = SlotRef(item[0], item[1])
+    return hints
+
+
+# -- scheduler side ---------------------------------------------------------------------------------
+@dataclass
+class _Storing:
+    request: Request
+    next_block: int = 0
+    content_keys: list[int] | None = None
+
+
+class _SchedulerSide:
+    def __init__(self, connector: PdShmConnector) -> None:
+        self.c = connector
+        self._hits: dict[str, tuple[int, int]] = {}  # req id -> (first, end) block found
+        self._loads: list[LoadOp] = []
+        self._storing: dict[str, _Storing] = {}
+        self._cached: dict[str, int] = {}  # req id -> prompt tokens not computed (local + pool)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        c = self.c
+        self._cached[request.request_id] = num_computed_tokens
+        if not c.options.lookup:
+            return 0, False
+        bs = c.block_size
+        first = num_computed_tokens // bs
+        hashes = request.block_hashes[first:]
+        found = c.pool.count_prefix([pool_key(h, 0) for h in hashes]) if hashes else 0
+        end = first + found
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            expected = len(params.get(POOL_SLOTS_KEY) or ())
+            if end < expected:
+                logger.warning("PdShmConnector: request %s: %d of the prefill's %d blocks are not "
+                               "in the pool (evicted, or another pool); computing them",
+                               request.request_id, expected - end, expected)
+        # vLLM computes at least the last prompt token itself
+        tokens = max(0, min(end * bs, request.num_tokens - 1) - num_computed_tokens)
+        if tokens:
+            self._hits[request.request_id] = (first, end)
+            self._cached[request.request_id] = num_computed_tokens + tokens
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        c = self.c
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens > 0 and hit is not None:
+            first, _ = hit
+            count = -(-num_external_tokens // c.block_size)
+            block_ids = blocks.get_block_ids()[0][first:first + count]
+            self._loads.append(LoadOp(
+                request.request_id, list(block_ids),
+                list(request.block_hashes[first:first + count]),
+                _slot_hints(request.kv_transfer_params, c.pool.pool_id, first, count)))
+        if (c.stores and request.request_id not in self._storing
+                and (c.options.store == "all" or asks_remote_decode(request.kv_transfer_params))):
+            self._storing[request.request_id] = _Storing(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdShmMetadata:
+        meta = PdShmMetadata(loads=self._loads)
+        self._loads = []
+        bs = self.c.block_size
+        for req_id, st in list(self._storing.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if not scheduled:
+                continue
+            req = st.request
+            # num_computed_tokens does not yet include this step's tokens
+            done = min(req.num_computed_tokens + scheduled, req.num_prompt_tokens)
+            full = min(done // bs, len(req.block_hashes))
+            if full > st.next_block:
+                if st.content_keys is None:
+                    st.content_keys = block_keys(req.prompt_token_ids or [], bs)
+                block_ids = self.c.kv_cache_manager.get_block_ids(req_id)[0]
+                meta.stores.append(StoreOp(
+                    req_id, list(block_ids[st.next_block:full]),
+                    list(req.block_hashes[st.next_block:full]),
+                    st.content_keys[st.next_block:full]))
+                st.next_block = full
+            if done >= req.num_prompt_tokens:
+                del self._storing[req_id]
+        return meta
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        c = self.c
+        self._storing.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        cached = self._cached.pop(request.request_id, 0)
+        if not (c.stores and asks_remote_decode(request.kv_transfer_params)):
+            return None
+        full = request.num_prompt_tokens // c.block_size
+        refs = c.pool.lookup([pool_key(h, 0) for h in request.block_hashes[:full]])
+        section = PdSection(
+            prompt_tokens=request.num_prompt_tokens,
+            cached_tokens=cached,
+            engine_id=c.engine_id, mode="shm", block_size=c.block_size,
+            experts=c.experts.take(request.request_id))
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": c.engine_id, "remote_request_id": request.request_id,
+            POOL_ID_KEY: c.pool.pool_id,
+            POOL_SLOTS_KEY: [[r.slot, r.seq] if r else None for r in refs],
+            PD_SECTION_KEY: msgspec.to_builtins(section),
+        }
+
+
+# -- worker side ------------------------------------------------------------------------------------
+@dataclass
+class _PendingStore:
+    op: StoreOp
+    positions: list[int]      # which of op.block_ids got a slot
+    refs: list[SlotRef]
+    checksums: Any            # np.ndarray[uint64], summed over layers
+    layers_done: set[int] = field(default_factory=set)
+
+
+class _WorkerSide(PoolWorkerSide):
+    STATS = PdShmStats
+
+    def __init__(self, connector: PdShmConnector) -> None:
+        super().__init__()
+        self.c = connector
+        self.kv: PagedKV | None = None
+        self._layer_index: dict[str, int] = {}
+        self._pending: list[_PendingStore] = []
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        c = self.c
+        names = c.kv_cache_config.kv_cache_groups[0].layer_names
+        self.kv = PagedKV([kv_caches[n] for n in names], c.kv_cache_config.num_blocks)
+        if self.kv.block_bytes != c.slot_bytes:
+            raise ValueError(f"PdShmConnector: KV tensors hold {self.kv.block_bytes} bytes per "
+                             f"block, the KV spec says {c.slot_bytes}")
+        self._layer_index = {n: i for i, n in enumerate(names)}
+
+    # saving
+    def begin_step(self, meta: PdShmMetadata) -> None:
+        if self.c.options.save_mode == "layer":
+            self._reserve(meta.stores)
+
+    def _reserve(self, stores: list[StoreOp]) -> None:
+        rank = self.c.rank
+        for op in stores:
+            refs = self.c.pool.reserve([pool_key(h, rank) for h in op.block_hashes],
+                                       op.content_keys, write_lease_s=self.c.options.read_lease_s)
+            positions = [i for i, r in enumerate(refs) if r is not None]
+            if len(positions) < len(refs):
+                present = self.c.pool.lookup([pool_key(op.block_hashes[i], rank)
+                                              for i, r in enumerate(refs) if r is None])
+                n_present = sum(r is not None for r in present)
+                self.stats.count("present_blocks", n_present)
+                self.stats.count("unstored_blocks", len(present) - n_present)
+            if positions:
+                self._pending.append(_PendingStore(
+                    op, positions, [refs[i] for i in positions],
+                    np.zeros(len(positions), dtype=np.uint64)))
+
+    def _write_layer(self, p: _PendingStore, layer: int) -> None:
+        p.checksums += self.kv.save_layer(  # sums wrap mod 2**64, as the pool's do
+            layer, [p.op.block_ids[i] for i in p.positions], self.c.pool.data,
+            [r.slot for r in p.refs], checksums=self.c.pool.checksums)
+        p.layers_done.add(layer)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._pending:
+            return
+        start = time.perf_counter()
+        for p in self._pending:
+            self._write_layer(p, layer)
+        self.stats.count("store_seconds", time.perf_counter() - start)
+
+    def wait_for_save(self, meta: PdShmMetadata) -> None:
+        start = time.perf_counter()
+        if self.c.options.save_mode == "step":
+            self._reserve(meta.stores)
+        if not self._pending:
+            return
+        pool, kv = self.c.pool, self.kv
+        publishes = []
+        for p in self._pending:
+            for layer in range(len(kv.layers)):  # layers save_kv_layer was not called for
+                if layer not in p.layers_done:
+                    self._write_layer(p, layer)
+            publishes += [(ref, int(chk), kv.block_bytes) for ref, chk in zip(p.refs, p.checksums)]
+        self._pending = []
+        ok = pool.publish(publishes, hold_s=self.c.options.hold_s)
+        stored = sum(ok)
+        self.stats.count("stored_blocks", stored)
+        self.stats.count("unstored_blocks", len(ok) - stored)
+        self.stats.count("stored_bytes", stored * kv.block_bytes)
+        self.stats.count("store_seconds", time.perf_counter() - start)
+
+    # loading
+    def start_load_kv(self, meta: PdShmMetadata) -> None:
+        if not meta.loads:
+            return
+        start = time.perf_counter()
+        for op in meta.loads:
+            self._load(op)
+        self.stats.count("load_seconds", time.perf_counter() - start)
+
+    def _load(self, op: LoadOp) -> None:
+        pool, kv, rank = self.c.pool, self.kv, self.c.rank
+        pinned = pool.pin([pool_key(h, rank) for h in op.block_hashes], op.hints,
+                          read_lease_s=self.c.options.read_lease_s)
+        have = [i for i, p in enumerate(pinned) if p is not None]
+        good: set[int] = set()
+        if have:
+            keep = [pinned[i] for i in have]
+            # straight into the KV cache; a block is only used if it checks out afterwards
+            verify = pool.checksums
+            sums = kv.load(pool.data, [p.slot for p in keep], [op.block_ids[i] for i in have],
+                           checksums=verify)
+            intact = pool.unpin(keep)
+            if verify:
+                intact = [ok and int(s) == p.checksum for ok, s, p in zip(intact, sums, keep)]
+            good = {i for i, ok in zip(have, intact) if ok}
+        failed = [op.block_ids[i] for i in range(len(op.block_ids)) if i not in good]
+        if failed:
+            self._invalid.update(failed)
+            logger.warning("PdShmConnector: request %s: %d of %d pool blocks failed to load "
+                           "(evicted, replaced while copied, or bad checksum)",
+                           op.req_id, len(failed), len(op.block_ids))
+        self.stats.count("loaded_blocks", len(good))
+        self.stats.count("failed_blocks", len(failed))
+        self.stats.count("loaded_bytes", len(good) * kv.block_bytes)
+
+
+class PdShmConnector(SyncPoolConnector):
+    STATS = PdShmStats
+    PROM_METRICS = PdShmPromMetrics
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        self.options = msgspec.convert(config.kv_connector_extra_config or {}, ShmOptions)
+        self.kv_cache_config = kv_cache_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = config.engine_id
+        self.stores = config.kv_role in ("kv_producer", "kv_both")
+        self.rank = vllm_config.parallel_config.rank
+        kv = kv_layout(vllm_config, kv_cache_config, "pd-shm v1", "PdShmConnector")
+        layout, self.slot_bytes = kv.description, kv.block_bytes
+        path = self.options.pool_path or default_pool_path(vllm_config, layout)
+        self.pool = ShmKVPool(path, slot_bytes=self.slot_bytes, layout=layout,
+                              size_bytes=int(self.options.pool_size_gb * (1 << 30)),
+                              checksums=self.options.checksums)
+        if self.pool.checksums != self.options.checksums:
+            logger.warning("PdShmConnector: pool %s was created with checksums %s; following "
+                           "it (every engine of a pool must agree)", path,
+                           "on" if self.pool.checksums else "off")
+        logger.info("PdShmConnector (%s, %s): pool %s, %d slots of %d bytes", config.kv_role,
+                    role.name, path, self.pool.num_slots, self.pool.slot_bytes)
+        self.experts = ExpertSignatures(vllm_config, role)
+        self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
+
+    # -- worker side -------------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.begin_step(connector_metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        if self.options.save_mode == "layer":
+            self._worker.save_kv_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+        self.experts.after_step()
+
+    def shutdown(self) -> None:
+        self.experts.close()
+        self.pool.close()

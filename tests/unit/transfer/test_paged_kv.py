@@ -1,0 +1,56 @@
+"""Block copies between paged KV tensors and pool rows, for both known layouts."""
+
+import numpy as np
+import pytest
+import torch
+
+from pd_plugins.transfer.paged_kv import PagedKV, block_dim
+from pd_plugins.transfer.shm_pool import checksum, copy_runs
+
+NUM_BLOCKS = 10
+
+
+def layers(layout: str) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    if layout == "cpu":  # vLLM CPU: [num_blocks, heads, block_size, 2 * head_size]
+        return [torch.randn(NUM_BLOCKS, 2, 4, 16, generator=g) for _ in range(3)]
+    return [torch.randn(2, NUM_BLOCKS, 4, 2, 8, generator=g) for _ in range(3)]  # [2, blocks, ...]
+
+
+def test_copy_runs_moves_rows_and_sums_them():
+    src = np.random.default_rng(0).integers(0, 255, (12, 64), dtype=np.uint8)
+    dst = np.zeros((12, 80), dtype=np.uint8)  # wider rows, like pool slots
+    src_rows, dst_rows = [3, 4, 5, 9, 10], [0, 1, 7, 8, 9]  # runs break where either side jumps
+    sums = copy_runs(src, src_rows, dst, dst_rows, sum_source=True)
+    for s, d, total in zip(src_rows, dst_rows, sums):
+        assert np.array_equal(dst[d, :64], src[s]) and int(total) == checksum(src[s])
+    assert not dst[:, 64:].any() and not dst[[2, 3, 4, 5, 6, 10, 11]].any()
+    back = np.zeros((12, 64), dtype=np.uint8)
+    assert list(copy_runs(dst, dst_rows, back, src_rows, sum_source=False)) == list(sums)
+    assert len(copy_runs(src, [], dst, [], sum_source=True)) == 0
+
+
+def test_block_dim_is_found_or_refused():
+    assert block_dim(torch.zeros(NUM_BLOCKS, 3), NUM_BLOCKS) == 0
+    assert block_dim(torch.zeros(2, NUM_BLOCKS, 3), NUM_BLOCKS) == 1
+    with pytest.raises(ValueError, match="no block dimension"):
+        block_dim(torch.zeros(3, 3), NUM_BLOCKS)
+
+
+@pytest.mark.parametrize("layout", ["cpu", "split-kv"])
+def test_save_then_load_moves_exact_blocks(layout):
+    src_layers, dst_layers = layers(layout), [torch.zeros_like(t) for t in layers(layout)]
+    src, dst = PagedKV(src_layers, NUM_BLOCKS), PagedKV(dst_layers, NUM_BLOCKS)
+    pool = np.zeros((8, src.block_bytes + 64), dtype=np.uint8)
+    blocks, slots = [2, 3, 4, 7], [5, 6, 0, 1]
+    sums = sum(src.save_layer(layer, blocks, pool, slots) for layer in range(len(src_layers)))
+    for block_sum, slot in zip(sums, slots):
+        assert int(block_sum) == checksum(pool[slot, :src.block_bytes])
+    targets = [9, 0, 1, 5]
+    loaded = dst.load(pool, slots, targets)
+    assert list(loaded) == list(sums)
+    for t_src, t_dst in zip(src.layers, dst.layers):
+        for b, t in zip(blocks, targets):
+            assert torch.equal(t_src[b], t_dst[t])
+        untouched = [i for i in range(NUM_BLOCKS) if i not in targets]
+        assert not t_dst[untouched].any()

@@ -1,0 +1,205 @@
+"""The shared-memory KV pool on a real /dev/shm mapping, within one process and across several."""
+
+import hashlib
+import os
+import time
+
+import numpy as np
+import pytest
+
+from pd_plugins.transfer.shm_pool import (
+    PoolError, ShmKVPool, SlotRef, checksum, pool_geometry, remove_pool,
+)
+
+SLOT = 4096
+
+
+@pytest.fixture
+def pool_path(tmp_path):
+    path = f"/dev/shm/pd-test-pool-{os.getpid()}-{tmp_path.name}"
+    yield path
+    remove_pool(path)
+
+
+def open_pool(path, size=64 * SLOT, **kw):
+    return ShmKVPool(path, slot_bytes=SLOT, layout="test-layout", size_bytes=size, **kw)
+
+
+def key_of(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def block(i: int, nbytes: int = SLOT) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 255, nbytes, dtype=np.uint8)
+
+
+def put(pool, i, hold_s=0.0):
+    (ref,) = pool.reserve([key_of(i)])
+    assert ref is not None
+    data = block(i)
+    chk = pool.write(ref, data)
+    assert pool.publish([(ref, chk, data.nbytes)], hold_s=hold_s) == [True]
+    return ref
+
+
+def get(pool, i):
+    (pinned,) = pool.pin([key_of(i)])
+    if pinned is None:
+        return None
+    out = pool.read(pinned).copy()
+    assert pool.unpin([pinned]) == [True]
+    assert checksum(out) == pinned.checksum
+    return out
+
+
+def test_geometry_fits_the_region():
+    slot, n, offset = pool_geometry(1 << 20, 1000)
+    assert slot % 64 == 0 and slot >= 1000 and n > 0
+    assert offset % 4096 == 0 and offset + n * slot <= 1 << 20
+
+
+def test_round_trip_and_second_process_view(pool_path):
+    with open_pool(pool_path) as writer, open_pool(pool_path, create=False) as reader:
+        put(writer, 1)
+        assert np.array_equal(get(reader, 1), block(1))
+        assert get(reader, 2) is None
+        assert reader.count_prefix([key_of(1), key_of(2), key_of(1)]) == 1
+
+
+def test_layout_mismatch_is_a_clear_error(pool_path):
+    with open_pool(pool_path):
+        with pytest.raises(PoolError, match="another KV layout"):
+            ShmKVPool(pool_path, slot_bytes=SLOT, layout="other-model", size_bytes=64 * SLOT)
+        with pytest.raises(PoolError, match="another KV layout"):
+            ShmKVPool(pool_path, slot_bytes=2 * SLOT, layout="test-layout")
+
+
+def test_not_a_pool_and_too_small(tmp_path):
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"x" * 100_000)
+    with pytest.raises(PoolError, match="not a pd-plugins KV pool"):
+        ShmKVPool(str(junk), slot_bytes=SLOT, layout="l", create=False)
+    with pytest.raises(PoolError, match="too small"):
+        ShmKVPool(str(tmp_path / "tiny"), slot_bytes=SLOT, layout="l", size_bytes=SLOT)
+
+
+def test_published_blocks_are_not_written_twice(pool_path):
+    with open_pool(pool_path) as pool:
+        put(pool, 1)
+        assert pool.reserve([key_of(1), key_of(2)])[0] is None  # already there
+        # a key being written by a live writer is not reserved again either
+        assert pool.reserve([key_of(2)]) == [None]
+
+
+def test_lru_eviction_spares_held_and_pinned_slots(pool_path):
+    with open_pool(pool_path, size=16 * SLOT) as pool:
+        n = pool.num_slots
+        held = put(pool, 0, hold_s=60)
+        put(pool, 1)
+        (pinned,) = pool.pin([key_of(1)])
+        for i in range(2, 2 + 3 * n):  # churn through the pool several times
+            put(pool, i)
+        assert get(pool, 0) is not None and np.array_equal(pool.read(pinned), block(1))
+        assert pool.unpin([pinned]) == [True]
+        assert get(pool, 2) is None  # old unheld, unpinned blocks went first
+        pool.release_hold([held])
+        for i in range(10_000, 10_000 + n):
+            put(pool, i)
+        assert get(pool, 0) is None and get(pool, 1) is None
+
+
+def test_full_pool_reserves_nothing(pool_path):
+    with open_pool(pool_path, size=16 * SLOT) as pool:
+        for i in range(pool.num_slots):
+            put(pool, i, hold_s=60)
+        assert pool.reserve([key_of(-1)]) == [None]
+        assert pool.stats().held == pool.num_slots
+
+
+def test_unpublished_slots_are_invisible_and_abandon_frees(pool_path):
+    with open_pool(pool_path) as pool:
+        (ref,) = pool.reserve([key_of(5)])
+        pool.write(ref, block(5))
+        assert pool.pin([key_of(5)]) == [None]  # written but not published
+        pool.abandon([ref])
+        assert pool.stats().writing == 0
+
+
+def test_expired_write_lease_cannot_publish(pool_path):
+    with open_pool(pool_path, size=8 * SLOT) as pool:
+        (slow,) = pool.reserve([key_of(1)], write_lease_s=0.05)
+        time.sleep(0.1)
+        refs = pool.reserve([key_of(i) for i in range(100, 100 + pool.num_slots)])
+        assert any(r is not None and r.slot == slow.slot for r in refs)  # taken over
+        assert pool.publish([(slow, 0, SLOT)]) == [False]
+
+
+def test_hint_is_used_only_for_the_same_key(pool_path):
+    with open_pool(pool_path) as pool:
+        a, b = put(pool, 1), put(pool, 2)
+        (p,) = pool.pin([key_of(1)], hints=[b])  # a hint pointing at another key's slot
+        assert p.slot == a.slot
+        (p2,) = pool.pin([key_of(3)], hints=[a])
+        assert p2 is None
+        (p3,) = pool.pin([key_of(1)], hints=[SlotRef(10**9, 1)])  # out of range: ignored
+        assert p3.slot == a.slot
+        pool.unpin([p, p3])
+
+
+def test_a_reader_whose_lease_ran_out_learns_its_copy_is_void(pool_path):
+    with open_pool(pool_path, size=8 * SLOT) as pool:
+        put(pool, 1)
+        (p,) = pool.pin([key_of(1)], read_lease_s=0.05)
+        time.sleep(0.1)
+        for i in range(100, 100 + 2 * pool.num_slots):
+            put(pool, i)
+        assert pool.unpin([p]) == [False]
+
+
+def test_checksum_sees_a_changed_word():
+    data = block(7)
+    tampered = data.copy()
+    tampered[100] ^= 1
+    assert checksum(data) != checksum(tampered)
+    assert checksum(np.arange(13, dtype=np.uint8)) != checksum(np.arange(1, 14, dtype=np.uint8))
+
+
+def test_attach_takes_the_pools_own_layout(pool_path):
+    with open_pool(pool_path) as pool:
+        put(pool, 3)
+        with ShmKVPool.attach(pool_path) as view:
+            assert view.layout == "test-layout" and view.slot_bytes == SLOT
+            assert view.pool_id == pool.pool_id
+            assert np.array_equal(get(view, 3), block(3))
+    with pytest.raises(ValueError):
+        ShmKVPool(pool_path, slot_bytes=None, layout=None)  # attach never creates
+
+
+def test_batched_copies_and_the_pools_checksum_setting(pool_path):
+    rows = np.stack([block(i) for i in range(6)])
+    with open_pool(pool_path) as pool:
+        refs = pool.reserve([key_of(i) for i in range(6)])
+        assert [r.slot for r in refs] == list(range(refs[0].slot, refs[0].slot + 6))  # one run
+        sums = pool.write_many(refs, rows)
+        assert [int(s) for s in sums] == [checksum(r) for r in rows]
+        pool.publish([(r, s, SLOT) for r, s in zip(refs, sums)])
+        pins = pool.pin([key_of(i) for i in range(6)])
+        out = np.zeros_like(rows)
+        assert pool.read_many(pins, out) == [True] * 6 and np.array_equal(out, rows)
+        pool.data[pins[2].slot, 7] ^= 1  # a stray write
+        assert pool.read_many(pins, out) == [True, True, False, True, True, True]
+        pool.unpin(pins)
+
+
+def test_a_pool_without_checksums_says_so_to_every_opener(tmp_path):
+    path = f"/dev/shm/pd-test-plain-{os.getpid()}-{tmp_path.name}"
+    try:
+        with ShmKVPool(path, slot_bytes=SLOT, layout="l", size_bytes=16 * SLOT,
+                       checksums=False) as pool:
+            assert not pool.checksums
+            with ShmKVPool(path, slot_bytes=SLOT, layout="l", checksums=True) as other:
+                assert not other.checksums  # the pool's setting wins
+            (ref,) = pool.reserve([key_of(1)])
+            assert pool.write(ref, block(1)) == 0
+    finally:
+        remove_pool(path)
