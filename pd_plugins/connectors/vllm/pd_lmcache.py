@@ -1,0 +1,326 @@
+"""PdLMCacheConnector: KV moves through an LMCache pool (CPU, disk, fs://, lm://, redis://, mp://).
+
+Selected with `--kv-transfer-config '{"kv_connector":"PdLMCacheConnector","kv_role":...,
+"kv_connector_extra_config":{"backend":"redis://127.0.0.1:6379"}}'`; options in `LMCacheOptions`.
+- a prefill (kv_producer) stores the full chunks of each PD prefill leg's prompt into LMCache
+  after computing them and answers with how many tokens it stored;
+- any engine looks each new request's prompt up in LMCache and retrieves the leading chunks it
+  finds into its own paged KV cache before the forward pass; the engine computes only the rest.
+
+LMCache finds chunks by a hash of the request's own tokens (and our layout fingerprint), never by
+an address from the request: a client cannot make a decode read another prompt's KV. Chunks the
+pool lost (evicted, server down) are failed loads, handled by vLLM's `kv_load_failure_policy`.
+
+Only backends that engines share can carry PD KV from a prefill to a decode: `fs://` (a directory
+on the host), `lm://`, `redis://` and `mp://` (an LMCache server). `cpu` and `disk://` are each
+engine's own: they serve prefix reuse within one engine (`store: all`), not PD.
+The LMCache side (its engine, our CPU copy of paged KV) is in pd_plugins/transfer/lmcache_pool.py
+and, for `mp://`, pd_plugins/transfer/lmcache_mp.py. The LMCache engine lives in the worker
+process; the scheduler asks it over transfer/lookup_channel.py (an LMCache server, mp://, is
+asked directly).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from pd_plugins.connectors.transfer_params import PD_SECTION_KEY, PdSection, asks_remote_decode
+from pd_plugins.connectors.vllm.counter_stats import CounterPromMetrics, CounterStats
+from pd_plugins.connectors.vllm.kv_layout import kv_layout
+from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
+from pd_plugins.transfer.lookup_channel import LookupClient, LookupServer, lookup_address
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+STORED_TOKENS_KEY = "lmcache_tokens"  # in the prefill's answer: tokens it put into the pool
+STORE_WHAT = ("pd", "all")
+SHARED_BACKENDS = ("fs://", "lm://", "redis://", "mp://")
+
+
+class LMCacheOptions(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
+    """kv_connector_extra_config keys (unknown keys are other connectors' and ignored)."""
+
+    backend: str = "cpu"       # cpu | disk:///dir | fs:///dir | lm://h:p | redis://h:p | mp://h:p
+    chunk_size: int = 0        # tokens per LMCache chunk, a multiple of the block size (0: one block)
+    local_cpu_gb: float = 0.5  # LMCache's CPU tier in this engine (in front of remote backends)
+    timeout_s: float = 5.0     # a backend call that takes longer counts as failed
+    lookup: bool = True        # retrieve prefix chunks found in the pool (any role)
+    store: str = "pd"          # producers store PD prefill legs only, or every request
+
+    def __post_init__(self) -> None:
+        if self.store not in STORE_WHAT:
+            raise ValueError(f"PdLMCacheConnector: store must be one of {STORE_WHAT}, "
+                             f"got {self.store!r}")
+        if self.chunk_size < 0 or self.local_cpu_gb <= 0 or self.timeout_s <= 0:
+            raise ValueError("PdLMCacheConnector: chunk_size must be >= 0, local_cpu_gb and "
+                             "timeout_s positive")
+
+
+LMCACHE_COUNTERS = {
+    "stored_tokens": ("vllm:pd_lmcache_stored_tokens", "Prompt tokens whose KV was stored."),
+    "retrieved_tokens": ("vllm:pd_lmcache_retrieved_tokens",
+                         "Prompt tokens whose KV was retrieved from the pool."),
+    "failed_tokens": ("vllm:pd_lmcache_failed_tokens",
+                      "Tokens the scheduler found in the pool but the retrieval did not bring "
+                      "(evicted, backend down): recomputed or failed per kv_load_failure_policy."),
+    "store_seconds": ("vllm:pd_lmcache_store_seconds", "Time spent storing into the pool."),
+    "retrieve_seconds": ("vllm:pd_lmcache_retrieve_seconds",
+                         "Time spent retrieving from the pool."),
+}
+
+
+class PdLMCacheStats(CounterStats):
+    COUNTERS = LMCACHE_COUNTERS
+
+
+class PdLMCachePromMetrics(CounterPromMetrics):
+    COUNTERS = LMCACHE_COUNTERS
+
+
+def open_pool(options: LMCacheOptions, layout: str, num_layers: int, block_size: int,
+              page_elements: int, dtype: torch.dtype, rank: int, world_size: int,
+              instance_id: str):
+    """The LMCache side for `options.backend`: an LMCache server over ZMQ (mp://) or an
+    LMCache engine in this process (every other backend)."""
+    chunk = options.chunk_size or block_size
+    if chunk % block_size:
+        raise ValueError(f"PdLMCacheConnector: chunk_size {chunk} is not a multiple of the "
+                         f"block size {block_size}")
+    common = dict(layout=layout, num_layers=num_layers, block_size=block_size, chunk_size=chunk,
+                  kv_dtype=dtype, layer_block_shape=(page_elements,), rank=rank,
+                  world_size=world_size, timeout_s=options.timeout_s, instance_id=instance_id)
+    if options.backend.startswith("mp://"):
+        from pd_plugins.transfer.lmcache_mp import LMCacheMPClient
+
+        return LMCacheMPClient(options.backend, **common)
+    from pd_plugins.transfer.lmcache_pool import LMCachePool
+
+    return LMCachePool(options.backend, local_cpu_gb=options.local_cpu_gb, **common)
+
+
+# -- what the scheduler tells the worker each step --------------------------------------------------
+@dataclass
+class RetrieveOp:
+    req_id: str
+    tokens: list[int]      # whole chunks, all present in the pool at lookup time
+    block_ids: list[int]   # the request's blocks covering `tokens`
+    skip_tokens: int       # already in the engine's own prefix cache: not overwritten
+    needed_tokens: int     # what the scheduler counted on (skip_tokens + external tokens)
+
+
+@dataclass
+class StoreOp:
+    req_id: str
+    tokens: list[int]      # the prompt's full chunks
+    block_ids: list[int]
+
+
+@dataclass
+class PdLMCacheMetadata(KVConnectorMetadata):
+    retrieves: list[RetrieveOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+
+
+# -- scheduler side ---------------------------------------------------------------------------------
+class _SchedulerSide:
+    def __init__(self, connector: PdLMCacheConnector) -> None:
+        self.c = connector
+        self._hits: dict[str, tuple[int, int]] = {}  # req id -> (locally computed, pool hit)
+        self._retrieves: list[RetrieveOp] = []
+        self._storing: dict[str, Request] = {}
+        self._cached: dict[str, int] = {}  # req id -> prompt tokens not computed (local + pool)
+        self._stored: dict[str, int] = {}  # req id -> prompt tokens sent to the pool
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        c = self.c
+        self._cached[request.request_id] = num_computed_tokens
+        if not c.options.lookup:
+            return 0, False
+        prompt = request.prompt_token_ids or []
+        hit = c.lookups.lookup(prompt) if len(prompt) >= c.chunk_size else 0
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and params.get("do_remote_prefill"):
+            expected = params.get(STORED_TOKENS_KEY)
+            if isinstance(expected, int) and hit < expected:
+                logger.warning("PdLMCacheConnector: request %s: the pool has %d of the %d prompt "
+                               "tokens the prefill stored (evicted, or the backend is down); "
+                               "computing the rest", request.request_id, hit, expected)
+        # vLLM computes at least the last prompt token itself
+        tokens = max(0, min(hit, request.num_tokens - 1) - num_computed_tokens)
+        if tokens:
+            self._hits[request.request_id] = (num_computed_tokens, hit)
+            self._cached[request.request_id] = num_computed_tokens + tokens
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        c = self.c
+        hit = self._hits.pop(request.request_id, None)
+        if num_external_tokens > 0 and hit is not None:
+            computed, present = hit
+            needed = computed + num_external_tokens
+            end = min(present, -(-needed // c.chunk_size) * c.chunk_size)
+            block_ids = blocks.get_block_ids()[0][:-(-end // c.block_size)]
+            self._retrieves.append(RetrieveOp(
+                request.request_id, list(request.prompt_token_ids[:end]), list(block_ids),
+                skip_tokens=computed, needed_tokens=needed))
+        if (c.stores and request.request_id not in self._storing
+                and (c.options.store == "all" or asks_remote_decode(request.kv_transfer_params))):
+            self._storing[request.request_id] = request
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdLMCacheMetadata:
+        c = self.c
+        meta = PdLMCacheMetadata(retrieves=self._retrieves)
+        self._retrieves = []
+        for req_id, req in list(self._storing.items()):
+            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            # num_computed_tokens does not yet include this step's tokens
+            if not scheduled or req.num_computed_tokens + scheduled < req.num_prompt_tokens:
+                continue
+            del self._storing[req_id]
+            full = req.num_prompt_tokens // c.chunk_size * c.chunk_size
+            if full:
+                block_ids = c.kv_cache_manager.get_block_ids(req_id)[0]
+                meta.stores.append(StoreOp(req_id, list(req.prompt_token_ids[:full]),
+                                           list(block_ids[:full // c.block_size])))
+                self._stored[req_id] = full
+        return meta
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        c = self.c
+        self._storing.pop(request.request_id, None)
+        self._hits.pop(request.request_id, None)
+        cached = self._cached.pop(request.request_id, 0)
+        stored = self._stored.pop(request.request_id, 0)
+        if not (c.stores and asks_remote_decode(request.kv_transfer_params)):
+            return None
+        section = PdSection(prompt_tokens=request.num_prompt_tokens, cached_tokens=cached,
+                            engine_id=c.engine_id, mode="lmcache", block_size=c.block_size)
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine_id": c.engine_id, "remote_request_id": request.request_id,
+            STORED_TOKENS_KEY: stored,
+            PD_SECTION_KEY: msgspec.to_builtins(section),
+        }
+
+
+# -- worker side ------------------------------------------------------------------------------------
+class _WorkerSide(PoolWorkerSide):
+    STATS = PdLMCacheStats
+
+    def __init__(self, connector: PdLMCacheConnector) -> None:
+        super().__init__()
+        self.c = connector
+        self.lookup_server: LookupServer | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        c = self.c
+        c.pool.attach_kv([kv_caches[n] for n in c.layout.layer_names],
+                         c.kv_cache_config.num_blocks)
+        if c.lookup_address is not None:  # the scheduler asks this process's LMCache engine
+            self.lookup_server = LookupServer(c.lookup_address, c.pool.lookup)
+
+    def close(self) -> None:
+        if self.lookup_server is not None:
+            self.lookup_server.close()
+
+    def start_load_kv(self, meta: PdLMCacheMetadata) -> None:
+        bs = self.c.block_size
+        for op in meta.retrieves:
+            start = time.perf_counter()
+            got = self.c.pool.retrieve(op.tokens, op.block_ids, skip_tokens=op.skip_tokens)
+            self.stats.count("retrieve_seconds", time.perf_counter() - start)
+            self.stats.count("retrieved_tokens", max(0, got - op.skip_tokens))
+            if got < op.needed_tokens:
+                first_bad = max(got, op.skip_tokens) // bs
+                self._invalid.update(op.block_ids[first_bad:-(-op.needed_tokens // bs)])
+                self.stats.count("failed_tokens", op.needed_tokens - max(got, op.skip_tokens))
+                logger.warning("PdLMCacheConnector: request %s: retrieved %d of %d prompt tokens "
+                               "from %s", op.req_id, got, op.needed_tokens, self.c.options.backend)
+
+    def wait_for_save(self, meta: PdLMCacheMetadata) -> None:
+        for op in meta.stores:
+            start = time.perf_counter()
+            self.stats.count("stored_tokens", self.c.pool.store(op.tokens, op.block_ids))
+            self.stats.count("store_seconds", time.perf_counter() - start)
+
+
+class PdLMCacheConnector(SyncPoolConnector):
+    STATS = PdLMCacheStats
+    PROM_METRICS = PdLMCachePromMetrics
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        self.options = msgspec.convert(config.kv_connector_extra_config or {}, LMCacheOptions)
+        self.kv_cache_config = kv_cache_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_size = self.options.chunk_size or self.block_size
+        self.engine_id = config.engine_id
+        self.stores = config.kv_role in ("kv_producer", "kv_both")
+        self.layout = kv_layout(vllm_config, kv_cache_config, "pd-lmcache v1",
+                                "PdLMCacheConnector")
+        par = vllm_config.parallel_config
+        dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
+        in_server = self.options.backend.startswith("mp://")
+
+        def pool():
+            return open_pool(
+                self.options, self.layout.description, len(self.layout.layer_names),
+                self.block_size, self.layout.page_bytes // dtype.itemsize, dtype,
+                par.rank, par.world_size, instance_id=f"pd-lmcache-{self.engine_id}-{par.rank}")
+
+        # The worker owns the KV store; the scheduler only looks prompts up. An LMCache server
+        # (mp://) answers both itself; an LMCache engine inside the worker (every other backend:
+        # its CPU tier may hold what the remote does not) is asked over a lookup channel.
+        self.lookup_address = None if in_server else lookup_address(self.engine_id, par.rank)
+        self.pool = self.lookups = None
+        if role == KVConnectorRole.WORKER:
+            self.pool = pool()
+        elif in_server:
+            self.lookups = pool()
+        else:
+            self.lookups = LookupClient(lookup_address(self.engine_id, 0), self.options.timeout_s)
+        if self.stores and not self.options.backend.startswith(SHARED_BACKENDS):
+            logger.warning("PdLMCacheConnector: backend %s is this engine's own: a decode on "
+                           "another engine cannot read what this prefill stores (use one of %s)",
+                           self.options.backend, ", ".join(SHARED_BACKENDS))
+        logger.info("PdLMCacheConnector (%s, %s): backend %s, chunks of %d tokens",
+                    config.kv_role, role.name, self.options.backend, self.chunk_size)
+        self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
+
+    # -- worker side -------------------------------------------------------------------------------
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # chunks are stored after the step (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        for part in (self.pool, self.lookups):
+            if part is not None:
+                part.close()

@@ -1,0 +1,99 @@
+"""What PdShmConnector and PdLMCacheConnector share: a connector to a KV pool whose loads are
+synchronous copies before the forward pass, split into a scheduler-side object (lookups, what
+to load and store each step, the prefill's answer) and a worker-side object (the copies).
+
+A subclass sets `STATS` and `PROM_METRICS` (its counters, counter_stats.py) and creates
+`self._scheduler` / `self._worker` for its role; vLLM's calls are routed to them here. Its worker
+side derives from `PoolWorkerSide`, which keeps the step's failed loads and counters.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+from pd_plugins.connectors.vllm.counter_stats import CounterPromMetrics, CounterStats
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+
+class PoolWorkerSide:
+    """A worker side's failed block loads and counters, handed to vLLM once each."""
+
+    STATS: type[CounterStats] = CounterStats
+
+    def __init__(self) -> None:
+        self._invalid: set[int] = set()
+        self.stats = self.STATS()
+
+    def take_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_stats(self) -> CounterStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, self.STATS()
+        return out
+
+
+class SyncPoolConnector(KVConnectorBase_V1):
+    STATS: type[CounterStats] = CounterStats
+    PROM_METRICS: type[CounterPromMetrics] = CounterPromMetrics
+    _scheduler: Any = None
+    _worker: Any = None
+
+    @property
+    def kv_cache_manager(self):
+        return self._kv_cache_manager
+
+    # -- stats -------------------------------------------------------------------------------------
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> CounterStats:
+        return cls.STATS(data=data) if data is not None else cls.STATS()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return cls.PROM_METRICS(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_stats(self) -> CounterStats | None:
+        return self._worker.take_stats() if self._worker else None
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        # stores finish inside the step (wait_for_save): the blocks can be freed at once
+        return False, self._scheduler.request_finished(request)
+
+    # -- worker side -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are synchronous (start_load_kv copies before the forward pass)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors()

@@ -1,0 +1,91 @@
+"""Scheduler -> worker prefix lookups, for KV stores that live inside the worker process.
+
+vLLM runs its scheduler and its workers in different processes (the CPU build too). A store kept
+in the worker's memory (LMCache's local CPU and local disk tiers) can only be asked there, so the
+worker answers lookups on a ZMQ REP socket (ipc, a path derived from the engine id) and the
+scheduler asks with a deadline: a worker that does not answer in time counts as a miss.
+
+Engine-agnostic: pyzmq and msgspec only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Sequence
+
+import msgspec
+import zmq
+
+from pd_plugins.transfer.signature_channel import channel_address
+
+log = logging.getLogger("pd_plugins.lookup_channel")
+
+
+def lookup_address(engine_id: str, rank: int = 0) -> str:
+    return channel_address(f"{engine_id}:{rank}", purpose="lookup")
+
+
+class LookupServer:
+    """Worker side: answers `lookup(tokens) -> int` on a background thread."""
+
+    def __init__(self, address: str, lookup: Callable[[Sequence[int]], int]) -> None:
+        self._lookup = lookup
+        self._sock = zmq.Context.instance().socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pd-lookup", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        decoder = msgspec.msgpack.Decoder(list[int])
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            try:
+                tokens = decoder.decode(self._sock.recv())
+                answer = int(self._lookup(tokens))
+            except Exception as exc:  # a bad request or a failing store: a miss, not a dead thread
+                log.warning("lookup failed: %s", exc)
+                answer = 0
+            self._sock.send(msgspec.msgpack.encode(answer))
+        self._sock.close(linger=0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=1)
+
+
+class LookupClient:
+    """Scheduler side: one lookup at a time, each within `timeout_s` (0 when late)."""
+
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address, self.timeout_ms = address, max(1, int(timeout_s * 1000))
+        self._sock: zmq.Socket | None = None
+        self.timeouts = 0
+
+    def _socket(self) -> zmq.Socket:
+        if self._sock is None:
+            self._sock = zmq.Context.instance().socket(zmq.REQ)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self.address)
+        return self._sock
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        sock = self._socket()
+        sock.send(msgspec.msgpack.encode(list(tokens)))
+        if sock.poll(self.timeout_ms):
+            return int(msgspec.msgpack.decode(sock.recv()))
+        # a REQ socket waiting for a reply cannot send again: start over with a fresh one
+        self.timeouts += 1
+        log.warning("worker lookup at %s timed out after %d ms: counted as a miss",
+                    self.address, self.timeout_ms)
+        sock.close(linger=0)
+        self._sock = None
+        return 0
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
