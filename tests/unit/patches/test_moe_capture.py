@@ -1,0 +1,54 @@
+"""Expert capture's row bookkeeping: which rows of a step are whose prompt tokens.
+
+The runner here is a named stand-in for vLLM's model runner (only the fields the capture reads:
+the input batch's request order, computed and prompt lengths, and query_start_loc); the real one
+is exercised end to end in tests/e2e/test_expert_signatures.py.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from pd_plugins.patches.moe_capture import ExpertCapture, version_supported
+from pd_plugins.routers.policy.expert_signature import ExpertSignature
+
+
+class FakeRunner:
+    """Stand-in for vLLM's model runner: the fields ExpertCapture reads."""
+
+    def __init__(self, req_ids, computed, prompts, scheduled) -> None:
+        starts = np.concatenate([[0], np.cumsum(scheduled)])
+        self.input_batch = SimpleNamespace(req_ids=list(req_ids) + [None],
+                                           num_reqs=len(req_ids),
+                                           num_computed_tokens_cpu=np.array(computed),
+                                           num_prompt_tokens=np.array(prompts))
+        self.query_start_loc = SimpleNamespace(np=starts)
+
+
+def test_prompt_rows_only_chunks_add_up_and_completion_is_reported():
+    cap = ExpertCapture(layers=2, experts=4)
+    # step 1: "a" prefills its first 3 of 5 prompt tokens, "d" decodes one token
+    runner1 = FakeRunner(["a", "d"], computed=[0, 9], prompts=[5, 9], scheduled=[3, 1])
+    cap.step_prepared(runner1)
+    for layer in range(2):
+        cap.capture(layer, torch.tensor([[0, 1], [0, 1], [0, 2], [3, 3]]))
+    assert cap.take_signatures() == {}  # "a" not complete; "d" is decoding
+    # step 2: the last 2 prompt tokens of "a": its prompt is complete
+    runner2 = FakeRunner(["a"], computed=[3], prompts=[5], scheduled=[2])
+    cap.step_prepared(runner2)
+    for layer in range(2):
+        cap.capture(layer, torch.tensor([[0, 3], [1, 3]]))
+    sigs = cap.take_signatures()
+    assert list(sigs) == ["a"]
+    counts = np.array([[4, 3, 1, 2]] * 2)  # 5 prompt tokens x top-2 = 10 choices per layer
+    assert np.array_equal(ExpertSignature.decode(sigs["a"]).levels,
+                          ExpertSignature.from_counts(counts).levels)
+    assert cap.take_signatures() == {}
+
+
+def test_no_step_no_capture_and_version_check_runs():
+    cap = ExpertCapture(layers=1, experts=2)
+    cap.capture(0, torch.tensor([[0, 1]]))  # before any step was prepared: ignored
+    assert cap.take_signatures() == {}
+    assert isinstance(version_supported(), bool)
