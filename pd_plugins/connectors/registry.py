@@ -27,4 +27,16 @@ VLLM_CONNECTORS: tuple[ConnectorSpec, ...] = (
         class_name="PdNixlConnector",
         requires=("nixl",),
     ),
+    ConnectorSpec(
+        name="PdShmConnector",
+        module_path="pd_plugins.connectors.vllm.pd_shm",
+        class_name="PdShmConnector",
+        requires=("numpy", "torch"),
+    ),
+    ConnectorSpec(
+        name="PdLMCacheConnector",
+        module_path="pd_plugins.connectors.vllm.pd_lmcache",
+        class_name="PdLMCacheConnector",
+        requires=("lmcache",),
+    ),
 )

@@ -14,7 +14,7 @@ import msgspec
 
 PD_SECTION_KEY = "pd"
 
-TransferMode = Literal["pull", "push"]
+TransferMode = Literal["pull", "push", "shm", "lmcache"]
 
 
 class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -23,10 +23,12 @@ class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     prompt_tokens: int  # tokens in the prompt the prefill served
     cached_tokens: int  # of those, how many came from the prefill's own prefix cache
     engine_id: str  # the prefill engine that holds the KV
-    mode: TransferMode  # pull: decode READs; push: prefill WRITEs
+    mode: TransferMode  # pull: decode READs; push: prefill WRITEs; shm, lmcache: a shared pool
     block_size: int  # KV block size in tokens, for block-level cost models
     # pull: where the prefill answers lease checks (transfer/lease_check.py), on remote_host
     lease_check_port: int | None = None
+    # MoE with expert_signatures on: the prompt's experts (routers/policy/expert_signature.py)
+    experts: dict | None = None
 
 
 def pd_section_of(kv_transfer_params: dict[str, Any] | None) -> PdSection | None:
@@ -104,3 +106,8 @@ def lease_check_of(params: dict[str, Any]) -> tuple[str, int, str] | None:
     if not (_is_nonempty_str(host) and _is_nonempty_str(request_id)):
         return None
     return host, port, request_id
+
+
+def asks_remote_decode(kv_transfer_params: Any) -> bool:
+    """True for a PD prefill leg (the router asked the prefill to keep the KV for a decode)."""
+    return isinstance(kv_transfer_params, dict) and bool(kv_transfer_params.get("do_remote_decode"))

@@ -28,7 +28,10 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import numpy as np
 from aiohttp import web
+
+from pd_plugins.routers.policy.expert_signature import ExpertSignature
 
 WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega")
 _encode = msgspec.json.Encoder().encode
@@ -59,6 +62,28 @@ class MockState:
 def prompt_digest(body: dict[str, Any]) -> str:
     source = body.get("prompt") if "prompt" in body else body.get("messages")
     return hashlib.blake2b(_encode(source), digest_size=8).hexdigest()
+
+
+def mock_expert_counts(tokens: list[int], layers: int, experts: int) -> np.ndarray:
+    """The mock's MoE routing (a fake, for ELDR tests and benchmarks): token t picks expert
+    t mod experts in every layer. [layers, experts] counts."""
+    counts = np.zeros((layers, experts))
+    np.add.at(counts, (slice(None), np.asarray(tokens, dtype=np.int64) % experts), 1)
+    return counts
+
+
+def mock_expert_signature(body: dict[str, Any], layers: int, experts: int) -> ExpertSignature:
+    """The prefill's answer under the mock routing; a text prompt's bytes stand in for tokens."""
+    prompt = body.get("prompt")
+    tokens = prompt if isinstance(prompt, list) else list(_encode(prompt or body.get("messages")))
+    return ExpertSignature.from_counts(mock_expert_counts(tokens, layers, experts))
+
+
+def mock_expert_pick(tokens: list[int], layers: int, experts: int, top_k: int) -> np.ndarray:
+    """The decode's view of the same routing, for the engine model's expert-aware step time: the
+    chance that one of the request's tokens picks each expert (top_k per token)."""
+    counts = mock_expert_counts(tokens, layers, experts)
+    return np.minimum(1.0, top_k * counts / max(1, len(tokens)))
 
 
 def prompt_tokens(body: dict[str, Any]) -> int:
@@ -162,6 +187,8 @@ class MockEngine:
         if key is not None:
             self.register_room(key, digest)
         params = self.transfer_params(key)
+        if s.args.moe_experts:
+            params["pd"] = {"experts": mock_expert_signature(body, *s.args.moe_experts).encode()}
         return web.Response(body=_encode(_completion(chat, s.args.model, output_words(digest, 1),
                                                      prompt_tokens(body), params)),
                             content_type="application/json")
@@ -344,6 +371,13 @@ async def _hang() -> web.Response:
     return _error(500, "hung")
 
 
+def _layers_by_experts(text: str) -> tuple[int, int]:
+    layers, _, experts = text.partition(",")
+    if not (layers.isdigit() and experts.isdigit() and int(layers) > 0 and int(experts) > 0):
+        raise argparse.ArgumentTypeError("expected LAYERS,EXPERTS, e.g. 4,16")
+    return int(layers), int(experts)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pd-mock-engine", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -364,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hang-rate", type=float, default=0.0)
     p.add_argument("--break-stream-after", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe-experts", type=_layers_by_experts, metavar="LAYERS,EXPERTS",
+                   help="prefill answers carry a fake expert signature (token t -> expert t mod "
+                        "EXPERTS in every layer) in their pd section, for ELDR routing")
     m = p.add_argument_group("latency model", "time answers with the engine model (pd_plugins.perf) "
                                               "instead of the fixed delays above")
     m.add_argument("--latency-model", metavar="PRESET",

@@ -11,6 +11,9 @@ lag (`max_lag_s`, model seconds).
 Requests: a prompt of token ids keys its full blocks with the router's own `block_keys`, so the
 prefix cache, the router's index and the KV events all agree; a text prompt counts ~4 characters
 a token and caches nothing. `max_tokens` is exactly what is generated (as with ignore_eos).
+With a MoE preset, a token-id prompt routes as the mock's `--moe-experts` capture says (token t
+-> expert t mod E, engine.py `mock_expert_counts`), and decode steps read the experts their batch
+uses (perf/engine_model.py): requests on the same experts decode faster together (ELDR).
 
 PD legs:
 - prefill (`do_remote_decode`, or any request to `--role prefill`): kind "prefill"; answers after
@@ -36,7 +39,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from pd_plugins.mock.engine import MockEngine, _chunk, _completion, _error, output_words, prompt_tokens
+from pd_plugins.mock.engine import (
+    MockEngine, _chunk, _completion, _error, mock_expert_pick, output_words, prompt_tokens,
+)
 from pd_plugins.perf.engine_model import EngineInstance, EngineRequest, StepResult
 from pd_plugins.perf.hardware import preset
 from pd_plugins.routers.policy.prefix_index import block_keys
@@ -209,6 +214,9 @@ class ModelDriver:
         if ids is not None and output_ids and kind != "prefill":
             out_keys = block_keys(ids + output_ids, self.block_size)[len(keys):]
         req = EngineRequest(None, prompt_tokens, output_tokens, keys, kind, output_block_keys=out_keys)
+        model = self.hw.model
+        if model.experts and ids:  # MoE: decode steps read the experts this prompt's mix uses
+            req.expert_pick = mock_expert_pick(ids, model.layers, model.experts, model.top_k)
         flight = Flight(req, ids, output_ids=output_ids if out_keys else None)
         req.rid = flight
         arrived = self.now() if arrived is None else arrived

@@ -33,6 +33,7 @@ from pd_plugins.routers.policy.scheduler import preset
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.workers import WorkerPool
 from pd_plugins.workloads import TraceRequest
+from pd_plugins.workloads.experts import ExpertMixes
 from pd_plugins.workloads.trace import HASH_BLOCK_SIZE
 
 PrefixSource = Literal["events", "routed"]
@@ -74,6 +75,9 @@ class SimConfig:
     scrape_interval_s: float = 1.0
     leg_network_s: float = 0.0005     # one router -> engine HTTP hop
     sessions: SessionSpec = field(default_factory=SessionSpec)  # when the policy tracks them
+    # MoE expert mixes per request (workloads/experts.py): decode steps read the experts their
+    # batch uses, and the router learns each prompt's signature when its prefill answers
+    expert_mixes: ExpertMixes | None = None
     seed: int = 0
 
 
@@ -219,6 +223,9 @@ class ClusterSim:
         req = EngineRequest(flight, flight.info.prompt_tokens, output_tokens, flight.info.block_keys, kind,
                             output_block_keys=() if kind == "prefill"
                             else self._output_keys.get(flight.trace.request_id, ()))
+        mixes = self.config.expert_mixes
+        if mixes is not None and kind != "prefill":
+            req.expert_pick = mixes.pick(flight.trace.request_id)
         self._at(at, self._deliver, self.instances[worker], req)
         return req
 
@@ -250,6 +257,12 @@ class ClusterSim:
                                      req.cached_tokens, self.record_prefixes)
         flight.outcome.cached_tokens = req.cached_tokens
         flight.outcome.prefill_leg_s = now - req.submitted_at
+        mixes = self.config.expert_mixes
+        if mixes is not None and self.scheduler.uses_expert_signatures:
+            # the prefill's answer carries the prompt's expert signature: choose the decode again
+            info.expert_histogram = mixes.histogram(flight.trace.request_id, info.prompt_tokens)
+            flight.decision = self.scheduler.rebind_decode(info, flight.decision)
+            flight.outcome.decode = self.instances[flight.decision.decode].index
         decode = flight.decision.decode
         accounting.decode_started(decode, info)
         # The answer travels back to the router, the decode leg out to the decode engine.

@@ -18,6 +18,9 @@ mock engine's asyncio loop: `plan(now)` returns how long the next step takes (No
 `finish(now)` ends it and returns what happened. Decode steps cost O(1) in the batch size: a
 request finishes at a known step number, kept in a heap.
 
+MoE decode steps read the experts their batch activates: routed uniformly, or as each request's
+own expert mix says when the workload knows it (`expert_pick`, ELDR studies).
+
 Simplifications (documented in docs/simulation.md): a prompt's keyed blocks enter the prefix cache
 at admission, not as their chunks complete; decode steps within one step time are identical.
 """
@@ -30,6 +33,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
+
+import numpy as np
 
 from pd_plugins.perf.hardware import Hardware
 from pd_plugins.perf.kv_cache import KeysCallback, KvCache
@@ -47,6 +52,9 @@ class EngineRequest:
     # Keys of the blocks the output completes after the prompt's (a conversation's next turn starts
     # with them): cached here when the request finishes, as vLLM caches generated blocks.
     output_block_keys: Sequence[int] = ()
+    # MoE, when known ([layers, experts]): the chance that one of its tokens picks each expert.
+    # Decode steps then read the experts their batch actually uses (hardware.py).
+    expert_pick: object = None
     # Filled in by the model:
     cached_tokens: int = 0          # prompt tokens found in this instance's prefix cache
     transfer_tokens: int = 0        # remote_decode: tokens pulled over the link
@@ -60,6 +68,7 @@ class EngineRequest:
     _private: int = 0
     _first_step: int = 0
     _finish_step: int = 0
+    _expert_log: object = None
 
     @property
     def context_tokens(self) -> int:
@@ -93,6 +102,9 @@ class EngineInstance:
         self.prompt_tokens_cached = 0
         self._step: tuple[list[tuple[EngineRequest, int]], list[EngineRequest], float] | None = None
         self._failed: list[EngineRequest] = []
+        # sum over the decode batch of log(1 - p): 1 - mean(exp(.)) is the share of experts the
+        # batch activates; None until a request with a known expert mix decodes here
+        self._expert_log_free = None
 
     # -- what the router's scrape sees -------------------------------------------------------
     @property
@@ -150,6 +162,7 @@ class EngineInstance:
                     heapq.heapify(self._decoding)
                     # its context so far: the whole context less the tokens it has still to make
                     self._decode_kv_tokens -= req.context_tokens - (req._finish_step - self.steps)
+                    self._expert_leave(req)
                     break
         self.cache.release(req.block_keys, req._private)
         return True
@@ -187,7 +200,8 @@ class EngineInstance:
                 return max(wait, 0.0)
             return None
         duration = self.hw.step_s([(n, req._computed) for req, n in chunks],
-                                  len(self._decoding), self._decode_kv_tokens)
+                                  len(self._decoding), self._decode_kv_tokens,
+                                  self._decode_expert_share())
         self._step = (chunks, joining, now)
         return duration
 
@@ -210,6 +224,7 @@ class EngineInstance:
         while self._decoding and self._decoding[0][0] <= self.steps:
             req = heapq.heappop(self._decoding)[2]
             self._decode_kv_tokens -= req.context_tokens
+            self._expert_leave(req)
             self._done(req, now, result)
         for req, n in chunks:
             if req.finished_at is not None:  # aborted during the step
@@ -258,6 +273,39 @@ class EngineInstance:
         req._finish_step = self.steps + remaining
         self._decode_kv_tokens += req.prompt_tokens + (0 if first_token_in_this_step else 1)
         heapq.heappush(self._decoding, (req._finish_step, next(self._seq), req))
+        self._expert_join(req)
+
+    # -- MoE: which experts the decode batch reads -------------------------------------------
+    def _expert_log(self, req: EngineRequest):
+        m = self.hw.model
+        if req.expert_pick is not None:
+            return np.log1p(-np.minimum(np.asarray(req.expert_pick, dtype=np.float64), 0.999))
+        if self._expert_log_free is None:
+            return None
+        # a request of unknown mix: uniform routing
+        return np.full(self._expert_log_free.shape, np.log1p(-m.top_k / m.experts))
+
+    def _expert_join(self, req: EngineRequest) -> None:
+        if not self.hw.model.experts:
+            return
+        contribution = self._expert_log(req)
+        if contribution is None:
+            return
+        if self._expert_log_free is None:
+            self._expert_log_free = contribution.copy()
+        else:
+            self._expert_log_free += contribution
+        req._expert_log = contribution
+
+    def _expert_leave(self, req: EngineRequest) -> None:
+        if req._expert_log is not None and self._expert_log_free is not None:
+            self._expert_log_free -= req._expert_log
+            req._expert_log = None
+
+    def _decode_expert_share(self) -> float | None:
+        if self._expert_log_free is None or not self._decoding:
+            return None
+        return float(1.0 - np.exp(self._expert_log_free).mean())
 
     def _done(self, req: EngineRequest, now: float, result: StepResult) -> None:
         req.finished_at = now

@@ -15,6 +15,9 @@ new tokens after c cached ones attends n*c + n*(n+1)/2 positions, a decode token
 Weights are read once per step. For a MoE model only the experts the batch activates are read: with
 E experts, top-k routing and b tokens, the expected share of distinct experts per layer is
 1 - (1 - k/E)^b (uniform routing), so small decode batches read far fewer bytes than the full model.
+When the decode requests' own routing is known (ELDR workloads, engine_model.py), their share is
+1 - mean over layers and experts of prod_r (1 - p_r), p_r the chance request r's token picks the
+expert: requests that use the same experts read fewer distinct experts together.
 
 KV capacity = gpu_bytes * memory_utilisation - weight bytes, in tokens. A KV transfer takes
 link_latency_s + tokens * kv_bytes_per_token / link_bytes_per_s.
@@ -53,11 +56,21 @@ class ModelSpec:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
-    def weight_bytes_read(self, tokens: int) -> float:
-        """Weight bytes one step reads when it processes `tokens` tokens."""
+    def expert_share(self, tokens: int) -> float:
+        """Expected share of experts `tokens` uniformly routed tokens activate (per layer)."""
+        return 1.0 - (1.0 - self.top_k / self.experts) ** max(0, tokens)
+
+    def weight_bytes_read(self, tokens: int, known_share: float | None = None,
+                          known_tokens: int = 0) -> float:
+        """Weight bytes one step reads when it processes `tokens` tokens. `known_share`: the
+        share of experts that `known_tokens` of them activate, when known (the decode batch's
+        actual expert mix, engine_model.py); the other tokens are routed uniformly."""
         if not self.experts:
             return self.total_params * self.dtype_bytes
-        share = 1.0 - (1.0 - self.top_k / self.experts) ** max(1, tokens)
+        if known_share is None:
+            share = self.expert_share(max(1, tokens))
+        else:
+            share = 1.0 - (1.0 - known_share) * (1.0 - self.expert_share(tokens - known_tokens))
         return (self.dense_params + self.expert_params * share) * self.dtype_bytes
 
 
@@ -91,9 +104,10 @@ class Hardware:
         return 4.0 * m.layers * m.heads * m.head_dim * attended
 
     def step_s(self, prefill_chunks: list[tuple[int, int]] = (), decode_batch: int = 0,
-               decode_kv_tokens: int = 0) -> float:
+               decode_kv_tokens: int = 0, decode_expert_share: float | None = None) -> float:
         """One engine step: prefill chunks (new tokens, tokens before them) plus a decode batch
-        whose requests hold `decode_kv_tokens` tokens of context in total."""
+        whose requests hold `decode_kv_tokens` tokens of context in total and, when known,
+        activate `decode_expert_share` of each MoE layer's experts."""
         m = self.model
         new = sum(n for n, _ in prefill_chunks)
         attended = sum(n * c + n * (n + 1) / 2 for n, c in prefill_chunks) + decode_kv_tokens
@@ -102,7 +116,8 @@ class Hardware:
             return 0.0
         flops = 2.0 * m.active_params * tokens + self._attention_flops(attended)
         kv_read = decode_kv_tokens + sum(n + c for n, c in prefill_chunks)
-        bytes_ = m.weight_bytes_read(tokens) + kv_read * m.kv_bytes_per_token
+        bytes_ = (m.weight_bytes_read(tokens, decode_expert_share, decode_batch)
+                  + kv_read * m.kv_bytes_per_token)
         g = self.gpu
         return self.overhead_s + max(flops / (g.peak_flops * self.mfu),
                                      bytes_ / (g.hbm_bytes_per_s * self.mbu))

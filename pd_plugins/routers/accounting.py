@@ -53,6 +53,8 @@ def prefill_succeeded(ctx: PolicyContext, worker: Worker, info: RequestInfo, cha
 def decode_started(worker: Worker, info: RequestInfo) -> None:
     worker.in_flight += 1
     worker.in_flight_tokens += info.prompt_tokens
+    if info.expert_histogram is not None:
+        worker.experts.add(info.expert_histogram)
 
 
 def local_prefill_started(ctx: PolicyContext, decode: Worker, info: RequestInfo) -> int:
@@ -70,6 +72,8 @@ def local_prefill_ended(decode: Worker, uncached: int) -> None:
 def decode_ended(worker: Worker, info: RequestInfo) -> None:
     worker.in_flight -= 1
     worker.in_flight_tokens -= info.prompt_tokens
+    if info.expert_histogram is not None:
+        worker.experts.remove(info.expert_histogram)
 
 
 def decode_observed(ctx: PolicyContext, worker: Worker, tpot_s: float) -> None:

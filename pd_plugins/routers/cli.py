@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["vllm", "sglang"])
     p.add_argument("--mode", choices=["gateway", "sidecar"],
                    help="gateway: choose prefill and decode; sidecar: beside one decode server")
-    p.add_argument("--transfer", choices=["pull", "push"], help="vLLM NIXL mode of the workers")
+    p.add_argument("--transfer", choices=["pull", "push", "shm", "lmcache"],
+                   help="vLLM workers' KV transfer: NIXL pull or push, or a shared pool "
+                        "(shm, lmcache)")
     p.add_argument("--prefill", action="append", nargs="+", metavar="URL",
                    help="a prefill worker: URL [KEY=VALUE ...] (repeat the flag for more)")
     p.add_argument("--decode", action="append", nargs="+", metavar="URL",

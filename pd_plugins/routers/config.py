@@ -35,6 +35,11 @@ class WorkerSpec(_Strict):
     dp_size: int = 1
     # vLLM KV events (ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557) for the prefix_cache scorer.
     kv_events: str | None = None
+    # The shared KV pool this worker is on; its contents count as cached on the worker for the
+    # prefix scorers. PdShmConnector: the pool's path (same host as the router; read directly).
+    # PdLMCacheConnector: `lmcache:<any name shared by the pool's workers>` (learned from the
+    # prefills' answers).
+    kv_pool: str | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -123,7 +128,9 @@ class RouterConfig(_Strict):
     engine: Literal["vllm", "sglang"] = "vllm"
     # gateway: choose both workers. sidecar: run beside one decode server, choose only the prefill.
     mode: Literal["gateway", "sidecar"] = "gateway"
-    transfer: Literal["pull", "push"] = "pull"  # vLLM NIXL mode of the workers
+    # vLLM: NIXL pull or push, or a pool (shm: PdShmConnector, lmcache: PdLMCacheConnector; both
+    # run the pull flow's two steps)
+    transfer: Literal["pull", "push", "shm", "lmcache"] = "pull"
     host: str = "127.0.0.1"
     port: int = 8000
     prefill: list[WorkerSpec] = []

@@ -24,6 +24,7 @@ from pd_plugins.routers.config import RouterConfig
 from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
+from pd_plugins.routers.policy.expert_signature import ExpertSignature
 from pd_plugins.routers.request import ClientRequest
 from pd_plugins.routers.session_store import SessionSharing
 from pd_plugins.routers.sessions import SessionTable
@@ -92,7 +93,8 @@ class Proxy:
             elif (decision.prefill is None and not failover.local_prefill_fallback
                   and self.ctx.pool.by_role("prefill") and "no usable prefill" in decision.reasons[-1]):
                 return self._fail("none", 503, "no usable prefill worker", history)
-            attempt = Attempt(request, decision, f"{base_id}-{attempt_no}", path)
+            attempt = Attempt(request, decision, f"{base_id}-{attempt_no}", path,
+                              frozenset(excluded_decode))
             try:
                 return await self._run(http, attempt, started, history)
             except RequestRefused as refused:
@@ -140,6 +142,10 @@ class Proxy:
                    history: list[str]) -> web.StreamResponse:
         decision, info = attempt.decision, attempt.request.info
         decode_body, prefill_task = await self.flow.prepare(attempt, self._prefill_leg)
+        if prefill_task is None and info.expert_histogram is not None:
+            # ELDR: the prefill reported the prompt's experts; the decode leg has not started
+            attempt.decision = decision = self.scheduler.rebind_decode(
+                info, decision, set(attempt.excluded_decode))
         decode = decision.decode
         accounting.decode_started(decode, info)
         # A local prefill queues on the decode worker until its first token: policies see it there.
@@ -190,8 +196,18 @@ class Proxy:
             accounting.prefill_ended(worker, info, charge)
         elapsed = time.monotonic() - started
         self.metrics.prefill_leg.observe(elapsed)
-        pd = (answer.get("kv_transfer_params") or {}).get("pd") or {}
+        params = answer.get("kv_transfer_params") or {}
+        pd = params.get("pd") or {}
         cached = pd.get("cached_tokens")
+        stored = params.get("lmcache_tokens")  # PdLMCacheConnector: the prompt's tokens it pooled
+        if isinstance(stored, int) and stored > 0 and self.ctx.block_size:
+            self.ctx.prefix_index.record_stored_in_pool(
+                worker.url, info.block_keys[:stored // self.ctx.block_size])
+        if self.scheduler.uses_expert_signatures and "experts" in pd:
+            try:
+                info.expert_histogram = ExpertSignature.decode(pd["experts"]).histogram()
+            except ValueError as exc:
+                log.warning("prefill %s sent an unusable expert signature: %s", worker.url, exc)
         accounting.prefill_succeeded(self.ctx, worker, info, charge, elapsed,
                                      cached if isinstance(cached, int) else None, self.record_prefixes)
         return answer

@@ -15,6 +15,7 @@ from pd_plugins.routers.health import PoolUpkeep
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import PolicyContext, Scheduler
 from pd_plugins.routers.policy.latency_model import LatencyModels
+from pd_plugins.routers.policy.pool_index import LEARNED_POOL_PREFIX, LearnedPoolView, PoolPrefixView
 from pd_plugins.routers.policy.prefix_index import KvEventSubscriber, PrefixIndex
 from pd_plugins.routers.proxy import Proxy, error_response
 from pd_plugins.routers.request import BadRequest, parse_request
@@ -53,6 +54,8 @@ class Router:
         self.metrics = RouterMetrics(self.pool, self.sessions)
         self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
         self._subscribers: dict[str, asyncio.Task] = {}
+        # kv_pool value -> its view
+        self._pool_views: dict[str, PoolPrefixView | LearnedPoolView] = {}
         for spec in config.prefill:
             self.pool.add(spec, "prefill")
         for spec in config.decode:
@@ -91,6 +94,8 @@ class Router:
     async def cleanup(self, app: web.Application) -> None:
         if self.upkeep:
             await self.upkeep.stop()
+        for view in self._pool_views.values():
+            view.close()
         for task in self._subscribers.values():
             task.cancel()
         await asyncio.gather(*self._subscribers.values(), return_exceptions=True)
@@ -101,6 +106,14 @@ class Router:
             await self.sharing.aclose()
 
     def _subscribe(self, worker: Worker) -> None:
+        if worker.spec.kv_pool:
+            path = worker.spec.kv_pool
+            view = self._pool_views.get(path)
+            if view is None:
+                view = self._pool_views[path] = (
+                    LearnedPoolView(path) if path.startswith(LEARNED_POOL_PREFIX)
+                    else PoolPrefixView(path))
+            self.prefix_index.attach_pool(worker.url, view)
         if worker.spec.kv_events and worker.url not in self._subscribers:
             sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events)
             self._subscribers[worker.url] = asyncio.create_task(sub.run())

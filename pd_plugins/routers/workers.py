@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
 from pd_plugins.routers.config import WorkerSpec
+from pd_plugins.routers.policy.expert_signature import ExpertFootprint
 
 Role = Literal["prefill", "decode"]
 
@@ -37,6 +38,8 @@ class Worker:
     models: tuple[str, ...] = ()    # from its /v1/models
     max_model_len: int | None = None
     ordinal: int = field(default_factory=itertools.count().__next__)
+    # decode: expert histograms of the MoE requests running here (ELDR, expert_locality.py)
+    experts: ExpertFootprint = field(default_factory=ExpertFootprint)
 
     @property
     def url(self) -> str:

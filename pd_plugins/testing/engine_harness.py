@@ -47,6 +47,27 @@ def nixl_config(role: str, mode: str = "pull", **extra: Any) -> dict[str, Any]:
     }
 
 
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+
+
+def shm_config(role: str, pool_path: str, **extra: Any) -> dict[str, Any]:
+    """A --kv-transfer-config for PdShmConnector on the pool at `pool_path`."""
+    return {
+        "kv_connector": "PdShmConnector",
+        "kv_role": KV_ROLES[role],
+        "kv_connector_extra_config": {"pool_path": pool_path, "pool_size_gb": 0.25, **extra},
+    }
+
+
+def lmcache_config(role: str, backend: str, **extra: Any) -> dict[str, Any]:
+    """A --kv-transfer-config for PdLMCacheConnector on `backend` (see LMCacheOptions)."""
+    return {
+        "kv_connector": "PdLMCacheConnector",
+        "kv_role": KV_ROLES[role],
+        "kv_connector_extra_config": {"backend": backend, "local_cpu_gb": 0.25, **extra},
+    }
+
+
 @dataclass
 class VllmServer(ManagedProcess):
     name: str

@@ -119,13 +119,27 @@ class ManagedProcess:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             pass
-        self.kill(signal.SIGKILL)  # children outliving the leader
+        self.kill(signal.SIGKILL)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+        self._reap_group()
         if self in LIVE_SERVERS:
             LIVE_SERVERS.remove(self)
+
+    def _reap_group(self, timeout: float = 10.0) -> None:
+        """Children outliving the leader (an engine's workers): SIGKILL the group, wait until
+        it is empty, so whatever they hold (ports, shared memory) is free when stop returns."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                return
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def log_tail(self, lines: int = 80) -> str:
         try:

@@ -57,6 +57,14 @@ MODEL_RECIPES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "norm_topk_prob": True,
         },
     ),
+    # Still small to compute, with KV worth moving: 1 MiB per 32-token block (8 layers, 8 KV
+    # heads of 64, float32) against tiny-llama's 32 KiB. For transfer benchmarks (bench/).
+    "kv-llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8,
+         "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 64},
+    ),
 }
 
 CHAT_TEMPLATE = (
@@ -119,9 +127,9 @@ def build_model(name: str, out_dir: Path) -> None:
     import transformers
 
     config_cls_name, model_cls_name, extra = MODEL_RECIPES[name]
+    settings = {**{k: v for k, v in _COMMON.items() if k != "torch_dtype"}, **extra}
     config = getattr(transformers, config_cls_name)(
-        **{k: v for k, v in _COMMON.items() if k != "torch_dtype"},
-        **extra,
+        **settings,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=1,

@@ -2,7 +2,7 @@ import pytest
 
 from tests.e2e.deployments import DeploymentPool, aggregated_references
 
-E2E_MODELS = ["tiny-llama", "tiny-qwen3-moe"]
+E2E_MODELS = ["tiny-llama", "tiny-qwen3-moe", "tiny-mixtral"]
 
 
 @pytest.fixture(scope="session")

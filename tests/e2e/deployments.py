@@ -43,7 +43,21 @@ PROMPTS = {n: token_prompt(n, seed=n) for n in PROMPT_LENGTHS}
 SWAP_A = token_prompt(80, seed=1001)
 SWAP_B = token_prompt(79, seed=1002) + SWAP_A[-1:]
 CONCURRENT = [token_prompt(40 + 11 * i, seed=2000 + i) for i in range(8)]
-ALL_PROMPTS = [*PROMPTS.values(), SWAP_A, SWAP_B, *CONCURRENT]
+# Shared-memory pool (test_pd_shm): the pool holds full blocks only, so a swap that must give
+# exactly A's output uses block-aligned prompts (the decode computes just the shared last token).
+SHM_SWAP_A = token_prompt(64, seed=3001)
+SHM_SWAP_B = token_prompt(63, seed=3002) + SHM_SWAP_A[-1:]
+SHM_CORRUPT = token_prompt(70, seed=3003)
+SHARED_PREFIX = token_prompt(96, seed=4001)  # three full blocks
+PREFIX_TURNS = [SHARED_PREFIX + token_prompt(20 + 10 * i, seed=4002 + i) for i in range(2)]
+# LMCache (test_pd_lmcache): one full 32-token chunk each and the same last token, so exchanging
+# their single stored chunk swaps their KV.
+LM_SWAP_A = token_prompt(33, seed=5001)
+LM_SWAP_B = token_prompt(32, seed=5002) + LM_SWAP_A[-1:]
+LM_BACKEND_DOWN = token_prompt(90, seed=5003)
+ALL_PROMPTS = [*PROMPTS.values(), SWAP_A, SWAP_B, *CONCURRENT,
+               SHM_SWAP_A, SHM_SWAP_B, SHM_CORRUPT, *PREFIX_TURNS,
+               LM_SWAP_A, LM_SWAP_B, LM_BACKEND_DOWN]
 
 
 def completion_body(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
@@ -63,7 +77,8 @@ def output_ids(resp: requests.Response) -> list[int]:
 
 
 # The GPU lane swaps the tiny models for real small models given by local path.
-GPU_MODEL_ENV = {"tiny-llama": "PD_GPU_MODEL", "tiny-qwen3-moe": "PD_GPU_MOE_MODEL"}
+GPU_MODEL_ENV = {"tiny-llama": "PD_GPU_MODEL", "tiny-qwen3-moe": "PD_GPU_MOE_MODEL",
+                 "tiny-mixtral": "PD_GPU_MIXTRAL_MODEL"}
 
 
 

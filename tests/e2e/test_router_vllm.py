@@ -45,7 +45,7 @@ def routed(request, pool):
                                  "--block-size", "32", "--log-format", "text"),
                            config={"push_head_start_s": 0.3, "health": {"interval_s": 30},
                                    # A stalled first push handshake (upstream, issue 10) is retried.
-                                   "timeouts": {"prefill_s": 30, "decode_first_byte_s": 30},
+                                   "timeouts": {"prefill_s": 120, "decode_first_byte_s": 120},
                                    "failover": {"decode_retries": 2}})
     start_all([router], timeout=120)
     yield pd, router

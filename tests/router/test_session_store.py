@@ -10,10 +10,6 @@ import asyncio
 import copy
 import logging
 import re
-import shutil
-import socket
-import time
-from dataclasses import dataclass
 
 import pytest
 import requests
@@ -25,11 +21,10 @@ from pd_plugins.routers.policy.prefix_index import PrefixIndex
 from pd_plugins.routers.session_store import RedisSessionStore, SessionSharing
 from pd_plugins.routers.sessions import Session, SessionTable
 from pd_plugins.testing.engine_harness import start_all
-from pd_plugins.testing.processes import ManagedProcess
+from pd_plugins.testing.kv_servers import REDIS_SERVER, RedisServer
 from pd_plugins.testing.router_harness import RouterProcess
 from tests.router.conftest import FAST_HEALTH, LONG_PROMPT, mocks, wait_until
 
-REDIS_SERVER = shutil.which("redis-server")
 needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed "
                                  "(apt-get install redis-server): Redis session tests skipped")
 
@@ -130,42 +125,6 @@ def test_sharing_survives_a_dead_store(caplog):
         assert store.data["c1"].decode_url == "http://a"
         await sharing.aclose()
     asyncio.run(run())
-
-
-# -- a real redis-server ----------------------------------------------------------------------------
-@dataclass
-class RedisServer(ManagedProcess):
-    name: str = "redis"
-
-    def command(self) -> list[str]:
-        return [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", str(self.log_dir)]
-
-    @property
-    def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
-                sock.sendall(b"PING\r\n")
-                return sock.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def wait_healthy(self, timeout: float = 20.0) -> RedisServer:
-        deadline = time.monotonic() + timeout
-        while not self.ping():
-            if not self.alive():
-                raise RuntimeError(f"redis-server exited early:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"redis-server not answering:\n{self.log_tail()}")
-            time.sleep(0.05)
-        return self
-
-    def client(self):
-        import redis
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
 
 @pytest.fixture

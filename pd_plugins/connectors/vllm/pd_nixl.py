@@ -44,6 +44,7 @@ from pd_plugins.connectors.transfer_params import (
     lease_check_of,
     remote_prefill_error,
 )
+from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
     LeaseVerdicts,
     NotifTap,
@@ -137,6 +138,7 @@ class _PdAdditions(_PdStatsClassMethods):
         self._write_gate: WriteGate | None = None
         if role == KVConnectorRole.WORKER:
             self._set_up_worker_guards(lease_s)
+        self._experts = ExpertSignatures(vllm_config, role)
 
     def _set_up_worker_guards(self, lease_s: float) -> None:
         worker = self.connector_worker
@@ -261,6 +263,7 @@ class _PdAdditions(_PdStatsClassMethods):
                 mode=self.pd_mode,
                 block_size=self._block_size,
                 lease_check_port=self._lease_server.port if self._lease_server else None,
+                experts=self._experts.take(request.request_id),
             )
             out_params[PD_SECTION_KEY] = msgspec.to_builtins(section)
         return delay_free, out_params
@@ -335,11 +338,13 @@ class _PdAdditions(_PdStatsClassMethods):
         stats.count("pd_lease_check_timeouts", len(verdicts.timed_out))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        self._experts.after_step()  # called once per step, after the forward pass
         if self._notif_tap is not None:
             return self._notif_tap.take_verdicts()
         return super().build_connector_worker_meta()
 
     def shutdown(self):
+        self._experts.close()
         if self._lease_server is not None:
             self._lease_server.close()
         if self._late_read_guard is not None:

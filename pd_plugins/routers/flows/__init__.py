@@ -13,6 +13,8 @@ from pd_plugins.routers.flows.vllm import VllmPullFlow, VllmPushFlow
 def flow_for(engine: str, transfer: str, push_head_start_s: float = 0.1) -> PdFlow:
     if engine == "sglang":
         return SglangFlow()
+    # the pools (PdShmConnector, PdLMCacheConnector) have the pull flow's two steps: prefill,
+    # then decode with its params
     return VllmPushFlow(push_head_start_s) if transfer == "push" else VllmPullFlow()
 
 

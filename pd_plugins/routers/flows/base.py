@@ -18,6 +18,7 @@ class Attempt:
     decision: Decision
     request_id: str               # unique per attempt; both legs carry it as X-Request-Id
     path: str                     # /v1/completions or /v1/chat/completions
+    excluded_decode: frozenset = frozenset()  # decode workers that failed earlier attempts
 
 
 # Runs the prefill leg on attempt.decision.prefill with the router's accounting and timeout;

@@ -5,7 +5,7 @@ Importing this package registers every built-in piece; `scheduler.preset(name)` 
 """
 
 from pd_plugins.routers.policy import (  # noqa: F401  (registration side effects)
-    conversation, deciders, filters, kv_cost, load, peers, pickers, prefix, ttft,
+    conversation, deciders, expert_locality, filters, kv_cost, load, peers, pickers, prefix, ttft,
 )
 from pd_plugins.routers.policy.base import Decision, PolicyContext, Rejection, RequestInfo
 from pd_plugins.routers.policy.scheduler import DEFAULT_POLICY, PRESETS, Scheduler, preset

@@ -35,6 +35,9 @@ class RequestInfo:
     turn: int = 0                   # turns of this conversation served before this one
     pinned_decode: str | None = None  # the decode worker that holds the conversation's KV
     resident_tokens: int = 0        # prompt tokens of the last turn, cached there
+    # MoE: the prompt's expert histogram ([layers, experts], expert_signature.py), known once
+    # the prefill has answered; the decode is then chosen again with it (ELDR)
+    expert_histogram: Any = None
 
 
 @dataclass

@@ -8,6 +8,9 @@ hash so the router never depends on the engine's hash algorithm or seed). Two wa
   BlockRemoved and AllBlocksCleared take them out again.
 - approximate: with events off, the router records the blocks of every prompt it routed to a
   worker, and forgets the oldest once a worker's entry count passes `capacity_blocks`.
+
+A worker that maps a shared KV pool (PdShmConnector) also holds whatever the pool holds
+(pool_index.py): its match is the longer of the two.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Iterable, Sequence
 import msgspec
 import zmq
 import zmq.asyncio
+
+from pd_plugins.routers.policy.pool_index import LearnedPoolView, PoolPrefixView
 
 log = logging.getLogger("pd_router.prefix_index")
 
@@ -53,18 +58,31 @@ class PrefixIndex:
         # worker url -> engine block hash -> our key (exact mode only)
         self._engine_keys: dict[str, dict[object, int]] = {}
         self.exact_workers: set[str] = set()
+        # worker url -> the KV pool it is on
+        self._pools: dict[str, PoolPrefixView | LearnedPoolView] = {}
+
+    def attach_pool(self, worker_url: str, view: PoolPrefixView | LearnedPoolView) -> None:
+        self._pools[worker_url] = view
 
     def matched_blocks(self, worker_url: str, keys: Sequence[int]) -> int:
-        """How many leading blocks of the prompt this worker holds."""
+        """How many leading blocks of the prompt this worker holds (itself or in its pool)."""
+        pool = self._pools.get(worker_url)
+        in_pool = pool.matched_blocks(keys) if pool is not None else 0
         held = self._blocks.get(worker_url)
         if not held:
-            return 0
+            return in_pool
         count = 0
         for key in keys:
             if key not in held:
                 break
             count += 1
-        return count
+        return max(count, in_pool)
+
+    def record_stored_in_pool(self, worker_url: str, keys: Iterable[int]) -> None:
+        """A prefill reported storing these blocks into its pool (learned pools only)."""
+        pool = self._pools.get(worker_url)
+        if isinstance(pool, LearnedPoolView):
+            pool.record(keys)
 
     def held_blocks(self, worker_url: str) -> int:
         """How many blocks the index holds for this worker (its approximate cache size)."""
@@ -83,6 +101,7 @@ class PrefixIndex:
 
     def forget_worker(self, worker_url: str) -> None:
         self._blocks.pop(worker_url, None)
+        self._pools.pop(worker_url, None)
         self._engine_keys.pop(worker_url, None)
 
     # -- exact mode: vLLM KV events ---------------------------------------------------------

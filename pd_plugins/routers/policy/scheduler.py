@@ -65,6 +65,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "deciders": [{"name": "append_prefill"}],
         "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
     },
+    # Ours for MoE models (ELDR, arXiv 2607.00466): among the decode workers not much busier
+    # than the least loaded, those whose running requests use the prompt's experts (within
+    # tau = 0.1 of the best match), least loaded first. Without the load band, affinity piles a
+    # popular topic onto one worker (docs/benchmarks.md, "Expert-locality decode routing").
+    "eldr": {
+        "prefill": {"scorers": [{"name": "least_loaded"}]},
+        "decode": {"filters": [{"name": "load_band", "params": {"slack": 0.25, "margin": 2}},
+                               {"name": "expert_band", "params": {"tau": 0.1}}],
+                   "scorers": [{"name": "least_loaded"}]},
+    },
     # -- the peers' own rules (policy/peers.py cites the source of each) ----------------------
     # vllm-router 0.1.17 `--vllm-pd-disaggregation --policy kv_aware`: prefill by
     # new + active prefill tokens, decode by fewest requests; always disaggregates.
@@ -168,6 +178,9 @@ class Scheduler:
         self.uses_prefix_index = any(getattr(p, "uses_prefix_index", False) for p in pieces)
         # Conversation tracking (routers/sessions.py) costs a table lookup per request: only then.
         self.uses_sessions = any(getattr(p, "uses_sessions", False) for p in pieces)
+        # ELDR: the decode is chosen again once the prefill has reported the expert signature.
+        self.uses_expert_signatures = any(getattr(p, "uses_expert_signatures", False)
+                                          for p in pieces)
 
     def admit(self, request: RequestInfo) -> Rejection | None:
         return self.admission.admit(request) if self.admission else None
@@ -190,6 +203,19 @@ class Scheduler:
         if not candidates:
             return None, "no usable prefill worker"
         return self.prefill.choose(request, candidates), ""
+
+    def rebind_decode(self, request: RequestInfo, decision: Decision,
+                      exclude: set = frozenset()) -> Decision:
+        """Choose the decode worker again now that the prefill has answered (its expert
+        signature is in `request`); the prefill stays. Only for pull-style flows, where the
+        decode leg starts after the prefill's answer."""
+        if self.fixed_decode_url is not None or request.expert_histogram is None:
+            return decision
+        choice = self.choose_decode(request, set(exclude))
+        if choice is None or choice.worker is decision.decode:
+            return decision
+        return Decision(choice.worker, decision.prefill,
+                        [*decision.reasons, f"decode (experts known): {choice.reason}"])
 
     def schedule(self, request: RequestInfo, exclude_prefill: set = frozenset(),
                  exclude_decode: set = frozenset()) -> Decision | None:
