@@ -1,0 +1,133 @@
+"""A prefill's bootstrap registry: where a decode learns how to reach the prefill's KV.
+
+Engine-agnostic: one small HTTP server per prefill instance (SGLang starts it on
+`--disaggregation-bootstrap-port`), holding one JSON record per prefill rank, plus the client
+calls a decode uses. It doubles as the prefill's liveness signal: a decode that cannot reach it
+twice in a row treats the prefill as dead.
+
+    GET  /health              -> 200 "ok"
+    PUT  /ranks/<key>         <- {...}: a rank registers (key: "<dp rank>.<engine rank>")
+    GET  /ranks/<key>         -> {...}, or 404
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+MAX_RECORD_BYTES = 64 * 1024
+_KEY = re.compile(r"^/ranks/(\d{1,6}\.\d{1,6})$")
+
+
+def rank_key(dp_rank: int, engine_rank: int) -> str:
+    return f"{int(dp_rank)}.{int(engine_rank)}"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _RegistryHTTPServer
+
+    def log_message(self, *args: Any) -> None:  # no access log on stderr
+        pass
+
+    def _answer(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, status: int, reason: str) -> None:
+        self._answer(status, json.dumps({"error": reason}).encode())
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            return self._answer(200, b"ok", "text/plain")
+        match = _KEY.match(self.path)
+        if not match:
+            return self._error(404, f"no such path: {self.path[:100]}")
+        record = self.server.records.get(match.group(1))
+        if record is None:
+            return self._error(404, f"rank {match.group(1)} has not registered")
+        return self._answer(200, record)
+
+    def do_PUT(self) -> None:
+        match = _KEY.match(self.path)
+        if not match:
+            return self._error(404, f"no such path: {self.path[:100]}")
+        length = int(self.headers.get("Content-Length") or 0)
+        if not 0 < length <= MAX_RECORD_BYTES:
+            return self._error(400, f"a record is 1 to {MAX_RECORD_BYTES} bytes of JSON")
+        body = self.rfile.read(length)
+        try:
+            if not isinstance(json.loads(body), dict):
+                raise ValueError("not an object")
+        except ValueError as exc:
+            return self._error(400, f"a record is a JSON object: {exc}")
+        self.server.records[match.group(1)] = body
+        return self._answer(200, b"{}")
+
+
+class _RegistryHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    records: dict[str, bytes]
+
+
+class BootstrapRegistry:
+    """The server, on a daemon thread. Bind to the address the decode engines can reach."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._server = _RegistryHTTPServer((host, port), _Handler)
+        self._server.records = {}
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name=f"pd-bootstrap-{self.port}")
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class RegistryUnreachable(ConnectionError):
+    pass
+
+
+def _call(method: str, url: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+    except (OSError, urllib.error.URLError) as exc:
+        raise RegistryUnreachable(f"bootstrap registry {url} unreachable: {exc}") from exc
+
+
+def register(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> None:
+    status, body = _call("PUT", f"http://{addr}/ranks/{key}", json.dumps(record).encode(),
+                         timeout_s)
+    if status != 200:
+        raise RuntimeError(f"bootstrap registry {addr} refused rank {key}: {status} {body[:200]!r}")
+
+
+def lookup(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
+    """The rank's record; None if it has not registered (yet)."""
+    status, body = _call("GET", f"http://{addr}/ranks/{key}", None, timeout_s)
+    if status == 404:
+        return None
+    if status != 200:
+        raise RuntimeError(f"bootstrap registry {addr}: {status} {body[:200]!r}")
+    return json.loads(body)
+
+
+def is_alive(addr: str, timeout_s: float = 2.0) -> bool:
+    try:
+        return _call("GET", f"http://{addr}/health", None, timeout_s)[0] == 200
+    except RegistryUnreachable:
+        return False
