@@ -6,6 +6,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 
 bootstrap:
 	@bash scripts/bootstrap.sh
+	@bash scripts/bootstrap_sglang.sh
 
 demo: bootstrap
 	$(PY) -m pd_plugins.demo
@@ -41,4 +42,4 @@ bench-shm: bootstrap
 	$(PY) bench/kv_transfer.py
 
 clean:
-	rm -rf .venv .venv-gpu
+	rm -rf .venv .venv-gpu .venv-sglang

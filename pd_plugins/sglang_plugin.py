@@ -1,20 +1,15 @@
-"""Entry point `sglang.srt.plugins`.
+"""Entry point `sglang.srt.plugins` (SGLang loads it; allow-list: SGLANG_PLUGINS=pd_plugins).
 
-SGLang loads it (allow-list: SGLANG_PLUGINS). The pd-nixl and pd-shm transfer backends are not
-implemented yet (SGLang integration issue); until then this hook registers nothing and says so.
+Registers the pd-plugins transfer backends, selected with `--disaggregation-transfer-backend`:
+`pd-shm` (the shared-memory KV pool). The registration itself is a version-checked patch
+(patches/sglang_backends.py): SGLang has no backend registry.
 """
 
 from __future__ import annotations
 
-import logging
-
-logger = logging.getLogger("pd_plugins")
-
-SGLANG_BACKENDS: tuple[str, ...] = ()
-
 
 def register() -> list[str]:
     """Register pd-plugins transfer backends with SGLang; returns the names registered."""
-    if not SGLANG_BACKENDS:
-        logger.info("pd-plugins: no SGLang transfer backends in this release")
-    return list(SGLANG_BACKENDS)
+    from pd_plugins.patches.sglang_backends import register as register_backends
+
+    return register_backends()

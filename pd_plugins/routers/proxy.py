@@ -86,6 +86,9 @@ class Proxy:
         for attempt_no in range(1 + failover.prefill_retries + failover.decode_retries + 1):
             decision = self.scheduler.schedule(request.info, excluded_prefill, excluded_decode)
             if decision is None:
+                if not self.scheduler.local_prefill and self.ctx.pool.usable("decode"):
+                    return self._fail("none", 503, "no usable prefill worker (an SGLang decode "
+                                      "cannot prefill a request itself)", history)
                 break
             if force_local and decision.prefill is not None:
                 decision = Decision(decision.decode, None,
@@ -111,7 +114,7 @@ class Proxy:
                     excluded_prefill.add(failed.worker)
                     prefill_tries -= 1
                     if prefill_tries < 0:
-                        if not failover.local_prefill_fallback:
+                        if not (failover.local_prefill_fallback and self.scheduler.local_prefill):
                             break
                         force_local = True
                     self.metrics.retries.labels("prefill").inc()

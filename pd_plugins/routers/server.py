@@ -40,7 +40,8 @@ class Router:
         self.latency = LatencyModels(config.latency)
         self.ctx = PolicyContext(self.pool, self.prefix_index, self.latency, config.block_size)
         fixed = config.decode[0].url if config.mode == "sidecar" else None
-        self.scheduler = Scheduler(config.policy, self.ctx, fixed_decode_url=fixed)
+        self.scheduler = Scheduler(config.policy, self.ctx, fixed_decode_url=fixed,
+                                   local_prefill=config.engine != "sglang")
         self.sessions = SessionTable(config.sessions) if self.scheduler.uses_sessions else None
         self.sharing: SessionSharing | None = None  # made in startup (needs the event loop)
         if config.sessions.redis_url is not None:

@@ -6,7 +6,7 @@ import json
 import pytest
 import requests
 
-from tests.router.conftest import LONG_PROMPT, deployment, mocks
+from tests.router.conftest import LONG_PROMPT, deployment, mocks, wait_until
 
 FLOWS = [("vllm", "pull"), ("vllm", "push"), ("sglang", "pull")]
 
@@ -90,3 +90,40 @@ def test_service_endpoints():
         models = requests.get(router.url + "/v1/models", timeout=5).json()["data"]
         assert [m["id"] for m in models] == ["mock"] and models[0]["max_model_len"] == 4096
         assert "pd_router_worker_healthy" in router.metrics()
+
+
+def test_sglang_decodes_never_prefill_and_keep_the_conversation():
+    """An SGLang decode in disaggregation mode serves PD requests only. A short prompt (vLLM:
+    prefilled on the decode) and later turns (vLLM: append-prefill) go PD; the turns stay on the
+    pinned decode, whose radix cache gives the prefill decode_prefix_len (SGLang's own
+    mechanism), so only the new pages move."""
+    prefills, decodes = mocks("sglang", decodes=2)
+    with deployment(prefills, decodes, "--engine", "sglang", "--policy", "multi_turn") as router:
+        routes, prompt = [], "hi there"
+        for turn in range(3):
+            resp = requests.post(router.url + "/v1/completions",
+                                 json={"model": "mock", "prompt": prompt, "max_tokens": 3},
+                                 headers={"x-session-id": "conv-1"}, timeout=10)
+            assert resp.status_code == 200, resp.text
+            routes.append(resp.headers["x-pd-route"])
+            prompt += resp.json()["choices"][0]["text"] + " and more"
+        assert all(f"prefill={prefills[0].url}" in route for route in routes), routes
+        pinned = [d.url for d in decodes if f"decode={d.url}" in routes[0]]
+        assert len(pinned) == 1 and all(f"decode={pinned[0]}" in route for route in routes)
+        assert sum(d.stats()["local"] for d in decodes) == 0
+        assert sum(d.stats()["remote_decodes"] for d in decodes) == 3
+
+
+def test_sglang_without_a_prefill_worker_is_a_clear_503():
+    prefills, decodes = mocks("sglang")
+    with deployment(prefills, decodes, "--engine", "sglang", "--policy", "round_robin") as router:
+        prefills[0].stop()
+        wait_until(lambda: "healthy=\"0\"" in router.metrics() or
+                   requests.post(router.url + "/v1/completions",
+                                 json={"model": "mock", "prompt": "x", "max_tokens": 1},
+                                 timeout=10).status_code == 503, what="prefill marked down")
+        resp = requests.post(router.url + "/v1/completions",
+                             json={"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 3},
+                             timeout=10)
+        assert resp.status_code == 503, resp.text
+        assert "cannot prefill" in resp.json()["error"]["message"]

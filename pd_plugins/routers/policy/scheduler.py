@@ -164,8 +164,14 @@ class Profile:
 
 
 class Scheduler:
-    def __init__(self, spec: PolicySpec, ctx: PolicyContext, fixed_decode_url: str | None = None):
+    def __init__(self, spec: PolicySpec, ctx: PolicyContext, fixed_decode_url: str | None = None,
+                 local_prefill: bool = True):
         self.ctx = ctx
+        # SGLang: a decode server in disaggregation mode serves only PD requests (it never
+        # prefills a prompt itself). Append-prefill maps onto its radix cache instead: the turn
+        # still goes PD, to the pinned decode, which reports its cached prefix to the prefill
+        # (decode_prefix_len) so only the new pages move.
+        self.local_prefill = local_prefill
         self.prefill = Profile(spec.prefill, ctx, "prefill")
         self.decode = Profile(spec.decode, ctx, "decode")
         self.deciders = [(d.name, build("decider", d.name, d.params, ctx)) for d in spec.deciders]
@@ -196,7 +202,7 @@ class Scheduler:
                        exclude: set) -> tuple[Choice | None, str]:
         """The prefill worker, or None with the reason the decode worker prefills locally."""
         candidates = [w for w in self.ctx.pool.usable("prefill") if w not in exclude]
-        for name, decider in self.deciders:
+        for name, decider in self.deciders if self.local_prefill else ():
             go, why = decider.disaggregate(request, decode_choice.worker, candidates)
             if not go:
                 return None, f"{name}: {why}"
@@ -224,6 +230,8 @@ class Scheduler:
             return None
         prefill, why_local = self.choose_prefill(request, decode, set(exclude_prefill))
         reasons = [f"decode: {decode.reason}"]
+        if prefill is None and not self.local_prefill:
+            return None  # nowhere to prefill: the caller answers 503
         if prefill is None:
             reasons.append(f"local prefill: {why_local}")
             return Decision(decode.worker, None, reasons)

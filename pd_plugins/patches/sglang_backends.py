@@ -1,0 +1,84 @@
+"""Register pd-plugins transfer backends with SGLang, which has no backend registry.
+
+Three small steps, through SGLang's own plugin hooks (sglang.srt.plugins):
+1. `add_disagg_transfer_backend_choices`: `--disaggregation-transfer-backend` accepts our names;
+2. members added to the fixed `TransferBackend` Enum, so `TransferBackend("pd-shm")` resolves;
+3. an AROUND hook on `disaggregation.utils.get_kv_class` (HookRegistry also rebinds the
+   `from ... import get_kv_class` copies in prefill.py, decode.py, disagg_service.py): our
+   classes for our members, SGLang's own answer for everything else.
+Checked against SGLang 0.5.23; another release series registers nothing and says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from importlib.metadata import PackageNotFoundError, version
+
+logger = logging.getLogger("pd_plugins")
+
+CHECKED_SERIES = ("0.5.",)
+MIN_CHECKED = (0, 5, 23)
+# backend name -> Enum member name, module with CLASSES {"manager", "sender", ...}
+BACKENDS = {"pd-shm": ("PD_SHM", "pd_plugins.connectors.sglang.pd_shm")}
+
+
+def sglang_version() -> str | None:
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def version_supported(found: str | None) -> bool:
+    if found is None or not found.startswith(CHECKED_SERIES):
+        return False
+    try:
+        return tuple(int(p) for p in found.split(".")[:3]) >= MIN_CHECKED
+    except ValueError:
+        return False
+
+
+def _add_enum_member(enum_cls, name: str, value: str):
+    """Add a member to an existing Enum class (Enum has no public way; 3.11's internals)."""
+    if value in enum_cls._value2member_map_:
+        return enum_cls._value2member_map_[value]
+    member = object.__new__(enum_cls)
+    member._name_, member._value_ = name, value
+    member.__objclass__ = enum_cls
+    setattr(enum_cls, name, member)  # before it is a member: EnumType refuses to rebind members
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+    return member
+
+
+def register() -> list[str]:
+    """Make our backends selectable; returns the names registered ([] if SGLang is unchecked)."""
+    found = sglang_version()
+    if not version_supported(found):
+        logger.warning("pd-plugins: SGLang %s is not a checked release (0.5.23+ of 0.5.x): "
+                       "no pd-plugins transfer backends registered", found)
+        return []
+    from sglang.srt.arg_groups.choices import (
+        DISAGG_TRANSFER_BACKEND_CHOICES,
+        add_disagg_transfer_backend_choices,
+    )
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    add_disagg_transfer_backend_choices(
+        [name for name in BACKENDS if name not in DISAGG_TRANSFER_BACKEND_CHOICES])
+    ours = {_add_enum_member(utils.TransferBackend, member, name): module
+            for name, (member, module) in BACKENDS.items()}
+
+    def get_kv_class(original, transfer_backend, class_type):
+        module = ours.get(transfer_backend)
+        if module is None or class_type == utils.KVClassType.KVARGS:
+            return original(transfer_backend, class_type)
+        return importlib.import_module(module).CLASSES[class_type.value]
+
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", get_kv_class,
+                          HookType.AROUND)
+    logger.info("pd-plugins: SGLang %s transfer backends registered: %s", found, list(BACKENDS))
+    return list(BACKENDS)

@@ -1,0 +1,192 @@
+"""The SGLang side of tests/sglang: runs in .venv-sglang, one engine role per process.
+
+It plays SGLang's scheduler for our backend the way prefill.py / decode.py do: classes come from
+SGLang's own `get_kv_class` after its plugin loader ran, server args from SGLang's own parser, and
+the lifecycle is SGLang's (sender: poll -> init -> send chunks -> poll until Success; receiver:
+init -> poll -> send_metadata -> poll until Success). The engine's KV and metadata buffers are
+host arrays filled with bytes derived from the room, so the other process can check them.
+
+    python -m tests.sglang.sglang_roles registration
+    python -m tests.sglang.sglang_roles prefill '<json spec>'   (prints one JSON line per event)
+    python -m tests.sglang.sglang_roles decode '<json spec>'
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from pd_plugins.testing.sglang_env import stub_gpu_only_packages
+
+stub_gpu_only_packages()
+os.environ.setdefault("SGLANG_PLUGINS", "pd_plugins")
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll  # noqa: E402
+from sglang.srt.disaggregation.utils import (  # noqa: E402
+    DisaggregationMode,
+    KVClassType,
+    TransferBackend,
+)
+from sglang.srt.plugins import load_plugins  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+# A small paged KV: 2 layers x (K, V), pages of 4 tokens, 2 heads x 8 dims float32.
+LAYERS, PAGE_SIZE, HEADS, DIM, NUM_PAGES = 2, 4, 2, 8, 64
+ITEM_BYTES = PAGE_SIZE * HEADS * DIM * 4
+AUX_ROWS, AUX_ITEMS = (16, 16), (64, 32)   # two metadata buffers: rows, bytes per row
+POLL_S = 0.01
+
+
+def emit(**event) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def server_args(mode: str, bootstrap_port: int) -> ServerArgs:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args([
+        "--model-path", "unused", "--device", "cpu", "--host", "127.0.0.1",
+        "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "pd-shm",
+        "--disaggregation-bootstrap-port", str(bootstrap_port)])
+    return ServerArgs.from_cli_args(args)
+
+
+class EngineMemory:
+    """What the engine's memory pools would hold: per-layer K and V pages, metadata rows."""
+
+    def __init__(self) -> None:
+        self.kv = [np.zeros((NUM_PAGES, ITEM_BYTES), dtype=np.uint8) for _ in range(2 * LAYERS)]
+        self.aux = [np.zeros((rows, width), dtype=np.uint8)
+                    for rows, width in zip(AUX_ROWS, AUX_ITEMS)]
+
+    def kv_args(self) -> KVArgs:
+        args = KVArgs()
+        args.engine_rank, args.system_dp_rank, args.page_size = 0, 0, PAGE_SIZE
+        args.kv_cache_dtype_str = "float32"
+        args.kv_data_ptrs = [b.ctypes.data for b in self.kv]
+        args.kv_data_lens = [b.nbytes for b in self.kv]
+        args.kv_item_lens = [ITEM_BYTES] * len(self.kv)
+        args.aux_data_ptrs = [b.ctypes.data for b in self.aux]
+        args.aux_data_lens = [b.nbytes for b in self.aux]
+        args.aux_item_lens = list(AUX_ITEMS)
+        return args
+
+    def fill(self, room: int, pages: list[int], aux_index: int) -> None:
+        rng = np.random.default_rng(room)
+        for buf in self.kv:
+            buf[pages] = rng.integers(0, 256, (len(pages), ITEM_BYTES), dtype=np.uint8)
+        for buf in self.aux:
+            buf[aux_index] = rng.integers(0, 256, buf.shape[1], dtype=np.uint8)
+
+    def digest(self, pages: list[int], aux_index: int | None) -> dict:
+        """Per page, a SHA-256 over every layer's K and V item; and one over the metadata row."""
+        kv = [hashlib.sha256(b"".join(buf[page].tobytes() for buf in self.kv)).hexdigest()
+              for page in pages]
+        aux = (hashlib.sha256(b"".join(b[aux_index].tobytes() for b in self.aux)).hexdigest()
+               if aux_index is not None else None)
+        return {"kv": kv, "aux": aux}
+
+
+def kv_class(kind: KVClassType):
+    return __import__("sglang.srt.disaggregation.utils", fromlist=["get_kv_class"]).get_kv_class(
+        TransferBackend("pd-shm"), kind)
+
+
+def wait_for(obj, states: tuple[int, ...], timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = obj.poll()
+        if state in states or state == KVPoll.Failed or time.monotonic() > deadline:
+            return state
+        time.sleep(POLL_S)
+
+
+def failure_of(obj) -> str:
+    try:
+        obj.failure_exception()
+    except Exception as exc:  # noqa: BLE001 - the reason is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def registration() -> None:
+    load_plugins()
+    from sglang.srt.disaggregation import decode as decode_module
+    from sglang.srt.disaggregation import prefill as prefill_module
+    from sglang.srt.disaggregation.utils import get_kv_class
+
+    sa = server_args("prefill", 8998)
+    emit(backend=sa.disaggregation_transfer_backend,
+         # the copies that SGLang's prefill and decode schedulers call
+         schedulers={m.__name__.rsplit(".", 1)[1]: m.get_kv_class(
+             TransferBackend("pd-shm"), KVClassType.SENDER).__qualname__
+             for m in (prefill_module, decode_module)},
+         classes={k.value: getattr(get_kv_class(TransferBackend("pd-shm"), k), "__qualname__", None)
+                  for k in KVClassType},
+         nixl_manager=get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER).__qualname__)
+
+
+def prefill(spec: dict) -> None:
+    """Serve rooms in order: each is {room, pages, chunks, aux_index}; then stay up."""
+    load_plugins()
+    port = spec["bootstrap_port"]
+    registry = kv_class(KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    memory = EngineMemory()
+    manager = kv_class(KVClassType.MANAGER)(memory.kv_args(), DisaggregationMode.PREFILL,
+                                            server_args("prefill", port), False)
+    emit(event="ready", pool=manager.pool.path)
+    for job in spec["rooms"]:
+        room, pages, aux_index = job["room"], job["pages"], job["aux_index"]
+        memory.fill(room, pages, aux_index)
+        sender = kv_class(KVClassType.SENDER)(manager, f"127.0.0.1:{port}", room)
+        state = wait_for(sender, (KVPoll.WaitingForInput,), 5)
+        sender.init(len(pages), aux_index)
+        if job.get("abort"):
+            sender.abort()
+        else:
+            for chunk in np.array_split(np.array(pages, dtype=np.int32), job.get("chunks", 1)):
+                if sender.should_send_kv_chunk(len(chunk), last_chunk=False):
+                    sender.send(chunk)
+        state = wait_for(sender, (KVPoll.Success,), 10)
+        emit(event="sent", room=room, state=state, failure=failure_of(sender)
+             if state == KVPoll.Failed else "", metric=sender.get_transfer_metric().__dict__,
+             **memory.digest(pages, aux_index))
+    time.sleep(spec.get("then_sleep_s", 0))
+    registry.close()
+
+
+def decode(spec: dict) -> None:
+    """Receive one room into pages `dest` (after a cached prefix of `prefix_len` tokens)."""
+    load_plugins()
+    memory = EngineMemory()
+    manager = kv_class(KVClassType.MANAGER)(memory.kv_args(), DisaggregationMode.DECODE,
+                                            server_args("decode", spec["bootstrap_port"]), False)
+    receiver = kv_class(KVClassType.RECEIVER)(manager, f"127.0.0.1:{spec['bootstrap_port']}",
+                                              spec["room"])
+    receiver.init(0)
+    state = wait_for(receiver, (KVPoll.WaitingForInput,), spec.get("bootstrap_s", 10))
+    if state == KVPoll.WaitingForInput:
+        emit(event="bootstrapped", room=spec["room"])
+        if spec.get("abort"):
+            receiver.abort()
+        receiver.send_metadata(np.array(spec["dest"], dtype=np.int32), spec["aux_index"], None,
+                               decode_prefix_len=spec.get("prefix_len", 0))
+        state = wait_for(receiver, (KVPoll.Success,), spec.get("wait_s", 30))
+    emit(event="received", room=spec["room"], state=state,
+         failure=failure_of(receiver) if state == KVPoll.Failed else "",
+         pool_after=manager.pool.stats().__dict__,
+         **memory.digest(spec["dest"], spec["aux_index"]))
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "registration":
+        registration()
+    else:
+        {"prefill": prefill, "decode": decode}[role](json.loads(sys.argv[2]))
