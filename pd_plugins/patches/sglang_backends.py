@@ -20,7 +20,8 @@ logger = logging.getLogger("pd_plugins")
 CHECKED_SERIES = ("0.5.",)
 MIN_CHECKED = (0, 5, 23)
 # backend name -> Enum member name, module with CLASSES {"manager", "sender", ...}
-BACKENDS = {"pd-shm": ("PD_SHM", "pd_plugins.connectors.sglang.pd_shm")}
+BACKENDS = {"pd-shm": ("PD_SHM", "pd_plugins.connectors.sglang.pd_shm"),
+            "pd-nixl": ("PD_NIXL", "pd_plugins.connectors.sglang.pd_nixl")}
 
 
 def sglang_version() -> str | None:

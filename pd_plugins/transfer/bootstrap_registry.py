@@ -8,6 +8,9 @@ twice in a row treats the prefill as dead.
     GET  /health              -> 200 "ok"
     PUT  /ranks/<key>         <- {...}: a rank registers (key: "<dp rank>.<engine rank>")
     GET  /ranks/<key>         -> {...}, or 404
+    PUT  /rooms/<room>.<key>  <- {...}: a transfer is ready to be read (pull backends)
+    GET  /rooms/<room>.<key>  -> {...}, or 404 (not ready yet)
+    DELETE /rooms/<room>.<key>   (done; the table also forgets the oldest beyond MAX_ROOMS)
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_RECORD_BYTES = 64 * 1024
-_KEY = re.compile(r"^/ranks/(\d{1,6}\.\d{1,6})$")
+MAX_ROOMS = 100_000
+_KEY = re.compile(r"^/(ranks|rooms)/((?:\d{1,20}\.)?\d{1,6}\.\d{1,6})$")
 
 
 def rank_key(dp_rank: int, engine_rank: int) -> str:
@@ -44,21 +49,35 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, reason: str) -> None:
         self._answer(status, json.dumps({"error": reason}).encode())
 
+    def _table(self) -> tuple[OrderedDict, str] | None:
+        match = _KEY.match(self.path)
+        if not match or (match.group(1) == "ranks") != (match.group(2).count(".") == 1):
+            self._error(404, f"no such path: {self.path[:100]}")
+            return None
+        return getattr(self.server, match.group(1)), match.group(2)
+
     def do_GET(self) -> None:
         if self.path == "/health":
             return self._answer(200, b"ok", "text/plain")
-        match = _KEY.match(self.path)
-        if not match:
-            return self._error(404, f"no such path: {self.path[:100]}")
-        record = self.server.records.get(match.group(1))
+        found = self._table()
+        if found is None:
+            return None
+        table, key = found
+        record = table.get(key)
         if record is None:
-            return self._error(404, f"rank {match.group(1)} has not registered")
+            return self._error(404, f"{key} is not registered")
         return self._answer(200, record)
 
+    def do_DELETE(self) -> None:
+        found = self._table()
+        if found is not None:
+            found[0].pop(found[1], None)
+            self._answer(200, b"{}")
+
     def do_PUT(self) -> None:
-        match = _KEY.match(self.path)
-        if not match:
-            return self._error(404, f"no such path: {self.path[:100]}")
+        found = self._table()
+        if found is None:
+            return None
         length = int(self.headers.get("Content-Length") or 0)
         if not 0 < length <= MAX_RECORD_BYTES:
             return self._error(400, f"a record is 1 to {MAX_RECORD_BYTES} bytes of JSON")
@@ -68,13 +87,19 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError("not an object")
         except ValueError as exc:
             return self._error(400, f"a record is a JSON object: {exc}")
-        self.server.records[match.group(1)] = body
+        table, key = found
+        with self.server.lock:
+            table[key] = body
+            while len(table) > MAX_ROOMS:
+                table.popitem(last=False)
         return self._answer(200, b"{}")
 
 
 class _RegistryHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
-    records: dict[str, bytes]
+    ranks: OrderedDict
+    rooms: OrderedDict
+    lock: threading.Lock
 
 
 class BootstrapRegistry:
@@ -82,7 +107,8 @@ class BootstrapRegistry:
 
     def __init__(self, host: str, port: int) -> None:
         self._server = _RegistryHTTPServer((host, port), _Handler)
-        self._server.records = {}
+        self._server.ranks, self._server.rooms = OrderedDict(), OrderedDict()
+        self._server.lock = threading.Lock()
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
                                         name=f"pd-bootstrap-{self.port}")
@@ -124,6 +150,26 @@ def lookup(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
     if status != 200:
         raise RuntimeError(f"bootstrap registry {addr}: {status} {body[:200]!r}")
     return json.loads(body)
+
+
+def room_key(room: int, rank: str) -> str:
+    return f"{int(room)}.{rank}"
+
+
+def put_room(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> None:
+    status, body = _call("PUT", f"http://{addr}/rooms/{key}", json.dumps(record).encode(),
+                         timeout_s)
+    if status != 200:
+        raise RuntimeError(f"bootstrap registry {addr} refused room {key}: {status} {body[:200]!r}")
+
+
+def get_room(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
+    status, body = _call("GET", f"http://{addr}/rooms/{key}", None, timeout_s)
+    return json.loads(body) if status == 200 else None
+
+
+def drop_room(addr: str, key: str, timeout_s: float = 5.0) -> None:
+    _call("DELETE", f"http://{addr}/rooms/{key}", None, timeout_s)
 
 
 def is_alive(addr: str, timeout_s: float = 2.0) -> bool:

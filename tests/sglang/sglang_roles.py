@@ -47,12 +47,12 @@ def emit(**event) -> None:
     print(json.dumps(event), flush=True)
 
 
-def server_args(mode: str, bootstrap_port: int) -> ServerArgs:
+def server_args(mode: str, bootstrap_port: int, backend: str) -> ServerArgs:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args([
         "--model-path", "unused", "--device", "cpu", "--host", "127.0.0.1",
-        "--disaggregation-mode", mode, "--disaggregation-transfer-backend", "pd-shm",
+        "--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend,
         "--disaggregation-bootstrap-port", str(bootstrap_port)])
     return ServerArgs.from_cli_args(args)
 
@@ -93,9 +93,10 @@ class EngineMemory:
         return {"kv": kv, "aux": aux}
 
 
-def kv_class(kind: KVClassType):
-    return __import__("sglang.srt.disaggregation.utils", fromlist=["get_kv_class"]).get_kv_class(
-        TransferBackend("pd-shm"), kind)
+def kv_class(kind: KVClassType, backend: str):
+    from sglang.srt.disaggregation.utils import get_kv_class
+
+    return get_kv_class(TransferBackend(backend), kind)
 
 
 def wait_for(obj, states: tuple[int, ...], timeout_s: float) -> int:
@@ -121,31 +122,34 @@ def registration() -> None:
     from sglang.srt.disaggregation import prefill as prefill_module
     from sglang.srt.disaggregation.utils import get_kv_class
 
-    sa = server_args("prefill", 8998)
-    emit(backend=sa.disaggregation_transfer_backend,
-         # the copies that SGLang's prefill and decode schedulers call
-         schedulers={m.__name__.rsplit(".", 1)[1]: m.get_kv_class(
-             TransferBackend("pd-shm"), KVClassType.SENDER).__qualname__
-             for m in (prefill_module, decode_module)},
-         classes={k.value: getattr(get_kv_class(TransferBackend("pd-shm"), k), "__qualname__", None)
-                  for k in KVClassType},
-         nixl_manager=get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER).__qualname__)
+    for backend in ("pd-shm", "pd-nixl"):
+        sa = server_args("prefill", 8998, backend)
+        emit(backend=sa.disaggregation_transfer_backend,
+             # the copies that SGLang's prefill and decode schedulers call
+             schedulers={m.__name__.rsplit(".", 1)[1]: m.get_kv_class(
+                 TransferBackend(backend), KVClassType.SENDER).__qualname__
+                 for m in (prefill_module, decode_module)},
+             classes={k.value: getattr(get_kv_class(TransferBackend(backend), k), "__qualname__",
+                                       None) for k in KVClassType},
+             nixl_manager=get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER).__qualname__)
 
 
 def prefill(spec: dict) -> None:
-    """Serve rooms in order: each is {room, pages, chunks, aux_index}; then stay up."""
+    """Prefill rooms {room, pages, chunks, aux_index, abort}: send them all ("published", with
+    digests), then poll every sender until it concludes ("sent"), then stay up a while."""
     load_plugins()
-    port = spec["bootstrap_port"]
-    registry = kv_class(KVClassType.BOOTSTRAP_SERVER)(host="127.0.0.1", port=port)
+    port, backend = spec["bootstrap_port"], spec.get("backend", "pd-shm")
+    registry = kv_class(KVClassType.BOOTSTRAP_SERVER, backend)(host="127.0.0.1", port=port)
     memory = EngineMemory()
-    manager = kv_class(KVClassType.MANAGER)(memory.kv_args(), DisaggregationMode.PREFILL,
-                                            server_args("prefill", port), False)
-    emit(event="ready", pool=manager.pool.path)
+    manager = kv_class(KVClassType.MANAGER, backend)(
+        memory.kv_args(), DisaggregationMode.PREFILL, server_args("prefill", port, backend), False)
+    emit(event="ready")
+    senders = {}
     for job in spec["rooms"]:
         room, pages, aux_index = job["room"], job["pages"], job["aux_index"]
         memory.fill(room, pages, aux_index)
-        sender = kv_class(KVClassType.SENDER)(manager, f"127.0.0.1:{port}", room)
-        state = wait_for(sender, (KVPoll.WaitingForInput,), 5)
+        sender = kv_class(KVClassType.SENDER, backend)(manager, f"127.0.0.1:{port}", room)
+        wait_for(sender, (KVPoll.WaitingForInput,), 5)
         sender.init(len(pages), aux_index)
         if job.get("abort"):
             sender.abort()
@@ -153,10 +157,20 @@ def prefill(spec: dict) -> None:
             for chunk in np.array_split(np.array(pages, dtype=np.int32), job.get("chunks", 1)):
                 if sender.should_send_kv_chunk(len(chunk), last_chunk=False):
                     sender.send(chunk)
-        state = wait_for(sender, (KVPoll.Success,), 10)
-        emit(event="sent", room=room, state=state, failure=failure_of(sender)
-             if state == KVPoll.Failed else "", metric=sender.get_transfer_metric().__dict__,
-             **memory.digest(pages, aux_index))
+        senders[room] = sender
+        emit(event="published", room=room, **memory.digest(pages, aux_index))
+    deadline = time.monotonic() + spec.get("wait_s", 60)
+    while senders and time.monotonic() < deadline:
+        for room, sender in list(senders.items()):
+            state = sender.poll()
+            if state in (KVPoll.Success, KVPoll.Failed):
+                emit(event="sent", room=room, state=state,
+                     failure=failure_of(sender) if state == KVPoll.Failed else "",
+                     metric=sender.get_transfer_metric().__dict__)
+                del senders[room]
+        time.sleep(POLL_S)
+    for room in senders:
+        emit(event="sent", room=room, state=senders[room].poll(), failure="still transferring")
     time.sleep(spec.get("then_sleep_s", 0))
     registry.close()
 
@@ -164,11 +178,12 @@ def prefill(spec: dict) -> None:
 def decode(spec: dict) -> None:
     """Receive one room into pages `dest` (after a cached prefix of `prefix_len` tokens)."""
     load_plugins()
-    memory = EngineMemory()
-    manager = kv_class(KVClassType.MANAGER)(memory.kv_args(), DisaggregationMode.DECODE,
-                                            server_args("decode", spec["bootstrap_port"]), False)
-    receiver = kv_class(KVClassType.RECEIVER)(manager, f"127.0.0.1:{spec['bootstrap_port']}",
-                                              spec["room"])
+    memory, backend = EngineMemory(), spec.get("backend", "pd-shm")
+    manager = kv_class(KVClassType.MANAGER, backend)(
+        memory.kv_args(), DisaggregationMode.DECODE,
+        server_args("decode", spec["bootstrap_port"], backend), False)
+    receiver = kv_class(KVClassType.RECEIVER, backend)(
+        manager, f"127.0.0.1:{spec['bootstrap_port']}", spec["room"])
     receiver.init(0)
     state = wait_for(receiver, (KVPoll.WaitingForInput,), spec.get("bootstrap_s", 10))
     if state == KVPoll.WaitingForInput:
@@ -180,7 +195,7 @@ def decode(spec: dict) -> None:
         state = wait_for(receiver, (KVPoll.Success,), spec.get("wait_s", 30))
     emit(event="received", room=spec["room"], state=state,
          failure=failure_of(receiver) if state == KVPoll.Failed else "",
-         pool_after=manager.pool.stats().__dict__,
+         pool_after=manager.pool.stats().__dict__ if backend == "pd-shm" else None,
          **memory.digest(spec["dest"], spec["aux_index"]))
 
 

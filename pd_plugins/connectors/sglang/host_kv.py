@@ -1,0 +1,343 @@
+"""What pd-plugins' SGLang backends share: SGLang's KV manager / sender / receiver / bootstrap
+server contract over host KV buffers and the bootstrap registry (transfer/bootstrap_registry.py).
+
+A backend subclasses the three classes and supplies the transfer itself:
+- manager `_open()` (set up its transport) and `_record()` (what the prefill rank registers);
+- sender `_put_pages(pages)` per chunk and `_finish(aux)` after the last one, and optionally
+  `_progress()` while it waits for the decode (pull backends);
+- receiver `_accept(record)` (the prefill rank's record; raise to refuse it) and `_progress()`,
+  called by `poll` while transferring (set `self.state = KVPoll.Success` when done).
+
+Shared behaviour: the lifecycle states SGLang's schedulers poll, page numbering after the decode's
+cached prefix (`decode_prefix_len`), the metadata row (first output token) carried beside the KV,
+timeouts from SGLang's own environment (bootstrap, waiting, heartbeat), a dead prefill detected
+by its registry missing heartbeats, and every failure ending in KVPoll.Failed with a reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import Any, List, Optional
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+
+from pd_plugins.transfer import bootstrap_registry
+
+logger = logging.getLogger("pd_plugins.sglang")
+
+
+def host_rows(ptr: int, length: int, item_len: int) -> np.ndarray:
+    """A [items, item_len] uint8 view of one engine buffer (host memory only)."""
+    raw = (ctypes.c_uint8 * length).from_address(ptr)
+    return np.ctypeslib.as_array(raw).reshape(length // item_len, item_len)
+
+
+class HostBuffers:
+    """The engine's KV buffers (one per layer and K/V) and metadata buffers, as row views."""
+
+    def __init__(self, args: KVArgs) -> None:
+        self.kv = [host_rows(p, n, i) for p, n, i in
+                   zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)]
+        self.aux = [host_rows(p, n, i) for p, n, i in
+                    zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
+        self.page_bytes = int(sum(args.kv_item_lens))
+
+    def regions(self) -> list[tuple[int, int]]:
+        return [(buf.ctypes.data, buf.nbytes) for buf in self.kv]
+
+    def page_ranges(self, pages: np.ndarray) -> list[tuple[int, int]]:
+        """(address, length) of every page in every KV buffer, buffer by buffer."""
+        return [(buf.ctypes.data + int(p) * buf.shape[1], buf.shape[1])
+                for buf in self.kv for p in pages]
+
+    def gather_pages(self, pages: np.ndarray) -> np.ndarray:
+        return np.concatenate([buf[pages] for buf in self.kv], axis=1)
+
+    def scatter_pages(self, rows: np.ndarray, pages: np.ndarray) -> None:
+        offset = 0
+        for buf in self.kv:
+            width = buf.shape[1]
+            buf[pages] = rows[:, offset:offset + width]
+            offset += width
+
+    def aux_row(self, index: int | None) -> bytes:
+        if index is None or index < 0:
+            return b""
+        return b"".join(buf[index].tobytes() for buf in self.aux)
+
+    def set_aux_row(self, index: int | None, data: bytes) -> None:
+        if index is None or index < 0 or not data:
+            return
+        offset = 0
+        for buf in self.aux:
+            width = buf.shape[1]
+            buf[index] = np.frombuffer(data[offset:offset + width], dtype=np.uint8)
+            offset += width
+
+
+def layout_of(args: KVArgs) -> str:
+    return (f"sglang|page={args.page_size}|dtype={getattr(args, 'kv_cache_dtype_str', '?')}"
+            f"|items={','.join(map(str, args.kv_item_lens))}")
+
+
+class HostKVManager(BaseKVManager):
+    backend_name = "?"
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: Optional[bool] = False) -> None:
+        device = str(getattr(server_args, "device", "cpu") or "cpu")
+        if not device.startswith("cpu"):
+            raise NotImplementedError(f"{self.backend_name} moves host KV only; this engine keeps "
+                                      f"its KV on {device!r}")
+        self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
+        self.buffers = HostBuffers(args)
+        host = getattr(server_args, "host", "127.0.0.1")
+        self.bootstrap_addr = (f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}"
+                               f":{server_args.disaggregation_bootstrap_port}")
+        self.rank_key = bootstrap_registry.rank_key(getattr(args, "system_dp_rank", 0),
+                                                    args.engine_rank)
+        self._open()
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self.register_to_bootstrap()
+
+    def _open(self) -> None:
+        raise NotImplementedError
+
+    def _record(self) -> dict:
+        raise NotImplementedError
+
+    def register_to_bootstrap(self) -> None:
+        record = {"backend": self.backend_name, "page_bytes": self.buffers.page_bytes,
+                  "page_size": self.kv_args.page_size, **self._record()}
+        deadline = time.monotonic() + 30  # the registry may start just after this rank
+        while True:
+            try:
+                return bootstrap_registry.register(self.bootstrap_addr, self.rank_key, record)
+            except bootstrap_registry.RegistryUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+
+class _Outcome:
+    """State, failure reason and timing of one sender or receiver."""
+
+    state: int
+    error: Exception | None = None
+    room: int = 0
+    started: float | None = None
+    elapsed_s: float | None = None
+    bytes_moved: int = 0
+
+    def _fail(self, exc: Exception) -> None:
+        logger.warning("%s %s, room %d: %s", self.mgr.backend_name, type(self).__name__,
+                       self.room, exc)
+        self.error, self.state = exc, KVPoll.Failed
+
+    def _succeed(self) -> None:
+        self.elapsed_s = time.perf_counter() - (self.started or time.perf_counter())
+        self.state = KVPoll.Success
+
+    def failure_exception(self):
+        raise self.error or RuntimeError(f"{self.mgr.backend_name}: room {self.room} failed")
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric(transfer_latency_s=self.elapsed_s,
+                                transfer_total_bytes=self.bytes_moved)
+
+    def abort(self) -> None:
+        if self.state != KVPoll.Success:
+            self._fail(RuntimeError(f"room {self.room}: aborted"))
+
+
+def _refuse_states(state_indices: Optional[List], backend: str) -> Exception | None:
+    if state_indices and any(s is not None for s in state_indices):
+        return NotImplementedError(f"{backend} moves paged KV only, not state buffers "
+                                   "(Mamba, SWA, ...)")
+    return None
+
+
+class HostKVSender(_Outcome, BaseKVSender):
+    def __init__(self, mgr: HostKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self.mgr, self.room = mgr, int(bootstrap_room)
+        self.state = KVPoll.WaitingForInput  # no handshake before the prefill runs
+        self.num_pages: int | None = None
+        self.aux_index: int | None = None
+        self.next_page = 0
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+        self.num_pages, self.aux_index = int(num_kv_indices), aux_index
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0 or last_chunk  # an empty last chunk still completes the room
+
+    def send(self, kv_indices: np.ndarray, state_indices: Optional[List] = None,
+             num_kv_tokens: Optional[int] = None) -> None:
+        if self.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            return
+        if self.num_pages is None:
+            return self._fail(RuntimeError(f"room {self.room}: send() before init()"))
+        refused = _refuse_states(state_indices, self.mgr.backend_name)
+        if refused:
+            return self._fail(refused)
+        self.started = self.started or time.perf_counter()
+        self.state = KVPoll.Transferring
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        try:
+            if pages.size:
+                self._put_pages(pages)
+                self.next_page += int(pages.size)
+            if self.next_page >= self.num_pages:
+                self._finish(self.mgr.buffers.aux_row(self.aux_index))
+        except (RuntimeError, OSError, ValueError) as exc:
+            self._fail(exc)
+
+    def poll(self) -> int:
+        if self.state == KVPoll.Transferring and self.next_page >= (self.num_pages or 0):
+            try:
+                self._progress()
+            except (RuntimeError, OSError, ValueError) as exc:
+                self._fail(exc)
+        return self.state
+
+    def _put_pages(self, pages: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _finish(self, aux: bytes) -> None:
+        raise NotImplementedError
+
+    def _progress(self) -> None:
+        pass
+
+
+class HostKVReceiver(_Outcome, BaseKVReceiver):
+    def __init__(self, mgr: HostKVManager, bootstrap_addr: str,
+                 bootstrap_room: Optional[int] = None) -> None:
+        self.mgr, self.prefill_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
+        self.state = KVPoll.Bootstrapping
+        self.pages: np.ndarray | None = None
+        self.first_page = 0
+        self.aux_index: int | None = None
+        self.prefill_dp_rank = 0
+        now = time.monotonic()
+        self.bootstrap_deadline = now + envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
+        self.waiting_deadline = float("inf")
+        self.heartbeat_s = envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()
+        self.max_heartbeat_failures = envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get()
+        self.next_heartbeat = now + self.heartbeat_s
+        self.heartbeat_failures = 0
+
+    def init(self, prefill_dp_rank: int) -> None:
+        self.prefill_dp_rank = int(prefill_dp_rank)
+        self._bootstrap()
+
+    @property
+    def prefill_rank_key(self) -> str:
+        return bootstrap_registry.rank_key(self.prefill_dp_rank, self.mgr.kv_args.engine_rank)
+
+    def _bootstrap(self) -> None:
+        key = self.prefill_rank_key
+        try:
+            record = bootstrap_registry.lookup(self.prefill_addr, key)
+        except (bootstrap_registry.RegistryUnreachable, RuntimeError) as exc:
+            record, reason = None, str(exc)
+        else:
+            reason = f"prefill rank {key} has not registered at {self.prefill_addr}"
+        if record is None:
+            if time.monotonic() > self.bootstrap_deadline:
+                self._fail(TimeoutError(f"room {self.room}: bootstrap timed out: {reason}"))
+            return
+        if record.get("backend") != self.mgr.backend_name:
+            return self._fail(RuntimeError(
+                f"room {self.room}: the prefill at {self.prefill_addr} runs transfer backend "
+                f"{record.get('backend')!r}, this decode {self.mgr.backend_name!r}"))
+        if record.get("page_bytes") != self.mgr.buffers.page_bytes:
+            return self._fail(RuntimeError(
+                f"room {self.room}: the prefill's KV pages are {record.get('page_bytes')} bytes, "
+                f"this decode's {self.mgr.buffers.page_bytes}: not the same model and KV layout"))
+        try:
+            self._accept(record)
+        except (RuntimeError, OSError, ValueError) as exc:
+            return self._fail(exc)
+        self.state = KVPoll.WaitingForInput
+
+    def send_metadata(self, kv_indices: np.ndarray, aux_index: Optional[int] = None,
+                      state_indices: Optional[List] = None,
+                      decode_prefix_len: Optional[int] = None, destination: Any = None,
+                      **_: Any) -> None:
+        if self.state != KVPoll.WaitingForInput:
+            return
+        refused = _refuse_states(state_indices, self.mgr.backend_name)
+        if refused:
+            return self._fail(refused)
+        if destination is not None and getattr(destination, "value", destination) != "device":
+            return self._fail(NotImplementedError(f"{self.mgr.backend_name}: host destinations"))
+        self.pages = np.asarray(kv_indices, dtype=np.int64)
+        self.first_page = int(decode_prefix_len or 0) // self.mgr.kv_args.page_size
+        self.aux_index = aux_index
+        self.waiting_deadline = time.monotonic() + envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()
+        self.started = time.perf_counter()
+        self.state = KVPoll.Transferring
+
+    def poll(self) -> int:
+        if self.state == KVPoll.Bootstrapping:
+            self._bootstrap()
+        elif self.state == KVPoll.Transferring:
+            try:
+                self._progress()
+            except (RuntimeError, OSError, ValueError) as exc:
+                self._fail(exc)
+        return self.state
+
+    def _check_waiting(self) -> None:
+        """While nothing has arrived: the waiting timeout, and the prefill's heartbeat."""
+        now = time.monotonic()
+        if now > self.waiting_deadline:
+            return self._fail(TimeoutError(
+                f"room {self.room}: no KV from the prefill at {self.prefill_addr} within "
+                f"{envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()} s"))
+        if now < self.next_heartbeat:
+            return
+        self.next_heartbeat = now + self.heartbeat_s
+        self._heartbeat()
+        if bootstrap_registry.is_alive(self.prefill_addr):
+            self.heartbeat_failures = 0
+            return
+        self.heartbeat_failures += 1
+        if self.heartbeat_failures >= self.max_heartbeat_failures:
+            self._fail(ConnectionError(
+                f"room {self.room}: the prefill at {self.prefill_addr} is gone (its bootstrap "
+                f"registry missed {self.heartbeat_failures} heartbeats)"))
+
+    def _heartbeat(self) -> None:
+        """A backend's own keep-alive to the prefill (pull backends extend its lease)."""
+
+    def _accept(self, record: dict) -> None:
+        raise NotImplementedError
+
+    def _progress(self) -> None:
+        raise NotImplementedError
+
+
+class RegistryBootstrapServer(BaseKVBootstrapServer):
+    """The prefill instance's bootstrap registry (transfer/bootstrap_registry.py)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.registry = bootstrap_registry.BootstrapRegistry(host, port)
+
+    def close(self) -> None:
+        self.registry.close()

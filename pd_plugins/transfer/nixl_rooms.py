@@ -1,0 +1,169 @@
+"""Pull transfers by room over NIXL (UCX): the decode READs the prefill's pages, under a lease.
+
+Engine-agnostic: a NIXL agent over an engine rank's host buffers, and the prefill's lease table.
+
+Protocol, per room:
+1. The prefill publishes the room (its pages, the engine's metadata row, and `lease_until`) in
+   its bootstrap registry (transfer/bootstrap_registry.py) and keeps the pages until the lease
+   ends.
+2. The decode, while it waits for that record, sends `HB:<room>` notifications to the prefill's
+   agent (each extends the lease to now + lease_s). Once the record is there it starts the READ
+   only if the lease has more than `START_MARGIN_S` left, and announces it with `START:<room>`
+   (the prefill extends the lease to cover a read of up to `MAX_READ_S`).
+3. The READ carries `DONE:<room>` as its notification, which NIXL delivers after the data: the
+   prefill frees the pages when it arrives. A read that has not completed within
+   `MAX_READ_S - START_MARGIN_S` is abandoned by the decode, so it never uses pages read after
+   the prefill may have freed them.
+Lease times are wall-clock: prefill and decode hosts need synchronised clocks (same host here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from typing import Sequence
+
+START_MARGIN_S = 5.0
+MAX_READ_S = 30.0
+
+
+def _nixl():
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent, nixl_agent_config
+
+
+@contextlib.contextmanager
+def _as_connection_error(peer: str):
+    """NIXL's errors (its own exception types: a peer that disconnected, ...) as ConnectionError."""
+    try:
+        yield
+    except ConnectionError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ConnectionError(f"NIXL peer {peer}: {type(exc).__name__}: {exc}") from exc
+
+
+class NixlRoomAgent:
+    """A NIXL agent (UCX) over one engine rank's registered host buffers."""
+
+    def __init__(self, name: str, regions: Sequence[tuple[int, int]]) -> None:
+        nixl_agent, nixl_agent_config = _nixl()
+        self.name = name
+        self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+        self._reg = self.agent.get_reg_descs([(ptr, n, 0, "") for ptr, n in regions], "DRAM")
+        self.agent.register_memory(self._reg)
+        self._peers: dict[bytes, str] = {}
+        self._lock = threading.Lock()  # the agent is shared by every sender/receiver of a rank
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def add_peer(self, metadata: bytes) -> str:
+        with self._lock:
+            if metadata not in self._peers:
+                name = self.agent.add_remote_agent(metadata)
+                self._peers[metadata] = name.decode() if isinstance(name, bytes) else name
+            return self._peers[metadata]
+
+    def read(self, peer: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
+             notification: bytes):
+        """Start one READ of remote (addr, len) ranges into local ones; returns its handle."""
+        with self._lock, _as_connection_error(peer):
+            local_d = self.agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
+            remote_d = self.agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+            handle = self.agent.initialize_xfer("READ", local_d, remote_d, peer, notification)
+            if self.agent.transfer(handle) == "ERR":
+                self.agent.release_xfer_handle(handle)
+                raise ConnectionError(f"NIXL READ from {peer} could not start")
+            return handle
+
+    def state(self, handle) -> str:
+        """"PROC", "DONE" or "ERR"."""
+        with self._lock:
+            try:
+                return self.agent.check_xfer_state(handle)
+            except Exception:  # noqa: BLE001 - NIXL raises its own error types on a dead peer
+                return "ERR"
+
+    def release(self, handle) -> None:
+        with self._lock:
+            self.agent.release_xfer_handle(handle)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        with self._lock, _as_connection_error(peer):
+            self.agent.send_notif(peer, message)
+
+    def notifications(self) -> list[bytes]:
+        with self._lock:
+            return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+
+    def close(self) -> None:
+        with self._lock:
+            try:
+                self.agent.deregister_memory(self._reg)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+
+class LeaseTable:
+    """Prefill side: room -> lease end (wall clock), fed by the decode's notifications."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._until: dict[int, float] = {}
+        self._done: set[int] = set()
+        self._started: set[int] = set()
+        self._early: dict[int, list[bytes]] = defaultdict(list)  # before the room is leased
+        self._lock = threading.Lock()
+
+    def lease(self, room: int) -> float:
+        with self._lock:
+            until = time.time() + self.lease_s
+            self._until[room] = until
+            for kind in self._early.pop(room, ()):
+                self._apply(room, kind)
+            return self._until[room]
+
+    def feed(self, messages: list[bytes]) -> None:
+        with self._lock:
+            for message in messages:
+                kind, _, room_b = message.partition(b":")
+                try:
+                    room = int(room_b)
+                except ValueError:
+                    continue
+                if room in self._until:
+                    self._apply(room, kind)
+                elif kind in (b"START", b"DONE") or len(self._early) < 100_000:
+                    self._early[room].append(kind)
+
+    def _apply(self, room: int, kind: bytes) -> None:
+        now = time.time()
+        if kind == b"HB":
+            self._until[room] = max(self._until[room], now + self.lease_s)
+        elif kind == b"START":
+            self._started.add(room)
+            self._until[room] = max(self._until[room], now + MAX_READ_S)
+        elif kind == b"DONE":
+            self._done.add(room)
+
+    def until(self, room: int) -> float:
+        with self._lock:
+            return self._until.get(room, 0.0)
+
+    def status(self, room: int) -> str:
+        """"done" (the decode read it all), "expired" or "held"."""
+        with self._lock:
+            if room in self._done:
+                return "done"
+            return "expired" if time.time() >= self._until.get(room, 0.0) else "held"
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._until.pop(room, None)
+            self._done.discard(room)
+            self._started.discard(room)
+            self._early.pop(room, None)

@@ -1,0 +1,211 @@
+"""pd-plugins' SGLang backends (`pd-shm`, `pd-nixl`) with the real SGLang package (0.5.23, in
+.venv-sglang).
+
+Each engine role is its own process (tests/sglang/sglang_roles.py) that uses SGLang's plugin
+loader, argument parser, `get_kv_class` and KV lifecycle; real bytes move through a real
+shared-memory pool or over real NIXL (UCX on loopback) and are checked page by page with SHA-256
+digests. SGLang's engine itself
+does not run on a CPU machine, so nothing here schedules a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from pd_plugins.testing.processes import free_port
+from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
+from pd_plugins.transfer.shm_pool import remove_pool
+
+pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
+                                reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
+
+KV_POLL_FAILED, KV_POLL_SUCCESS = 0, 4
+PAGE_SIZE = 4  # tokens per page in sglang_roles.py
+
+
+@pytest.fixture
+def pool_env(tmp_path):
+    path = f"/dev/shm/pd-test-sglang-{os.getpid()}-{tmp_path.name}"
+    env = {**os.environ, "PD_SHM_POOL": path, "PD_SHM_POOL_GB": "0.05", "PD_SHM_HOLD_S": "30",
+           "SGLANG_PLUGINS": "pd_plugins", "PYTHONWARNINGS": "ignore", "UCX_NET_DEVICES": "lo",
+           # pd-nixl: a slow test host can take many seconds to start a decode process
+           "PD_NIXL_LEASE_S": "120"}
+    yield env
+    remove_pool(path)
+
+
+class Role:
+    """One sglang_roles.py process; its JSON events read line by line."""
+
+    def __init__(self, env: dict, role: str, spec: dict | None = None) -> None:
+        args = [str(SGLANG_PYTHON), "-m", "tests.sglang.sglang_roles", role]
+        if spec is not None:
+            args.append(json.dumps(spec))
+        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    def next_event(self, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith("{"):
+                return json.loads(line)
+            if not line and self.proc.poll() is not None:
+                break
+        self.stop()
+        raise AssertionError(f"no event from {self.proc.args[3]}; stderr:\n"
+                             f"{self.proc.stderr.read()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def roles():
+    started: list[Role] = []
+
+    def start(env, role, spec=None) -> Role:
+        started.append(Role(env, role, spec))
+        return started[-1]
+
+    yield start
+    for role in started:
+        role.stop()
+
+
+BACKENDS = ["pd-shm", "pd-nixl"]
+PAGE_BYTES = 2 * 2 * 256  # 2 layers x (K, V) x 256-byte items
+
+
+def test_sglang_accepts_and_resolves_the_backends(pool_env, roles):
+    registration = roles(pool_env, "registration")
+    for backend, prefix in (("pd-shm", "PdShm"), ("pd-nixl", "PdNixl")):
+        got = registration.next_event()
+        assert got["backend"] == backend  # SGLang's own parser took the name
+        assert got["classes"] == {"kvargs": "KVArgs", "manager": f"{prefix}KVManager",
+                                  "sender": f"{prefix}KVSender",
+                                  "receiver": f"{prefix}KVReceiver",
+                                  "bootstrap_server": "RegistryBootstrapServer"}
+        assert got["schedulers"] == {"prefill": f"{prefix}KVSender", "decode": f"{prefix}KVSender"}
+        assert got["nixl_manager"] == "NixlKVManager"  # SGLang's own backends untouched
+
+
+def start_prefill(roles, env, backend, rooms, **spec):
+    """A prefill process that has published `rooms`: (its Role, its bootstrap port, room ->
+    the published event with the pages' digests)."""
+    port = free_port()
+    prefill = roles(env, "prefill", {"bootstrap_port": port, "backend": backend,
+                                     "then_sleep_s": 120, "rooms": rooms, **spec})
+    assert prefill.next_event()["event"] == "ready"
+    published = {e["room"]: e for e in (prefill.next_event() for _ in rooms)}
+    return prefill, port, published
+
+
+def receive(roles, env, backend, port, room, dest, aux_index, **spec) -> dict:
+    decode = roles(env, "decode", {"bootstrap_port": port, "backend": backend, "room": room,
+                                   "dest": dest, "aux_index": aux_index, **spec})
+    got = decode.next_event()
+    return decode.next_event() if got["event"] == "bootstrapped" else got
+
+
+def sent_events(prefill, count: int) -> dict:
+    return {e["room"]: e for e in (prefill.next_event() for _ in range(count))}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_kv_moves_between_two_processes(backend, pool_env, roles):
+    pages, rooms = [3, 4, 5, 9, 10, 11], [(1 << 62) + 17, 424242]
+    prefill, port, published = start_prefill(roles, pool_env, backend, [
+        {"room": rooms[0], "pages": pages, "chunks": 3, "aux_index": 2},
+        # its own pages: a pull prefill keeps room 0's pages until they are read
+        {"room": rooms[1], "pages": [20, 21], "chunks": 1, "aux_index": 3}])
+
+    # the whole room into other pages; then the second room after a cached first page
+    got = receive(roles, pool_env, backend, port, rooms[0], [40, 41, 42, 50, 51, 52], 7)
+    assert got["state"] == KV_POLL_SUCCESS, got
+    assert got["kv"] == published[rooms[0]]["kv"] and got["aux"] == published[rooms[0]]["aux"]
+    if backend == "pd-shm":  # 6 pages + manifest: hold ended, data kept; the other room held
+        assert (got["pool_after"]["ready"], got["pool_after"]["held"]) == (7 + 3, 3)
+    got = receive(roles, pool_env, backend, port, rooms[1], [60], 0, prefix_len=PAGE_SIZE)
+    assert got["state"] == KV_POLL_SUCCESS, got
+    assert got["kv"] == published[rooms[1]]["kv"][1:] and got["aux"] == published[rooms[1]]["aux"]
+
+    sent = sent_events(prefill, 2)  # pull: only once the decodes' reads are done
+    assert [sent[r]["state"] for r in rooms] == [KV_POLL_SUCCESS] * 2, sent
+    assert sent[rooms[0]]["metric"]["transfer_total_bytes"] == len(pages) * PAGE_BYTES
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_swap_a_room_is_its_own_kv(backend, pool_env, roles):
+    """Two rooms' KV differ; each decode gets exactly its own room's pages."""
+    _, port, published = start_prefill(roles, pool_env, backend, [
+        {"room": 5, "pages": [1, 2], "aux_index": 1}, {"room": 6, "pages": [3, 4], "aux_index": 2}])
+    assert published[5]["kv"] != published[6]["kv"]
+    for room in (6, 5):
+        got = receive(roles, pool_env, backend, port, room, [8, 9], 2)
+        assert (got["kv"], got["aux"]) == (published[room]["kv"], published[room]["aux"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_kv_in_time_fails_with_a_timeout(backend, pool_env, roles):
+    _, port, _ = start_prefill(roles, pool_env, backend, [])
+    start = time.monotonic()
+    got = receive(roles, {**pool_env, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "2"}, backend,
+                  port, 99, [1], 0)
+    assert got["state"] == KV_POLL_FAILED
+    assert got["failure"].startswith("TimeoutError: room 99: no KV from the prefill")
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dead_prefill_fails_the_decode(backend, pool_env, roles):
+    prefill, port, _ = start_prefill(roles, pool_env, backend, [])
+    decode = roles({**pool_env, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.3"}, "decode",
+                   {"bootstrap_port": port, "backend": backend, "room": 100, "dest": [1],
+                    "aux_index": 0})
+    assert decode.next_event()["event"] == "bootstrapped"
+    prefill.stop()  # SIGKILL: its bootstrap registry goes with it
+    got = decode.next_event()
+    assert got["state"] == KV_POLL_FAILED
+    # the registry's heartbeat, or (pd-nixl) NIXL's own view of the peer
+    assert got["failure"].startswith("ConnectionError")
+    assert "is gone" in got["failure"] or "Disconnect" in got["failure"], got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_abort_ends_in_failed(backend, pool_env, roles):
+    prefill, port, _ = start_prefill(roles, pool_env, backend,
+                                     [{"room": 3, "pages": [1], "aux_index": 0, "abort": True}])
+    sent = prefill.next_event()
+    assert sent["state"] == KV_POLL_FAILED and "aborted" in sent["failure"]
+    got = receive(roles, pool_env, backend, port, 3, [1], 0, abort=True)
+    assert got["state"] == KV_POLL_FAILED and "aborted" in got["failure"]
+
+
+def test_an_expired_lease_fails_both_sides(pool_env, roles):
+    """pd-nixl: a room nobody read within its lease is freed, the prefill says why, and a decode
+    that comes later fails at once instead of reading freed pages."""
+    prefill, port, _ = start_prefill(roles, {**pool_env, "PD_NIXL_LEASE_S": "2"}, "pd-nixl",
+                                     [{"room": 12, "pages": [1, 2], "aux_index": 0}])
+    sent = prefill.next_event()
+    assert sent["state"] == KV_POLL_FAILED and "within the lease" in sent["failure"]
+    got = receive(roles, pool_env, "pd-nixl", port, 12, [5, 6], 1)
+    assert got["state"] == KV_POLL_FAILED and "lease ran out" in got["failure"], got
+
+
+def test_mismatched_backends_and_no_registry_fail_clearly(pool_env, roles):
+    _, port, _ = start_prefill(roles, pool_env, "pd-shm", [])
+    got = receive(roles, pool_env, "pd-nixl", port, 1, [1], 0)
+    assert got["state"] == KV_POLL_FAILED and "runs transfer backend 'pd-shm'" in got["failure"]
+    got = receive(roles, {**pool_env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}, "pd-shm",
+                  free_port(), 1, [1], 0, bootstrap_s=30)
+    assert got["state"] == KV_POLL_FAILED
+    assert "bootstrap timed out" in got["failure"] and "unreachable" in got["failure"]
