@@ -135,16 +135,17 @@ def _call(method: str, url: str, body: bytes | None, timeout_s: float) -> tuple[
         raise RegistryUnreachable(f"bootstrap registry {url} unreachable: {exc}") from exc
 
 
-def register(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> None:
-    status, body = _call("PUT", f"http://{addr}/ranks/{key}", json.dumps(record).encode(),
+def _put(addr: str, table: str, key: str, record: dict, timeout_s: float) -> None:
+    status, body = _call("PUT", f"http://{addr}/{table}/{key}", json.dumps(record).encode(),
                          timeout_s)
     if status != 200:
-        raise RuntimeError(f"bootstrap registry {addr} refused rank {key}: {status} {body[:200]!r}")
+        raise RuntimeError(f"bootstrap registry {addr} refused {table}/{key}: {status} "
+                           f"{body[:200]!r}")
 
 
-def lookup(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
-    """The rank's record; None if it has not registered (yet)."""
-    status, body = _call("GET", f"http://{addr}/ranks/{key}", None, timeout_s)
+def _get(addr: str, table: str, key: str, timeout_s: float) -> dict | None:
+    """The record; None if there is none (yet)."""
+    status, body = _call("GET", f"http://{addr}/{table}/{key}", None, timeout_s)
     if status == 404:
         return None
     if status != 200:
@@ -152,20 +153,24 @@ def lookup(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
     return json.loads(body)
 
 
+def register(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> None:
+    _put(addr, "ranks", key, record, timeout_s)
+
+
+def lookup(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
+    return _get(addr, "ranks", key, timeout_s)
+
+
 def room_key(room: int, rank: str) -> str:
     return f"{int(room)}.{rank}"
 
 
 def put_room(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> None:
-    status, body = _call("PUT", f"http://{addr}/rooms/{key}", json.dumps(record).encode(),
-                         timeout_s)
-    if status != 200:
-        raise RuntimeError(f"bootstrap registry {addr} refused room {key}: {status} {body[:200]!r}")
+    _put(addr, "rooms", key, record, timeout_s)
 
 
 def get_room(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
-    status, body = _call("GET", f"http://{addr}/rooms/{key}", None, timeout_s)
-    return json.loads(body) if status == 200 else None
+    return _get(addr, "rooms", key, timeout_s)
 
 
 def drop_room(addr: str, key: str, timeout_s: float = 5.0) -> None:

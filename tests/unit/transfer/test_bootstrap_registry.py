@@ -21,11 +21,22 @@ def test_register_and_look_up(registry):
     assert br.lookup(registry, "0.1") == {"pool_id": "abc", "scope": "s"}
 
 
+def test_rooms_come_and_go(registry):
+    key = br.room_key(2**62 + 5, br.rank_key(0, 0))
+    assert br.get_room(registry, key) is None
+    br.put_room(registry, key, {"pages": [1, 2]})
+    assert br.get_room(registry, key) == {"pages": [1, 2]}
+    br.drop_room(registry, key)
+    assert br.get_room(registry, key) is None
+
+
 @pytest.mark.parametrize("path,body,status", [
     ("/ranks/0.0", b"[1, 2]", 400),          # not an object
     ("/ranks/0.0", b"{not json", 400),
     ("/ranks/x.y", b"{}", 404),               # not a rank key
     ("/ranks/0.0", b"", 400),                 # empty
+    ("/rooms/0.0", b"{}", 404),               # a room key has three parts
+    ("/ranks/5.0.0", b"{}", 404),             # a rank key has two
 ])
 def test_bad_records_get_a_4xx(registry, path, body, status):
     request = urllib.request.Request(f"http://{registry}{path}", data=body, method="PUT")
