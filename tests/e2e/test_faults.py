@@ -59,6 +59,10 @@ def test_dead_decode_releases_prefill_blocks_after_lease(pool, references):
     pd = pool.get(RECOMPUTE)
     params = pd.prefill_only(completion_body(PROMPTS[150]))
     assert len(params["remote_block_ids"][0]) == 5  # 150 tokens, blocks of 32: held for decode
+    # vLLM updates the gauge after its step: give it a moment (a CI run read 0.0 at once)
+    deadline = time.monotonic() + 10
+    while kv_usage(pd.prefill) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert kv_usage(pd.prefill) > 0
     pd.decode.kill()  # the decode dies before it reads
     try:
