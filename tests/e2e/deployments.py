@@ -227,9 +227,13 @@ class PdDeployment:
             configs[role] = kv
         prefill_server = VllmServer("prefill", model, "0", configs["prefill"], args)
         decode_server = VllmServer("decode", model, "1", configs["decode"], args)
-        start_all([prefill_server, decode_server])
         deployment = cls(config, prefill_server, decode_server)
-        deployment.warm_up()
+        try:
+            start_all([prefill_server, decode_server])
+            deployment.warm_up()
+        except BaseException:  # a pair that failed to come up must not outlive the test run
+            deployment.stop()  # (a CI run once left two busy vLLM servers behind)
+            raise
         return deployment
 
     def warm_up(self, attempts: int = 3) -> None:
