@@ -15,8 +15,10 @@ def references():
     return refs
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool():
+    """Package scope: the last pair is stopped when tests/e2e ends, not kept (two idle vLLM servers,
+    ~6 GiB) through the router, SGLang and unit tests that follow."""
     deployments = DeploymentPool()
     yield deployments
     deployments.close()
