@@ -37,7 +37,7 @@ each.
 Then a short diagnostics pass times what the pool does besides copying: the per-call cost of
 `write`, `read`, `write_many` and `read_many` on a batch of tiny blocks, `checksum`, `np.copyto` and
 a `flock` pair; the speed of the sum on a chunk just copied (as `read_many` takes it); the locked
-calls per key on full pools of 64 to 65536 slots, next to the `np.isin` scan of a key column that
+calls per key on full pools of 64 to 65536 slots, next to the sorted search of a key column that
 long; and copies out of the shared mapping (and out of private memory) in pieces of 64 KiB to
 4 MiB, with and without a sum after each piece: what `CHECKSUM_CHUNK_BYTES` is chosen by.
 
@@ -76,7 +76,9 @@ from pd_plugins.transfer.shm_pool import (
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
-BATCH = 32                      # blocks per reserve/publish/pin/unpin call
+# Blocks per reserve/publish/pin/unpin call: one request's blocks, as PdShmConnector calls the
+# pool (a 2048-token prefill chunk at vLLM's default block size of 16 tokens).
+BATCH = 128
 TARGET, TARGET_FROM = 0.9, 64 * KiB
 CASES = {  # name -> label; memcpy first: the baseline
     "memcpy": "memcpy (np.copyto)",
@@ -177,12 +179,12 @@ def write_pass(pool: ShmKVPool, keys: list[bytes], src: np.ndarray) -> float:
         t0 = perf()
         refs = pool.reserve(keys[lo:hi])
         t1 = perf()
-        require(None not in refs, "reserve returned None: the pool is too small for a repetition")
+        require(bool((refs.slots >= 0).all()), "reserve found no slot: the pool is too small")
         sums = pool.write_many(refs, src[lo:hi])
         t2 = perf()
-        published = pool.publish([(ref, chk, src.shape[1]) for ref, chk in zip(refs, sums)])
+        published = pool.publish_many(refs, sums, src.shape[1])
         locked += (t1 - t0) + (perf() - t2)
-        require(all(published), "publish failed")
+        require(bool(published.all()), "publish failed")
     return locked
 
 
@@ -193,7 +195,7 @@ def read_pass(pool: ShmKVPool, keys: list[bytes], dst: np.ndarray) -> float:
         t0 = perf()
         pins = pool.pin(keys[lo:hi])
         locked += perf() - t0
-        require(None not in pins, "a published block is missing from the pool")
+        require(bool((pins.slots >= 0).all()), "a published block is missing from the pool")
         require(all(pool.read_many(pins, dst[lo:hi])), "bad checksum in a slot")
         t0 = perf()
         intact = pool.unpin(pins)
@@ -380,7 +382,7 @@ def call_overheads(stack: contextlib.ExitStack) -> dict:
         to_write, to_read = refs[:BATCH], refs[BATCH:]
         rows, dst = np.ones((BATCH, 64), dtype=np.uint8), np.empty((BATCH, 64), dtype=np.uint8)
         sums = pool.write_many(to_read, rows)
-        require(all(pool.publish([(r, s, 64) for r, s in zip(to_read, sums)])), "publish failed")
+        require(bool(pool.publish_many(to_read, sums, 64).all()), "publish failed")
         pinned = pool.pin(keys[BATCH:])
         require(all(pool.read_many(pinned, dst)), "bad checksum")
         out[f"ShmKVPool.write_many{suffix}"] = per_call_us(lambda: pool.write_many(to_write, rows),
@@ -457,15 +459,15 @@ def fill(pool: ShmKVPool, tag: str, chunk: int = 4096) -> None:
     """Publish a block in every slot (a pool in service is full), in large calls to be quick."""
     for lo in range(0, pool.num_slots, chunk):
         refs = pool.reserve(make_keys(f"{tag}:{lo}", min(chunk, pool.num_slots - lo)))
-        require(None not in refs, "cannot fill the pool")
-        pool.publish([(ref, 0, 64) for ref in refs])
+        require(bool((refs.slots >= 0).all()), "cannot fill the pool")
+        pool.publish_many(refs, np.zeros(len(refs), dtype=np.uint64), 64)
 
 
 def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(64, 1024, 8192, 65536),
                     rounds: int = 15) -> dict:
     """Microseconds per key in the locked header calls of a full pool, against its slot count:
     reserve + publish of a batch of new keys (evicting), then pin + unpin of that batch. Beside
-    them, per batch: `np.isin` of a key64-like column of that many slots against a batch's keys
+    them, per batch: the search of a key64-like column of that many slots for a batch's keys
     (the scan in `_find_many`), and one `==` compare of that column against one key."""
     out = {}
     rng = np.random.default_rng(2)
@@ -477,17 +479,18 @@ def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(64, 1024, 8192, 65
             keys = make_keys(f"diag-lock:{slots}:{r}", BATCH)
             start = perf()
             refs = pool.reserve(keys)
-            pool.publish([(ref, 0, 64) for ref in refs])
+            pool.publish_many(refs, np.zeros(len(refs), dtype=np.uint64), 64)
             mid = perf()
             pool.unpin(pool.pin(keys))
             write.append((mid - start) / BATCH)
             read.append((perf() - mid) / BATCH)
-        column = rng.integers(0, 2**63, slots, dtype=np.uint64)
-        wanted = column[rng.choice(slots, BATCH, replace=False)]
+        column = rng.integers(0, 2**63, slots, dtype=np.int64)
+        wanted = np.sort(column[rng.choice(slots, BATCH, replace=False)])
         calls = max(5, 20000 // slots)
         out[slots] = {"reserve+publish": statistics.median(write) * 1e6,
                       "pin+unpin": statistics.median(read) * 1e6,
-                      "isin_batch": per_call_us(lambda: np.isin(column, wanted), calls=calls),
+                      "search_batch": per_call_us(lambda: np.searchsorted(wanted, column),
+                                                  calls=calls),
                       "compare_one": per_call_us(lambda: column == wanted[0], calls=calls)}
     return out
 
@@ -654,8 +657,7 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
     tiny_n, few_n, many_n = counts[0], counts[1], counts[-1]
     per_key = {n: locks[n]["reserve+publish"] + locks[n]["pin+unpin"] for n in counts}
     per_slot_ns = (per_key[many_n] - per_key[few_n]) * BATCH / (int(many_n) - int(few_n)) * 1e3
-    isin, compare = locks[many_n]["isin_batch"], locks[many_n]["compare_one"]
-    loops = BATCH < 10 * int(many_n) ** 0.145  # numpy's isin: one compare per value below that
+    search, compare = locks[many_n]["search_batch"], locks[many_n]["compare_one"]
     slots = [meta["total_bytes"] // b for b in sizes]
 
     # pieces out of the shared mapping
@@ -688,22 +690,22 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         f"{per_batch_largest} blocks. The two together predict the no-checksum ratios to within "
         f"{worst(('write_plain', 'read_plain')):.2f} at every size (predicted/measured, write: "
         f"{predicted('write_plain')}; read: {predicted('read_plain')}).",
-        "- The header work is vectorised per batch: `_find_many` scans the `key64` and `state` "
-        "columns with one `np.isin` each for all keys of a call, header fields are written with "
-        "fancy indexing, and a reserve takes free slots first, in slot order, so a batch lands "
-        "in consecutive slots and copies as one run. Its cost is still large and mostly fixed "
-        f"per batch: on a full pool (every reserve evicts) of {tiny_n} slots, reserve + publish "
+        "- The header work is vectorised per batch: a call's keys are one array, `_find_many` "
+        "searches the `key64` column for all of them at once (`np.searchsorted` of the column "
+        "in the batch's sorted keys), header fields are read and written with fancy indexing, "
+        "reserve and pin hand back arrays (`SlotRefs`, `PinnedSlots`) that `write_many`, "
+        "`publish_many`, `read_many` and `unpin` take as they are, and a reserve takes free "
+        "slots first, in slot order, so a batch lands in consecutive slots and copies as one "
+        f"run. On a full pool (every reserve evicts) of {tiny_n} slots, reserve + publish "
         f"take {locks[tiny_n]['reserve+publish']:.1f} µs per key and pin + unpin "
         f"{locks[tiny_n]['pin+unpin']:.1f} µs, {per_key[tiny_n] * BATCH:.0f} µs for the four "
         f"calls of a batch of {BATCH} with next to nothing to scan: numpy's per-call overhead "
-        "over the header operations. With more slots the scans add about "
-        f"{per_slot_ns:.0f} ns per slot to each batch: the four calls take "
-        + ", ".join(f"{per_key[n]:.1f}" for n in counts[1:])
-        + f" µs per key with {', '.join(counts[1:])} slots. One scan is not one pass over the "
-        f"column: `np.isin` of a {many_n}-slot key column against a batch's {BATCH} keys took "
-        f"{isin:.0f} µs, {isin / compare:.0f}× one `==` compare of that column ({compare:.1f} µs)"
-        + (f", since numpy compares the column once per value when given fewer than "
-           f"10·n^0.145 of them ({10 * int(many_n) ** 0.145:.0f} at {many_n} slots)" if loops else "")
+        "over the header operations, fixed per batch. With more slots the scans add about "
+        f"{per_slot_ns:.1f} ns per slot to each batch: the four calls take "
+        + ", ".join(f"{per_key[n]:.2f}" for n in counts[1:])
+        + f" µs per key with {', '.join(counts[1:])} slots. The search of a {many_n}-slot key "
+        f"column for a batch's {BATCH} keys took {search:.0f} µs, "
+        f"{search / compare:.1f}× one `==` compare of that column ({compare:.1f} µs)"
         + f". The `flock` lock + unlock pair is {calls['flock pair']:.1f} µs, two per batch. "
         f"The pools above have {min(slots)}–{max(slots)} slots; a pool of many GiB of small "
         "blocks pays its scans on every batch.",

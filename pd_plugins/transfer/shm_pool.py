@@ -25,7 +25,10 @@ Who may touch a slot, and when:
 - Checksums (a 64-bit sum of the slot's words, taken by the writer from its source data) let a
   reader check the bytes themselves: what keeps the pool correct on memory that is not cache
   coherent across hosts, where a generation check alone cannot see stale lines. They cost a
-  second pass over the data (~20% of a copy's time); a pool is created with or without them.
+  second pass over the data (12-15% of a write's time); a pool is created with or without them
+  (the connectors' default, `checksums=None`: with them on a DAX device, without on a file).
+- Header work is batched: a call handles a request's blocks as arrays (`SlotRefs`, `PinnedSlots`),
+  so its cost is a few dozen numpy calls per request, not per block.
 
 Engine-agnostic: numpy and the standard library only.
 """
@@ -39,11 +42,12 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 MAGIC = b"PDSHMPL1"
+FORMAT_VERSION = 2            # 2: header columns start on cache-line boundaries
 SUPERBLOCK_BYTES = 4096
 LAYOUT_BYTES = 2048           # the engine's KV layout description, checked on every open
 SLOT_ALIGN = 64               # slot size granularity (a cache line; checksums read u64 words)
@@ -99,18 +103,41 @@ def row_checksums(rows: np.ndarray) -> np.ndarray:
     return np.add.reduce(np.ascontiguousarray(rows).view(np.uint64), axis=1, dtype=np.uint64)
 
 
+def checksums_by_default(path: str) -> bool:
+    """Checksums where memory may not be coherent: on for a DAX device (CXL memory shared by
+    hosts), off for a file (one host, where the generation check alone is exact)."""
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads any key bits
+
+
+def _bucket(k64: np.ndarray, bits: int) -> np.ndarray:
+    """A bucket of 2**bits for each key64 (multiplicative hashing; products wrap mod 2**64)."""
+    return (k64 * _FIBONACCI >> np.uint64(64 - bits)).astype(np.intp)
+
+
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
+def _column_bytes(dt: str, width: int, num_slots: int) -> int:
+    """A column's size, padded so the next one starts on a cache line (aligned columns keep
+    numpy on its fast paths: an unaligned u8 column searched ~4x slower)."""
+    return _round_up(np.dtype(dt).itemsize * width * num_slots, SLOT_ALIGN)
+
+
 def _headers_bytes(num_slots: int) -> int:
-    return sum(np.dtype(dt).itemsize * width * num_slots for _, dt, width in _COLUMNS)
+    return sum(_column_bytes(dt, width, num_slots) for _, dt, width in _COLUMNS)
 
 
 def pool_geometry(region_bytes: int, slot_bytes: int) -> tuple[int, int, int]:
     """(slot size rounded up, number of slots, data offset) that fit in a region."""
     slot_bytes = _round_up(slot_bytes, SLOT_ALIGN)
-    per_slot = slot_bytes + _headers_bytes(1)
+    per_slot = slot_bytes + sum(np.dtype(dt).itemsize * width for _, dt, width in _COLUMNS)
     num_slots = max(0, (region_bytes - SUPERBLOCK_BYTES - PAGE) // per_slot)
     data_offset = _round_up(SUPERBLOCK_BYTES + _headers_bytes(num_slots), PAGE)
     while num_slots and data_offset + num_slots * slot_bytes > region_bytes:
@@ -119,20 +146,112 @@ def pool_geometry(region_bytes: int, slot_bytes: int) -> tuple[int, int, int]:
     return slot_bytes, num_slots, data_offset
 
 
-@dataclass(frozen=True)
-class SlotRef:
+class SlotRef(NamedTuple):  # a NamedTuple: batches build thousands of these per call
     """A slot at one generation: what a reservation, a lookup or a pin refers to."""
 
     slot: int
     seq: int
 
 
-@dataclass(frozen=True)
-class PinnedSlot:
+class PinnedSlot(NamedTuple):
     slot: int
     seq: int
     checksum: int
     nbytes: int
+
+
+class SlotRefs(Sequence):
+    """One call's slots as arrays (slot -1: none for that key), which the batched calls use as
+    they are: no Python object per block on the hot path. Indexing gives a SlotRef or None."""
+
+    __slots__ = ("slots", "seqs")
+
+    def __init__(self, slots: np.ndarray, seqs: np.ndarray) -> None:
+        self.slots, self.seqs = slots, seqs
+
+    @classmethod
+    def of(cls, refs: Iterable[SlotRef | None]) -> SlotRefs:
+        if isinstance(refs, SlotRefs):
+            return refs
+        pairs = [(-1, 0) if r is None else (r.slot, r.seq) for r in refs]
+        return cls(np.array([p[0] for p in pairs], dtype=np.int64),
+                   np.array([p[1] for p in pairs], dtype=np.uint64))
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return SlotRefs(self.slots[i], self.seqs[i])
+        slot = int(self.slots[i])
+        return SlotRef(slot, int(self.seqs[i])) if slot >= 0 else None
+
+    def __iter__(self):
+        return iter([SlotRef(s, q) if s >= 0 else None
+                     for s, q in zip(self.slots.tolist(), self.seqs.tolist())])
+
+    def __eq__(self, other) -> bool:  # compares as the list of its items
+        return isinstance(other, (list, tuple, SlotRefs, PinnedSlots)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r})"
+
+    def present(self) -> SlotRefs:
+        """Only the keys that have a slot."""
+        keep = self.slots >= 0
+        return SlotRefs(self.slots[keep], self.seqs[keep])
+
+
+class PinnedSlots(Sequence):
+    """One pin call's result as arrays (slot -1: not published); indexing gives a PinnedSlot or
+    None. `read_many` and `unpin` take it as it is."""
+
+    __slots__ = ("slots", "seqs", "checksums", "nbytes")
+
+    def __init__(self, slots: np.ndarray, seqs: np.ndarray, checksums: np.ndarray,
+                 nbytes: np.ndarray) -> None:
+        self.slots, self.seqs, self.checksums, self.nbytes = slots, seqs, checksums, nbytes
+
+    @classmethod
+    def of(cls, pinned: Iterable[PinnedSlot | None]) -> PinnedSlots:
+        if isinstance(pinned, PinnedSlots):
+            return pinned
+        rows = [(-1, 0, 0, 0) if p is None else tuple(p) for p in pinned]
+        return cls(*(np.array([r[k] for r in rows], dtype=dt) for k, dt in
+                     enumerate((np.int64, np.uint64, np.uint64, np.uint64))))
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def _take(self, index) -> PinnedSlots:
+        return PinnedSlots(self.slots[index], self.seqs[index], self.checksums[index],
+                           self.nbytes[index])
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self._take(i)
+        slot = int(self.slots[i])
+        return (PinnedSlot(slot, int(self.seqs[i]), int(self.checksums[i]), int(self.nbytes[i]))
+                if slot >= 0 else None)
+
+    def __iter__(self):
+        return iter([PinnedSlot(*row) if row[0] >= 0 else None for row in zip(
+            self.slots.tolist(), self.seqs.tolist(), self.checksums.tolist(),
+            self.nbytes.tolist())])
+
+    def __eq__(self, other) -> bool:  # compares as the list of its items
+        return isinstance(other, (list, tuple, SlotRefs, PinnedSlots)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r})"
+
+    def present(self) -> PinnedSlots:
+        """Only the keys that were pinned."""
+        return self._take(self.slots >= 0)
 
 
 @dataclass
@@ -150,15 +269,16 @@ class ShmKVPool:
 
     def __init__(self, path: str, *, slot_bytes: int | None, layout: str | None,
                  size_bytes: int | None = None, create: bool = True,
-                 prefault: bool = True, checksums: bool = True) -> None:
+                 prefault: bool = True, checksums: bool | None = True) -> None:
         """Map the pool at `path`, creating it if it does not exist (and `create`).
 
         `slot_bytes` and `layout` (a description of the engine's KV block: model, dtype, shapes)
         must match what the pool was created with: a pool serves one KV layout. Both None
         attaches to an existing pool whatever its layout (`attach`).
         `size_bytes` is the region size to create (a DAX device has its own size).
-        `checksums` is the pool's setting when this call creates it; an existing pool keeps its
-        own (`self.checksums`): every writer and reader of a pool must agree.
+        `checksums` is the pool's setting when this call creates it (None: `checksums_by_default`
+        for the path); an existing pool keeps its own (`self.checksums`): every writer and reader
+        of a pool must agree.
         """
         if (slot_bytes is None) != (layout is None) or (layout is None and create):
             raise ValueError("give slot_bytes and layout, or neither with create=False")
@@ -172,6 +292,8 @@ class ShmKVPool:
             self._fd = os.open(path, flags, 0o600)
         except OSError as exc:
             raise PoolError(f"cannot open KV pool {path}: {exc}") from exc
+        if checksums is None:
+            checksums = checksums_by_default(path)
         try:
             with self._file_lock():
                 self._map(size_bytes, slot_bytes, layout_b, create, checksums)
@@ -206,10 +328,16 @@ class ShmKVPool:
         self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         sb = np.frombuffer(self._mm, dtype=_SUPER_DTYPE, count=1)[0:1]
         self._super = sb
+        # next_seq as a plain one-element view: a structured array's field costs ~5 us a touch
+        self._next_seq = np.frombuffer(self._mm, dtype=np.uint64, count=1,
+                                       offset=_SUPER_DTYPE.fields["next_seq"][1])
         if sb["magic"][0] != MAGIC:
             if not create:
                 raise PoolError(f"{self.path} is not a pd-plugins KV pool")
             self._format(size, slot_bytes, layout, checksums)
+        if int(sb["version"][0]) != FORMAT_VERSION:
+            raise PoolError(f"KV pool {self.path} has format {int(sb['version'][0])}, this "
+                            f"pd-plugins uses {FORMAT_VERSION}: remove it (or give another path)")
         if layout is None:  # attach
             slot_bytes, layout = int(sb["slot_bytes"][0]), bytes(sb["layout"][0])
         want_slot = _round_up(slot_bytes, SLOT_ALIGN)
@@ -232,7 +360,7 @@ class ShmKVPool:
             count = self.num_slots * width
             col = np.frombuffer(self._mm, dtype=dt, count=count, offset=offset)
             self._cols[name] = col.reshape(self.num_slots, width) if width > 1 else col
-            offset += col.nbytes
+            offset += _column_bytes(dt, width, self.num_slots)
         data_offset = int(sb["data_offset"][0])
         self.data = np.frombuffer(self._mm, dtype=np.uint8, count=self.num_slots * self.slot_bytes,
                                   offset=data_offset).reshape(self.num_slots, self.slot_bytes)
@@ -242,7 +370,7 @@ class ShmKVPool:
         self._mm[:data_offset] = bytes(data_offset)
         sb = self._super
         sb["slot_bytes"], sb["num_slots"], sb["data_offset"] = slot_bytes, num_slots, data_offset
-        sb["version"], sb["next_seq"], sb["created"] = 1, 1, time.time()
+        sb["version"], sb["next_seq"], sb["created"] = FORMAT_VERSION, 1, time.time()
         sb["flags"] = FLAG_CHECKSUMS if checksums else 0
         sb["layout"] = layout
         sb["uuid"] = np.frombuffer(os.urandom(16), dtype="V16")[0]
@@ -260,7 +388,7 @@ class ShmKVPool:
         cols = getattr(self, "_cols", None)
         if cols is None:
             return
-        self._cols, self.data, self._super = None, None, None  # drop views before unmapping
+        self._cols, self.data, self._super, self._next_seq = None, None, None, None  # views first
         try:
             self._mm.close()
         except BufferError:
@@ -294,48 +422,68 @@ class ShmKVPool:
         return ShmKVPool._Locked(self)
 
     # -- lookup ----------------------------------------------------------------------------------
-    # Header work is vectorised per batch (one np.isin over the key column for all keys of a
-    # call; fields written with fancy indexing). It still costs ~5-8 us per block (numpy call
-    # overhead, plus scans that grow with the pool): small next to copying a real model's block
-    # of every layer (MiBs), large next to tiny blocks (docs/benchmarks.md, "Shared-memory KV
-    # pool bandwidth"). A hash index in the region would make lookups independent of pool size.
+    # Header work is vectorised per batch: keys become one [n, KEY_BYTES] array, a lookup is one
+    # sorted search of the key64 column against the batch's keys, and every field is read and
+    # written with fancy indexing. What is left per call is a few dozen numpy calls (~50-100 us)
+    # and scans that grow with the pool (~1 ns per slot), which a request's worth of blocks per
+    # call amortises (docs/benchmarks.md, "Shared-memory KV pool bandwidth").
     @staticmethod
-    def _key64(keys: Sequence[bytes]) -> np.ndarray:
-        return np.array([int.from_bytes(k[:8], "little") for k in keys], dtype=np.uint64)
+    def _key_rows(keys: Sequence[bytes]) -> np.ndarray:
+        """Keys as one [n, KEY_BYTES] uint8 array."""
+        joined = b"".join(keys)
+        if len(joined) != KEY_BYTES * len(keys):
+            raise ValueError(f"pool keys are {KEY_BYTES} bytes each")
+        return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), KEY_BYTES)
 
-    def _find_many(self, keys: Sequence[bytes], states: tuple[int, ...] = (READY,)) -> np.ndarray:
-        """Slot of each key in one of `states`, or -1 (caller holds the lock)."""
+    @staticmethod
+    def _key64(rows: np.ndarray) -> np.ndarray:
+        """The key64 column's value for each key row (its first 8 bytes, little endian)."""
+        return np.ascontiguousarray(rows[:, :8]).view("<u8").reshape(-1).astype(np.uint64)
+
+    def _find_many(self, rows: np.ndarray, states: tuple[int, ...] = (READY,)) -> np.ndarray:
+        """Slot of each key row in one of `states`, or -1 (caller holds the lock). A key held by
+        several slots (a dead writer's and a later one's) resolves to the lowest slot."""
         c = self._cols
-        out = np.full(len(keys), -1, dtype=np.int64)
-        if not keys:
+        out = np.full(len(rows), -1, dtype=np.int64)
+        if not len(rows):
             return out
-        k64 = self._key64(keys)
-        found = np.flatnonzero(np.isin(c["key64"], k64) & np.isin(c["state"], states))
-        by64: dict[int, list[int]] = {}
-        for slot in found.tolist():
-            by64.setdefault(int(c["key64"][slot]), []).append(slot)
-        for i, key in enumerate(keys):
-            for slot in by64.get(int(k64[i]), ()):
-                if c["key"][slot].tobytes() == key:
-                    out[i] = slot
-                    break
+        k64 = self._key64(rows)
+        column = c["key64"]
+        # A filter first: mark the batch's keys' buckets, keep the slots whose key64 falls in a
+        # marked bucket (a gather, no branches; at most ~1 slot in 32 passes falsely), then search
+        # only those. A binary search of the whole column ran ~8x slower: every probe of a
+        # fresh key is a mispredicted branch.
+        bits = max(12, int(32 * len(rows) - 1).bit_length())
+        marks = np.zeros(1 << bits, dtype=bool)
+        marks[_bucket(k64, bits)] = True
+        candidates = np.flatnonzero(marks[_bucket(column, bits)])
+        state = c["state"][candidates]
+        in_states = state == states[0]
+        for other in states[1:]:  # (np.isin costs ~10 us per call on a handful of values)
+            in_states |= state == other
+        candidates = candidates[in_states]
+        if not candidates.size:
+            return out
+        candidates = candidates[np.argsort(column[candidates], kind="stable")]  # then slot order
+        by64 = column[candidates]
+        first = np.minimum(np.searchsorted(by64, k64), candidates.size - 1)
+        slots = candidates[first]
+        hit = (by64[first] == k64) & (c["key"][slots] == rows).all(axis=1)
+        out[hit] = slots[hit]
         return out
 
-    def lookup(self, keys: Sequence[bytes]) -> list[SlotRef | None]:
+    def lookup(self, keys: Sequence[bytes]) -> SlotRefs:
         """Where each key is published now (None: not in the pool). A hint: pin before reading."""
+        rows = self._key_rows(keys)
         with self._file_lock():
-            slots = self._find_many(keys)
-            seqs = self._cols["seq"][np.maximum(slots, 0)]
-        return [None if s < 0 else SlotRef(int(s), int(q)) for s, q in zip(slots, seqs)]
+            slots = self._find_many(rows)
+            seqs = self._cols["seq"][np.maximum(slots, 0)].copy()
+        return SlotRefs(slots, seqs)
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys are published."""
-        n = 0
-        for ref in self.lookup(keys):
-            if ref is None:
-                break
-            n += 1
-        return n
+        missing = np.flatnonzero(self.lookup(keys).slots < 0)
+        return int(missing[0]) if missing.size else len(keys)
 
     def published_content_keys(self) -> np.ndarray:
         """The content keys of every published slot, read without the lock (a routing hint)."""
@@ -360,14 +508,15 @@ class ShmKVPool:
         return np.concatenate([free, np.sort(evictable)])
 
     def reserve(self, keys: Sequence[bytes], content_keys: Sequence[int] | None = None,
-                write_lease_s: float = DEFAULT_WRITE_LEASE_S) -> list[SlotRef | None]:
+                write_lease_s: float = DEFAULT_WRITE_LEASE_S) -> SlotRefs:
         """Reserve one slot per key to write into. None for a key already published or being
         written by a live writer (nothing to do), or when every slot is in use (pool full)."""
-        out: list[SlotRef | None] = [None] * len(keys)
+        out = SlotRefs(np.full(len(keys), -1, dtype=np.int64), np.zeros(len(keys), np.uint64))
+        rows = self._key_rows(keys)
         with self._file_lock():
             c = self._cols
             now = time.time()
-            present = self._find_many(keys, (READY, WRITING))
+            present = self._find_many(rows, (READY, WRITING))
             live = present >= 0
             writing = np.flatnonzero(live)[c["state"][present[live]] == WRITING]
             live[writing[c["write_until"][present[writing]] <= now]] = False  # dead writers
@@ -376,14 +525,13 @@ class ShmKVPool:
             wanted = wanted[:slots.size]
             if not wanted.size:
                 return out
-            seq0 = int(self._super["next_seq"][0])
+            seq0 = int(self._next_seq[0])
             seqs = np.arange(seq0, seq0 + wanted.size, dtype=np.uint64)
             c["state"][slots] = WRITING  # first: the slots' old content is gone from now on
             c["seq"][slots] = seqs
-            c["key"][slots] = np.frombuffer(b"".join(keys[i] for i in wanted),
-                                            dtype=np.uint8).reshape(-1, KEY_BYTES)
-            c["key64"][slots] = self._key64([keys[i] for i in wanted])
-            c["content_key"][slots] = ([content_keys[i] for i in wanted]
+            c["key"][slots] = rows[wanted]
+            c["key64"][slots] = self._key64(rows[wanted])
+            c["content_key"][slots] = (np.asarray(content_keys, dtype=np.int64)[wanted]
                                        if content_keys is not None else 0)
             c["write_until"][slots] = now + write_lease_s
             c["hold_until"][slots] = 0.0
@@ -391,9 +539,8 @@ class ShmKVPool:
             c["read_until"][slots] = 0.0
             c["last_use"][slots] = now
             c["writer_pid"][slots] = os.getpid()
-            self._super["next_seq"] = seq0 + wanted.size
-        for i, slot, seq in zip(wanted.tolist(), slots.tolist(), seqs.tolist()):
-            out[i] = SlotRef(slot, seq)
+            self._next_seq[0] = seq0 + wanted.size
+        out.slots[wanted], out.seqs[wanted] = slots, seqs
         return out
 
     def write(self, ref: SlotRef, data: np.ndarray) -> int:
@@ -405,32 +552,39 @@ class ShmKVPool:
         self.data[ref.slot, :src.size] = src
         return checksum(src) if self.checksums else 0
 
-    def write_many(self, refs: Sequence[SlotRef], rows: np.ndarray) -> np.ndarray:
-        """Copy rows ([n, nbytes] uint8, nbytes a multiple of 8) into reserved slots, one copy
-        per run of consecutive slots; returns each row's checksum (zeros without checksums)."""
-        return copy_runs(rows, range(len(refs)), self.data, [r.slot for r in refs],
+    def write_many(self, refs: Sequence[SlotRef] | SlotRefs, rows: np.ndarray) -> np.ndarray:
+        """Copy rows ([n, nbytes] uint8, nbytes a multiple of 8) into reserved slots (all
+        present), one copy per run of consecutive slots; returns each row's checksum (zeros
+        without checksums)."""
+        return copy_runs(rows, range(len(refs)), self.data, SlotRefs.of(refs).slots,
                          sum_source=True if self.checksums else None)
 
     def publish(self, refs: Iterable[tuple[SlotRef, int, int]], hold_s: float = 0.0) -> list[bool]:
         """Publish written slots: (ref, checksum, nbytes) each. False for a slot whose write lease
         ran out and was taken over (its data may be torn: it stays unpublished)."""
         items = list(refs)
-        if not items:
-            return []
-        slots = np.array([r.slot for r, _, _ in items], dtype=np.int64)
-        seqs = np.array([r.seq for r, _, _ in items], dtype=np.uint64)
+        return self.publish_many(SlotRefs.of([r for r, _, _ in items]),
+                                 np.array([int(chk) for _, chk, _ in items], dtype=np.uint64),
+                                 np.array([n for _, _, n in items], dtype=np.uint64),
+                                 hold_s).tolist()
+
+    def publish_many(self, refs: SlotRefs, checksums: np.ndarray, nbytes: int | np.ndarray,
+                     hold_s: float = 0.0) -> np.ndarray:
+        """`publish` for a batch (all present) as arrays: a bool array, True where published."""
+        slots, seqs = refs.slots, refs.seqs
+        if not slots.size:
+            return np.zeros(0, dtype=bool)
         with self._file_lock():
             c = self._cols
             now = time.time()
             ok = (c["seq"][slots] == seqs) & (c["state"][slots] == WRITING)
             mine = slots[ok]
-            c["checksum"][mine] = np.array([int(chk) for _, chk, _ in items],
-                                           dtype=np.uint64)[ok]
-            c["nbytes"][mine] = np.array([n for _, _, n in items], dtype=np.uint64)[ok]
+            c["checksum"][mine] = np.asarray(checksums, dtype=np.uint64)[ok]
+            c["nbytes"][mine] = np.broadcast_to(np.asarray(nbytes, dtype=np.uint64), ok.shape)[ok]
             c["hold_until"][mine] = now + hold_s
             c["last_use"][mine] = now
             c["state"][mine] = READY  # last: readers see a complete entry
-        return ok.tolist()
+        return ok
 
     def abandon(self, refs: Iterable[SlotRef]) -> None:
         """Give back reserved slots that will not be published."""
@@ -442,52 +596,67 @@ class ShmKVPool:
 
     # -- reading ---------------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes], hints: Sequence[SlotRef | None] | None = None,
-            read_lease_s: float = DEFAULT_READ_LEASE_S) -> list[PinnedSlot | None]:
+            read_lease_s: float = DEFAULT_READ_LEASE_S) -> PinnedSlots:
         """Pin the published slot of each key for reading (None: not published). A hint (a slot
         and generation from the writer) is used only if that slot still holds exactly this key."""
+        rows = self._key_rows(keys)
+        at, hint_slots, hint_seqs = self._usable_hints(hints, len(keys))
         with self._file_lock():
             c = self._cols
             now = time.time()
             slots = np.full(len(keys), -1, dtype=np.int64)
-            for i, hint in enumerate(hints or ()):
-                if (i < len(keys) and hint is not None and 0 <= hint.slot < self.num_slots
-                        and c["seq"][hint.slot] == hint.seq and c["state"][hint.slot] == READY
-                        and c["key"][hint.slot].tobytes() == keys[i]):
-                    slots[i] = hint.slot
+            good = ((c["seq"][hint_slots] == hint_seqs) & (c["state"][hint_slots] == READY)
+                    & (c["key"][hint_slots] == rows[at]).all(axis=1))
+            slots[at[good]] = hint_slots[good]
             missing = np.flatnonzero(slots < 0)
             if missing.size:
-                slots[missing] = self._find_many([keys[i] for i in missing])
+                slots[missing] = self._find_many(rows[missing])
             got = slots[slots >= 0]
             stale = got[(c["readers"][got] > 0) & (c["read_until"][got] <= now)]
             c["readers"][stale] = 0  # earlier pins whose lease ran out: dead readers
             np.add.at(c["readers"], got, 1)
             c["read_until"][got] = np.maximum(c["read_until"][got], now + read_lease_s)
             c["last_use"][got] = now
-            seqs, sums, sizes = c["seq"][got], c["checksum"][got], c["nbytes"][got]
-        it = iter(zip(got.tolist(), seqs.tolist(), sums.tolist(), sizes.tolist()))
-        return [PinnedSlot(*next(it)) if s >= 0 else None for s in slots.tolist()]
+            found = slots >= 0
+            seqs, sums, sizes = (np.zeros(len(keys), dtype=np.uint64) for _ in range(3))
+            seqs[found], sums[found], sizes[found] = (c["seq"][got], c["checksum"][got],
+                                                      c["nbytes"][got])
+        return PinnedSlots(slots, seqs, sums, sizes)
+
+    def _usable_hints(self, hints: Sequence[SlotRef | None] | None, count: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(key positions, slots, generations) of the hints that name a slot of this pool."""
+        if isinstance(hints, SlotRefs):
+            at = np.flatnonzero((hints.slots[:count] >= 0) & (hints.slots[:count] < self.num_slots))
+            return at, hints.slots[at], hints.seqs[at]
+        hinted = [(i, h.slot, h.seq) for i, h in enumerate((hints or ())[:count])
+                  if h is not None and 0 <= h.slot < self.num_slots and 0 <= h.seq < 1 << 64]
+        columns = zip(*hinted) if hinted else ((), (), ())
+        return tuple(np.array(col, dtype=dt) for col, dt in  # type: ignore[return-value]
+                     zip(columns, (np.int64, np.int64, np.uint64)))
 
     def read(self, pinned: PinnedSlot) -> np.ndarray:
         """A view of a pinned slot's bytes (copy out of it before unpinning)."""
         return self.data[pinned.slot, :pinned.nbytes]
 
-    def read_many(self, pinned: Sequence[PinnedSlot], out: np.ndarray) -> list[bool]:
-        """Copy pinned slots into rows of `out` ([n, nbytes] uint8), one copy per run of
-        consecutive slots; True for each copy whose checksum matches its pin's (always True in
-        a pool without checksums). Unpin afterwards: that checks the generations."""
-        sums = copy_runs(self.data, [p.slot for p in pinned], out, range(len(pinned)),
+    def read_many(self, pinned: Sequence[PinnedSlot] | PinnedSlots, out: np.ndarray) -> list[bool]:
+        """Copy pinned slots (all present) into rows of `out` ([n, nbytes] uint8), one copy per
+        run of consecutive slots; True for each copy whose checksum matches its pin's (always
+        True in a pool without checksums). Unpin afterwards: that checks the generations."""
+        pinned = PinnedSlots.of(pinned)
+        sums = copy_runs(self.data, pinned.slots, out, range(len(pinned)),
                          sum_source=False if self.checksums else None)
         if not self.checksums:
             return [True] * len(pinned)
-        return [int(s) == p.checksum for s, p in zip(sums, pinned)]
+        return (sums == pinned.checksums).tolist()
 
-    def unpin(self, pinned: Iterable[PinnedSlot]) -> list[bool]:
-        """Release pins; True where the slot kept its generation throughout (the copy is good)."""
-        items = list(pinned)
-        if not items:
+    def unpin(self, pinned: Iterable[PinnedSlot] | PinnedSlots) -> list[bool]:
+        """Release pins (all present); True where the slot kept its generation throughout (the
+        copy is good)."""
+        pinned = PinnedSlots.of(pinned)
+        slots, seqs = pinned.slots, pinned.seqs
+        if not slots.size:
             return []
-        slots = np.array([p.slot for p in items], dtype=np.int64)
-        seqs = np.array([p.seq for p in items], dtype=np.uint64)
         with self._file_lock():
             c = self._cols
             same = (c["seq"][slots] == seqs) & (c["state"][slots] == READY)
@@ -533,25 +702,34 @@ def remove_pool(path: str) -> None:
 CHECKSUM_CHUNK_BYTES = 2 * 1024 * 1024
 
 
+def _row_array(rows: Sequence[int]) -> np.ndarray:
+    if isinstance(rows, range):
+        return np.arange(rows.start, rows.stop, rows.step, dtype=np.int64)
+    return np.asarray(rows, dtype=np.int64)
+
+
 def copy_runs(src: np.ndarray, src_rows: Sequence[int], dst: np.ndarray,
               dst_rows: Sequence[int], sum_source: bool | None) -> np.ndarray:
     """Copy src rows to dst rows (uint8, equal widths up to dst's), one np.copyto per run where
     both sides step by one (split into cache-sized chunks), and sum each copied row right after
     its copy: from the source (a writer's checksum), the destination (what a reader got), or
     not at all (None: zeros)."""
-    src_rows, dst_rows = list(src_rows), list(dst_rows)
+    src_at, dst_at = _row_array(src_rows), _row_array(dst_rows)
     width = src.shape[1] if sum_source else dst.shape[1]
-    sums = np.zeros(len(src_rows), dtype=np.uint64)
+    sums = np.zeros(src_at.size, dtype=np.uint64)
+    if not src_at.size:
+        return sums
     per_chunk = max(1, CHECKSUM_CHUNK_BYTES // max(1, width))
-    start = 0
-    for i in range(1, len(src_rows) + 1):
-        if (i < len(src_rows) and src_rows[i] == src_rows[i - 1] + 1
-                and dst_rows[i] == dst_rows[i - 1] + 1 and i - start < per_chunk):
-            continue
-        s0, d0, n = src_rows[start], dst_rows[start], i - start
+    # Runs: a new one wherever either side stops stepping by one; then cut runs into chunks.
+    breaks = np.flatnonzero((np.diff(src_at) != 1) | (np.diff(dst_at) != 1)) + 1
+    run_starts = np.concatenate(([0], breaks))
+    run_ends = np.concatenate((breaks, [src_at.size]))
+    starts = [c for lo, hi in zip(run_starts.tolist(), run_ends.tolist())
+              for c in range(lo, hi, per_chunk)]
+    for start, end in zip(starts, starts[1:] + [src_at.size]):
+        s0, d0, n = int(src_at[start]), int(dst_at[start]), end - start
         np.copyto(dst[d0:d0 + n, :width], src[s0:s0 + n, :width])
         if sum_source is not None:
             summed = src[s0:s0 + n, :width] if sum_source else dst[d0:d0 + n, :width]
-            sums[start:i] = row_checksums(summed)
-        start = i
+            sums[start:end] = row_checksums(summed)
     return sums

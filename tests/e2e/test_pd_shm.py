@@ -73,7 +73,8 @@ def trio(request, pool):
     model = model_path(case.model)
 
     def server(name, role, cpu):
-        kv = shm_config(role, path, save_mode=case.save_mode)
+        # checksums on (a file's default is off): test_a_corrupted_block_is_never_used needs them
+        kv = shm_config(role, path, save_mode=case.save_mode, checksums=True)
         kv["kv_load_failure_policy"] = case.failure_policy
         kv["engine_id"] = f"{name}-{uuid.uuid4().hex[:6]}"
         return VllmServer(name, model, cpu, kv)

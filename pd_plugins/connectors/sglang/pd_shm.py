@@ -8,7 +8,7 @@ Over host_kv.py's SGLang contract and the room channel (transfer/shm_rooms.py):
   for the decode.
 - decode: `init` finds the prefill rank's pool in its bootstrap registry and checks that this
   engine maps the same pool; `poll` copies the pages once the manifest is there, checked by
-  checksum and generation, then ends the prefill's hold.
+  generation (and checksum, in a pool with checksums), then ends the prefill's hold.
 
 Options (environment, every engine of a deployment alike): PD_SHM_POOL (path, default
 /dev/shm/pd-sglang-kv), PD_SHM_POOL_GB (size when this engine creates it, default 1),
@@ -41,7 +41,8 @@ class PdShmKVManager(HostKVManager):
         path = os.environ.get("PD_SHM_POOL", "/dev/shm/pd-sglang-kv")
         size = int(float(os.environ.get("PD_SHM_POOL_GB", "1")) * 2**30)
         self.pool = ShmKVPool(path, slot_bytes=self.buffers.page_bytes,
-                              layout=layout_of(self.kv_args), size_bytes=size)
+                              layout=layout_of(self.kv_args), size_bytes=size,
+                              checksums=None)  # on for a DAX device, off for a file
         self.scope = f"{self.pool.pool_id}|{self.bootstrap_addr}|{self.rank_key}"
         self.writer = RoomWriter(self.pool, self.scope, float(os.environ.get("PD_SHM_HOLD_S", "60")))
 

@@ -70,7 +70,8 @@ class ShmOptions(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     hold_s: float = 30.0          # a prefill's blocks stay at least this long for the decode
     read_lease_s: float = 30.0    # a reader killed mid-copy pins its slots at most this long
     save_mode: str = "layer"      # write each layer as computed, or all layers after the step
-    checksums: bool = True        # for a pool this engine creates (a pool keeps its own)
+    checksums: bool | None = None  # for a pool this engine creates (a pool keeps its own);
+    #                               None: on for a DAX device, off for a file (checksums_by_default)
     lookup: bool = True           # load prefix blocks found in the pool (any role)
     store: str = "pd"             # producers store PD prefill legs only, or every request
 
@@ -386,7 +387,7 @@ class PdShmConnector(SyncPoolConnector):
         self.pool = ShmKVPool(path, slot_bytes=self.slot_bytes, layout=layout,
                               size_bytes=int(self.options.pool_size_gb * (1 << 30)),
                               checksums=self.options.checksums)
-        if self.pool.checksums != self.options.checksums:
+        if self.options.checksums is not None and self.pool.checksums != self.options.checksums:
             logger.warning("PdShmConnector: pool %s was created with checksums %s; following "
                            "it (every engine of a pool must agree)", path,
                            "on" if self.pool.checksums else "off")

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from pd_plugins.transfer.shm_pool import (
-    PoolError, ShmKVPool, SlotRef, checksum, pool_geometry, remove_pool,
+    FORMAT_VERSION, PinnedSlots, PoolError, ShmKVPool, SlotRef, SlotRefs, checksum,
+    checksums_by_default, pool_geometry, remove_pool,
 )
 
 SLOT = 4096
@@ -203,3 +204,56 @@ def test_a_pool_without_checksums_says_so_to_every_opener(tmp_path):
             assert pool.write(ref, block(1)) == 0
     finally:
         remove_pool(path)
+
+
+def test_the_array_calls_move_a_batch_without_per_block_objects(pool_path):
+    """reserve and pin hand back arrays that write_many, publish_many, read_many and unpin take
+    as they are; a key already published comes back as slot -1 (None when indexed)."""
+    rows = np.stack([block(i) for i in range(5)])
+    with open_pool(pool_path) as pool:
+        put(pool, 2)
+        refs = pool.reserve([key_of(i) for i in range(5)])
+        assert isinstance(refs, SlotRefs) and refs[2] is None and refs.slots[2] == -1
+        todo = refs.present()
+        assert len(todo) == 4 and [r.slot for r in todo] == todo.slots.tolist()
+        sums = pool.write_many(todo, rows[[0, 1, 3, 4]])
+        assert pool.publish_many(todo, sums, SLOT).tolist() == [True] * 4
+        assert pool.publish_many(todo, sums, SLOT).tolist() == [False] * 4  # published already
+        assert pool.lookup([key_of(i) for i in range(6)]).slots[5] == -1
+        assert pool.count_prefix([key_of(i) for i in (0, 1, 2, 3, 9, 4)]) == 4
+        pins = pool.pin([key_of(i) for i in (4, 9, 0)], hints=pool.lookup([key_of(4)]))
+        assert isinstance(pins, PinnedSlots) and pins[1] is None
+        assert pins == [pins[0], None, pins[2]] and pins[0].checksum == checksum(rows[4])
+        got = pins.present()
+        out = np.zeros((2, SLOT), dtype=np.uint8)
+        assert pool.read_many(got, out) == [True, True] and np.array_equal(out, rows[[4, 0]])
+        assert pool.unpin(got) == [True, True] and pool.stats().pinned == 0
+
+
+def test_hints_that_name_another_key_or_generation_are_not_followed(pool_path):
+    with open_pool(pool_path) as pool:
+        one, two = put(pool, 1), put(pool, 2)
+        stale = SlotRef(one.slot, one.seq + 1)
+        pins = pool.pin([key_of(1), key_of(2), key_of(3)], hints=[two, stale, SlotRef(10**9, 1)])
+        assert [p.slot if p else None for p in pins] == [one.slot, two.slot, None]
+        pool.unpin(pins.present())
+
+
+def test_keys_must_be_32_bytes(pool_path):
+    with open_pool(pool_path) as pool, pytest.raises(ValueError, match="32 bytes"):
+        pool.reserve([b"short"])
+
+
+def test_checksums_by_default_only_where_memory_may_not_be_coherent(pool_path, tmp_path):
+    assert checksums_by_default("/dev/null")  # a character device, as a DAX device is
+    assert not checksums_by_default(str(tmp_path))
+    assert not checksums_by_default(pool_path)  # not there yet: a file will be created
+    with open_pool(pool_path, checksums=None) as pool:
+        assert not pool.checksums
+
+
+def test_a_pool_of_another_format_version_is_refused(pool_path):
+    with open_pool(pool_path) as pool:
+        pool._super["version"] = FORMAT_VERSION - 1
+    with pytest.raises(PoolError, match="format"):
+        open_pool(pool_path)
