@@ -59,11 +59,9 @@ def test_dead_decode_releases_prefill_blocks_after_lease(pool, references):
     pd = pool.get(RECOMPUTE)
     params = pd.prefill_only(completion_body(PROMPTS[150]))
     assert len(params["remote_block_ids"][0]) == 5  # 150 tokens, blocks of 32: held for decode
-    # vLLM updates the gauge after its step: give it a moment (a CI run read 0.0 at once)
-    deadline = time.monotonic() + 10
-    while kv_usage(pd.prefill) == 0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert kv_usage(pd.prefill) > 0
+    # No check of vLLM's KV-usage gauge here: on a loaded host its first update can come after
+    # the 6 s lease has already run out (a CI run failed that way). The prefill's own log line
+    # below names this request's held blocks, and the gauge reads 0 once they are freed.
     pd.decode.kill()  # the decode dies before it reads
     try:
         deadline = time.monotonic() + LEASE_SECONDS + 30
@@ -76,7 +74,9 @@ def test_dead_decode_releases_prefill_blocks_after_lease(pool, references):
         # The engine frees them: once idle, the prefill holds no KV blocks at all.
         resp = completion(pd.prefill.url, completion_body(PROMPTS[20], max_tokens=1))
         assert resp.status_code == 200
-        time.sleep(1)
+        deadline = time.monotonic() + 15  # the gauge follows the engine's steps
+        while kv_usage(pd.prefill) != 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert kv_usage(pd.prefill) == 0
     finally:
         pool.discard()
