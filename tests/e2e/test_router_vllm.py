@@ -108,8 +108,6 @@ def test_router_chat_equals_aggregated_chat(routed):
 
 def test_router_concurrent_requests(routed, references):
     pd, router = routed
-    if pd.config.mode == "push":
-        pytest.skip("push under concurrent load stalls upstream on 2 cores (issue 10)")
     skip_concurrent_pull_in_ci(pd.config)
     with ThreadPoolExecutor(len(CONCURRENT)) as pool:
         outputs = list(pool.map(lambda p: output_ids(post(router, "/v1/completions", completion_body(p))),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -89,6 +90,11 @@ def transfer_mode_of(vllm_config: VllmConfig) -> TransferMode:
     return mode
 
 
+def _truthy(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() not in (
+        "0", "false", "no", "off")
+
+
 class _PdStatsClassMethods:
     """vLLM builds connector stats and metrics from the class the user named: ours."""
 
@@ -109,7 +115,20 @@ class _PdAdditions(_PdStatsClassMethods):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
+        # On CPU, upstream's NIXL worker moves the calling thread to the last core of each NUMA
+        # node ("reserved for KV transfer"). That thread is the one that runs the model (with one
+        # OMP thread per bound core, OMP's master is the main thread), so two engines bound to
+        # cores 0 and 1 both computed on core 1, a busy-stepping prefill starving its decode: the
+        # concurrent-pull stalls (docs/connectors.md, "Under load"). Keep the engine's own binding.
+        keep = (role == KVConnectorRole.WORKER and hasattr(os, "sched_getaffinity")
+                and _truthy(vllm_config.kv_transfer_config.get_from_extra_config(
+                    "keep_cpu_affinity", True)))
+        bound = os.sched_getaffinity(0) if keep else None
         super().__init__(vllm_config, role, kv_cache_config)
+        if bound is not None and os.sched_getaffinity(0) != bound:
+            logger.info("PdNixlConnector: keeping this engine's CPU binding %s (upstream NIXL "
+                        "moved it to %s)", sorted(bound), sorted(os.sched_getaffinity(0)))
+            os.sched_setaffinity(0, bound)
         config = vllm_config.kv_transfer_config
         self._block_size = vllm_config.cache_config.block_size
         self._recompute_failed_loads = config.kv_load_failure_policy == "recompute"
