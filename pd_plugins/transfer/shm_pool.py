@@ -160,7 +160,21 @@ class PinnedSlot(NamedTuple):
     nbytes: int
 
 
-class SlotRefs(Sequence):
+class _ArrayBatch(Sequence):
+    """A batch held as arrays that compares and prints as the list of its items."""
+
+    __slots__ = ()
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, (list, tuple, _ArrayBatch)) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r})"
+
+
+class SlotRefs(_ArrayBatch):
     """One call's slots as arrays (slot -1: none for that key), which the batched calls use as
     they are: no Python object per block on the hot path. Indexing gives a SlotRef or None."""
 
@@ -190,21 +204,13 @@ class SlotRefs(Sequence):
         return iter([SlotRef(s, q) if s >= 0 else None
                      for s, q in zip(self.slots.tolist(), self.seqs.tolist())])
 
-    def __eq__(self, other) -> bool:  # compares as the list of its items
-        return isinstance(other, (list, tuple, SlotRefs, PinnedSlots)) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({list(self)!r})"
-
     def present(self) -> SlotRefs:
         """Only the keys that have a slot."""
         keep = self.slots >= 0
         return SlotRefs(self.slots[keep], self.seqs[keep])
 
 
-class PinnedSlots(Sequence):
+class PinnedSlots(_ArrayBatch):
     """One pin call's result as arrays (slot -1: not published); indexing gives a PinnedSlot or
     None. `read_many` and `unpin` take it as it is."""
 
@@ -240,14 +246,6 @@ class PinnedSlots(Sequence):
         return iter([PinnedSlot(*row) if row[0] >= 0 else None for row in zip(
             self.slots.tolist(), self.seqs.tolist(), self.checksums.tolist(),
             self.nbytes.tolist())])
-
-    def __eq__(self, other) -> bool:  # compares as the list of its items
-        return isinstance(other, (list, tuple, SlotRefs, PinnedSlots)) and list(self) == list(other)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({list(self)!r})"
 
     def present(self) -> PinnedSlots:
         """Only the keys that were pinned."""
