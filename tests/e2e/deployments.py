@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -246,6 +247,20 @@ class PdDeployment:
                 ok = False
             if ok and self.failed_loads() == failed_before:
                 return
+
+    def transfers(self) -> float:
+        """NIXL transfers so far, counted by the reader: decode in pull mode, prefill in push."""
+        return sum(metric_value(server.metrics(), "vllm:nixl_xfer_time_seconds_count")
+                   for server in (self.prefill, self.decode))
+
+    def transfers_above(self, before: float, timeout_s: float = 20) -> bool:
+        """Wait until more than `before` transfers are counted. vLLM hands a transfer's stats
+        to /metrics with a later step's outputs (a clean-clone CI run read a push prefill's
+        counter before it moved)."""
+        deadline = time.monotonic() + timeout_s
+        while self.transfers() <= before and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return self.transfers() > before
 
     def failed_loads(self) -> float:
         metrics = self.decode.metrics()

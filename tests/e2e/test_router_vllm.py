@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from pd_plugins.testing.engine_harness import metric_value, start_all
+from pd_plugins.testing.engine_harness import start_all
 from pd_plugins.testing.router_harness import RouterProcess
 from tests.e2e.deployments import (
     CONCURRENT,
@@ -30,7 +30,6 @@ pytestmark = pytest.mark.e2e
 
 CONFIGS = [PdConfig("tiny-llama", "pull", prefix_caching=True),
            PdConfig("tiny-llama", "push", prefix_caching=True)]
-XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "the cache block moves from prefill to"}],
         "max_tokens": 16, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
@@ -51,11 +50,6 @@ def routed(request, pool):
     start_all([router], timeout=120)
     yield pd, router
     router.stop()
-
-
-def transfers(pd) -> float:
-    """NIXL transfers so far (counted by the reader: decode in pull mode, prefill in push mode)."""
-    return sum(metric_value(server.metrics(), XFER_COUNT) for server in (pd.prefill, pd.decode))
 
 
 def post(router, path, body, timeout=180):
@@ -79,12 +73,12 @@ def stream_token_ids(resp: requests.Response) -> list[int]:
 def test_router_output_equals_aggregated(routed, references, length):
     pd, router = routed
     prompt = PROMPTS[length]
-    before = transfers(pd)
+    before = pd.transfers()
     resp = post(router, "/v1/completions", completion_body(prompt))
     assert output_ids(resp) == references[pd.config.model][tuple(prompt)]
     assert f"prefill={pd.prefill.url}" in resp.headers["x-pd-route"]
     if length >= 32:  # at least one full block to move
-        assert transfers(pd) > before
+        assert pd.transfers_above(before)
 
 
 def test_router_streaming_equals_aggregated(routed, references):
