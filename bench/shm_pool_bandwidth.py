@@ -37,7 +37,7 @@ each.
 Then a short diagnostics pass times what the pool does besides copying: the per-call cost of
 `write`, `read`, `write_many` and `read_many` on a batch of tiny blocks, `checksum`, `np.copyto` and
 a `flock` pair; the speed of the sum on a chunk just copied (as `read_many` takes it); the locked
-calls per key on full pools of 64 to 65536 slots, next to the sorted search of a key column that
+calls per key on full pools of 256 to 65536 slots, next to the bucket filter over a key column that
 long; and copies out of the shared mapping (and out of private memory) in pieces of 64 KiB to
 4 MiB, with and without a sum after each piece: what `CHECKSUM_CHUNK_BYTES` is chosen by.
 
@@ -72,7 +72,8 @@ import numpy as np
 
 import common  # bench/common.py
 from pd_plugins.transfer.shm_pool import (
-    CHECKSUM_CHUNK_BYTES, MADV_POPULATE_WRITE, ShmKVPool, checksum, pool_geometry, remove_pool)
+    CHECKSUM_CHUNK_BYTES, MADV_POPULATE_WRITE, ShmKVPool, _bucket, checksum, pool_geometry,
+    remove_pool)
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -463,11 +464,19 @@ def fill(pool: ShmKVPool, tag: str, chunk: int = 4096) -> None:
         pool.publish_many(refs, np.zeros(len(refs), dtype=np.uint64), 64)
 
 
-def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(64, 1024, 8192, 65536),
+def bucket_filter(column: np.ndarray, wanted: np.ndarray) -> np.ndarray:
+    """The filter `_find_many` runs over the key64 column for a batch's keys (its first pass)."""
+    bits = max(12, int(32 * len(wanted) - 1).bit_length())
+    marks = np.zeros(1 << bits, dtype=bool)
+    marks[_bucket(wanted, bits)] = True
+    return np.flatnonzero(marks[_bucket(column, bits)])
+
+
+def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(2 * BATCH, 1024, 8192, 65536),
                     rounds: int = 15) -> dict:
     """Microseconds per key in the locked header calls of a full pool, against its slot count:
     reserve + publish of a batch of new keys (evicting), then pin + unpin of that batch. Beside
-    them, per batch: the search of a key64-like column of that many slots for a batch's keys
+    them, per batch: the bucket filter over a key64-like column of that many slots for a batch's keys
     (the scan in `_find_many`), and one `==` compare of that column against one key."""
     out = {}
     rng = np.random.default_rng(2)
@@ -484,12 +493,12 @@ def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(64, 1024, 8192, 65
             pool.unpin(pool.pin(keys))
             write.append((mid - start) / BATCH)
             read.append((perf() - mid) / BATCH)
-        column = rng.integers(0, 2**63, slots, dtype=np.int64)
-        wanted = np.sort(column[rng.choice(slots, BATCH, replace=False)])
+        column = rng.integers(0, 2**63, slots, dtype=np.int64).astype(np.uint64)
+        wanted = column[rng.choice(slots, BATCH, replace=False)]
         calls = max(5, 20000 // slots)
         out[slots] = {"reserve+publish": statistics.median(write) * 1e6,
                       "pin+unpin": statistics.median(read) * 1e6,
-                      "search_batch": per_call_us(lambda: np.searchsorted(wanted, column),
+                      "search_batch": per_call_us(lambda: bucket_filter(column, wanted),
                                                   calls=calls),
                       "compare_one": per_call_us(lambda: column == wanted[0], calls=calls)}
     return out
@@ -691,8 +700,9 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         f"{worst(('write_plain', 'read_plain')):.2f} at every size (predicted/measured, write: "
         f"{predicted('write_plain')}; read: {predicted('read_plain')}).",
         "- The header work is vectorised per batch: a call's keys are one array, `_find_many` "
-        "searches the `key64` column for all of them at once (`np.searchsorted` of the column "
-        "in the batch's sorted keys), header fields are read and written with fancy indexing, "
+        "finds all of them at once (a bucket filter over the `key64` column: mark the keys' "
+        "buckets, gather the column's; then a sorted search of the few slots that pass), header "
+        "fields are read and written with fancy indexing, "
         "reserve and pin hand back arrays (`SlotRefs`, `PinnedSlots`) that `write_many`, "
         "`publish_many`, `read_many` and `unpin` take as they are, and a reserve takes free "
         "slots first, in slot order, so a batch lands in consecutive slots and copies as one "
@@ -703,8 +713,8 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         "over the header operations, fixed per batch. With more slots the scans add about "
         f"{per_slot_ns:.1f} ns per slot to each batch: the four calls take "
         + ", ".join(f"{per_key[n]:.2f}" for n in counts[1:])
-        + f" µs per key with {', '.join(counts[1:])} slots. The search of a {many_n}-slot key "
-        f"column for a batch's {BATCH} keys took {search:.0f} µs, "
+        + f" µs per key with {', '.join(counts[1:])} slots. The bucket filter over a "
+        f"{many_n}-slot key column for a batch's {BATCH} keys took {search:.0f} µs, "
         f"{search / compare:.1f}× one `==` compare of that column ({compare:.1f} µs)"
         + f". The `flock` lock + unlock pair is {calls['flock pair']:.1f} µs, two per batch. "
         f"The pools above have {min(slots)}–{max(slots)} slots; a pool of many GiB of small "
