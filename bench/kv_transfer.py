@@ -209,7 +209,7 @@ def markdown(summary, repeats: int, when: str) -> str:
         "- shm store / load: the prefill's copies into the pool (`vllm:pd_shm_store_seconds`, "
         "inside its forward step: per layer with `layer`, after the step with `step`) and the "
         "decode's copy out of it before its forward pass (`vllm:pd_shm_load_seconds`); both "
-        "include the pool's header calls and checksums.",
+        "include the pool's header calls (no checksums: the default for a pool on a file).",
         "- decode leg: wall time of the decode request (max_tokens=1): the load, and for NIXL the "
         "handshake, notifications and lease check, plus the last token's forward pass. This is "
         "what a user waits for after the prefill.",
@@ -249,7 +249,7 @@ def reading(summary) -> list[str]:
         "",
         f"- Copies: at {longest} tokens ({mib:.0f} MiB) the decode's copy out of the pool took "
         f"{p50(layer, 'load_s'):.2f} ms ({mib * 2**20 / p50(layer, 'load_s') / 1e6:.1f} GB/s, "
-        f"checksums included) and the prefill's copy in {p50(layer, 'store_s'):.2f} ms per "
+        f"no checksums) and the prefill's copy in {p50(layer, 'store_s'):.2f} ms per "
         f"layer / {p50(step, 'store_s'):.2f} ms after the step; NIXL's READ took "
         f"{p50(nixl, 'load_s'):.2f} ms, with a p90 up to {nixl_p90:.1f} ms across lengths. The "
         "pool costs two copies (one on each engine's step), NIXL one; NIXL's cost is elsewhere.",
