@@ -72,8 +72,8 @@ import numpy as np
 
 import common  # bench/common.py
 from pd_plugins.transfer.shm_pool import (
-    CHECKSUM_CHUNK_BYTES, MADV_POPULATE_WRITE, ShmKVPool, _bucket, checksum, pool_geometry,
-    remove_pool)
+    CHECKSUM_CHUNK_BYTES, MADV_POPULATE_WRITE, ShmKVPool, bucket_candidates, checksum,
+    pool_geometry, remove_pool)
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -464,14 +464,6 @@ def fill(pool: ShmKVPool, tag: str, chunk: int = 4096) -> None:
         pool.publish_many(refs, np.zeros(len(refs), dtype=np.uint64), 64)
 
 
-def bucket_filter(column: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """The filter `_find_many` runs over the key64 column for a batch's keys (its first pass)."""
-    bits = max(12, int(32 * len(wanted) - 1).bit_length())
-    marks = np.zeros(1 << bits, dtype=bool)
-    marks[_bucket(wanted, bits)] = True
-    return np.flatnonzero(marks[_bucket(column, bits)])
-
-
 def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(2 * BATCH, 1024, 8192, 65536),
                     rounds: int = 15) -> dict:
     """Microseconds per key in the locked header calls of a full pool, against its slot count:
@@ -498,7 +490,7 @@ def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(2 * BATCH, 1024, 8
         calls = max(5, 20000 // slots)
         out[slots] = {"reserve+publish": statistics.median(write) * 1e6,
                       "pin+unpin": statistics.median(read) * 1e6,
-                      "search_batch": per_call_us(lambda: bucket_filter(column, wanted),
+                      "search_batch": per_call_us(lambda: bucket_candidates(column, wanted),
                                                   calls=calls),
                       "compare_one": per_call_us(lambda: column == wanted[0], calls=calls)}
     return out

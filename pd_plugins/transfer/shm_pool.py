@@ -120,6 +120,16 @@ def _bucket(k64: np.ndarray, bits: int) -> np.ndarray:
     return (k64 * _FIBONACCI >> np.uint64(64 - bits)).astype(np.intp)
 
 
+def bucket_candidates(column: np.ndarray, k64: np.ndarray) -> np.ndarray:
+    """Positions in a key64 column that may hold one of `k64`: mark the keys' buckets, gather
+    the column's (no branches; at most ~1 position in 32 passes falsely). A binary search of the
+    whole column ran ~8x slower: every probe of a fresh key is a mispredicted branch."""
+    bits = max(12, int(32 * len(k64) - 1).bit_length())
+    marks = np.zeros(1 << bits, dtype=bool)
+    marks[_bucket(k64, bits)] = True
+    return np.flatnonzero(marks[_bucket(column, bits)])
+
+
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
@@ -420,11 +430,12 @@ class ShmKVPool:
         return ShmKVPool._Locked(self)
 
     # -- lookup ----------------------------------------------------------------------------------
-    # Header work is vectorised per batch: keys become one [n, KEY_BYTES] array, a lookup is one
-    # sorted search of the key64 column against the batch's keys, and every field is read and
-    # written with fancy indexing. What is left per call is a few dozen numpy calls (~50-100 us)
-    # and scans that grow with the pool (~1 ns per slot), which a request's worth of blocks per
-    # call amortises (docs/benchmarks.md, "Shared-memory KV pool bandwidth").
+    # Header work is vectorised per batch: keys become one [n, KEY_BYTES] array, a lookup is a
+    # bucket filter over the key64 column and a sorted search of the few slots that pass, and
+    # every field is read and written with fancy indexing. What is left per call is a few dozen
+    # numpy calls (~30-50 us with warm caches, 2-3x after a large copy) and scans that grow with
+    # the pool (~8 ns per slot and batch), which a request's worth of blocks per call amortises
+    # (docs/benchmarks.md, "Shared-memory KV pool bandwidth").
     @staticmethod
     def _key_rows(keys: Sequence[bytes]) -> np.ndarray:
         """Keys as one [n, KEY_BYTES] uint8 array."""
@@ -447,14 +458,7 @@ class ShmKVPool:
             return out
         k64 = self._key64(rows)
         column = c["key64"]
-        # A filter first: mark the batch's keys' buckets, keep the slots whose key64 falls in a
-        # marked bucket (a gather, no branches; at most ~1 slot in 32 passes falsely), then search
-        # only those. A binary search of the whole column ran ~8x slower: every probe of a
-        # fresh key is a mispredicted branch.
-        bits = max(12, int(32 * len(rows) - 1).bit_length())
-        marks = np.zeros(1 << bits, dtype=bool)
-        marks[_bucket(k64, bits)] = True
-        candidates = np.flatnonzero(marks[_bucket(column, bits)])
+        candidates = bucket_candidates(column, k64)  # then search only those
         state = c["state"][candidates]
         in_states = state == states[0]
         for other in states[1:]:  # (np.isin costs ~10 us per call on a handful of values)

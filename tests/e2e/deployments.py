@@ -25,6 +25,7 @@ from pd_plugins.testing.pd_client import PrefillTarget, pd_legs, pd_push, prefil
 from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
 
 MAX_TOKENS = 24
+NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"  # counted by the side that initiates
 PUSH_STALL_S = 45.0  # a push request not answered by then has stalled (see PdDeployment.legs)
 PUSH_ATTEMPTS = 3
 DEFAULT_TEST_LEASE_S = 120    # stalls come in runs when CI's host is loaded
@@ -144,7 +145,7 @@ PUSH_ENABLED = os.environ.get("PD_TEST_PUSH", "1") == "1"
 CONCURRENT_PULL_ENABLED = os.environ.get("PD_TEST_CONCURRENT_PULL", "1") == "1"
 
 
-def skip_concurrent_pull_in_ci(config: PdConfig) -> None:
+def skip_concurrent_pull_if_off(config: PdConfig) -> None:
     if config.mode == "pull" and not CONCURRENT_PULL_ENABLED:
         pytest.skip("concurrent pull switched off (PD_TEST_CONCURRENT_PULL=0)")
 
@@ -250,7 +251,7 @@ class PdDeployment:
 
     def transfers(self) -> float:
         """NIXL transfers so far, counted by the reader: decode in pull mode, prefill in push."""
-        return sum(metric_value(server.metrics(), "vllm:nixl_xfer_time_seconds_count")
+        return sum(metric_value(server.metrics(), NIXL_TRANSFERS)
                    for server in (self.prefill, self.decode))
 
     def transfers_above(self, before: float, timeout_s: float = 20) -> bool:

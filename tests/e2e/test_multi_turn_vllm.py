@@ -25,7 +25,9 @@ import requests
 
 from pd_plugins.testing.engine_harness import VllmServer, metric_value, start_all
 from pd_plugins.testing.router_harness import RouterProcess
-from tests.e2e.deployments import PdConfig, completion_body, model_path, output_ids, token_prompt
+from tests.e2e.deployments import (
+    NIXL_TRANSFERS, PdConfig, completion_body, model_path, output_ids, token_prompt,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +42,7 @@ EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"  # tokens the connector 
 PROMPT_TOKENS = "vllm:prompt_tokens_total"        # prefill tokens processed
 # ... of which computed by the engine itself (not a local cache hit nor received from elsewhere)
 COMPUTED = 'vllm:prompt_tokens_by_source_total{source="local_compute"}'
-XFERS = "vllm:nixl_xfer_time_seconds_count"       # NIXL transfers (the reader: decode in pull)
+XFERS = NIXL_TRANSFERS                             # NIXL transfers (the reader: decode in pull)
 WATCHED = (HITS, QUERIES, EXTERNAL_HITS, PROMPT_TOKENS, COMPUTED, XFERS)
 
 # Token conversations: turn 1 is a fresh 100-token prompt (3 full blocks + 4 tokens; seeds no other

@@ -14,7 +14,7 @@ from pd_plugins.connectors.transfer_params import pd_section_of
 from pd_plugins.testing.pd_client import completion
 from tests.e2e.deployments import (
     pd_param,
-    skip_concurrent_pull_in_ci,
+    skip_concurrent_pull_if_off,
     CONCURRENT,
     PROMPTS,
     SWAP_A,
@@ -88,7 +88,7 @@ def test_pd_section_describes_the_prefill(pd):
 
 
 def test_concurrent_pd_requests(pd, references):
-    skip_concurrent_pull_in_ci(pd.config)
+    skip_concurrent_pull_if_off(pd.config)
     refs = references[pd.config.model]
     with ThreadPoolExecutor(len(CONCURRENT)) as pool:
         results = list(pool.map(lambda p: pd.complete(completion_body(p)), CONCURRENT))

@@ -22,7 +22,7 @@ from tests.e2e.deployments import (
     completion_body,
     output_ids,
     pd_param,
-    skip_concurrent_pull_in_ci,
+    skip_concurrent_pull_if_off,
     token_prompt,
 )
 
@@ -102,7 +102,7 @@ def test_router_chat_equals_aggregated_chat(routed):
 
 def test_router_concurrent_requests(routed, references):
     pd, router = routed
-    skip_concurrent_pull_in_ci(pd.config)
+    skip_concurrent_pull_if_off(pd.config)
     with ThreadPoolExecutor(len(CONCURRENT)) as pool:
         outputs = list(pool.map(lambda p: output_ids(post(router, "/v1/completions", completion_body(p))),
                                 CONCURRENT))
