@@ -14,6 +14,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from pd_plugins.connectors.vllm.options import extra_flag
 from pd_plugins.transfer.signature_channel import ResultReceiver, ResultSender, channel_address
 
 logger = logging.getLogger("pd_plugins")
@@ -24,7 +25,7 @@ OPTION = "expert_signatures"
 class ExpertSignatures:
     def __init__(self, vllm_config, role: KVConnectorRole) -> None:
         config = vllm_config.kv_transfer_config
-        self.enabled = (bool(config.get_from_extra_config(OPTION, False))
+        self.enabled = (extra_flag(config, OPTION)
                         and config.kv_role in ("kv_producer", "kv_both"))
         self._capture = self._sender = self._receiver = None
         if not self.enabled:
