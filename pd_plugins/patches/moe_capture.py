@@ -11,13 +11,24 @@ when a connector enables `expert_signatures`, in that worker process, for checke
 Counts accumulate per request over its prompt rows (chunked prefills add up); when a request's
 prompt is complete, its signature (expert_signature.ExpertSignature) is ready to be sent to the
 scheduler process (transfer/signature_channel.py), which puts it in the `pd` section.
+
+Cost: which rows are whose prompt tokens is read once per step, at its first MoE layer; each layer's
+hook then only keeps its ids. The counting runs once per step after the forward pass (numpy for
+CPU ids; torch on the ids' own device otherwise, so a GPU forward pass is not synchronised per
+layer; untested, no GPU was available), and counts come to the host once, when the prompt is
+complete. Decoding requests cost nothing. The capture also times itself: `capture_us` in the
+signature's wire form is the worker time the hook, the counting and
+the signature took for that prompt (a step's time split evenly over the prompts in it), so its
+cost can be read per request inside one engine, free of the drift between server instances.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import time
 import weakref
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
@@ -45,16 +56,45 @@ def version_supported() -> bool:
     return found is not None and found[1].startswith(CHECKED[found[0]])
 
 
+@dataclass(frozen=True)
+class PromptRows:
+    """One request's prompt rows in a step: [start, end) of the step's tokens."""
+
+    req_id: str
+    start: int
+    end: int
+    completes: bool  # the step computes the rest of its prompt
+
+
+def prompt_rows(runner) -> list[PromptRows]:
+    """Which rows of the step the runner has prepared are prompt tokens, and whose."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    computed, prompt = batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n]
+    starts = runner.query_start_loc.np[: n + 1]
+    rows = []
+    for i in np.flatnonzero(computed < prompt):  # decoding requests' choices are not counted
+        start, end = int(starts[i]), int(starts[i + 1])
+        left = int(prompt[i] - computed[i])
+        rows.append(PromptRows(batch.req_ids[i], start, min(end, start + left), end - start >= left))
+    return rows
+
+
 class ExpertCapture:
     """Per request, counts of expert choices by its prompt tokens ([layers, experts])."""
 
     def __init__(self, layers: int, experts: int) -> None:
         self.layers, self.experts = layers, experts
         self._runner = None                      # weakref to the runner of the current step
-        self._counts: dict[str, np.ndarray] = {}
-        self._done: dict[str, np.ndarray] = {}   # prompt complete: signature ready
+        self._rows: list[PromptRows] | None = None   # the current step's, once a layer ran
+        self._step_ids: list = []                # (layer id, top-k ids) of the current step
+        self._step_ns = 0                         # the hook's time in the current step
+        self._counts: dict = {}                  # req id -> [layers, experts] counts
+        self._cost_ns: dict[str, int] = {}       # the capture's own time per request
+        self._done: dict = {}                    # prompt complete: signature ready
 
     def step_prepared(self, runner) -> None:
+        self._finish_step()  # a step whose signatures were not taken yet
         self._runner = weakref.ref(runner)
 
     def capture(self, layer_id: int, topk_ids) -> None:
@@ -62,31 +102,75 @@ class ExpertCapture:
         runner = self._runner() if self._runner is not None else None
         if runner is None or not 0 <= layer_id < self.layers:
             return
-        batch = runner.input_batch
-        req_ids = batch.req_ids[: batch.num_reqs]
-        starts = runner.query_start_loc.np[: len(req_ids) + 1]
-        ids = topk_ids.detach().to("cpu").numpy()
-        for i, req_id in enumerate(req_ids):
-            computed, prompt = int(batch.num_computed_tokens_cpu[i]), int(batch.num_prompt_tokens[i])
-            if computed >= prompt:
-                continue  # decoding: only the prompt's choices make the signature
-            start, end = int(starts[i]), int(starts[i + 1])
-            rows = ids[start:min(end, start + prompt - computed)]
-            counts = self._counts.get(req_id)
+        started = time.perf_counter_ns()
+        if self._rows is None:
+            self._rows = prompt_rows(runner)
+        if self._rows:
+            # vLLM's CPU router returns a fresh tensor per layer and call, so holding on to it
+            # is enough; on a device, a copy (asynchronous) in case the engine maps or reuses it
+            self._step_ids.append((layer_id, topk_ids if topk_ids.is_cpu else topk_ids.clone()))
+        self._step_ns += time.perf_counter_ns() - started
+
+    def _count_step(self, rows: list[PromptRows]) -> None:
+        """Add the step's choices, every MoE layer's, to the counts of the step's prompts (after
+        the forward pass, so that the hook inside it stays small): a bincount per layer and
+        prompt, with numpy for CPU ids (fewer, cheaper calls than torch's here) and with torch on
+        the ids' own device otherwise."""
+        step_ids, self._step_ids = self._step_ids, []
+        if not step_ids:
+            return
+        on_device = not step_ids[0][1].is_cpu
+        for row in rows:
+            counts = self._counts.get(row.req_id)
             if counts is None:
-                if len(self._counts) >= MAX_TRACKED:
-                    self._counts.pop(next(iter(self._counts)))
-                counts = self._counts[req_id] = np.zeros((self.layers, self.experts), np.int64)
-            counts[layer_id] += np.bincount(rows.reshape(-1), minlength=self.experts)[:self.experts]
-            if computed + (end - start) >= prompt:
-                self._done[req_id] = counts
+                counts = self._new_counts(row.req_id, step_ids[0][1].device if on_device else None)
+            for layer_id, ids in step_ids:
+                mine = ids[row.start:row.end].reshape(-1)
+                found = mine.bincount(minlength=self.experts) if on_device else \
+                    np.bincount(mine.numpy(), minlength=self.experts)
+                counts[layer_id] += found[:self.experts]
+
+    def _new_counts(self, req_id: str, device):
+        """Zero counts for a request: numpy on the host (device None), or torch on `device`."""
+        if len(self._counts) >= MAX_TRACKED:
+            oldest = next(iter(self._counts))
+            del self._counts[oldest]
+            self._cost_ns.pop(oldest, None)
+        shape = (self.layers, self.experts)
+        if device is None:
+            counts = np.zeros(shape, np.int64)
+        else:
+            import torch
+
+            counts = torch.zeros(shape, dtype=torch.int64, device=device)
+        self._counts[req_id] = counts
+        return counts
+
+    def _finish_step(self) -> None:
+        """After a step's forward pass: count it; its completed prompts; its time split evenly."""
+        rows, self._rows = self._rows or [], None
+        started = time.perf_counter_ns()
+        self._count_step(rows)
+        hook_ns = self._step_ns + time.perf_counter_ns() - started
+        self._step_ns = 0
+        for row in rows:
+            self._cost_ns[row.req_id] = self._cost_ns.get(row.req_id, 0) + hook_ns // len(rows)
+            if row.completes and row.req_id in self._counts:
+                self._done[row.req_id] = self._counts[row.req_id]
 
     def take_signatures(self) -> dict[str, dict]:
         """Signatures (wire form) of the prompts completed since the last call."""
+        self._finish_step()
         done, self._done = self._done, {}
-        for req_id in done:
+        signatures = {}
+        for req_id, counts in done.items():
+            started = time.perf_counter_ns()
             self._counts.pop(req_id, None)
-        return {req_id: ExpertSignature.from_counts(c).encode() for req_id, c in done.items()}
+            host = counts if isinstance(counts, np.ndarray) else counts.cpu().numpy()
+            wire = ExpertSignature.from_counts(host, checked=True).encode()
+            cost_ns = self._cost_ns.pop(req_id, 0) + time.perf_counter_ns() - started
+            signatures[req_id] = {**wire, "capture_us": cost_ns // 1000}
+        return signatures
 
 
 _active: ExpertCapture | None = None

@@ -54,6 +54,9 @@ def test_prefill_answers_carry_a_signature_and_it_is_reproducible(pd):
     first, again = signature_of(pd, prompt), signature_of(pd, prompt)
     assert first.layers >= 1 and first.experts >= 2 and first.levels.any()
     assert np.array_equal(first.levels, again.levels)
+    # the capture timed itself in the worker: its cost for this prompt, in microseconds
+    experts = pd.prefill_only(completion_body(prompt))["pd"]["experts"]
+    assert isinstance(experts["capture_us"], int) and experts["capture_us"] > 0
 
 
 def test_prompt_families_give_different_signatures(pd):

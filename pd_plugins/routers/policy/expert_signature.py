@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 LEVELS = 3  # 2 bits: 0..3
+SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8)
 
 
 @dataclass(frozen=True)
@@ -32,17 +33,17 @@ class ExpertSignature:
 
     # -- building -----------------------------------------------------------------------------
     @classmethod
-    def from_counts(cls, counts: np.ndarray) -> ExpertSignature:
-        """From per-layer expert choice counts ([layers, experts], any non-negative numbers)."""
+    def from_counts(cls, counts: np.ndarray, checked: bool = False) -> ExpertSignature:
+        """From per-layer expert choice counts ([layers, experts], any non-negative numbers;
+        `checked`: the caller built them so, as the capture does)."""
         counts = np.asarray(counts, dtype=np.float64)
-        if counts.ndim != 2 or (counts < 0).any():
+        if not checked and (counts.ndim != 2 or (counts < 0).any()):
             raise ValueError("expert counts must be a non-negative [layers, experts] array")
-        peak = counts.max(axis=1, keepdims=True)
-        share = np.divide(counts, peak, out=np.zeros_like(counts), where=peak > 0)
-        # rounded: experts chosen by a stray token or two read as unused (long prompts touch
-        # nearly every expert; what tells topics apart is where most choices go)
-        levels = np.rint(share * LEVELS)
-        return cls(counts.shape[0], counts.shape[1], levels.astype(np.uint8))
+        # share of the layer's most used expert (an unused layer: all 0), rounded: experts chosen
+        # by a stray token or two read as unused (long prompts touch nearly every expert; what
+        # tells topics apart is where most choices go)
+        share = counts * (LEVELS / np.maximum(counts.max(axis=1, keepdims=True), 1e-300))
+        return cls(counts.shape[0], counts.shape[1], np.rint(share).astype(np.uint8))
 
     @classmethod
     def from_topk(cls, topk_ids_per_layer: list[np.ndarray], experts: int) -> ExpertSignature:
@@ -55,10 +56,10 @@ class ExpertSignature:
     # -- wire form ----------------------------------------------------------------------------
     def encode(self) -> dict:
         flat = self.levels.reshape(-1)
-        padded = np.zeros(-(-flat.size // 4) * 4, dtype=np.uint8)
-        padded[:flat.size] = flat
-        q = padded.reshape(-1, 4)
-        packed = (q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)).astype(np.uint8)
+        if flat.size % 4:
+            flat = np.concatenate((flat, np.zeros(4 - flat.size % 4, np.uint8)))
+        # four 2-bit levels per byte, the first in the lowest bits
+        packed = np.bitwise_or.reduce(flat.reshape(-1, 4) << SHIFTS, axis=1)
         return {"layers": self.layers, "experts": self.experts,
                 "levels": base64.b64encode(packed.tobytes()).decode()}
 
@@ -77,7 +78,7 @@ class ExpertSignature:
             raise ValueError(f"expert signature levels are not base64: {exc}") from None
         if packed.size != -(-layers * experts // 4):
             raise ValueError("expert signature levels do not match layers x experts")
-        unpacked = np.stack([(packed >> s) & 3 for s in (0, 2, 4, 6)], axis=1).reshape(-1)
+        unpacked = ((packed[:, None] >> SHIFTS) & 3).reshape(-1)
         return cls(layers, experts, unpacked[:layers * experts].reshape(layers, experts))
 
     # -- comparing ----------------------------------------------------------------------------

@@ -52,3 +52,21 @@ def test_no_step_no_capture_and_version_check_runs():
     cap.capture(0, torch.tensor([[0, 1]]))  # before any step was prepared: ignored
     assert cap.take_signatures() == {}
     assert isinstance(version_supported(), bool)
+
+
+def test_capture_times_itself_per_prompt(monkeypatch):
+    """capture_us: each hook call's time split evenly over the step's prompts, plus the signature
+    build. A clock that advances 1 us per reading makes every timed section cost exactly 1 us."""
+    ticks = iter(range(0, 10**9, 1000))
+    monkeypatch.setattr("pd_plugins.patches.moe_capture.time.perf_counter_ns", lambda: next(ticks))
+    cap = ExpertCapture(layers=2, experts=4)
+    # "a" and "b" complete their prompts in one step; "d" decodes (no share of the cost)
+    runner = FakeRunner(["a", "b", "d"], computed=[0, 0, 9], prompts=[2, 2, 9], scheduled=[2, 2, 1])
+    cap.step_prepared(runner)  # held weakly, as vLLM's runner is
+    for layer in range(2):
+        cap.capture(layer, torch.tensor([[0, 1]] * 5))
+    sigs = cap.take_signatures()
+    assert sorted(sigs) == ["a", "b"]
+    # hook 2 x 1 us + counting 1 us, split over 2 prompts, + 1 us for each signature: 2.5 us
+    assert sigs["a"]["capture_us"] == sigs["b"]["capture_us"] == 2
+    assert ExpertSignature.decode(sigs["a"]).layers == 2  # the extra field does not disturb decoding
