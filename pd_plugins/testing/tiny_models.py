@@ -57,6 +57,20 @@ MODEL_RECIPES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "norm_topk_prob": True,
         },
     ),
+    # Many small experts, as in real MoE models (Qwen3-30B-A3B: 128 experts, top-8), so that
+    # captured expert signatures have structure to study (bench/capture_signatures.py); the
+    # 4-expert models above route any prompt to most of their experts.
+    "wide-qwen3-moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 32,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        },
+    ),
     # Still small to compute, with KV worth moving: 1 MiB per 32-token block (8 layers, 8 KV
     # heads of 64, float32) against tiny-llama's 32 KiB. For transfer benchmarks (bench/).
     "kv-llama": (

