@@ -7,6 +7,9 @@ One `tiny-qwen3-moe` prefill server at a time (PdNixlConnector, kv_producer) on 
 `expert_signatures` off, then on (on, then off, in odd rounds), the same fresh 448-token prompts
 to each as prefill legs (max_tokens=1). Reports the median leg time
 per setting and round and the overhead (on / off - 1) with its spread over the per-prompt pairs.
+Drift between server instances is larger than 2%, so the capture is also measured directly: each
+answer's `capture_us` (the capture's own worker time for that prompt) against the same request's
+engine prefill time (vLLM's `vllm:request_prefill_time_seconds`).
 Writes bench/results/expert_capture_overhead.json and the "Expert capture overhead" section of
 docs/benchmarks.md.
 """
@@ -57,7 +60,7 @@ def one_round(r: int, progress: tqdm) -> dict:
     """One server at a time on core 0, capture off then on (on then off in odd rounds), the
     same prompts to each. Two servers at once measured the other server as much as the capture:
     each engine's NIXL progress thread spins, and the API servers float over both cores."""
-    times: dict = {False: [], True: [], "engine": {}}
+    times: dict = {False: [], True: [], "engine": {}, "share": []}
     for capture in ((False, True) if r % 2 == 0 else (True, False)):
         srv = server(capture, "0")
         try:
@@ -65,21 +68,67 @@ def one_round(r: int, progress: tqdm) -> dict:
             rng = random.Random(r)
             for i in range(REQUESTS + WARM_UP):
                 if i == WARM_UP:
-                    before = engine_prefill(srv)
+                    first = last = engine_prefill(srv)
                 prompt = [rng.randrange(6, VOCAB_SIZE) for _ in range(PROMPT_TOKENS)]
                 body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
                 start = time.perf_counter()
                 params = prefill(PrefillTarget(url=srv.url), body)
-                if i >= WARM_UP:
-                    times[capture].append(time.perf_counter() - start)
-                if bool(params["pd"].get("experts")) != capture:
+                elapsed = time.perf_counter() - start
+                experts = params["pd"].get("experts")
+                if bool(experts) != capture:
                     raise RuntimeError("the capture setting and the answer's pd section disagree")
+                if i >= WARM_UP:
+                    times[capture].append(elapsed)
+                    now = engine_prefill(srv)  # after the leg: this request's engine prefill
+                    if capture and now[1] > last[1]:
+                        times["share"].append(experts["capture_us"] * 1e-6 / (now[0] - last[0]))
+                    last = now
                 progress.update(1)
-            after = engine_prefill(srv)
-            times["engine"][str(capture).lower()] = (after[0] - before[0]) / max(1, after[1] - before[1])
+            times["engine"][str(capture).lower()] = (last[0] - first[0]) / max(1, last[1] - first[1])
         finally:
             srv.stop()
     return times
+
+
+def cold_call_us() -> tuple[float, float]:
+    """Median time of an empty Python call, warm and right after a matrix product (as a hook
+    inside a forward pass runs), in this process, on one thread."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, w = torch.randn(448, 512), torch.randn(512, 4096)
+    out = {}
+    for after_compute in (False, True):
+        times = []
+        for _ in range(21):
+            if after_compute:
+                (a @ w).sum()
+            start = time.perf_counter_ns()
+            (lambda: None)()
+            times.append((time.perf_counter_ns() - start) / 1e3)
+        out[after_compute] = statistics.median(times)
+    return out[False], out[True]
+
+
+def direct_verdict(shares: list[float], cold: tuple[float, float] | None) -> str:
+    """The capture's self-timed cost against the same request's engine prefill time."""
+    if not shares:
+        return "No self-timed costs in these results (an older run). "
+    p50, p90, top = (percentile(shares, q) for q in (50, 90, 100))
+    mean = statistics.mean(shares)
+    verdict = ("under the 2% target for the median and the p90 prompt" if p90 < 0.02 else
+               "under the 2% target for the median prompt, not at p90" if p50 < 0.02 else
+               "above the 2% target")
+    return (f"Measured directly, inside the engine (`capture_us`, the worker time the hook, the "
+            f"counting and the signature took for each prompt, against the same request's engine "
+            f"prefill time, {len(shares)} prompts): median {p50 * 100:.2f}%, p90 {p90 * 100:.2f}%, "
+            f"mean {mean * 100:.2f}%, max {top * 100:.2f}%: {verdict}. The few outliers are "
+            "stalls of a few milliseconds that hit whatever code the engine thread was running "
+            "(no garbage collection ran in them; the forward pass sees the same stalls). "
+            + (f"On this machine Python code right after a matrix product runs much slower than "
+               f"warm (an empty call: {cold[1]:.1f} us against {cold[0]:.1f} us), which is most of "
+               "what the capture costs here; a GPU server's host side does not have its caches "
+               "swept by the forward pass. " if cold else ""))
 
 
 def verdict(pairs: list[float], engine: list[tuple[float, float]]) -> str:
@@ -105,12 +154,13 @@ def main() -> int:
                 rounds.append(one_round(r, progress))
         when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps({"when": when, "rounds": [
+        RESULTS.write_text(json.dumps({"when": when, "cold_call_us": cold_call_us(), "rounds": [
             {str(k).lower(): v for k, v in t.items()} for t in rounds]}))
     saved = json.loads(RESULTS.read_text())
     when = saved["when"]
-    rounds = [{False: t["false"], True: t["true"], "engine": t.get("engine", {})}
-              for t in saved["rounds"]]
+    rounds = [{False: t["false"], True: t["true"], "engine": t.get("engine", {}),
+               "share": t.get("share", [])} for t in saved["rounds"]]
+    shares = sorted(x for t in rounds for x in t["share"])
     engine = [(t["engine"]["false"], t["engine"]["true"]) for t in rounds
               if {"false", "true"} <= set(t["engine"])]
     pairs = [on / off - 1 for t in rounds for off, on in zip(t[False], t[True])]
@@ -148,10 +198,11 @@ def main() -> int:
         f"Overhead, per prompt (on / off - 1 of the same prompt, all rounds): median {overhead * 100:+.1f}%, "
         f"p25 {percentile(sorted(pairs), 25) * 100:+.1f}%, p75 "
         f"{percentile(sorted(pairs), 75) * 100:+.1f}%. "
-        + verdict(pairs, engine)
-        + "The capture copies each MoE layer's top-k ids to the host and counts them per "
-        "request in Python; a leg also carries HTTP and scheduling, so the share of the "
-        "forward pass itself is larger, and a real model's heavier layers make it smaller.",
+        + "Between servers: " + verdict(pairs, engine),
+        "",
+        direct_verdict(shares, saved.get("cold_call_us"))
+        + "A real model's heavier layers make the share smaller; its 48 layers make the "
+        "counting larger (a bincount per layer and prompt).",
         "",
         "<!-- expert-capture:end -->",
     ]) + "\n"
