@@ -44,19 +44,23 @@ def pd(request, pool, references):
     return pool.get(request.param)
 
 
+def experts_of(pd, prompt: list[int]) -> dict:
+    """The `experts` field of the prefill's answer (wire form)."""
+    return pd.prefill_only(completion_body(prompt))["pd"]["experts"]
+
+
 def signature_of(pd, prompt: list[int]) -> ExpertSignature:
-    params = pd.prefill_only(completion_body(prompt))
-    return ExpertSignature.decode(params["pd"]["experts"])
+    return ExpertSignature.decode(experts_of(pd, prompt))
 
 
 def test_prefill_answers_carry_a_signature_and_it_is_reproducible(pd):
     prompt = token_prompt(90, seed=8101)
-    first, again = signature_of(pd, prompt), signature_of(pd, prompt)
+    wire = experts_of(pd, prompt)
+    first, again = ExpertSignature.decode(wire), signature_of(pd, prompt)
     assert first.layers >= 1 and first.experts >= 2 and first.levels.any()
     assert np.array_equal(first.levels, again.levels)
     # the capture timed itself in the worker: its cost for this prompt, in microseconds
-    experts = pd.prefill_only(completion_body(prompt))["pd"]["experts"]
-    assert isinstance(experts["capture_us"], int) and experts["capture_us"] > 0
+    assert isinstance(wire["capture_us"], int) and wire["capture_us"] > 0
 
 
 def test_prompt_families_give_different_signatures(pd):
