@@ -28,8 +28,8 @@ import functools
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from typing import NamedTuple
 
 import numpy as np
 
@@ -56,28 +56,30 @@ def version_supported() -> bool:
     return found is not None and found[1].startswith(CHECKED[found[0]])
 
 
-@dataclass(frozen=True)
-class PromptRows:
-    """One request's prompt rows in a step: [start, end) of the step's tokens."""
+class PromptRows(NamedTuple):
+    """The prompt rows of a step: request i's are rows [starts[i], ends[i]) of the step."""
 
-    req_id: str
-    start: int
-    end: int
-    completes: bool  # the step computes the rest of its prompt
+    req_ids: list[str]
+    starts: list[int]
+    ends: list[int]
+    completes: list[bool]  # the step computes the rest of that request's prompt
 
 
-def prompt_rows(runner) -> list[PromptRows]:
-    """Which rows of the step the runner has prepared are prompt tokens, and whose."""
+def prompt_rows(runner) -> PromptRows | None:
+    """Which rows of the step the runner has prepared are prompt tokens, and whose (None: no
+    prompt tokens; decoding requests' choices are not counted)."""
     batch = runner.input_batch
     n = batch.num_reqs
-    computed, prompt = batch.num_computed_tokens_cpu[:n], batch.num_prompt_tokens[:n]
+    left = batch.num_prompt_tokens[:n] - batch.num_computed_tokens_cpu[:n]
+    prefilling = np.flatnonzero(left > 0)
+    if not prefilling.size:
+        return None
     starts = runner.query_start_loc.np[: n + 1]
-    rows = []
-    for i in np.flatnonzero(computed < prompt):  # decoding requests' choices are not counted
-        start, end = int(starts[i]), int(starts[i + 1])
-        left = int(prompt[i] - computed[i])
-        rows.append(PromptRows(batch.req_ids[i], start, min(end, start + left), end - start >= left))
-    return rows
+    first, scheduled = starts[prefilling], starts[prefilling + 1] - starts[prefilling]
+    ids = batch.req_ids
+    return PromptRows([ids[i] for i in prefilling.tolist()], first.tolist(),
+                      (first + np.minimum(scheduled, left[prefilling])).tolist(),
+                      (scheduled >= left[prefilling]).tolist())
 
 
 class ExpertCapture:
@@ -86,12 +88,16 @@ class ExpertCapture:
     def __init__(self, layers: int, experts: int) -> None:
         self.layers, self.experts = layers, experts
         self._runner = None                      # weakref to the runner of the current step
-        self._rows: list[PromptRows] | None = None   # the current step's, once a layer ran
-        self._step_ids: list = []                # (layer id, top-k ids) of the current step
+        self._rows: PromptRows | None = None     # the current step's, once a layer ran
+        self._looked = False                     # the current step's rows were read
+        self._step_layers: list[int] = []        # MoE layers that ran in the current step
+        self._step_ids: list = []                # and their top-k ids ([tokens, k] each)
         self._step_ns = 0                         # the hook's time in the current step
         self._counts: dict = {}                  # req id -> [layers, experts] counts
         self._cost_ns: dict[str, int] = {}       # the capture's own time per request
         self._done: dict = {}                    # prompt complete: signature ready
+        # a layer's expert ids, shifted into that layer's range of one flat histogram
+        self._offsets = (np.arange(layers, dtype=np.int64) * experts)[:, None, None]
 
     def step_prepared(self, runner) -> None:
         self._finish_step()  # a step whose signatures were not taken yet
@@ -99,68 +105,78 @@ class ExpertCapture:
 
     def capture(self, layer_id: int, topk_ids) -> None:
         """vLLM's capture hook: top-k expert ids of every token of the step in one MoE layer."""
+        if self._looked and self._rows is None:
+            return  # a step with no prompt tokens (decoding only): nothing to count
         runner = self._runner() if self._runner is not None else None
         if runner is None or not 0 <= layer_id < self.layers:
             return
         started = time.perf_counter_ns()
-        if self._rows is None:
-            self._rows = prompt_rows(runner)
-        if self._rows:
+        if not self._looked:
+            self._rows, self._looked = prompt_rows(runner), True
+        if self._rows is not None:
             # vLLM's CPU router returns a fresh tensor per layer and call, so holding on to it
             # is enough; on a device, a copy (asynchronous) in case the engine maps or reuses it
-            self._step_ids.append((layer_id, topk_ids if topk_ids.is_cpu else topk_ids.clone()))
+            self._step_layers.append(layer_id)
+            self._step_ids.append(topk_ids if topk_ids.is_cpu else topk_ids.clone())
         self._step_ns += time.perf_counter_ns() - started
 
-    def _count_step(self, rows: list[PromptRows]) -> None:
+    def _count_step(self, rows: PromptRows) -> None:
         """Add the step's choices, every MoE layer's, to the counts of the step's prompts (after
-        the forward pass, so that the hook inside it stays small): a bincount per layer and
-        prompt, with numpy for CPU ids (fewer, cheaper calls than torch's here) and with torch on
-        the ids' own device otherwise."""
-        step_ids, self._step_ids = self._step_ids, []
+        the forward pass, so that the hook inside it stays small). The layers' ids are stacked
+        and shifted into one flat histogram of layers x experts, so each prompt costs one
+        bincount whatever the number of layers (numpy for CPU ids: fewer, cheaper calls than
+        torch's here; torch on the ids' own device otherwise, no sync per layer)."""
+        layers, step_ids = self._step_layers, self._step_ids
+        self._step_layers, self._step_ids = [], []
         if not step_ids:
             return
-        on_device = not step_ids[0][1].is_cpu
-        for row in rows:
-            counts = self._counts.get(row.req_id)
-            if counts is None:
-                counts = self._new_counts(row.req_id, step_ids[0][1].device if on_device else None)
-            for layer_id, ids in step_ids:
-                mine = ids[row.start:row.end].reshape(-1)
-                found = mine.bincount(minlength=self.experts) if on_device else \
-                    np.bincount(mine.numpy(), minlength=self.experts)
-                counts[layer_id] += found[:self.experts]
+        import torch
 
-    def _new_counts(self, req_id: str, device):
-        """Zero counts for a request: numpy on the host (device None), or torch on `device`."""
+        stacked = torch.stack(step_ids)  # [layers that ran, tokens, k]
+        on_device = not stacked.is_cpu
+        offsets = self._offsets if len(layers) == self.layers else self._offsets[layers]
+        if on_device:
+            offsets = torch.from_numpy(offsets).to(stacked.device)
+        else:
+            stacked = stacked.numpy()
+        flat = self.layers * self.experts
+        for req_id, start, end in zip(rows.req_ids, rows.starts, rows.ends):
+            mine = (stacked[:, start:end] + offsets).reshape(-1)
+            found = (mine.bincount(minlength=flat) if on_device
+                     else np.bincount(mine, minlength=flat)).reshape(self.layers, self.experts)
+            counts = self._counts.get(req_id)
+            if counts is None:
+                self._track(req_id, found)  # a fresh array: it becomes the request's counts
+            else:
+                counts += found
+
+    def _track(self, req_id: str, counts) -> None:
+        """Start a request's counts (bounded: the oldest tracked request is dropped)."""
         if len(self._counts) >= MAX_TRACKED:
             oldest = next(iter(self._counts))
             del self._counts[oldest]
             self._cost_ns.pop(oldest, None)
-        shape = (self.layers, self.experts)
-        if device is None:
-            counts = np.zeros(shape, np.int64)
-        else:
-            import torch
-
-            counts = torch.zeros(shape, dtype=torch.int64, device=device)
         self._counts[req_id] = counts
-        return counts
 
     def _finish_step(self) -> None:
         """After a step's forward pass: count it; its completed prompts; its time split evenly."""
-        rows, self._rows = self._rows or [], None
+        rows, self._rows, self._looked = self._rows, None, False
+        if rows is None:
+            return
         started = time.perf_counter_ns()
         self._count_step(rows)
-        hook_ns = self._step_ns + time.perf_counter_ns() - started
+        share = (self._step_ns + time.perf_counter_ns() - started) // len(rows.req_ids)
         self._step_ns = 0
-        for row in rows:
-            self._cost_ns[row.req_id] = self._cost_ns.get(row.req_id, 0) + hook_ns // len(rows)
-            if row.completes and row.req_id in self._counts:
-                self._done[row.req_id] = self._counts[row.req_id]
+        for req_id, completes in zip(rows.req_ids, rows.completes):
+            self._cost_ns[req_id] = self._cost_ns.get(req_id, 0) + share
+            if completes and req_id in self._counts:
+                self._done[req_id] = self._counts[req_id]
 
     def take_signatures(self) -> dict[str, dict]:
         """Signatures (wire form) of the prompts completed since the last call."""
         self._finish_step()
+        if not self._done:
+            return {}
         done, self._done = self._done, {}
         signatures = {}
         for req_id, counts in done.items():
