@@ -78,6 +78,9 @@ class SimConfig:
     # MoE expert mixes per request (workloads/experts.py): decode steps read the experts their
     # batch uses, and the router learns each prompt's signature when its prefill answers
     expert_mixes: ExpertMixes | None = None
+    # tokens per cached block, in the engines and the router's prefix index: the requests' own
+    # (`TraceRequest.block_tokens`; run() refuses requests hashed at another size)
+    block_tokens: int = HASH_BLOCK_SIZE
     seed: int = 0
 
 
@@ -124,7 +127,7 @@ class ClusterSim:
         self.pool = WorkerPool()
         self.index = PrefixIndex()
         self.ctx = PolicyContext(self.pool, self.index, LatencyModels(latency_priors(c.hardware)),
-                                 HASH_BLOCK_SIZE)
+                                 c.block_tokens)
         self.scheduler = Scheduler(spec, self.ctx)
         self.record_prefixes = self.scheduler.uses_prefix_index and c.prefix_source == "routed"
         self.workers, self.instances = {}, {}
@@ -135,7 +138,7 @@ class ClusterSim:
                 worker.ever_up = True
                 events = c.prefix_source == "events"
                 inst = EngineInstance(
-                    c.hardware, HASH_BLOCK_SIZE, c.max_batched_tokens, c.max_running, c.kv_capacity_tokens,
+                    c.hardware, c.block_tokens, c.max_batched_tokens, c.max_running, c.kv_capacity_tokens,
                     on_stored=(lambda keys, u=url: self.index.store_keys(u, keys)) if events else None,
                     on_removed=(lambda keys, u=url: self.index.remove_keys(u, keys)) if events else None)
                 inst.name, inst.index = url, i
@@ -156,6 +159,11 @@ class ClusterSim:
     def run(self, requests: Iterable[TraceRequest],
             progress: Callable[[int], None] | None = None) -> SimResult:
         requests = list(requests)
+        sizes = {r.block_tokens for r in requests} - {self.config.block_tokens}
+        if sizes:
+            raise ValueError(f"requests hashed at {', '.join(map(str, sorted(sizes)))}-token "
+                             f"blocks, the simulator caches at {self.config.block_tokens} "
+                             "(SimConfig.block_tokens)")
         self._output_keys = context_keys(requests)
         for r in requests:
             self._at(r.arrival_s, self._arrive, r)
@@ -330,7 +338,7 @@ def context_keys(requests: list[TraceRequest]) -> dict[int, tuple[int, ...]]:
         if prev is not None:
             keys = r.full_block_hashes()
             done = len(prev.full_block_hashes())
-            upto = min(len(keys), (prev.input_tokens + prev.output_tokens) // HASH_BLOCK_SIZE)
+            upto = min(len(keys), (prev.input_tokens + prev.output_tokens) // r.block_tokens)
             if keys[:done] == prev.full_block_hashes() and upto > done:
                 out[prev.request_id] = keys[done:upto]
         last[r.session_id] = r

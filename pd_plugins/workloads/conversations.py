@@ -4,7 +4,7 @@ Public traces either lack sessions (Azure) or hide them (Mooncake), so session p
 cache-affinity routing are tested on this generator. Turn t's prompt is the shared system prompt,
 then every earlier user and assistant segment of its session, then the new user segment.
 
-Block ids (HASH_BLOCK_SIZE tokens each) follow the prefix-cache view of that prompt:
+Block ids (`block_tokens` each, HASH_BLOCK_SIZE by default) follow the prefix-cache view of that prompt:
   * a full block lying entirely inside the system prompt has an id shared by all sessions;
   * any other full block k of session n has one id, the same in every turn of that session;
   * a partial last block has the id that block gets once a later turn fills it, so
@@ -46,10 +46,15 @@ class ConversationSpec:
     think_time_median_s: float = 20.0  # gap after a turn's estimated end ~ lognormal
     think_time_sigma: float = 1.0
     service_s_per_output_token: float = 0.03  # open-loop estimate of a turn's service time
+    # tokens per block id: the traces' 512 by default; an engine's own (vLLM's 16 on GPUs) makes
+    # a simulated prefix cache reuse history as finely as the engine's does
+    block_tokens: int = HASH_BLOCK_SIZE
 
     def __post_init__(self) -> None:
         if self.session_rate_per_s <= 0 or self.mean_turns < 1 or self.max_turns < 1:
             raise ValueError("need session_rate_per_s > 0, mean_turns >= 1, max_turns >= 1")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
         for lo, hi in (self.user_tokens_range, self.assistant_tokens_range):
             if not 1 <= lo <= hi:
                 raise ValueError(f"token range must satisfy 1 <= min <= max, got {(lo, hi)}")
@@ -78,7 +83,8 @@ def generate_conversations(spec: ConversationSpec, n_sessions: int, seed: int
     """All turns of `n_sessions` sessions ("s0", "s1", ...), sorted by arrival, ids 0.. in that
     order. The same (spec, n_sessions, seed) always gives the same list."""
     rng = random.Random(seed)
-    system_blocks = spec.shared_system_tokens // HASH_BLOCK_SIZE  # full blocks inside it
+    block = spec.block_tokens
+    system_blocks = spec.shared_system_tokens // block  # full blocks inside it
     system_ids = [block_id(seed, "system", k) for k in range(system_blocks)]
     rows = []  # (arrival_s, session, turn, input_tokens, output_tokens, block_hashes)
     start = 0.0
@@ -92,10 +98,10 @@ def generate_conversations(spec: ConversationSpec, n_sessions: int, seed: int
             answer = _lognormal_int(rng, spec.assistant_tokens_median, spec.assistant_tokens_sigma,
                                     *spec.assistant_tokens_range)
             n_in = context + user
-            n_full = n_in // HASH_BLOCK_SIZE
+            n_full = n_in // block
             full_ids += [block_id(seed, session, k) for k in range(len(full_ids), n_full)]
             hashes = full_ids[:n_full]
-            if blocks_for(n_in) > n_full:
+            if blocks_for(n_in, block) > n_full:
                 hashes.append(block_id(seed, session, n_full))
             rows.append((arrival, n, turn, n_in, answer, tuple(hashes)))
             context = n_in + answer  # the answer becomes part of the next turn's prompt
@@ -103,5 +109,5 @@ def generate_conversations(spec: ConversationSpec, n_sessions: int, seed: int
                 math.log(spec.think_time_median_s), spec.think_time_sigma)
     rows.sort(key=lambda row: row[:3])
     return [TraceRequest(request_id=i, arrival_s=t, input_tokens=n_in, output_tokens=n_out,
-                         block_hashes=hashes, session_id=f"s{n}", turn=turn)
+                         block_hashes=hashes, session_id=f"s{n}", turn=turn, block_tokens=block)
             for i, (t, n, turn, n_in, n_out, hashes) in enumerate(rows)]

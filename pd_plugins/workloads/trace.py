@@ -16,7 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 HASH_BLOCK_SIZE = 512
-"""Tokens per prefix block behind `block_hashes` (Mooncake's block size, used for all sources)."""
+"""Tokens per prefix block behind `block_hashes` by default (Mooncake's block size, used for the
+traces; generated conversations may use a finer one, as an engine's prefix cache does)."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -25,9 +26,10 @@ _MASK64 = (1 << 64) - 1
 class TraceRequest:
     """One request of a workload.
 
-    `block_hashes[k]` stands for tokens [k*512, (k+1)*512) *and everything before them* (chained),
-    so two requests share their first k ids iff they share a k*512-token prefix. There are
-    ceil(input_tokens / 512) ids; the last one may cover a partial block.
+    `block_hashes[k]` stands for tokens [k*B, (k+1)*B) *and everything before them* (chained),
+    where B is `block_tokens` (512 unless the source says otherwise), so two requests share their
+    first k ids iff they share a k*B-token prefix. There are ceil(input_tokens / B) ids; the last
+    one may cover a partial block.
     """
 
     request_id: int  # 0.. in arrival order
@@ -37,10 +39,11 @@ class TraceRequest:
     block_hashes: tuple[int, ...]
     session_id: str | None = None
     turn: int = 0  # 0-based turn within its session
+    block_tokens: int = HASH_BLOCK_SIZE  # tokens per block behind block_hashes
 
     def full_block_hashes(self) -> tuple[int, ...]:
         """Ids of the FULL blocks only: what a block-granular prefix cache can hold and reuse."""
-        return self.block_hashes[: self.input_tokens // HASH_BLOCK_SIZE]
+        return self.block_hashes[: self.input_tokens // self.block_tokens]
 
 
 class TraceFormatError(ValueError):
@@ -51,9 +54,9 @@ class TraceFormatError(ValueError):
         self.path, self.line, self.what = str(path), line, what
 
 
-def blocks_for(tokens: int) -> int:
+def blocks_for(tokens: int, block_tokens: int = HASH_BLOCK_SIZE) -> int:
     """Number of prefix blocks (the last one possibly partial) that cover `tokens` tokens."""
-    return -(-tokens // HASH_BLOCK_SIZE)
+    return -(-tokens // block_tokens)
 
 
 # --- prompt materialisation -------------------------------------------------------------------
@@ -97,7 +100,7 @@ def prompt_token_ids(req: TraceRequest, vocab_size: int = 32000) -> list[int]:
     """
     ids: list[int] = []
     for k, h in enumerate(req.block_hashes):
-        n = min(HASH_BLOCK_SIZE, req.input_tokens - k * HASH_BLOCK_SIZE)
+        n = min(req.block_tokens, req.input_tokens - k * req.block_tokens)
         ids += _block_tokens(h, n, vocab_size)
     return ids
 

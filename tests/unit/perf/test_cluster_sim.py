@@ -1,5 +1,7 @@
 """The cluster simulator: one request timed by hand, determinism, and the router's policies at work."""
 
+import dataclasses
+
 import pytest
 
 from pd_plugins.perf.cluster_sim import SimConfig, simulate
@@ -70,3 +72,22 @@ def test_multi_turn_appends_later_turns_on_the_pinned_decode_with_the_answer_cac
         assert o.cached_tokens >= (prev.input_tokens + prev.output_tokens) // 512 * 512, by_id[o.request_id]
     plain = simulate(reqs, SimConfig(HW, 2, 2, policy="vllm_kv_aware"))
     assert all(o.disaggregated for o in plain.outcomes)
+
+
+def test_block_size_must_match_the_requests_and_finer_blocks_recompute_less_of_an_append():
+    spec = ConversationSpec(session_rate_per_s=0.2, mean_turns=50, max_turns=3, shared_system_tokens=0,
+                            user_tokens_range=(100, 300), assistant_tokens_range=(600, 900))
+    with pytest.raises(ValueError, match="16-token blocks"):
+        simulate(generate_conversations(dataclasses.replace(spec, block_tokens=16), 2, seed=3),
+                 SimConfig(HW, 2, 2, policy="multi_turn"))
+
+    def recomputed(block):
+        reqs = generate_conversations(dataclasses.replace(spec, block_tokens=block), 4, seed=3)
+        result = simulate(reqs, SimConfig(HW, 2, 2, policy="multi_turn", block_tokens=block))
+        later = [o for o in result.outcomes if o.turn > 0]
+        assert later and all(o.status == "ok" and not o.disaggregated for o in later)
+        # the history up to the end of the last answer is cached, to the last full block
+        by_id = {r.request_id: r for r in reqs}
+        assert all(o.cached_tokens >= by_id[o.request_id].input_tokens - 300 - block for o in later)
+        return sum(by_id[o.request_id].input_tokens - o.cached_tokens for o in later)
+    assert recomputed(16) < recomputed(512)

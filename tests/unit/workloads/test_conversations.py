@@ -116,3 +116,21 @@ def test_spec_validation():
         ConversationSpec(user_tokens_range=(10, 5))
     one = generate_conversations(ConversationSpec(mean_turns=1), 20, seed=0)
     assert len(one) == 20 and {r.turn for r in one} == {0}
+
+
+def test_finer_blocks_keep_the_prefix_structure():
+    """block_tokens=16 (an engine's block): one id per 16 tokens, turns still chain, prompts still
+    extend each other token for token, and the system prompt's blocks are shared."""
+    spec = ConversationSpec(block_tokens=16, shared_system_tokens=1000)
+    sessions = by_session(generate_conversations(spec, 20, seed=5))
+    for turns in sessions.values():
+        for r in turns:
+            assert r.block_tokens == 16 and len(r.block_hashes) == math.ceil(r.input_tokens / 16)
+        for a, b in zip(turns, turns[1:]):
+            assert prompt_token_ids(b)[:a.input_tokens] == prompt_token_ids(a)
+            assert b.block_hashes[:len(a.full_block_hashes())] == a.full_block_hashes()
+    firsts = [turns[0] for turns in sessions.values()]
+    assert len({r.block_hashes[:1000 // 16] for r in firsts}) == 1  # 62 shared full blocks
+    assert len({r.block_hashes[1000 // 16] for r in firsts}) == len(firsts)  # then each its own
+    with pytest.raises(ValueError):
+        ConversationSpec(block_tokens=0)
