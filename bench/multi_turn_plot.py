@@ -17,7 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"vllm_kv_aware": "#7f7f7f", "vllm_session_affinity": "#1f77b4", "multi_turn": "black"}
+COLORS = {"vllm_kv_aware": "#7f7f7f", "vllm_session_affinity": "#1f77b4", "multi_turn": "black",
+          "multi_turn_chunked": "#d62728"}
 
 
 def main(results_path: str, out_dir: str) -> None:
@@ -25,12 +26,14 @@ def main(results_path: str, out_dir: str) -> None:
     rates = sorted(results["sim"], key=float)
     fig, (ttft, tpot, dist) = plt.subplots(1, 3, figsize=(17, 4.8))
     for policy, color in COLORS.items():
+        if policy not in results["sim"][rates[0]]:
+            continue
         xs = [float(r) for r in rates]
         for key, ax, style in (("ttft2_p50", ttft, "-"), ("ttft2_p95", ttft, "--"),
                                ("tpot_p50", tpot, "-"), ("tpot_p95", tpot, "--")):
             ax.plot(xs, [results["sim"][r][policy][key] * 1e3 for r in rates], style, marker="o",
                     markersize=3, color=color, label=f"{policy} {key.split('_')[1]}")
-        if results["replay"]:
+        if results["replay"] and policy in results["replay"][0]:
             x, y = results["replay"][0][policy]["ttft2_cdf"]
             dist.plot([v * 1e3 for v in x], y, color=color, label=policy)
     ttft.set(xlabel="new sessions per second", ylabel="ms", title="turn-2+ TTFT (simulator)", yscale="log")

@@ -70,6 +70,9 @@ class SimConfig:
     policy: str | PolicySpec = "prefix_cache"
     prefix_source: PrefixSource = "events"
     max_batched_tokens: int = 8192
+    # the decode instances' token budget per step, if not the same: a small one makes a prefill
+    # on a decode (append-prefill, local prefill) run in chunks beside the decodes (Sarathi-style)
+    decode_max_batched_tokens: int | None = None
     max_running: int = 256
     kv_capacity_tokens: int | None = None  # default: what fits in GPU memory (hardware.py)
     scrape_interval_s: float = 1.0
@@ -138,7 +141,9 @@ class ClusterSim:
                 worker.ever_up = True
                 events = c.prefix_source == "events"
                 inst = EngineInstance(
-                    c.hardware, c.block_tokens, c.max_batched_tokens, c.max_running, c.kv_capacity_tokens,
+                    c.hardware, c.block_tokens,
+                    c.decode_max_batched_tokens or c.max_batched_tokens if role == "decode"
+                    else c.max_batched_tokens, c.max_running, c.kv_capacity_tokens,
                     on_stored=(lambda keys, u=url: self.index.store_keys(u, keys)) if events else None,
                     on_removed=(lambda keys, u=url: self.index.remove_keys(u, keys)) if events else None)
                 inst.name, inst.index = url, i

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from pd_plugins.perf.cluster_sim import SimConfig, simulate
+from pd_plugins.perf.cluster_sim import ClusterSim, SimConfig, simulate
 from pd_plugins.perf.hardware import preset
 from pd_plugins.perf.report import Slo, summarize
 from pd_plugins.workloads import ConversationSpec, TraceRequest, generate_conversations
@@ -91,3 +91,10 @@ def test_block_size_must_match_the_requests_and_finer_blocks_recompute_less_of_a
         assert all(o.cached_tokens >= by_id[o.request_id].input_tokens - 300 - block for o in later)
         return sum(by_id[o.request_id].input_tokens - o.cached_tokens for o in later)
     assert recomputed(16) < recomputed(512)
+
+
+def test_decode_token_budget_applies_to_decode_instances_only():
+    sim = ClusterSim(SimConfig(HW, 1, 2, policy="multi_turn", decode_max_batched_tokens=256))
+    budgets = {inst.name: inst.max_batched_tokens for inst in sim.workers}
+    assert budgets == {"http://sim-prefill-0": 8192, "http://sim-decode-0": 256,
+                       "http://sim-decode-1": 256}
