@@ -24,13 +24,13 @@ Who may touch a slot, and when:
   write lease.
 - Checksums (a 64-bit sum of the slot's words, taken by the writer from its source data) let a
   reader check the bytes themselves: what keeps the pool correct on memory that is not cache
-  coherent across hosts, where a generation check alone cannot see stale lines. They cost a
-  second pass over the data (12-15% of a write's time); a pool is created with or without them
-  (the connectors' default, `checksums=None`: with them on a DAX device, without on a file).
-- Header work is batched: a call handles a request's blocks as arrays (`SlotRefs`, `PinnedSlots`),
-  so its cost is a few dozen numpy calls per request, not per block.
+  coherent across hosts, where a generation check alone cannot see stale lines. They are taken
+  in the same pass as the copy (shm_pool_kernels.copy_rows); a pool is created with or without
+  them (the connectors' default, `checksums=None`: with them on a DAX device, without on a file).
+- Header work is batched and compiled: a call handles a request's blocks as arrays (`SlotRefs`,
+  `PinnedSlots`) in one call into a numba kernel (shm_pool_kernels.py), not per block.
 
-Engine-agnostic: numpy and the standard library only.
+Engine-agnostic: numpy, numba and the standard library only.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
+
+from pd_plugins.transfer import shm_pool_kernels as kernels
 
 MAGIC = b"PDSHMPL1"
 FORMAT_VERSION = 2            # 2: header columns start on cache-line boundaries
@@ -110,24 +112,6 @@ def checksums_by_default(path: str) -> bool:
         return stat.S_ISCHR(os.stat(path).st_mode)
     except OSError:
         return False
-
-
-_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads any key bits
-
-
-def _bucket(k64: np.ndarray, bits: int) -> np.ndarray:
-    """A bucket of 2**bits for each key64 (multiplicative hashing; products wrap mod 2**64)."""
-    return (k64 * _FIBONACCI >> np.uint64(64 - bits)).astype(np.intp)
-
-
-def bucket_candidates(column: np.ndarray, k64: np.ndarray) -> np.ndarray:
-    """Positions in a key64 column that may hold one of `k64`: mark the keys' buckets, gather
-    the column's (no branches; at most ~1 position in 32 passes falsely). A binary search of the
-    whole column ran ~8x slower: every probe of a fresh key is a mispredicted branch."""
-    bits = max(12, int(32 * len(k64) - 1).bit_length())
-    marks = np.zeros(1 << bits, dtype=bool)
-    marks[_bucket(k64, bits)] = True
-    return np.flatnonzero(marks[_bucket(column, bits)])
 
 
 def _round_up(n: int, to: int) -> int:
@@ -310,6 +294,7 @@ class ShmKVPool:
             raise
         if prefault:
             self._prefault()
+        kernels.warm_up()
 
     # -- opening -------------------------------------------------------------------------------
     def _region_size(self) -> int:
@@ -430,12 +415,9 @@ class ShmKVPool:
         return ShmKVPool._Locked(self)
 
     # -- lookup ----------------------------------------------------------------------------------
-    # Header work is vectorised per batch: keys become one [n, KEY_BYTES] array, a lookup is a
-    # bucket filter over the key64 column and a sorted search of the few slots that pass, and
-    # every field is read and written with fancy indexing. What is left per call is a few dozen
-    # numpy calls (~30-50 us with warm caches, 2-3x after a large copy) and scans that grow with
-    # the pool (~8 ns per slot and batch), which a request's worth of blocks per call amortises
-    # (docs/benchmarks.md, "Shared-memory KV pool bandwidth").
+    # Each locked call is one kernel call over the batch and the header columns
+    # (shm_pool_kernels.py): a lookup is one pass over the slots probing a small table of the
+    # batch's keys. What is left in Python per call: the keys as one array, the lock, the result.
     @staticmethod
     def _key_rows(keys: Sequence[bytes]) -> np.ndarray:
         """Keys as one [n, KEY_BYTES] uint8 array."""
@@ -444,42 +426,14 @@ class ShmKVPool:
             raise ValueError(f"pool keys are {KEY_BYTES} bytes each")
         return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), KEY_BYTES)
 
-    @staticmethod
-    def _key64(rows: np.ndarray) -> np.ndarray:
-        """The key64 column's value for each key row (its first 8 bytes, little endian)."""
-        return np.ascontiguousarray(rows[:, :8]).view("<u8").reshape(-1).astype(np.uint64)
-
-    def _find_many(self, rows: np.ndarray, states: tuple[int, ...] = (READY,)) -> np.ndarray:
-        """Slot of each key row in one of `states`, or -1 (caller holds the lock). A key held by
-        several slots (a dead writer's and a later one's) resolves to the lowest slot."""
-        c = self._cols
-        out = np.full(len(rows), -1, dtype=np.int64)
-        if not len(rows):
-            return out
-        k64 = self._key64(rows)
-        column = c["key64"]
-        candidates = bucket_candidates(column, k64)  # then search only those
-        state = c["state"][candidates]
-        in_states = state == states[0]
-        for other in states[1:]:  # (np.isin costs ~10 us per call on a handful of values)
-            in_states |= state == other
-        candidates = candidates[in_states]
-        if not candidates.size:
-            return out
-        candidates = candidates[np.argsort(column[candidates], kind="stable")]  # then slot order
-        by64 = column[candidates]
-        first = np.minimum(np.searchsorted(by64, k64), candidates.size - 1)
-        slots = candidates[first]
-        hit = (by64[first] == k64) & (c["key"][slots] == rows).all(axis=1)
-        out[hit] = slots[hit]
-        return out
-
     def lookup(self, keys: Sequence[bytes]) -> SlotRefs:
         """Where each key is published now (None: not in the pool). A hint: pin before reading."""
         rows = self._key_rows(keys)
+        slots = np.empty(len(keys), dtype=np.int64)
         with self._file_lock():
-            slots = self._find_many(rows)
-            seqs = self._cols["seq"][np.maximum(slots, 0)].copy()
+            c = self._cols
+            kernels.find(c["state"], c["key"], c["key64"], rows, True, False, slots)
+            seqs = c["seq"][np.maximum(slots, 0)]
         return SlotRefs(slots, seqs)
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
@@ -493,57 +447,22 @@ class ShmKVPool:
         return c["content_key"][c["state"] == READY].copy()
 
     # -- writing ---------------------------------------------------------------------------------
-    def _victims(self, count: int, now: float) -> np.ndarray:
-        """Up to `count` slots to reuse: free ones first, in slot order (consecutive blocks land
-        in consecutive slots and copy as one run), then the least recently used evictable."""
-        c = self._cols
-        free = np.flatnonzero(c["state"] == FREE)
-        if free.size >= count:
-            return free[:count]
-        evictable = np.flatnonzero(
-            ((c["state"] == READY) & (c["hold_until"] <= now)
-             & ((c["readers"] == 0) | (c["read_until"] <= now)))
-            | ((c["state"] == WRITING) & (c["write_until"] <= now)))
-        need = count - free.size
-        if evictable.size > need:
-            evictable = evictable[np.argpartition(c["last_use"][evictable], need - 1)[:need]]
-        return np.concatenate([free, np.sort(evictable)])
-
     def reserve(self, keys: Sequence[bytes], content_keys: Sequence[int] | None = None,
                 write_lease_s: float = DEFAULT_WRITE_LEASE_S) -> SlotRefs:
         """Reserve one slot per key to write into. None for a key already published or being
-        written by a live writer (nothing to do), or when every slot is in use (pool full)."""
-        out = SlotRefs(np.full(len(keys), -1, dtype=np.int64), np.zeros(len(keys), np.uint64))
+        written by a live writer (nothing to do), or when every slot is in use (pool full).
+        Reused slots are free ones first, in slot order (consecutive blocks land in consecutive
+        slots and copy as one run), then the least recently used evictable ones."""
         rows = self._key_rows(keys)
+        content = (np.asarray(content_keys, dtype=np.int64) if content_keys is not None
+                   else _NONE_I64)
         with self._file_lock():
             c = self._cols
-            now = time.time()
-            present = self._find_many(rows, (READY, WRITING))
-            live = present >= 0
-            writing = np.flatnonzero(live)[c["state"][present[live]] == WRITING]
-            live[writing[c["write_until"][present[writing]] <= now]] = False  # dead writers
-            wanted = np.flatnonzero(~live)
-            slots = self._victims(len(wanted), now)
-            wanted = wanted[:slots.size]
-            if not wanted.size:
-                return out
-            seq0 = int(self._next_seq[0])
-            seqs = np.arange(seq0, seq0 + wanted.size, dtype=np.uint64)
-            c["state"][slots] = WRITING  # first: the slots' old content is gone from now on
-            c["seq"][slots] = seqs
-            c["key"][slots] = rows[wanted]
-            c["key64"][slots] = self._key64(rows[wanted])
-            c["content_key"][slots] = (np.asarray(content_keys, dtype=np.int64)[wanted]
-                                       if content_keys is not None else 0)
-            c["write_until"][slots] = now + write_lease_s
-            c["hold_until"][slots] = 0.0
-            c["readers"][slots] = 0
-            c["read_until"][slots] = 0.0
-            c["last_use"][slots] = now
-            c["writer_pid"][slots] = os.getpid()
-            self._next_seq[0] = seq0 + wanted.size
-        out.slots[wanted], out.seqs[wanted] = slots, seqs
-        return out
+            slots, seqs = kernels.reserve(
+                c["state"], c["key"], c["key64"], c["content_key"], c["seq"], c["write_until"],
+                c["hold_until"], c["readers"], c["read_until"], c["last_use"], c["writer_pid"],
+                self._next_seq, rows, content, time.time(), float(write_lease_s), os.getpid())
+        return SlotRefs(slots, seqs)
 
     def write(self, ref: SlotRef, data: np.ndarray) -> int:
         """Copy `data` (any contiguous array) into a reserved slot; returns its checksum (0 in
@@ -556,8 +475,7 @@ class ShmKVPool:
 
     def write_many(self, refs: Sequence[SlotRef] | SlotRefs, rows: np.ndarray) -> np.ndarray:
         """Copy rows ([n, nbytes] uint8, nbytes a multiple of 8) into reserved slots (all
-        present), one copy per run of consecutive slots; returns each row's checksum (zeros
-        without checksums)."""
+        present); returns each row's checksum (zeros without checksums)."""
         return copy_runs(rows, range(len(refs)), self.data, SlotRefs.of(refs).slots,
                          sum_source=True if self.checksums else None)
 
@@ -576,17 +494,13 @@ class ShmKVPool:
         slots, seqs = refs.slots, refs.seqs
         if not slots.size:
             return np.zeros(0, dtype=bool)
+        sums = np.asarray(checksums, dtype=np.uint64)
+        sizes = np.asarray(nbytes, dtype=np.uint64).reshape(-1)  # one per slot, or one for all
         with self._file_lock():
             c = self._cols
-            now = time.time()
-            ok = (c["seq"][slots] == seqs) & (c["state"][slots] == WRITING)
-            mine = slots[ok]
-            c["checksum"][mine] = np.asarray(checksums, dtype=np.uint64)[ok]
-            c["nbytes"][mine] = np.broadcast_to(np.asarray(nbytes, dtype=np.uint64), ok.shape)[ok]
-            c["hold_until"][mine] = now + hold_s
-            c["last_use"][mine] = now
-            c["state"][mine] = READY  # last: readers see a complete entry
-        return ok
+            return kernels.publish(c["state"], c["seq"], c["checksum"], c["nbytes"],
+                                   c["hold_until"], c["last_use"], slots, seqs, sums, sizes,
+                                   time.time(), float(hold_s))
 
     def abandon(self, refs: Iterable[SlotRef]) -> None:
         """Give back reserved slots that will not be published."""
@@ -602,49 +516,35 @@ class ShmKVPool:
         """Pin the published slot of each key for reading (None: not published). A hint (a slot
         and generation from the writer) is used only if that slot still holds exactly this key."""
         rows = self._key_rows(keys)
-        at, hint_slots, hint_seqs = self._usable_hints(hints, len(keys))
+        hint_slots, hint_seqs = self._hint_arrays(hints)
         with self._file_lock():
             c = self._cols
-            now = time.time()
-            slots = np.full(len(keys), -1, dtype=np.int64)
-            good = ((c["seq"][hint_slots] == hint_seqs) & (c["state"][hint_slots] == READY)
-                    & (c["key"][hint_slots] == rows[at]).all(axis=1))
-            slots[at[good]] = hint_slots[good]
-            missing = np.flatnonzero(slots < 0)
-            if missing.size:
-                slots[missing] = self._find_many(rows[missing])
-            got = slots[slots >= 0]
-            stale = got[(c["readers"][got] > 0) & (c["read_until"][got] <= now)]
-            c["readers"][stale] = 0  # earlier pins whose lease ran out: dead readers
-            np.add.at(c["readers"], got, 1)
-            c["read_until"][got] = np.maximum(c["read_until"][got], now + read_lease_s)
-            c["last_use"][got] = now
-            found = slots >= 0
-            seqs, sums, sizes = (np.zeros(len(keys), dtype=np.uint64) for _ in range(3))
-            seqs[found], sums[found], sizes[found] = (c["seq"][got], c["checksum"][got],
-                                                      c["nbytes"][got])
-        return PinnedSlots(slots, seqs, sums, sizes)
+            return PinnedSlots(*kernels.pin(
+                c["state"], c["key"], c["key64"], c["seq"], c["checksum"], c["nbytes"],
+                c["readers"], c["read_until"], c["last_use"], rows, hint_slots, hint_seqs,
+                time.time(), float(read_lease_s)))
 
-    def _usable_hints(self, hints: Sequence[SlotRef | None] | None, count: int
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(key positions, slots, generations) of the hints that name a slot of this pool."""
+    @staticmethod
+    def _hint_arrays(hints: Sequence[SlotRef | None] | None) -> tuple[np.ndarray, np.ndarray]:
+        """(slots, generations) of the hints: slot -1 for a missing one (the kernel checks the
+        range and the slot's key itself, and takes keys past the hints' end as unhinted)."""
         if isinstance(hints, SlotRefs):
-            at = np.flatnonzero((hints.slots[:count] >= 0) & (hints.slots[:count] < self.num_slots))
-            return at, hints.slots[at], hints.seqs[at]
-        hinted = [(i, h.slot, h.seq) for i, h in enumerate((hints or ())[:count])
-                  if h is not None and 0 <= h.slot < self.num_slots and 0 <= h.seq < 1 << 64]
-        columns = zip(*hinted) if hinted else ((), (), ())
-        return tuple(np.array(col, dtype=dt) for col, dt in  # type: ignore[return-value]
-                     zip(columns, (np.int64, np.int64, np.uint64)))
+            return hints.slots, hints.seqs
+        if not hints:
+            return _NONE_I64, _NONE_U64
+        pairs = [(h.slot, h.seq) if h is not None and 0 <= h.seq < 1 << 64 else (-1, 0)
+                 for h in hints]
+        return (np.array([p[0] for p in pairs], dtype=np.int64),
+                np.array([p[1] for p in pairs], dtype=np.uint64))
 
     def read(self, pinned: PinnedSlot) -> np.ndarray:
         """A view of a pinned slot's bytes (copy out of it before unpinning)."""
         return self.data[pinned.slot, :pinned.nbytes]
 
     def read_many(self, pinned: Sequence[PinnedSlot] | PinnedSlots, out: np.ndarray) -> list[bool]:
-        """Copy pinned slots (all present) into rows of `out` ([n, nbytes] uint8), one copy per
-        run of consecutive slots; True for each copy whose checksum matches its pin's (always
-        True in a pool without checksums). Unpin afterwards: that checks the generations."""
+        """Copy pinned slots (all present) into rows of `out` ([n, nbytes] uint8); True for each
+        copy whose checksum matches its pin's (always True in a pool without checksums). Unpin
+        afterwards: that checks the generations."""
         pinned = PinnedSlots.of(pinned)
         sums = copy_runs(self.data, pinned.slots, out, range(len(pinned)),
                          sum_source=False if self.checksums else None)
@@ -656,14 +556,11 @@ class ShmKVPool:
         """Release pins (all present); True where the slot kept its generation throughout (the
         copy is good)."""
         pinned = PinnedSlots.of(pinned)
-        slots, seqs = pinned.slots, pinned.seqs
-        if not slots.size:
+        if not len(pinned):
             return []
         with self._file_lock():
             c = self._cols
-            same = (c["seq"][slots] == seqs) & (c["state"][slots] == READY)
-            held = slots[same & (c["readers"][slots] > 0)]
-            np.subtract.at(c["readers"], held, 1)
+            same = kernels.unpin(c["state"], c["seq"], c["readers"], pinned.slots, pinned.seqs)
         return same.tolist()
 
     def release_hold(self, refs: Iterable[SlotRef]) -> None:
@@ -699,9 +596,11 @@ def remove_pool(path: str) -> None:
         pass
 
 
-# Copy this much, then sum it. Smaller chunks would be summed from cache, but copies out of the
-# shared mapping ran at half speed in 256 KiB pieces here and at full speed from 1 MiB up.
-CHECKSUM_CHUNK_BYTES = 2 * 1024 * 1024
+# Runs longer than this are copied in pieces (np.copyto of a whole run ran no faster).
+COPY_CHUNK_BYTES = 2 * 1024 * 1024
+
+
+_NONE_I64, _NONE_U64 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
 
 
 def _row_array(rows: Sequence[int]) -> np.ndarray:
@@ -712,16 +611,22 @@ def _row_array(rows: Sequence[int]) -> np.ndarray:
 
 def copy_runs(src: np.ndarray, src_rows: Sequence[int], dst: np.ndarray,
               dst_rows: Sequence[int], sum_source: bool | None) -> np.ndarray:
-    """Copy src rows to dst rows (uint8, equal widths up to dst's), one np.copyto per run where
-    both sides step by one (split into cache-sized chunks), and sum each copied row right after
-    its copy: from the source (a writer's checksum), the destination (what a reader got), or
-    not at all (None: zeros)."""
+    """Copy src rows to dst rows (uint8, equal widths up to dst's) and return each row's checksum:
+    taken from the words as they are copied (one pass, shm_pool_kernels.copy_rows) when
+    `sum_source` is True (a writer's checksum of its source) or False (what a reader got), or
+    none (None: zeros, and one np.copyto per run where both sides step by one)."""
     src_at, dst_at = _row_array(src_rows), _row_array(dst_rows)
     width = src.shape[1] if sum_source else dst.shape[1]
     sums = np.zeros(src_at.size, dtype=np.uint64)
     if not src_at.size:
         return sums
-    per_chunk = max(1, CHECKSUM_CHUNK_BYTES // max(1, width))
+    if sum_source is not None:
+        if width % 8:
+            raise ValueError(f"checksummed rows are whole 8-byte words, not {width} bytes")
+        kernels.copy_rows(src[:, :width].view(np.uint64), src_at, dst[:, :width].view(np.uint64),
+                          dst_at, sums)
+        return sums
+    per_chunk = max(1, COPY_CHUNK_BYTES // max(1, width))
     # Runs: a new one wherever either side stops stepping by one; then cut runs into chunks.
     breaks = np.flatnonzero((np.diff(src_at) != 1) | (np.diff(dst_at) != 1)) + 1
     run_starts = np.concatenate(([0], breaks))
@@ -731,7 +636,4 @@ def copy_runs(src: np.ndarray, src_rows: Sequence[int], dst: np.ndarray,
     for start, end in zip(starts, starts[1:] + [src_at.size]):
         s0, d0, n = int(src_at[start]), int(dst_at[start]), end - start
         np.copyto(dst[d0:d0 + n, :width], src[s0:s0 + n, :width])
-        if sum_source is not None:
-            summed = src[s0:s0 + n, :width] if sum_source else dst[d0:d0 + n, :width]
-            sums[start:end] = row_checksums(summed)
     return sums

@@ -1,0 +1,288 @@
+"""The shared-memory KV pool's hot paths, compiled (numba): header updates and copy-with-checksum.
+
+Each of the pool's locked calls (reserve, publish, pin, unpin, lookup) is one call into a kernel
+here, which walks the batch and the header columns in plain loops. As numpy the same work took a
+few dozen array operations per call, ~400 us per batch right after a large copy had swept the
+caches: as much as copying 128 blocks of 64 KiB (docs/benchmarks.md, "Shared-memory KV pool
+bandwidth"). A kernel is one function entered once.
+
+`copy_rows` copies rows of u64 words and sums them in the same pass (the pool's checksum: a
+wrapping 64-bit sum of a slot's words), so checksums cost no second pass over the data.
+
+The kernels see the header as shm_pool.py lays it out (one array per field, a slot per
+element) and take the caller's lock for granted. numba compiles each kernel on its first call in a
+process and caches the machine code next to this file (`cache=True`), so later processes load it.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+FREE, WRITING, READY = 0, 1, 2
+KEY_BYTES = 32
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads any key bits
+
+jit = numba.njit(cache=True, nogil=True)
+
+
+@jit
+def key64_of(rows):
+    """Each key's first 8 bytes as a little-endian u64: the key64 column's value for it."""
+    out = np.empty(rows.shape[0], np.uint64)
+    for i in range(rows.shape[0]):
+        v = np.uint64(0)
+        for b in range(7, -1, -1):
+            v = (v << np.uint64(8)) | np.uint64(rows[i, b])
+        out[i] = v
+    return out
+
+
+@jit
+def find(state, key, key64, rows, ready, writing, out):
+    """out[i]: the lowest slot holding key rows[i] in state READY (if `ready`) or WRITING (if
+    `writing`), else -1. The batch's keys go into a small open-addressing table; one pass over
+    the slots probes it, so a call costs O(slots + keys)."""
+    n = rows.shape[0]
+    out[:] = -1
+    if n == 0:
+        return
+    k64 = key64_of(rows)
+    bits = 4
+    while (1 << bits) < 2 * n:
+        bits += 1
+    shift = np.uint64(64 - bits)
+    mask = np.uint64((1 << bits) - 1)
+    table = np.full(1 << bits, -1, np.int64)
+    for i in range(n):
+        h = (k64[i] * _FIBONACCI) >> shift
+        while table[h] != -1:
+            h = (h + np.uint64(1)) & mask
+        table[h] = i
+    for s in range(state.shape[0]):
+        st = state[s]
+        if not ((st == READY and ready) or (st == WRITING and writing)):
+            continue
+        v = key64[s]
+        h = (v * _FIBONACCI) >> shift
+        while table[h] != -1:
+            i = table[h]
+            if k64[i] == v and out[i] == -1:
+                same = True
+                for b in range(KEY_BYTES):
+                    if key[s, b] != rows[i, b]:
+                        same = False
+                        break
+                if same:
+                    out[i] = s
+            h = (h + np.uint64(1)) & mask
+
+
+@jit
+def victims(state, hold_until, readers, read_until, write_until, last_use, count, now, out):
+    """Fill out[:k] with up to `count` slots to reuse and return k: free slots first, in slot
+    order (consecutive blocks land in consecutive slots and copy as one run), then the least
+    recently used evictable ones (no hold, no live pin, no live write lease), in slot order."""
+    k = 0
+    if count <= 0:
+        return k
+    for s in range(state.shape[0]):
+        if state[s] == FREE:
+            out[k] = s
+            k += 1
+            if k == count:
+                return k
+    evictable = np.empty(state.shape[0], np.int64)
+    m = 0
+    for s in range(state.shape[0]):
+        st = state[s]
+        if ((st == READY and hold_until[s] <= now and (readers[s] == 0 or read_until[s] <= now))
+                or (st == WRITING and write_until[s] <= now)):
+            evictable[m] = s
+            m += 1
+    need = count - k
+    if m <= need:
+        for j in range(m):
+            out[k] = evictable[j]
+            k += 1
+        return k
+    # the `need` least recently used, in slot order: those used before the need-th smallest
+    # time, then as many used at that very time as are still wanted (a selection, not a sort)
+    times = np.empty(m, np.float64)
+    for j in range(m):
+        times[j] = last_use[evictable[j]]
+    cutoff = np.partition(times, need - 1)[need - 1]
+    older = 0
+    for j in range(m):
+        if times[j] < cutoff:
+            older += 1
+    ties = need - older
+    for j in range(m):
+        t = times[j]
+        if t < cutoff or (t == cutoff and ties > 0):
+            if t == cutoff:
+                ties -= 1
+            out[k] = evictable[j]
+            k += 1
+    return k
+
+
+@jit
+def reserve(state, key, key64, content_key, seq, write_until, hold_until, readers, read_until,
+            last_use, writer_pid, next_seq, rows, content_keys, now, lease_s, pid):
+    """Reserve a slot (state WRITING, a write lease, a new generation) for each key that is not
+    published or being written by a live writer: (slots, generations), slot -1 for the others
+    and for keys left over when no slot can be reused. content_keys: one per key, or none (0)."""
+    n = rows.shape[0]
+    out_slots = np.full(n, -1, np.int64)
+    out_seqs = np.zeros(n, np.uint64)
+    k64 = key64_of(rows)
+    present = np.empty(n, np.int64)
+    find(state, key, key64, rows, True, True, present)
+    wanted = np.empty(n, np.int64)
+    w = 0
+    for i in range(n):
+        p = present[i]
+        if p < 0 or (state[p] == WRITING and write_until[p] <= now):  # absent, or a dead writer
+            wanted[w] = i
+            w += 1
+    slots = np.empty(w, np.int64)
+    got = victims(state, hold_until, readers, read_until, write_until, last_use, w, now, slots)
+    seq0 = next_seq[0]
+    for j in range(got):
+        i, s = wanted[j], slots[j]
+        write_until[s] = now + lease_s  # first: a kill from here on leaves a lease that runs out
+        state[s] = WRITING  # then: the slot's old content is gone from now on
+        seq[s] = seq0 + np.uint64(j)
+        key[s, :] = rows[i, :]
+        key64[s] = k64[i]
+        content_key[s] = content_keys[i] if content_keys.shape[0] else 0
+        hold_until[s] = 0.0
+        readers[s] = 0
+        read_until[s] = 0.0
+        last_use[s] = now
+        writer_pid[s] = pid
+        out_slots[i] = s
+        out_seqs[i] = seq0 + np.uint64(j)
+    next_seq[0] = seq0 + np.uint64(got)
+    return out_slots, out_seqs
+
+
+@jit
+def publish(state, seq, checksum, nbytes, hold_until, last_use, slots, seqs, sums, sizes, now,
+            hold_s):
+    """Publish written slots (sizes: one per slot, or one for all); False where the write lease
+    ran out and the slot was taken over (its data may be torn: it stays unpublished)."""
+    ok = np.zeros(slots.shape[0], np.bool_)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        ok[i] = 0 <= s < state.shape[0] and seq[s] == seqs[i] and state[s] == WRITING
+        if ok[i]:
+            checksum[s] = sums[i]
+            nbytes[s] = sizes[i] if sizes.shape[0] > 1 else sizes[0]
+            hold_until[s] = now + hold_s
+            last_use[s] = now
+            state[s] = READY  # last: readers see a complete entry
+    return ok
+
+
+@jit
+def pin(state, key, key64, seq, checksum, nbytes, readers, read_until, last_use, rows,
+        hint_slots, hint_seqs, now, lease_s):
+    """Pin the published slot of each key: (slots, generations, checksums, sizes), slot -1 where
+    not published. A hint (slot and generation; none past the hints' end or at slot -1) is used
+    only if that slot still holds exactly this key; the other keys are looked up. A pin whose
+    read lease ran out belonged to a dead reader: it is dropped."""
+    n = rows.shape[0]
+    out_slots = np.empty(n, np.int64)
+    out_seqs = np.zeros(n, np.uint64)
+    out_sums = np.zeros(n, np.uint64)
+    out_sizes = np.zeros(n, np.uint64)
+    missing = np.empty(n, np.int64)
+    m = 0
+    for i in range(n):
+        s = hint_slots[i] if i < hint_slots.shape[0] else -1
+        good = s >= 0 and s < state.shape[0] and seq[s] == hint_seqs[i] and state[s] == READY
+        if good:
+            for b in range(KEY_BYTES):
+                if key[s, b] != rows[i, b]:
+                    good = False
+                    break
+        out_slots[i] = s if good else -1
+        if not good:
+            missing[m] = i
+            m += 1
+    if m:
+        found = np.empty(m, np.int64)
+        find(state, key, key64, rows[missing[:m]], True, False, found)
+        for j in range(m):
+            out_slots[missing[j]] = found[j]
+    for i in range(n):
+        s = out_slots[i]
+        if s < 0:
+            continue
+        if readers[s] > 0 and read_until[s] <= now:
+            readers[s] = 0  # earlier pins whose lease ran out: dead readers
+        readers[s] += 1
+        read_until[s] = max(read_until[s], now + lease_s)
+        last_use[s] = now
+        out_seqs[i], out_sums[i], out_sizes[i] = seq[s], checksum[s], nbytes[s]
+    return out_slots, out_seqs, out_sums, out_sizes
+
+
+@jit
+def unpin(state, seq, readers, slots, seqs):
+    """Release pins; True where the slot kept its generation throughout (the copy made while
+    pinned is good)."""
+    same = np.zeros(slots.shape[0], np.bool_)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        same[i] = 0 <= s < state.shape[0] and seq[s] == seqs[i] and state[s] == READY
+        if same[i] and readers[s] > 0:
+            readers[s] -= 1
+    return same
+
+
+@jit
+def copy_rows(src, src_at, dst, dst_at, sums):
+    """Copy row src_at[j] of src to row dst_at[j] of dst (u64 words, the narrower width), and put
+    each row's wrapping sum, taken from the words as they were copied, in sums[j]."""
+    width = min(src.shape[1], dst.shape[1])
+    for j in range(src_at.shape[0]):
+        a, b = src[src_at[j]], dst[dst_at[j]]
+        total = np.uint64(0)
+        for w in range(width):
+            x = a[w]
+            b[w] = x
+            total += x
+        sums[j] = total
+
+
+def warm_up() -> None:
+    """Compile (or load from the cache) every kernel for the argument types the pool passes, so
+    that the first request does not wait for numba: the first process ever takes seconds here,
+    later ones load the cached code. Called when a pool is opened."""
+    global _warm
+    if _warm:
+        return
+    n = 2
+    state, seq, u64 = np.zeros(n, np.uint8), np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+    f8, readers, pid = np.zeros(n), np.zeros(n, np.uint32), np.zeros(n, np.int32)
+    key, key64, ints = np.zeros((n, KEY_BYTES), np.uint8), np.zeros(n, np.uint64), np.zeros(n, np.int64)
+    rows = np.frombuffer(bytes(KEY_BYTES), np.uint8).reshape(1, KEY_BYTES)  # read-only, as keys are
+    slots, seqs = reserve(state, key, key64, ints, seq, f8, f8, readers, f8, f8, pid,
+                          np.ones(1, np.uint64), rows, np.zeros(0, np.int64), 0.0, 1.0, 1)
+    publish(state, seq, u64, u64, f8, f8, slots, seqs, u64[:1], u64[:1], 0.0, 0.0)
+    pinned = pin(state, key, key64, seq, u64, u64, readers, f8, f8, rows, np.zeros(0, np.int64),
+                 np.zeros(0, np.uint64), 0.0, 1.0)
+    unpin(state, seq, readers, pinned[0], pinned[1])
+    find(state, key, key64, rows, True, False, np.empty(1, np.int64))
+    # copies: whole rows (C-contiguous) and column slices of wider rows (a layer of a slot)
+    wide = np.zeros((n, 2), np.uint64)
+    for src in (wide, wide[:, :1]):
+        for dst in (wide, wide[:, :1]):
+            copy_rows(src, ints, dst, ints, u64)
+    _warm = True
+
+
+_warm = False
