@@ -1,7 +1,7 @@
 """Shared-memory KV pool bandwidth: how fast `ShmKVPool` (pd_plugins/transfer/shm_pool.py) moves KV
 blocks into and out of its region, against a plain memcpy of the same bytes in the same run.
 
-    .venv/bin/python bench/shm_pool_bandwidth.py            # ~1 minute
+    .venv/bin/python bench/shm_pool_bandwidth.py            # ~6 minutes
     .venv/bin/python bench/shm_pool_bandwidth.py --quick    # a smoke run of a few seconds
     .venv/bin/python bench/shm_pool_bandwidth.py --render   # docs and plot from the saved JSON
 
@@ -14,11 +14,12 @@ What, for each block (slot) size, over a fixed number of bytes per repetition (6
 L3 cache, and every pass starts with the caches flushed, so the copies go to memory), in batches
 of 32 blocks per pool call (a connector's calls per request):
 - memcpy: `np.copyto` block by block between two private, pre-touched arrays (the baseline);
-- write: reserve a batch, `write_many` (one `np.copyto` per run of consecutive slots, in chunks of
-  at most `CHECKSUM_CHUNK_BYTES`, each chunk summed right after its copy), publish the batch;
-- write, no checksums: the same into a pool created with `checksums=False` (no sums);
-- read: pin a batch, `read_many` (the same chunked copies out, each chunk summed after its copy and
-  checked against the pin's checksum), unpin the batch (the generation check);
+- write: reserve a batch, `write_many` (each block copied and summed in one pass by the compiled
+  `copy_rows`), publish the batch;
+- write, no checksums: the same into a pool created with `checksums=False` (no sums: one
+  `np.copyto` per run of consecutive slots, in chunks of at most `COPY_CHUNK_BYTES`);
+- read: pin a batch, `read_many` (the same one-pass copies out, each block's sum checked against
+  the pin's checksum), unpin the batch (the generation check);
 - read, no checksums: the same from a pool created with `checksums=False`;
 - read, other process: the read with checksums in a second process that maps the pool itself (a
   decode engine reading what a prefill wrote), timed inside that process;
@@ -36,10 +37,9 @@ each.
 
 Then a short diagnostics pass times what the pool does besides copying: the per-call cost of
 `write`, `read`, `write_many` and `read_many` on a batch of tiny blocks, `checksum`, `np.copyto` and
-a `flock` pair; the speed of the sum on a chunk just copied (as `read_many` takes it); the locked
-calls per key on full pools of 256 to 65536 slots, next to the bucket filter over a key column that
-long; and copies out of the shared mapping (and out of private memory) in pieces of 64 KiB to
-4 MiB, with and without a sum after each piece: what `CHECKSUM_CHUNK_BYTES` is chosen by.
+a `flock` pair; the locked calls per key on full pools of 256 to 65536 slots, next to a `lookup`
+of a batch there; and copies out of the shared mapping (and out of private memory) in pieces of
+64 KiB to 4 MiB: what `COPY_CHUNK_BYTES` is chosen by.
 
 Writes bench/results/shm_pool_bandwidth.json, docs/img/shm_pool_bandwidth.png and the
 "Shared-memory KV pool bandwidth" section of docs/benchmarks.md.
@@ -72,8 +72,7 @@ import numpy as np
 
 import common  # bench/common.py
 from pd_plugins.transfer.shm_pool import (
-    CHECKSUM_CHUNK_BYTES, MADV_POPULATE_WRITE, ShmKVPool, bucket_candidates, checksum,
-    pool_geometry, remove_pool)
+    COPY_CHUNK_BYTES, MADV_POPULATE_WRITE, ShmKVPool, checksum, pool_geometry, remove_pool)
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -403,57 +402,29 @@ def call_overheads(stack: contextlib.ExitStack) -> dict:
     return out
 
 
-def sum_chunk_rows(block: int, n: int) -> int:
-    """Blocks per copy in `write_many`/`read_many` here: a run of consecutive slots is at most a
-    batch, cut into chunks of CHECKSUM_CHUNK_BYTES (one block if a block is larger)."""
-    return min(BATCH, max(1, CHECKSUM_CHUNK_BYTES // block), n)
-
-
-def hot_sum_gbps(blocks: list[Blocks], samples: int = 32) -> dict:
-    """The checksum as `read_many` takes it: summing a chunk just copied out of the pool's slots
-    (in cache); GB/s, the median over `samples` chunks."""
-    out = {}
-    for b in blocks:
-        rows = sum_chunk_rows(b.block, b.n)
-        times = []
-        for i in range(samples):
-            lo = i * rows % (b.n - rows + 1)
-            np.copyto(b.dst[lo:lo + rows], b.read_pool.data[lo:lo + rows])
-            start = perf()
-            np.add.reduce(b.dst[lo:lo + rows].view(np.uint64), axis=1, dtype=np.uint64)
-            times.append(perf() - start)
-        out[b.block] = rows * b.block / statistics.median(times) / 1e9
-    return out
-
-
 PIECES = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB)
 
 
 def piece_sweep(blocks: list[Blocks], runs: int) -> dict:
     """GB/s of copying a repetition's bytes out of a pool's mapping (and, for reference, out of
-    private memory) in pieces of each size, with and without summing each piece right after its
-    copy (what `read_many` does per chunk): what CHECKSUM_CHUNK_BYTES is chosen by. Each pass
-    from cold caches; the variants interleaved; the median of `runs` passes."""
+    private memory) in pieces of each size, as `read_many` without checksums copies a run: what
+    COPY_CHUNK_BYTES is chosen by. Each pass from cold caches; the variants interleaved; the
+    median of `runs` passes."""
     b = blocks[-1]
     sources = {"shared": b.read_pool.data.reshape(-1), "private": b.src.reshape(-1)}
     dst = b.dst.reshape(-1)
 
-    def body(src: np.ndarray, piece: int, summed: bool) -> float:
+    def body(src: np.ndarray, piece: int) -> float:
         for lo in range(0, src.size, piece):
             np.copyto(dst[lo:lo + piece], src[lo:lo + piece])
-            if summed:
-                np.add.reduce(dst[lo:lo + piece].view(np.uint64), dtype=np.uint64)
         return 0.0
 
-    variants = [(name, summed) for name in sources for summed in (False, True)]
-    times = {(v, piece): [] for v in variants for piece in PIECES}
+    times = {(name, piece): [] for name in sources for piece in PIECES}
     for _ in range(runs):
-        for (name, summed), piece in times:
-            times[(name, summed), piece].append(measure(body, sources[name], piece, summed)["s"])
-    return {name + (" + sum" if summed else ""): {
-                piece: dst.size / statistics.median(times[(name, summed), piece]) / 1e9
-                for piece in PIECES}
-            for name, summed in variants}
+        for name, piece in times:
+            times[name, piece].append(measure(body, sources[name], piece)["s"])
+    return {name: {piece: dst.size / statistics.median(times[name, piece]) / 1e9
+                   for piece in PIECES} for name in sources}
 
 
 def fill(pool: ShmKVPool, tag: str, chunk: int = 4096) -> None:
@@ -468,8 +439,9 @@ def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(2 * BATCH, 1024, 8
                     rounds: int = 15) -> dict:
     """Microseconds per key in the locked header calls of a full pool, against its slot count:
     reserve + publish of a batch of new keys (evicting), then pin + unpin of that batch. Beside
-    them, per batch: the bucket filter over a key64-like column of that many slots for a batch's keys
-    (the scan in `_find_many`), and one `==` compare of that column against one key."""
+    them, per call: a `lookup` of the last batch (a locked call that only scans the header, as
+    every reserve and pin does), and, as a yardstick, one numpy `==` compare of a u64 column that
+    long against one value."""
     out = {}
     rng = np.random.default_rng(2)
     for slots in slot_counts:
@@ -486,13 +458,11 @@ def locked_calls_us(stack: contextlib.ExitStack, slot_counts=(2 * BATCH, 1024, 8
             write.append((mid - start) / BATCH)
             read.append((perf() - mid) / BATCH)
         column = rng.integers(0, 2**63, slots, dtype=np.int64).astype(np.uint64)
-        wanted = column[rng.choice(slots, BATCH, replace=False)]
         calls = max(5, 20000 // slots)
         out[slots] = {"reserve+publish": statistics.median(write) * 1e6,
                       "pin+unpin": statistics.median(read) * 1e6,
-                      "search_batch": per_call_us(lambda: bucket_candidates(column, wanted),
-                                                  calls=calls),
-                      "compare_one": per_call_us(lambda: column == wanted[0], calls=calls)}
+                      "lookup": per_call_us(lambda: pool.lookup(keys), calls=calls),
+                      "compare_one": per_call_us(lambda: column == column[0], calls=calls)}
     return out
 
 
@@ -556,9 +526,11 @@ def table(meta: dict, summary: dict) -> list[str]:
 def costs(summary: dict, diag: dict, block: int) -> dict:
     """Where a pool pass's time goes at one block size (medians)."""
     k = str(block)
-    memcpy_gbps, sum_gbps = summary["memcpy"][k]["gbps"]["median"], diag["hot_sum_gbps"][k]
+    memcpy_gbps = summary["memcpy"][k]["gbps"]["median"]
     ratio = {c: summary[c][k]["ratio"]["median"] for c in ALL_CASES if c != "memcpy"}
     memcpy_us = block / 1e3 / memcpy_gbps  # block / 1e3: µs per block at 1 GB/s
+    into = {"write": ratio["region_in"], "write_plain": ratio["region_in"],
+            "read": ratio["region_out"], "read_plain": ratio["region_out"]}
     return {
         "memcpy_gbps": memcpy_gbps,
         "memcpy_us": memcpy_us,
@@ -566,40 +538,25 @@ def costs(summary: dict, diag: dict, block: int) -> dict:
         "region_out": ratio["region_out"],
         "write_lock_us": summary["write"][k]["lock_us"],
         "read_lock_us": summary["read"][k]["lock_us"],
-        "write_lock_vs_memcpy": summary["write"][k]["lock_us"] / memcpy_us,
-        "read_lock_vs_memcpy": summary["read"][k]["lock_us"] / memcpy_us,
         # what checksums cost a pass: 1 - with / without, from the ratios to memcpy
         "write_sum_share": 1 - ratio["write"] / ratio["write_plain"],
         "read_sum_share": 1 - ratio["read"] / ratio["read_plain"],
-        "sum_gbps": sum_gbps,
-        # best pool/memcpy for a pass that copies at the copies-alone speed, then sums in cache,
-        # and does nothing else: 1 / (memcpy time / copy ratio + sum time), in memcpy times
-        "ceiling_write": 1 / (1 / ratio["region_in"] + memcpy_gbps / sum_gbps),
-        "ceiling_read": 1 / (1 / ratio["region_out"] + memcpy_gbps / sum_gbps),
-        # the ratios that the copies alone plus the locked calls (plus, with checksums, a sum
-        # at the in-cache speed) predict, all in units of memcpy's time
-        "model_write_plain": 1 / (1 / ratio["region_in"]
-                                  + summary["write_plain"][k]["lock_us"] / memcpy_us),
-        "model_read_plain": 1 / (1 / ratio["region_out"]
-                                 + summary["read_plain"][k]["lock_us"] / memcpy_us),
-        "model_write": 1 / (1 / ratio["region_in"] + summary["write"][k]["lock_us"] / memcpy_us
-                            + memcpy_gbps / sum_gbps),
-        "model_read": 1 / (1 / ratio["region_out"] + summary["read"][k]["lock_us"] / memcpy_us
-                           + memcpy_gbps / sum_gbps),
+        # the ratios that the copies alone plus the locked calls predict, in memcpy's time
+        # (with checksums, the gap to the measured ratio is what the one-pass sum costs)
+        **{f"model_{c}": 1 / (1 / into[c] + summary[c][k]["lock_us"] / memcpy_us)
+           for c in TARGET_CASES},
     }
 
 
 def breakdown(meta: dict, summary: dict, diag: dict) -> list[str]:
     lines = ["| block | memcpy µs/block | locked calls µs/block (write / read) | np.copyto into / "
-             "out of pool slots, vs memcpy | checksums' share of a write / read | sum of a chunk "
-             "in cache GB/s | ceiling with checksums (write / read) |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "out of pool slots, vs memcpy | checksums' share of a write / read |",
+             "|---:|---:|---:|---:|---:|"]
     for block in meta["block_sizes"]:
         c = costs(summary, diag, block)
         lines.append(f"| {size_name(block)} | {c['memcpy_us']:.1f} | {c['write_lock_us']:.1f} / "
                      f"{c['read_lock_us']:.1f} | {c['region_in']:.2f}× / {c['region_out']:.2f}× | "
-                     f"{c['write_sum_share']:.0%} / {c['read_sum_share']:.0%} | "
-                     f"{c['sum_gbps']:.1f} | {c['ceiling_write']:.2f}× / {c['ceiling_read']:.2f}× |")
+                     f"{c['write_sum_share']:.0%} / {c['read_sum_share']:.0%} |")
     return lines
 
 
@@ -658,17 +615,13 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
     tiny_n, few_n, many_n = counts[0], counts[1], counts[-1]
     per_key = {n: locks[n]["reserve+publish"] + locks[n]["pin+unpin"] for n in counts}
     per_slot_ns = (per_key[many_n] - per_key[few_n]) * BATCH / (int(many_n) - int(few_n)) * 1e3
-    search, compare = locks[many_n]["search_batch"], locks[many_n]["compare_one"]
+    lookup, compare = locks[many_n]["lookup"], locks[many_n]["compare_one"]
     slots = [meta["total_bytes"] // b for b in sizes]
 
     # pieces out of the shared mapping
     piece = {name: {int(p): v for p, v in by.items()} for name, by in sweep.items()}
-    chunk = meta["checksum_chunk_bytes"]
+    chunk = meta["copy_chunk_bytes"]
     quarter = piece["shared"][256 * KiB] / piece["shared"][chunk]
-    quarter_sum = piece["shared + sum"][256 * KiB] / piece["shared + sum"][chunk]
-    halved = min(quarter, quarter_sum) < 0.7
-    whole = [b for b in sizes if b > chunk]  # summed as one chunk, after the whole block's copy
-    chunked = [b for b in big if b <= chunk]
 
     first = meta["first_touch"]
     most_faults = max(s["faults"] for c in CASES for s in summary[c].values())
@@ -691,26 +644,26 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         f"{per_batch_largest} blocks. The two together predict the no-checksum ratios to within "
         f"{worst(('write_plain', 'read_plain')):.2f} at every size (predicted/measured, write: "
         f"{predicted('write_plain')}; read: {predicted('read_plain')}).",
-        "- The header work is vectorised per batch: a call's keys are one array, `_find_many` "
-        "finds all of them at once (a bucket filter over the `key64` column: mark the keys' "
-        "buckets, gather the column's; then a sorted search of the few slots that pass), header "
-        "fields are read and written with fancy indexing, "
-        "reserve and pin hand back arrays (`SlotRefs`, `PinnedSlots`) that `write_many`, "
-        "`publish_many`, `read_many` and `unpin` take as they are, and a reserve takes free "
-        "slots first, in slot order, so a batch lands in consecutive slots and copies as one "
-        f"run. On a full pool (every reserve evicts) of {tiny_n} slots, reserve + publish "
-        f"take {locks[tiny_n]['reserve+publish']:.1f} µs per key and pin + unpin "
-        f"{locks[tiny_n]['pin+unpin']:.1f} µs, {per_key[tiny_n] * BATCH:.0f} µs for the four "
-        f"calls of a batch of {BATCH} with next to nothing to scan: numpy's per-call overhead "
-        "over the header operations, fixed per batch. With more slots the scans add about "
+        "- Each locked call is one call into a compiled kernel (pd_plugins/transfer/"
+        "shm_pool_kernels.py, numba) that walks the batch and the header columns: a lookup is one "
+        "pass over the slots probing a small table of the batch's keys; reserve takes free slots "
+        "first, in slot order, so a batch lands in consecutive slots and copies as one run, then "
+        "the least recently used evictable ones (a selection, not a sort); reserve and pin hand "
+        "back arrays (`SlotRefs`, `PinnedSlots`) that `write_many`, `publish_many`, `read_many` "
+        f"and `unpin` take as they are. On a full pool (every reserve evicts) of {tiny_n} slots, "
+        f"reserve + publish take {locks[tiny_n]['reserve+publish']:.2f} µs per key and pin + unpin "
+        f"{locks[tiny_n]['pin+unpin']:.2f} µs, {per_key[tiny_n] * BATCH:.0f} µs for the four calls "
+        f"of a batch of {BATCH} in a warm loop. With more slots the scans add about "
         f"{per_slot_ns:.1f} ns per slot to each batch: the four calls take "
         + ", ".join(f"{per_key[n]:.2f}" for n in counts[1:])
-        + f" µs per key with {', '.join(counts[1:])} slots. The bucket filter over a "
-        f"{many_n}-slot key column for a batch's {BATCH} keys took {search:.0f} µs, "
-        f"{search / compare:.1f}× one `==` compare of that column ({compare:.1f} µs)"
-        + f". The `flock` lock + unlock pair is {calls['flock pair']:.1f} µs, two per batch. "
-        f"The pools above have {min(slots)}–{max(slots)} slots; a pool of many GiB of small "
-        "blocks pays its scans on every batch.",
+        + f" µs per key with {', '.join(counts[1:])} slots; a `lookup` of a batch in a "
+        f"{many_n}-slot pool took {lookup:.0f} µs, {lookup / compare:.1f}× one numpy `==` compare "
+        f"of a column that long ({compare:.1f} µs). The `flock` lock + unlock pair is "
+        f"{calls['flock pair']:.1f} µs, two per batch. The pools above have "
+        f"{min(slots)}–{max(slots)} slots. In the passes the same calls cost more than in a warm "
+        "loop (the table above): right after a large copy, this machine runs any code several "
+        "times slower than warm (caches and TLBs swept), and that fixed cost per call is what keeps "
+        "small blocks below the target.",
         f"- The data calls' own Python is small next to that: on a batch of {BATCH} 64-byte "
         f"blocks in consecutive slots, `write_many` costs {calls['ShmKVPool.write_many']:.1f} µs "
         f"({calls['ShmKVPool.write_many, no checksums']:.1f} µs without checksums) and "
@@ -718,47 +671,27 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         f"({calls['ShmKVPool.read_many, no checksums']:.1f}); a single `write` "
         f"{calls['ShmKVPool.write']:.1f} µs (`checksum` alone {calls['checksum']:.1f} µs, "
         f"`np.copyto` {calls['np.copyto']:.1f} µs).",
-        "- With checksums, the sum is a second pass over each chunk, taken right after the "
-        "chunk's copy while it is in cache (numpy cannot fuse it with the copy): it ran at "
-        f"{fmt_range(cost[b]['sum_gbps'] for b in big)} GB/s on a chunk just copied, against "
-        f"memcpy's {fmt_range(cost[b]['memcpy_gbps'] for b in big)} GB/s from memory. With the "
-        f"copies' own speed that caps a write at "
-        f"{fmt_range((cost[b]['ceiling_write'] for b in big), '.2f')}× and a read at "
-        f"{fmt_range((cost[b]['ceiling_read'] for b in big), '.2f')}× from {size_name(big[0])} "
-        "up, "
-        + ("below the target on this machine before any header work. " if max(
-            max(cost[b]["ceiling_write"], cost[b]["ceiling_read"]) for b in big) < TARGET
-           else "before any header work. ")
-        + f"Measured, checksums took "
+        "- With checksums, each block is copied and summed in one pass (the compiled "
+        "`copy_rows`: a load, a store and an add per 8-byte word), so a checksum costs no second "
+        "pass over the data. Checksums took "
         f"{fmt_range((100 * cost[b]['write_sum_share'] for b in big), '.0f')}% of a write's time "
         f"and {fmt_range((100 * cost[b]['read_sum_share'] for b in big), '.0f')}% of a read's "
         f"(per size: write {pairs({b: cost[b]['write_sum_share'] for b in big}, '.0%')}; read "
-        f"{pairs({b: cost[b]['read_sum_share'] for b in big}, '.0%')}). The copies alone, the "
-        "locked calls and a sum at that speed predict the checksummed ratios to within "
+        f"{pairs({b: cost[b]['read_sum_share'] for b in big}, '.0%')}). The copies alone and the "
+        "locked calls predict the checksummed ratios to within "
         f"{worst(('write', 'read')):.2f} (predicted/measured, write: {predicted('write')}; "
         f"read: {predicted('read')}). The other process read at the same ratios as this one to "
         f"within {xproc_gap:.2f}.",
-        "- Chunk size: by hand, copies out of the shared mapping in 256 KiB pieces ran at about "
-        "half speed and in pieces of 1 MiB or more at full speed, so `write_many` and "
-        f"`read_many` copy in chunks of {size_name(chunk)} (`CHECKSUM_CHUNK_BYTES`; a larger "
-        f"block is one chunk). This run's sweep ({size_name(meta['total_bytes'])} out of the "
-        "mapping, cold caches) ran pieces of "
+        "- Chunk size (copies without checksums): by hand, copies out of the shared mapping in "
+        "256 KiB pieces ran at about half speed and in pieces of 1 MiB or more at full speed, so "
+        f"`write_many` and `read_many` copy a run in chunks of {size_name(chunk)} "
+        f"(`COPY_CHUNK_BYTES`; a larger block is one chunk). This run's sweep "
+        f"({size_name(meta['total_bytes'])} out of the mapping, cold caches) ran pieces of "
         + "/".join(size_name(p) for p in piece["shared"])
         + " at " + "/".join(f"{v:.1f}" for v in piece["shared"].values())
         + " GB/s (out of private memory: "
         + "/".join(f"{v:.1f}" for v in piece["private"].values())
-        + "), and with a sum after each piece at "
-        + "/".join(f"{v:.1f}" for v in piece["shared + sum"].values())
-        + " (private: " + "/".join(f"{v:.1f}" for v in piece["private + sum"].values()) + "): "
-        f"256 KiB pieces at {quarter:.0%} of {size_name(chunk)} pieces, {quarter_sum:.0%} with "
-        "the sums"
-        + ("; the same effect as by hand." if halved
-           else "; the halving seen by hand did not reproduce in this run.")
-        + (f" A block larger than a chunk is copied and summed whole: the sum ran at "
-           f"{fmt_range(cost[b]['sum_gbps'] for b in whole)} GB/s on "
-           f"{', '.join(size_name(b) for b in whole)} blocks, against "
-           f"{fmt_range(cost[b]['sum_gbps'] for b in chunked)} GB/s on {size_name(chunk)} chunks."
-           if whole and chunked else ""),
+        + f"): 256 KiB pieces at {quarter:.0%} of {size_name(chunk)} pieces.",
         "- Page faults: `_prefault` maps every page when a process opens a pool, with "
         "`madvise(MADV_POPULATE_WRITE)` ("
         + ("named by this Python's `mmap`" if named else
@@ -811,13 +744,12 @@ def markdown(results: dict) -> str:
         "with the caches flushed (reading 3× the L3 cache); one pool per block size with exactly "
         f"as many slots as blocks; batches of {meta['batch']} blocks per reserve/publish/pin/unpin "
         "call. memcpy: `np.copyto` block by block between two private pre-touched arrays. "
-        "Write: reserve, `write_many` (one `np.copyto` per run of consecutive slots, in chunks "
-        f"of at most {size_name(meta['checksum_chunk_bytes'])}, each chunk summed right after "
-        "its copy), publish; each repetition writes new keys, evicting the previous "
-        "repetition's blocks. Read: pin, `read_many` (the same chunked copies out, each chunk "
-        "summed and checked against the pin's checksum), unpin (the generation check). \"No "
-        "checksums\": the same calls on pools created with `checksums=False`, which neither sum "
-        "nor check. \"Other process\": the read with checksums in a second (spawned) process "
+        "Write: reserve, `write_many` (each block copied and summed in one pass), publish; each "
+        "repetition writes new keys, evicting the previous repetition's blocks. Read: pin, "
+        "`read_many` (the same one-pass copies out, each block's sum checked against the pin's "
+        "checksum), unpin (the generation check). \"No checksums\": the same calls on pools "
+        "created with `checksums=False`, which neither sum nor check (one `np.copyto` per run of "
+        f"consecutive slots, in chunks of at most {size_name(meta['copy_chunk_bytes'])}). \"Other process\": the read with checksums in a second (spawned) process "
         "that maps the pool itself and times its own passes. One warm-up repetition, "
         f"then {meta['repeats']}, the cases shuffled within each so that noise hits all alike.",
         "- Cells: median GB/s (1e9 bytes/s, wall clock) with the p10–p90 range in brackets; in "
@@ -830,10 +762,8 @@ def markdown(results: dict) -> str:
         "Where the time goes (medians): the time per block in the locked calls (reserve + "
         "publish, pin + unpin) next to memcpy's; the copies alone (`np.copyto` block by block "
         "into the write pool's slots and out of the read pool's, no pool calls: what the shared "
-        "mapping itself costs); the share of a pass that checksums cost (1 − with / without, "
-        "from the ratios to memcpy); the sum as `read_many` takes it, over a chunk just copied "
-        "(in cache); and the best pool/memcpy ratio that a copy at the copies-alone speed "
-        "followed by that sum leaves (1 / (1 / copies-alone ratio + memcpy GB/s / sum GB/s)).", "",
+        "mapping itself costs); and the share of a pass that checksums cost (1 − with / without, "
+        "from the ratios to memcpy).", "",
         *breakdown(meta, summary, diag), "",
         "![shared-memory KV pool bandwidth](img/shm_pool_bandwidth.png)", "",
         "Reading:", "",
@@ -888,11 +818,9 @@ def measure_all(total: int, reps: int, quick: bool) -> dict:
             for case, b in jobs:
                 passes[case][b.block].append(run_case(case, b, rep, reader))
             print(progress_line(rep, reps, perf() - started, passes), flush=True)
-        print("diagnostics: per-call costs, sums in cache, locked calls vs pool size, copies by "
-              "piece size", flush=True)
-        diagnostics = {"call_us": call_overheads(stack), "hot_sum_gbps": hot_sum_gbps(blocks),
-                       "sum_chunk_bytes": {b.block: sum_chunk_rows(b.block, b.n) * b.block
-                                           for b in blocks},
+        print("diagnostics: per-call costs, locked calls vs pool size, copies by piece size",
+              flush=True)
+        diagnostics = {"call_us": call_overheads(stack),
                        "locked_calls_us": locked_calls_us(stack),
                        "piece_sweep_gbps": piece_sweep(blocks, 3 if quick else 7)}
     return {"runs": {c: {b: p[1:] for b, p in by.items()} for c, by in passes.items()},
@@ -923,7 +851,7 @@ def main() -> int:
     meta = {"date": dt.date.today().isoformat(), "machine": common.machine(), "quick": args.quick,
             "python": platform.python_version(), "numpy": np.__version__, "shm": shm_description(),
             "total_bytes": total, "batch": BATCH, "repeats": reps, "block_sizes": list(BLOCK_SIZES),
-            "checksum_chunk_bytes": CHECKSUM_CHUNK_BYTES,
+            "copy_chunk_bytes": COPY_CHUNK_BYTES,
             "mmap_names_populate_write": hasattr(mmap, "MADV_POPULATE_WRITE"),
             "populate_write_works": populate_write_works(),
             "first_touch": {c: {b: {"gbps": total / r["s"] / 1e9, "s": r["s"], "faults": r["faults"]}
