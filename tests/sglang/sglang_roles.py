@@ -14,6 +14,7 @@ host arrays filled with bytes derived from the room, so the other process can ch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -45,6 +46,15 @@ POLL_S = 0.01
 
 def emit(**event) -> None:
     print(json.dumps(event), flush=True)
+
+
+def thread_nice() -> list[int]:
+    """The nice values of this process's threads (NIXL's are lowered by pd-nixl)."""
+    values = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            values.add(os.getpriority(os.PRIO_PROCESS, int(tid)))
+    return sorted(values)
 
 
 def server_args(mode: str, bootstrap_port: int, backend: str) -> ServerArgs:
@@ -197,6 +207,7 @@ def decode(spec: dict) -> None:
         state = wait_for(receiver, (KVPoll.Success,), spec.get("wait_s", 30))
     emit(event="received", room=spec["room"], state=state,
          failure=failure_of(receiver) if state == KVPoll.Failed else "",
+         thread_nice=thread_nice(),
          pool_after=manager.pool.stats().__dict__ if backend == "pd-shm" else None,
          **memory.digest(spec["dest"], spec["aux_index"]))
 

@@ -14,8 +14,9 @@ Over host_kv.py's SGLang contract:
   done. A room whose lease ran out leaves a tombstone: a late decode fails at once.
 
 SGLang's own NIXL backend is push only and has no lease. Options (environment):
-PD_NIXL_LEASE_S (how long a prefill keeps a finished room's pages for the decode, default 30).
-UCX on CPU: UCX_NET_DEVICES=lo on one host.
+PD_NIXL_LEASE_S (how long a prefill keeps a finished room's pages for the decode, default 30);
+PD_TRANSFER_THREADS_NICE (the nice value of NIXL's threads, default 19: its progress thread polls
+without pause; "none" leaves them alone). UCX on CPU: UCX_NET_DEVICES=lo on one host.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pd_plugins.connectors.sglang.host_kv import (
 )
 from pd_plugins.transfer import bootstrap_registry
 from pd_plugins.transfer.nixl_rooms import MAX_READ_S, START_MARGIN_S, LeaseTable, NixlRoomAgent
+from pd_plugins.transfer.transfer_threads import lowered_new_threads, nice_from_env
 
 BACKEND_NAME = "pd-nixl"
 
@@ -46,8 +48,10 @@ class PdNixlKVManager(HostKVManager):
 
     def _open(self) -> None:
         role = "prefill" if self.mode == DisaggregationMode.PREFILL else "decode"
-        self.agent = NixlRoomAgent(f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}",
-                                   self.buffers.regions())
+        # NIXL's progress thread polls without pause: lowest priority (PD_TRANSFER_THREADS_NICE)
+        with lowered_new_threads(nice_from_env(), "pd-nixl (SGLang)"):
+            self.agent = NixlRoomAgent(
+                f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions())
         self.leases = LeaseTable(float(os.environ.get("PD_NIXL_LEASE_S", "30")))
 
     def _record(self) -> dict:

@@ -58,6 +58,7 @@ from pd_plugins.connectors.vllm.pd_nixl_guards import (
 )
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
+from pd_plugins.transfer.transfer_threads import DEFAULT_NICE, lowered_new_threads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -103,33 +104,15 @@ class _PdStatsClassMethods:
         return PdNixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def thread_ids() -> set[int]:
-    """This process's threads (Linux; empty elsewhere)."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def lower_transfer_threads(vllm_config: VllmConfig, threads: set[int]) -> None:
-    """On CPU, give the threads upstream's NIXL worker started the lowest priority.
-
-    NIXL's progress thread polls without pause (its Python API fixes the delay at 0) and starts on
-    the engine's own core, so the kernel shared that core half and half between it and the model:
-    prefills took 2.3x as long (33.4 ms against 14.3 ms for 448 tokens of tiny-qwen3-moe, engine
-    side). At nice 19 it still runs whenever the model waits, and a little while it computes."""
+def transfer_threads_nice(vllm_config: VllmConfig) -> int | None:
+    """`kv_connector_extra_config.transfer_threads_nice`: by default 19 on CPU (NIXL's progress
+    thread would share the model's core; transfer/transfer_threads.py), untouched elsewhere;
+    null leaves the threads alone."""
     from vllm.platforms import current_platform
 
     nice = vllm_config.kv_transfer_config.get_from_extra_config(
-        "transfer_threads_nice", 19 if current_platform.is_cpu() else None)
-    if nice is None or not threads:
-        return
-    lowered = []
-    for tid in sorted(threads):
-        with contextlib.suppress(OSError):  # the thread may have ended already
-            os.setpriority(os.PRIO_PROCESS, tid, int(nice))
-            lowered.append(tid)
-    logger.info("PdNixlConnector: transfer threads %s at nice %s", lowered, nice)
+        "transfer_threads_nice", DEFAULT_NICE if current_platform.is_cpu() else None)
+    return None if nice is None else int(nice)
 
 
 class _PdAdditions(_PdStatsClassMethods):
@@ -148,10 +131,9 @@ class _PdAdditions(_PdStatsClassMethods):
         keep = (role == KVConnectorRole.WORKER and hasattr(os, "sched_getaffinity")
                 and extra_flag(vllm_config.kv_transfer_config, "keep_cpu_affinity", True))
         bound = os.sched_getaffinity(0) if keep else None
-        threads_before = thread_ids()
-        super().__init__(vllm_config, role, kv_cache_config)
-        if role == KVConnectorRole.WORKER:
-            lower_transfer_threads(vllm_config, thread_ids() - threads_before)
+        nice = transfer_threads_nice(vllm_config) if role == KVConnectorRole.WORKER else None
+        with lowered_new_threads(nice, "PdNixlConnector"):  # upstream's NIXL agent starts them
+            super().__init__(vllm_config, role, kv_cache_config)
         if bound is not None and os.sched_getaffinity(0) != bound:
             logger.info("PdNixlConnector: keeping this engine's CPU binding %s (upstream NIXL "
                         "moved it to %s)", sorted(bound), sorted(os.sched_getaffinity(0)))
