@@ -47,6 +47,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from pd_plugins.transfer import shm_pool_kernels as kernels
+from pd_plugins.transfer.shm_pool_kernels import FREE, KEY_BYTES, READY, WRITING  # one definition
 
 MAGIC = b"PDSHMPL1"
 FORMAT_VERSION = 2            # 2: header columns start on cache-line boundaries
@@ -54,10 +55,8 @@ SUPERBLOCK_BYTES = 4096
 LAYOUT_BYTES = 2048           # the engine's KV layout description, checked on every open
 SLOT_ALIGN = 64               # slot size granularity (a cache line; checksums read u64 words)
 PAGE = 4096
-KEY_BYTES = 32
 MADV_POPULATE_WRITE = 23      # linux/mman.h
 
-FREE, WRITING, READY = 0, 1, 2
 FLAG_CHECKSUMS = 1            # writers sum every slot, readers check the sums
 
 DEFAULT_WRITE_LEASE_S = 30.0  # a writer that has not published by then is presumed dead

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-FREE, WRITING, READY = 0, 1, 2
+FREE, WRITING, READY = 0, 1, 2  # slot states (shm_pool.py re-exports these)
 KEY_BYTES = 32
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: spreads any key bits
 
