@@ -11,6 +11,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -98,7 +99,8 @@ class ManagedProcess:
             except requests.RequestException:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        raise TimeoutError(f"{self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}\n"
+                           f"stacks:\n{self.stack_dump()}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -140,6 +142,38 @@ class ManagedProcess:
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)
+
+    def group_processes(self) -> dict[int, str]:
+        """pid -> "state, CPU seconds" for every process in the server's process group (the
+        server and the engine processes it started; Linux /proc): a starved process is runnable
+        (R) with little CPU, a stuck one sleeps (S, D)."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            if self.proc is not None and int(fields[2]) == self.proc.pid:  # pgrp: our group
+                cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+                found[int(stat.parent.name)] = f"{fields[0]}, {cpu:.1f} s CPU"
+        return found
+
+    def stack_dump(self) -> str:
+        """Python stacks of every process in the server's group (py-spy, a test dependency): what
+        a server that does not come up or does not stop is doing."""
+        spy = Path(sys.executable).with_name("py-spy")
+        dumps = []
+        for pid, summary in sorted(self.group_processes().items()):
+            if not spy.exists():
+                dumps.append(f"--- pid {pid} ({summary}): no py-spy next to this Python")
+                continue
+            try:
+                done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=30)
+                dumps.append(f"--- pid {pid} ({summary})\n{done.stdout}{done.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                dumps.append(f"--- pid {pid} ({summary}): py-spy failed: {exc}")
+        return "\n".join(dumps) or "(no processes left)"
 
     def log_tail(self, lines: int = 80) -> str:
         try:

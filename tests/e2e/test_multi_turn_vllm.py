@@ -100,9 +100,14 @@ def chat_answer(resp: requests.Response) -> tuple[str, list[int]]:
 
 # -- fixtures ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def expected():
+def expected(pool):
     """The conversations on a plain aggregated server (no connector, prefix caching on), started
-    and stopped before the PD pair is needed so at most three servers run at once."""
+    and stopped before the PD pair is needed.
+
+    The previous module's pair is stopped first: each idle NIXL engine keeps a core busy (NIXL's
+    progress thread polls without pause), and a server started beside them was starved on the
+    2-core CI host, not up after 10 minutes (docs/connectors.md, "Under load")."""
+    pool.discard()
     server = VllmServer("aggregated-multi-turn", model_path(CONFIG.model), "0")
     start_all([server])
     try:

@@ -277,7 +277,8 @@ def test_engine_shutdown_does_not_hang(trio):
     for server in (trio.prefill, *trio.decodes):
         while server.alive() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not server.alive(), f"{server.name} still running 60 s after SIGTERM"
+        assert not server.alive(), (f"{server.name} still running 60 s after SIGTERM:\n"
+                                    f"{server.log_tail(40)}\nstacks:\n{server.stack_dump()}")
 
 
 # -- per-engine backends: prefix reuse within one engine ---------------------------------------------

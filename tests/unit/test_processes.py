@@ -1,0 +1,38 @@
+"""pd_plugins/testing/processes.py: what a test learns about a server that hangs."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from pd_plugins.testing.processes import ManagedProcess
+
+
+@dataclass
+class Sleeper(ManagedProcess):
+    """A process group of two: a Python parent sleeping in a named function, and a child."""
+
+    name: str = "sleeper"
+
+    def command(self) -> list[str]:
+        script = ("import subprocess, sys, time\n"
+                  "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                  "def waiting_for_godot():\n"
+                  "    time.sleep(60)\n"
+                  "waiting_for_godot()\n")
+        return [sys.executable, "-c", script]
+
+
+def test_stack_dump_shows_every_process_of_the_group_and_where_it_waits():
+    server = Sleeper()
+    with server:
+        deadline = time.monotonic() + 20
+        while len(server.group_processes()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        processes = server.group_processes()
+        assert len(processes) == 2 and all(p.startswith("S, ") for p in processes.values())
+        dump = server.stack_dump()
+    assert dump.count("--- pid ") == 2
+    assert "waiting_for_godot" in dump  # py-spy is a test dependency: stacks, not just states
+    assert server.group_processes() == {}  # stopped: the whole group is gone
