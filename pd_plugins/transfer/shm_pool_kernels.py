@@ -41,15 +41,16 @@ def key64_of(rows):
 @jit
 def find(state, key, key64, rows, ready, writing, out):
     """out[i]: the lowest slot holding key rows[i] in state READY (if `ready`) or WRITING (if
-    `writing`), else -1. The batch's keys go into a small open-addressing table; one pass over
-    the slots probes it, so a call costs O(slots + keys)."""
+    `writing`), else -1. The batch's keys go into an open-addressing table at most 1/16 full; one
+    pass over the slots probes it, so a call costs O(slots + keys), and a slot holding none of
+    the keys (nearly all of them in a large pool) costs one probe that finds an empty entry."""
     n = rows.shape[0]
     out[:] = -1
     if n == 0:
         return
     k64 = key64_of(rows)
     bits = 4
-    while (1 << bits) < 2 * n:
+    while (1 << bits) < 16 * n:
         bits += 1
     shift = np.uint64(64 - bits)
     mask = np.uint64((1 << bits) - 1)
@@ -60,70 +61,104 @@ def find(state, key, key64, rows, ready, writing, out):
             h = (h + np.uint64(1)) & mask
         table[h] = i
     for s in range(state.shape[0]):
-        st = state[s]
-        if not ((st == READY and ready) or (st == WRITING and writing)):
-            continue
         v = key64[s]
         h = (v * _FIBONACCI) >> shift
         while table[h] != -1:
             i = table[h]
             if k64[i] == v and out[i] == -1:
-                same = True
-                for b in range(KEY_BYTES):
-                    if key[s, b] != rows[i, b]:
-                        same = False
-                        break
-                if same:
-                    out[i] = s
+                st = state[s]
+                if (st == READY and ready) or (st == WRITING and writing):
+                    same = True
+                    for b in range(KEY_BYTES):
+                        if key[s, b] != rows[i, b]:
+                            same = False
+                            break
+                    if same:
+                        out[i] = s
             h = (h + np.uint64(1)) & mask
+
+
+@jit
+def _later(t1, s1, t2, s2):
+    """(t1, s1) after (t2, s2): used later, or at the same time and a higher slot."""
+    return t1 > t2 or (t1 == t2 and s1 > s2)
+
+
+@jit
+def _heap_push(times, slots, size, t, s):
+    """Add (t, s) to the max-heap (by _later) times[:size], slots alongside; returns the size."""
+    j = size
+    while j > 0:
+        parent = (j - 1) >> 1
+        if not _later(t, s, times[parent], slots[parent]):
+            break
+        times[j], slots[j] = times[parent], slots[parent]
+        j = parent
+    times[j], slots[j] = t, s
+    return size + 1
+
+
+@jit
+def _heap_replace_top(times, slots, size, t, s):
+    """Replace the latest entry of the max-heap times[:size] with (t, s)."""
+    j = 0
+    while True:
+        child = 2 * j + 1
+        if child >= size:
+            break
+        if child + 1 < size and _later(times[child + 1], slots[child + 1], times[child],
+                                       slots[child]):
+            child += 1
+        if not _later(times[child], slots[child], t, s):
+            break
+        times[j], slots[j] = times[child], slots[child]
+        j = child
+    times[j], slots[j] = t, s
 
 
 @jit
 def victims(state, hold_until, readers, read_until, write_until, last_use, count, now, out):
     """Fill out[:k] with up to `count` slots to reuse and return k: free slots first, in slot
     order (consecutive blocks land in consecutive slots and copy as one run), then the least
-    recently used evictable ones (no hold, no live pin, no live write lease), in slot order."""
+    recently used evictable ones (no hold, no live pin, no live write lease; at equal times the
+    lower slots), in slot order.
+
+    One pass: it keeps the free slots it meets and, in a max-heap of `count` entries, the least
+    recently used evictable slots met so far, so a slot of a large full pool costs a state check
+    and a comparison with the heap's top."""
     k = 0
     if count <= 0:
         return k
+    heap_times = np.empty(count, np.float64)
+    heap_slots = np.empty(count, np.int64)
+    size = 0
     for s in range(state.shape[0]):
-        if state[s] == FREE:
+        st = state[s]
+        if st == FREE:
             out[k] = s
             k += 1
             if k == count:
                 return k
-    evictable = np.empty(state.shape[0], np.int64)
-    m = 0
-    for s in range(state.shape[0]):
-        st = state[s]
+            continue
+        # slots come in increasing order: at the top's time this one is later than the top
+        if size == count and last_use[s] >= heap_times[0]:
+            continue
         if ((st == READY and hold_until[s] <= now and (readers[s] == 0 or read_until[s] <= now))
                 or (st == WRITING and write_until[s] <= now)):
-            evictable[m] = s
-            m += 1
-    need = count - k
-    if m <= need:
-        for j in range(m):
-            out[k] = evictable[j]
-            k += 1
+            if size < count:
+                size = _heap_push(heap_times, heap_slots, size, last_use[s], s)
+            else:
+                _heap_replace_top(heap_times, heap_slots, size, last_use[s], s)
+    need = min(count - k, size)
+    if need <= 0:
         return k
-    # the `need` least recently used, in slot order: those used before the need-th smallest
-    # time, then as many used at that very time as are still wanted (a selection, not a sort)
-    times = np.empty(m, np.float64)
-    for j in range(m):
-        times[j] = last_use[evictable[j]]
-    cutoff = np.partition(times, need - 1)[need - 1]
-    older = 0
-    for j in range(m):
-        if times[j] < cutoff:
-            older += 1
-    ties = need - older
-    for j in range(m):
-        t = times[j]
-        if t < cutoff or (t == cutoff and ties > 0):
-            if t == cutoff:
-                ties -= 1
-            out[k] = evictable[j]
-            k += 1
+    # the heap's `need` earliest: by slot, then (stable) by time; handed out in slot order
+    by_slot = np.argsort(heap_slots[:size])
+    by_time = by_slot[np.argsort(heap_times[:size][by_slot], kind="mergesort")]
+    picked = np.sort(heap_slots[:size][by_time[:need]])
+    for j in range(need):
+        out[k] = picked[j]
+        k += 1
     return k
 
 

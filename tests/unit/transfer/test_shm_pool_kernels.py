@@ -70,6 +70,52 @@ def test_victims_free_first_then_least_recently_used_in_slot_order():
                      h["last_use"], 0, now, out) == 0
 
 
+def random_header(rng: np.random.Generator, n: int, now: float) -> dict:
+    """A header in every state, with many equal use times, holds, live and dead pins and write
+    leases, and keys drawn from a few values (so that batches repeat and share key64)."""
+    h = header(n)
+    for s in range(n):
+        put(h, s, key(int(rng.integers(0, 4)), int(rng.integers(0, 6))),
+            int(rng.choice([FREE, WRITING, READY], p=[0.05, 0.15, 0.8])))
+    h["last_use"][:] = rng.integers(0, 20, n)
+    h["hold_until"][:] = np.where(rng.random(n) < 0.1, now + 5, 0.0)
+    h["readers"][:] = rng.random(n) < 0.1
+    h["read_until"][:] = np.where(rng.random(n) < 0.5, now + 5, now - 5)
+    h["write_until"][:] = np.where(rng.random(n) < 0.5, now + 5, now - 5)
+    return h
+
+
+def test_find_and_victims_match_plain_references_on_random_headers():
+    """The kernels against the rules written out in Python: the lowest slot holding the key in
+    an allowed state; free slots in slot order, then the evictable ones by (last use, slot)."""
+    rng = np.random.default_rng(7)
+    now = 50.0
+    for _ in range(300):
+        n = int(rng.integers(1, 200))
+        h = random_header(rng, n, now)
+        rows = np.stack([key(int(rng.integers(0, 4)), int(rng.integers(0, 6)))
+                         for _ in range(int(rng.integers(1, 40)))])
+        ready, writing = bool(rng.integers(0, 2)), bool(rng.integers(0, 2))
+        allowed = ({READY} if ready else set()) | ({WRITING} if writing else set())
+        out = np.empty(len(rows), np.int64)
+        k.find(h["state"], h["key"], h["key64"], rows, ready, writing, out)
+        expect = [next((s for s in range(n) if h["state"][s] in allowed
+                        and bytes(h["key"][s]) == bytes(row)), -1) for row in rows]
+        assert out.tolist() == expect
+
+        count = int(rng.integers(0, n + 5))
+        got = np.empty(max(count, 1), np.int64)
+        m = k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"],
+                      h["write_until"], h["last_use"], count, now, got)
+        free = [s for s in range(n) if h["state"][s] == FREE][:count]
+        evictable = sorted((s for s in range(n) if
+                            (h["state"][s] == READY and h["hold_until"][s] <= now
+                             and (h["readers"][s] == 0 or h["read_until"][s] <= now))
+                            or (h["state"][s] == WRITING and h["write_until"][s] <= now)),
+                           key=lambda s: (h["last_use"][s], s))
+        assert got[:m].tolist() == free + sorted(evictable[:count - len(free)])
+
+
 def test_pin_twice_in_one_batch_then_unpin_twice_leaves_no_reader_and_no_underflow():
     h = header(4)
     put(h, 2, key(3, 3))
