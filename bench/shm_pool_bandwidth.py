@@ -523,7 +523,7 @@ def table(meta: dict, summary: dict) -> list[str]:
     return lines
 
 
-def costs(summary: dict, diag: dict, block: int) -> dict:
+def costs(summary: dict, block: int) -> dict:
     """Where a pool pass's time goes at one block size (medians)."""
     k = str(block)
     memcpy_gbps = summary["memcpy"][k]["gbps"]["median"]
@@ -548,12 +548,12 @@ def costs(summary: dict, diag: dict, block: int) -> dict:
     }
 
 
-def breakdown(meta: dict, summary: dict, diag: dict) -> list[str]:
+def breakdown(meta: dict, summary: dict) -> list[str]:
     lines = ["| block | memcpy µs/block | locked calls µs/block (write / read) | np.copyto into / "
              "out of pool slots, vs memcpy | checksums' share of a write / read |",
              "|---:|---:|---:|---:|---:|"]
     for block in meta["block_sizes"]:
-        c = costs(summary, diag, block)
+        c = costs(summary, block)
         lines.append(f"| {size_name(block)} | {c['memcpy_us']:.1f} | {c['write_lock_us']:.1f} / "
                      f"{c['read_lock_us']:.1f} | {c['region_in']:.2f}× / {c['region_out']:.2f}× | "
                      f"{c['write_sum_share']:.0%} / {c['read_sum_share']:.0%} |")
@@ -592,7 +592,7 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
     differ = [f"{CASES[c]} at {size_name(b)} ({fmt_ratio(by_cpu[c, b])}×)"
               for c in TARGET_CASES for b in big if (by_cpu[c, b] >= TARGET) != (ratio[c, b] >= TARGET)]
     calls, locks, sweep = diag["call_us"], diag["locked_calls_us"], diag["piece_sweep_gbps"]
-    cost = {b: costs(summary, diag, b) for b in sizes}
+    cost = {b: costs(summary, b) for b in sizes}
     largest = sizes[-1]
     per_batch_largest = min(BATCH, meta["total_bytes"] // largest)
 
@@ -764,7 +764,7 @@ def markdown(results: dict) -> str:
         "into the write pool's slots and out of the read pool's, no pool calls: what the shared "
         "mapping itself costs); and the share of a pass that checksums cost (1 − with / without, "
         "from the ratios to memcpy).", "",
-        *breakdown(meta, summary, diag), "",
+        *breakdown(meta, summary), "",
         "![shared-memory KV pool bandwidth](img/shm_pool_bandwidth.png)", "",
         "Reading:", "",
         *reading(meta, summary, diag), "",
