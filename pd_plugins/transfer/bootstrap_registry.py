@@ -11,6 +11,20 @@ twice in a row treats the prefill as dead.
     PUT  /rooms/<room>.<key>  <- {...}: a transfer is ready to be read (pull backends)
     GET  /rooms/<room>.<key>  -> {...}, or 404 (not ready yet)
     DELETE /rooms/<room>.<key>   (done; the table also forgets the oldest beyond MAX_ROOMS)
+
+Push backends turn this around: the decode publishes where the prefill may write (a target), and
+who owns the decode's pages is settled here, in one place, by a state per target:
+
+    PUT  /targets/<room>.<key>           <- {...}: the decode's pages are open for a write
+                                            (409 if the prefill has expired the room)
+    POST /targets/<room>.<key>/claim     the prefill will write: 200 {...} (open -> claimed),
+                                         404 not published yet, 409 withdrawn or expired
+    POST /targets/<room>.<key>/withdraw  the decode gives up: 200 (open -> withdrawn), or 409
+                                         {"claimed_at": t} when a write may be under way
+    POST /targets/<room>.<key>/expire    the prefill gives up: 200 (a target not claimed, or
+                                         none yet, becomes expired: a decode that comes later
+                                         fails at once), 409 if claimed
+    DELETE /targets/<room>.<key>         (done)
 """
 
 from __future__ import annotations
@@ -18,15 +32,18 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections import OrderedDict
+import time
 import urllib.error
 import urllib.request
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_RECORD_BYTES = 64 * 1024
 MAX_ROOMS = 100_000
-_KEY = re.compile(r"^/(ranks|rooms)/((?:\d{1,20}\.)?\d{1,6}\.\d{1,6})$")
+_KEY = re.compile(r"^/(ranks|rooms|targets)/((?:\d{1,20}\.)?\d{1,6}\.\d{1,6})"
+                  r"(?:/(claim|withdraw|expire))?$")
+OPEN, CLAIMED, WITHDRAWN, EXPIRED = "open", "claimed", "withdrawn", "expired"
 
 
 def rank_key(dp_rank: int, engine_rank: int) -> str:
@@ -49,12 +66,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _error(self, status: int, reason: str) -> None:
         self._answer(status, json.dumps({"error": reason}).encode())
 
-    def _table(self) -> tuple[OrderedDict, str] | None:
+    def _match(self, action: bool = False) -> re.Match | None:
         match = _KEY.match(self.path)
-        if not match or (match.group(1) == "ranks") != (match.group(2).count(".") == 1):
+        if (not match or (match.group(1) == "ranks") != (match.group(2).count(".") == 1)
+                or bool(match.group(3)) != action or (action and match.group(1) != "targets")):
             self._error(404, f"no such path: {self.path[:100]}")
             return None
-        return getattr(self.server, match.group(1)), match.group(2)
+        return match
+
+    def _table(self) -> tuple[OrderedDict, str] | None:
+        match = self._match()
+        return None if match is None else (getattr(self.server, match.group(1)), match.group(2))
 
     def do_GET(self) -> None:
         if self.path == "/health":
@@ -66,7 +88,35 @@ class _Handler(BaseHTTPRequestHandler):
         record = table.get(key)
         if record is None:
             return self._error(404, f"{key} is not registered")
-        return self._answer(200, record)
+        return self._answer(200, record[1] if table is self.server.targets else record)
+
+    def do_POST(self) -> None:
+        """A target's state change (push backends), atomic under the registry's lock."""
+        match = self._match(action=True)
+        if match is None:
+            return None
+        key, action, targets = match.group(2), match.group(3), self.server.targets
+        with self.server.lock:
+            entry = targets.get(key)  # [state, record bytes, claimed_at]
+            state = entry[0] if entry else None
+            if action == "claim":
+                if state is None:
+                    return self._error(404, f"target {key} is not published")
+                if state != OPEN:
+                    return self._error(409, f"target {key} is {state}")
+                entry[0], entry[2] = CLAIMED, time.time()
+                return self._answer(200, entry[1])
+            if action == "withdraw":
+                if state == CLAIMED:
+                    return self._answer(409, json.dumps({"claimed_at": entry[2]}).encode())
+                if entry:
+                    entry[0] = WITHDRAWN
+                return self._answer(200, b"{}")
+            if state == CLAIMED:  # expire
+                return self._error(409, f"target {key} is claimed")
+            targets[key] = [EXPIRED, b"{}", None]
+            _bound(targets)
+            return self._answer(200, b"{}")
 
     def do_DELETE(self) -> None:
         found = self._table()
@@ -89,16 +139,26 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(400, f"a record is a JSON object: {exc}")
         table, key = found
         with self.server.lock:
+            if table is self.server.targets:
+                entry = table.get(key)
+                if entry is not None and entry[0] in (EXPIRED, CLAIMED):
+                    return self._error(409, f"target {key} is {entry[0]}")
+                body = [OPEN, body, None]
             table[key] = body
-            while len(table) > MAX_ROOMS:
-                table.popitem(last=False)
+            _bound(table)
         return self._answer(200, b"{}")
+
+
+def _bound(table: OrderedDict) -> None:
+    while len(table) > MAX_ROOMS:
+        table.popitem(last=False)
 
 
 class _RegistryHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     ranks: OrderedDict
     rooms: OrderedDict
+    targets: OrderedDict
     lock: threading.Lock
 
 
@@ -108,6 +168,7 @@ class BootstrapRegistry:
     def __init__(self, host: str, port: int) -> None:
         self._server = _RegistryHTTPServer((host, port), _Handler)
         self._server.ranks, self._server.rooms = OrderedDict(), OrderedDict()
+        self._server.targets = OrderedDict()
         self._server.lock = threading.Lock()
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
@@ -175,6 +236,29 @@ def get_room(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
 
 def drop_room(addr: str, key: str, timeout_s: float = 5.0) -> None:
     _call("DELETE", f"http://{addr}/rooms/{key}", None, timeout_s)
+
+
+def put_target(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> bool:
+    """Publish a decode's target; False if the prefill has expired the room already."""
+    status, body = _call("PUT", f"http://{addr}/targets/{key}", json.dumps(record).encode(),
+                         timeout_s)
+    if status not in (200, 409):
+        raise RuntimeError(f"bootstrap registry {addr} refused target {key}: {status} "
+                           f"{body[:200]!r}")
+    return status == 200
+
+
+def target_action(addr: str, key: str, action: str, timeout_s: float = 5.0
+                  ) -> tuple[int, dict]:
+    """claim, withdraw or expire a target: (HTTP status, JSON answer); see the module doc."""
+    status, body = _call("POST", f"http://{addr}/targets/{key}/{action}", None, timeout_s)
+    if status not in (200, 404, 409):
+        raise RuntimeError(f"bootstrap registry {addr}: {action} {key}: {status} {body[:200]!r}")
+    return status, json.loads(body or b"{}")
+
+
+def drop_target(addr: str, key: str, timeout_s: float = 5.0) -> None:
+    _call("DELETE", f"http://{addr}/targets/{key}", None, timeout_s)
 
 
 def is_alive(addr: str, timeout_s: float = 2.0) -> bool:

@@ -27,6 +27,7 @@ from typing import Sequence
 
 START_MARGIN_S = 5.0
 MAX_READ_S = 30.0
+MAX_WRITE_S = 30.0  # push (connectors/sglang/pd_nixl.py): a WRITE's limit, as a READ's
 
 
 def _nixl():
@@ -71,13 +72,23 @@ class NixlRoomAgent:
     def read(self, peer: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
              notification: bytes):
         """Start one READ of remote (addr, len) ranges into local ones; returns its handle."""
+        return self._start("READ", peer, local, remote, notification)
+
+    def write(self, peer: str, local: Sequence[tuple[int, int]],
+              remote: Sequence[tuple[int, int]], notification: bytes):
+        """Start one WRITE of local (addr, len) ranges into remote ones; returns its handle. The
+        peer gets `notification` after the data."""
+        return self._start("WRITE", peer, local, remote, notification)
+
+    def _start(self, op: str, peer: str, local: Sequence[tuple[int, int]],
+               remote: Sequence[tuple[int, int]], notification: bytes):
         with self._lock, _as_connection_error(peer):
             local_d = self.agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
             remote_d = self.agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
-            handle = self.agent.initialize_xfer("READ", local_d, remote_d, peer, notification)
+            handle = self.agent.initialize_xfer(op, local_d, remote_d, peer, notification)
             if self.agent.transfer(handle) == "ERR":
                 self.agent.release_xfer_handle(handle)
-                raise ConnectionError(f"NIXL READ from {peer} could not start")
+                raise ConnectionError(f"NIXL {op} with {peer} could not start")
             return handle
 
     def state(self, handle) -> str:

@@ -81,7 +81,14 @@ def roles():
         role.stop()
 
 
-BACKENDS = ["pd-shm", "pd-nixl"]
+# "pd-nixl:push" is SGLang's backend pd-nixl with PD_NIXL_MODE=push in both processes
+BACKENDS = ["pd-shm", "pd-nixl", "pd-nixl:push"]
+
+
+def variant(env: dict, backend: str) -> tuple[dict, str]:
+    """(environment, SGLang backend name) of a BACKENDS entry."""
+    name, _, mode = backend.partition(":")
+    return ({**env, "PD_NIXL_MODE": mode} if mode else env), name
 PAGE_BYTES = 2 * 2 * 256  # 2 layers x (K, V) x 256-byte items
 
 
@@ -102,6 +109,7 @@ def start_prefill(roles, env, backend, rooms, **spec):
     """A prefill process that has published `rooms`: (its Role, its bootstrap port, room ->
     the published event with the pages' digests)."""
     port = free_port()
+    env, backend = variant(env, backend)
     prefill = roles(env, "prefill", {"bootstrap_port": port, "backend": backend,
                                      "then_sleep_s": 120, "rooms": rooms, **spec})
     assert prefill.next_event()["event"] == "ready"
@@ -110,6 +118,7 @@ def start_prefill(roles, env, backend, rooms, **spec):
 
 
 def receive(roles, env, backend, port, room, dest, aux_index, **spec) -> dict:
+    env, backend = variant(env, backend)
     decode = roles(env, "decode", {"bootstrap_port": port, "backend": backend, "room": room,
                                    "dest": dest, "aux_index": aux_index, **spec})
     got = decode.next_event()
@@ -132,7 +141,7 @@ def test_kv_moves_between_two_processes(backend, pool_env, roles):
     got = receive(roles, pool_env, backend, port, rooms[0], [40, 41, 42, 50, 51, 52], 7)
     assert got["state"] == KV_POLL_SUCCESS, got
     # pd-nixl lowers the threads NIXL starts (its progress thread polls without pause)
-    assert (19 in got["thread_nice"]) == (backend == "pd-nixl"), got["thread_nice"]
+    assert (19 in got["thread_nice"]) == backend.startswith("pd-nixl"), got["thread_nice"]
     assert got["kv"] == published[rooms[0]]["kv"] and got["aux"] == published[rooms[0]]["aux"]
     if backend == "pd-shm":  # 6 pages + manifest: hold ended, data kept; the other room held
         assert (got["pool_after"]["ready"], got["pool_after"]["held"]) == (7 + 3, 3)
@@ -140,7 +149,7 @@ def test_kv_moves_between_two_processes(backend, pool_env, roles):
     assert got["state"] == KV_POLL_SUCCESS, got
     assert got["kv"] == published[rooms[1]]["kv"][1:] and got["aux"] == published[rooms[1]]["aux"]
 
-    sent = sent_events(prefill, 2)  # pull: only once the decodes' reads are done
+    sent = sent_events(prefill, 2)  # pd-nixl: only once the decodes' reads (writes) are done
     assert [sent[r]["state"] for r in rooms] == [KV_POLL_SUCCESS] * 2, sent
     assert sent[rooms[0]]["metric"]["transfer_total_bytes"] == len(pages) * PAGE_BYTES
 
@@ -170,9 +179,9 @@ def test_no_kv_in_time_fails_with_a_timeout(backend, pool_env, roles):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_dead_prefill_fails_the_decode(backend, pool_env, roles):
     prefill, port, _ = start_prefill(roles, pool_env, backend, [])
-    decode = roles({**pool_env, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.3"}, "decode",
-                   {"bootstrap_port": port, "backend": backend, "room": 100, "dest": [1],
-                    "aux_index": 0})
+    env, name = variant({**pool_env, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.3"}, backend)
+    decode = roles(env, "decode", {"bootstrap_port": port, "backend": name, "room": 100,
+                                   "dest": [1], "aux_index": 0})
     assert decode.next_event()["event"] == "bootstrapped"
     prefill.stop()  # SIGKILL: its bootstrap registry goes with it
     got = decode.next_event()
@@ -192,15 +201,24 @@ def test_abort_ends_in_failed(backend, pool_env, roles):
     assert got["state"] == KV_POLL_FAILED and "aborted" in got["failure"]
 
 
-def test_an_expired_lease_fails_both_sides(pool_env, roles):
-    """pd-nixl: a room nobody read within its lease is freed, the prefill says why, and a decode
-    that comes later fails at once instead of reading freed pages."""
-    prefill, port, _ = start_prefill(roles, {**pool_env, "PD_NIXL_LEASE_S": "2"}, "pd-nixl",
+@pytest.mark.parametrize("backend", ["pd-nixl", "pd-nixl:push"])
+def test_an_expired_lease_fails_both_sides(backend, pool_env, roles):
+    """pd-nixl: a room nobody read (no decode was ready for, in push) within its lease is freed,
+    the prefill says why, and a decode that comes later fails at once instead of reading freed
+    pages (push: instead of waiting for a write that will never come)."""
+    prefill, port, _ = start_prefill(roles, {**pool_env, "PD_NIXL_LEASE_S": "2"}, backend,
                                      [{"room": 12, "pages": [1, 2], "aux_index": 0}])
     sent = prefill.next_event()
     assert sent["state"] == KV_POLL_FAILED and "within the lease" in sent["failure"]
-    got = receive(roles, pool_env, "pd-nixl", port, 12, [5, 6], 1)
+    got = receive(roles, pool_env, backend, port, 12, [5, 6], 1)
     assert got["state"] == KV_POLL_FAILED and "lease ran out" in got["failure"], got
+
+
+def test_push_and_pull_do_not_mix(pool_env, roles):
+    _, port, _ = start_prefill(roles, pool_env, "pd-nixl", [])
+    got = receive(roles, pool_env, "pd-nixl:push", port, 1, [1], 0)
+    assert got["state"] == KV_POLL_FAILED, got
+    assert "runs pd-nixl in pull mode, this decode in push mode" in got["failure"], got
 
 
 def test_mismatched_backends_and_no_registry_fail_clearly(pool_env, roles):

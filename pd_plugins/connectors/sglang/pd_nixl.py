@@ -1,27 +1,42 @@
-"""SGLang transfer backend `pd-nixl`: the decode pulls (NIXL READ over UCX) the prefill's pages,
-under a lease with heartbeats (transfer/nixl_rooms.py has the protocol).
+"""SGLang transfer backend `pd-nixl`: the prefill's pages move over NIXL (UCX), pulled by the
+decode (READ, the default) or pushed by the prefill (WRITE, `PD_NIXL_MODE=push` on both sides),
+under a lease with heartbeats (transfer/nixl_rooms.py has the pull protocol).
 
 Over host_kv.py's SGLang contract:
 - prefill: `send(kv_indices)` only records the pages (the KV stays where the engine computed
-  it); the last chunk publishes the room in the bootstrap registry (pages, the request's metadata
-  row, `lease_until`). `poll` stays Transferring until the decode's READ notification arrives
-  (Success: SGLang frees the pages) or the lease runs out (Failed: freed, and no decode may
-  start a read any more). Decode heartbeats extend the lease; the room record follows.
-- decode: `init` adds the prefill rank's NIXL agent (its metadata is in the registry record);
-  `poll` waits for the room (sending heartbeats, watching the prefill's registry), starts one
-  READ of the pages after its cached prefix into its own pages once the lease has more than
-  START_MARGIN_S left (with less, a heartbeat asks for more), and is Success when the READ is
-  done. A room whose lease ran out leaves a tombstone: a late decode fails at once.
+  it) and after the last chunk leases them to the room. Decode heartbeats extend the lease.
+- pull: the last chunk publishes the room in the bootstrap registry (pages, the request's
+  metadata row, `lease_until`). The prefill's `poll` stays Transferring until the decode's READ
+  notification arrives (Success: SGLang frees the pages) or the lease runs out (Failed: freed,
+  and no decode may start a read any more). The decode's `init` adds the prefill rank's NIXL
+  agent (its metadata is in the registry record); its `poll` waits for the room (sending
+  heartbeats, watching the prefill's registry), starts one READ of the pages after its cached
+  prefix into its own pages once the lease has more than START_MARGIN_S left (with less, a
+  heartbeat asks for more), and is Success when the READ is done. A room whose lease ran out
+  leaves a tombstone: a late decode fails at once.
+- push: the decode publishes a target in the prefill's registry (its NIXL agent, its pages, the
+  first page after its cached prefix); the prefill claims it (the registry settles who owns the
+  decode's pages: a claimed target cannot be withdrawn) and WRITEs its pages there, with the
+  metadata row and the write's start time in the notification NIXL delivers after the data. The
+  prefill is Success when the WRITE is done; the decode when that notification arrives, unless
+  it comes later than MAX_WRITE_S - START_MARGIN_S after the start (by then the prefill may have
+  given up and freed its pages: the bytes are not trusted). A decode that hears nothing within
+  SGLang's waiting timeout withdraws its target and fails; if the prefill claimed it, the decode
+  keeps its pages until MAX_WRITE_S after the claim. A prefill whose lease runs out before a
+  target appears expires the room: a decode that comes later fails when it publishes.
 
-SGLang's own NIXL backend is push only and has no lease. Options (environment):
-PD_NIXL_LEASE_S (how long a prefill keeps a finished room's pages for the decode, default 30);
-PD_TRANSFER_THREADS_NICE (the nice value of NIXL's threads, default 19: its progress thread polls
-without pause; "none" leaves them alone). UCX on CPU: UCX_NET_DEVICES=lo on one host.
+SGLang's own NIXL backend is push only and has no lease. Options (environment): PD_NIXL_MODE
+(pull or push; the decode refuses a prefill in the other mode); PD_NIXL_LEASE_S (how long a
+prefill keeps a finished room's pages for the decode, default 30); PD_TRANSFER_THREADS_NICE (the
+nice value of NIXL's threads, default 19: its progress thread polls without pause; "none" leaves
+them alone). UCX on CPU: UCX_NET_DEVICES=lo on one host.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import logging
 import os
 import time
 import uuid
@@ -37,30 +52,71 @@ from pd_plugins.connectors.sglang.host_kv import (
     RegistryBootstrapServer,
 )
 from pd_plugins.transfer import bootstrap_registry
-from pd_plugins.transfer.nixl_rooms import MAX_READ_S, START_MARGIN_S, LeaseTable, NixlRoomAgent
+from pd_plugins.transfer.nixl_rooms import (
+    MAX_READ_S,
+    MAX_WRITE_S,
+    START_MARGIN_S,
+    LeaseTable,
+    NixlRoomAgent,
+)
 from pd_plugins.transfer.transfer_threads import lowered_new_threads, nice_from_env
 
+logger = logging.getLogger("pd_plugins.sglang")
+
 BACKEND_NAME = "pd-nixl"
+MODES = ("pull", "push")
+PUSHED = b"PUSHED"  # a WRITE's notification: PUSHED:<room>:<start time>:<metadata row, base64>
+MAX_ARRIVALS = 100_000  # notifications kept for rooms no receiver asked about (yet)
+ABORT_WAIT_S = 2.0  # push: how long an aborted prefill lets its WRITE finish before freeing
+
+
+def mode_from_env() -> str:
+    mode = os.environ.get("PD_NIXL_MODE", "pull").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"PD_NIXL_MODE must be one of {', '.join(MODES)}, not {mode!r}")
+    return mode
 
 
 class PdNixlKVManager(HostKVManager):
     backend_name = BACKEND_NAME
 
     def _open(self) -> None:
+        self.transfer_mode = mode_from_env()
         role = "prefill" if self.mode == DisaggregationMode.PREFILL else "decode"
         # NIXL's progress thread polls without pause: lowest priority (PD_TRANSFER_THREADS_NICE)
         with lowered_new_threads(nice_from_env(), "pd-nixl (SGLang)"):
             self.agent = NixlRoomAgent(
                 f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions())
         self.leases = LeaseTable(float(os.environ.get("PD_NIXL_LEASE_S", "30")))
+        self.arrivals: dict[int, tuple[float, bytes]] = {}  # push, decode: room -> (start, aux)
 
     def _record(self) -> dict:
         return {"agent_metadata": base64.b64encode(self.agent.metadata()).decode(),
-                "kv": [[buf.ctypes.data, buf.shape[1]] for buf in self.buffers.kv]}
+                "kv": self.kv_items(), "mode": self.transfer_mode}
+
+    def kv_items(self) -> list[list[int]]:
+        """[address, item bytes] of each KV buffer: where a peer reads or writes page p."""
+        return [[buf.ctypes.data, buf.shape[1]] for buf in self.buffers.kv]
 
     def pump(self) -> None:
-        """The decodes' notifications (heartbeats, read starts, read completions) -> leases."""
-        self.leases.feed(self.agent.notifications())
+        """Notifications: a decode's (heartbeats, read starts, read completions) feed the
+        prefill's leases; a prefill's completed WRITEs (push) wait for their receivers."""
+        others = []
+        for message in self.agent.notifications():
+            kind, _, rest = message.partition(b":")
+            if kind != PUSHED:
+                others.append(message)
+                continue
+            try:
+                room, start, aux = rest.split(b":", 2)
+                self.arrivals[int(room)] = (float(start), base64.b64decode(aux))
+            except ValueError:  # not from a pd-nixl prefill: no room to deliver it to
+                logger.warning("pd-nixl: malformed WRITE notification %r", message[:80])
+                continue
+            while len(self.arrivals) > MAX_ARRIVALS:
+                self.arrivals.pop(next(iter(self.arrivals)))
+        if others:
+            self.leases.feed(others)
 
     def close(self) -> None:
         self.agent.close()
@@ -80,7 +136,9 @@ class PdNixlKVSender(HostKVSender):
 
     def _finish(self, aux: bytes) -> None:
         self.aux = base64.b64encode(aux).decode()
-        self._publish(self.mgr.leases.lease(self.room))
+        until = self.mgr.leases.lease(self.room)
+        if self.mgr.transfer_mode == "pull":
+            self._publish(until)
 
     def _publish(self, lease_until: float) -> None:
         bootstrap_registry.put_room(self.mgr.bootstrap_addr, self._key, {
@@ -89,6 +147,8 @@ class PdNixlKVSender(HostKVSender):
 
     def _progress(self) -> None:
         self.mgr.pump()
+        if self.mgr.transfer_mode == "push":
+            return self._push()
         status = self.mgr.leases.status(self.room)
         if status == "held":
             until = self.mgr.leases.until(self.room)
@@ -102,9 +162,67 @@ class PdNixlKVSender(HostKVSender):
         self._fail(TimeoutError(f"room {self.room}: no decode read its KV within the lease "
                                 f"({self.mgr.leases.lease_s:.0f} s and heartbeats)"))
 
+    # -- push ---------------------------------------------------------------------------------
+    xfer = None
+    write_started = 0.0
+
+    def _push(self) -> None:
+        """Claim the decode's target once it is published, WRITE into it, wait for the WRITE."""
+        if self.xfer is None:
+            return self._claim_and_write()
+        state = self.mgr.agent.state(self.xfer)
+        if state == "PROC":
+            if time.time() > self.write_started + MAX_WRITE_S:
+                self._drop_xfer()  # the decode will not trust a notification this late
+                raise TimeoutError(f"room {self.room}: the WRITE did not finish within "
+                                   f"{MAX_WRITE_S:.0f} s")
+            return None
+        self._drop_xfer()
+        self.mgr.leases.forget(self.room)
+        if state != "DONE":
+            raise ConnectionError(f"room {self.room}: NIXL WRITE failed ({state})")
+        return self._succeed()
+
+    def _claim_and_write(self) -> None:
+        status, target = bootstrap_registry.target_action(self.mgr.bootstrap_addr, self._key,
+                                                          "claim")
+        if status == 409:
+            raise TimeoutError(f"room {self.room}: the decode gave up waiting ({target['error']})")
+        if status == 404:  # no decode is ready yet: hold the pages while the lease lasts
+            if self.mgr.leases.status(self.room) == "expired":
+                self._forget(expired=True)
+                raise TimeoutError(f"room {self.room}: no decode was ready for its KV within the "
+                                   f"lease ({self.mgr.leases.lease_s:.0f} s and heartbeats)")
+            return None
+        peer = self.mgr.agent.add_peer(base64.b64decode(target["agent_metadata"]))
+        remote_kv = [(int(addr), int(width)) for addr, width in target["kv"]]
+        if [w for _, w in remote_kv] != [w for _, w in self.mgr.kv_items()]:
+            raise RuntimeError(f"room {self.room}: the decode's KV items differ from this "
+                               "prefill's: not the same model and KV layout")
+        first, dest = int(target["first_page"]), [int(p) for p in target["pages"]]
+        pages = getattr(self, "pages", [])[first:first + len(dest)]
+        if len(pages) != len(dest):
+            raise RuntimeError(f"room {self.room}: this prefill holds {len(self.pages)} pages; the "
+                               f"decode wants {first + len(dest)}")
+        remote = [(addr + p * width, width) for addr, width in remote_kv for p in dest]
+        self.write_started = time.time()
+        note = b"%s:%d:%.6f:%s" % (PUSHED, self.room, self.write_started, self.aux.encode())
+        self.xfer = self.mgr.agent.write(peer, self.mgr.buffers.page_ranges(np.asarray(pages)),
+                                         remote, note)
+
+    def _drop_xfer(self) -> None:
+        xfer, self.xfer = self.xfer, None
+        if xfer is not None:
+            self.mgr.agent.release(xfer)
+
     def _forget(self, expired: bool = False) -> None:
         """Drop the room; an expired one leaves a tombstone, so a late decode fails at once."""
         self.mgr.leases.forget(self.room)
+        if self.mgr.transfer_mode == "push":
+            if expired:  # an open target becomes expired; a claimed one is being written
+                with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
+                    bootstrap_registry.target_action(self.mgr.bootstrap_addr, self._key, "expire")
+            return
         try:
             if expired:
                 bootstrap_registry.put_room(self.mgr.bootstrap_addr, self._key, {"expired": True})
@@ -117,7 +235,14 @@ class PdNixlKVSender(HostKVSender):
         if self.state == KVPoll.Success:
             return
         if self.next_page and self.next_page >= (self.num_pages or 0):
-            self._forget(expired=True)  # published: no decode may start a read any more
+            self._forget(expired=True)  # published: no decode may start a transfer any more
+        if self.xfer is not None:
+            # push: SGLang frees the pages once this returns; a WRITE still reading them would
+            # send torn KV, so give it a moment to finish (on one host it takes milliseconds)
+            deadline = time.monotonic() + ABORT_WAIT_S
+            while self.mgr.agent.state(self.xfer) == "PROC" and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self._drop_xfer()
         super().abort()
 
 
@@ -127,6 +252,11 @@ class PdNixlKVReceiver(HostKVReceiver):
     peer: str | None = None
 
     def _accept(self, record: dict) -> None:
+        theirs = record.get("mode", "pull")
+        if theirs != self.mgr.transfer_mode:
+            raise RuntimeError(f"room {self.room}: the prefill at {self.prefill_addr} runs pd-nixl "
+                               f"in {theirs} mode, this decode in {self.mgr.transfer_mode} mode "
+                               "(set PD_NIXL_MODE the same on both)")
         self.peer = self.mgr.agent.add_peer(base64.b64decode(record["agent_metadata"]))
         self.remote_kv = [(int(addr), int(width)) for addr, width in record["kv"]]
         if [w for _, w in self.remote_kv] != [buf.shape[1] for buf in self.mgr.buffers.kv]:
@@ -138,6 +268,8 @@ class PdNixlKVReceiver(HostKVReceiver):
             self.mgr.agent.notify(self.peer, b"HB:%d" % self.room)
 
     def _progress(self) -> None:
+        if self.mgr.transfer_mode == "push":
+            return self._await_write()
         if self.xfer is None:
             return self._start_read()
         state = self.mgr.agent.state(self.xfer)
@@ -185,6 +317,67 @@ class PdNixlKVReceiver(HostKVReceiver):
         xfer, self.xfer = self.xfer, None
         if xfer is not None:
             self.mgr.agent.release(xfer)
+
+    # -- push ---------------------------------------------------------------------------------
+    target_published = False
+    claimed_at: float | None = None
+
+    @property
+    def _target_key(self) -> str:
+        return bootstrap_registry.room_key(self.room, self.prefill_rank_key)
+
+    def _await_write(self) -> None:
+        """Publish this decode's pages as the room's target, then wait for the WRITE's
+        notification; past the waiting timeout, withdraw the target (or, if the prefill has
+        claimed it, keep the pages until MAX_WRITE_S after the claim)."""
+        if not self.target_published:
+            try:
+                opened = bootstrap_registry.put_target(self.prefill_addr, self._target_key, {
+                    "agent_metadata": base64.b64encode(self.mgr.agent.metadata()).decode(),
+                    "kv": self.mgr.kv_items(), "pages": self.pages.tolist(),
+                    "first_page": self.first_page})
+            except bootstrap_registry.RegistryUnreachable:
+                return self._check_waiting()  # the prefill's heartbeat decides when it is gone
+            if not opened:
+                raise TimeoutError(f"room {self.room}: the prefill's lease ran out before this "
+                                   "decode was ready; the KV is gone")
+            self.target_published = True
+        self.mgr.pump()
+        arrived = self.mgr.arrivals.pop(self.room, None)
+        if arrived is not None:
+            return self._written(*arrived)
+        if time.monotonic() > self.waiting_deadline:
+            if self.claimed_at is not None:
+                raise TimeoutError(f"room {self.room}: the prefill's WRITE did not finish within "
+                                   f"{MAX_WRITE_S:.0f} s")
+            try:
+                status, answer = bootstrap_registry.target_action(
+                    self.prefill_addr, self._target_key, "withdraw")
+            except bootstrap_registry.RegistryUnreachable:  # the prefill is gone: nobody writes
+                status, answer = 200, {}
+            if status == 409:  # claimed: a WRITE may be under way into these pages
+                self.claimed_at = float(answer["claimed_at"])
+                self.waiting_deadline = (time.monotonic()
+                                         + max(0.0, self.claimed_at + MAX_WRITE_S - time.time()))
+                return None
+        return self._check_waiting()
+
+    def abort(self) -> None:
+        if self.state != KVPoll.Success and self.target_published and self.claimed_at is None:
+            # best effort: a target the prefill has not claimed is never written after this
+            with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
+                bootstrap_registry.target_action(self.prefill_addr, self._target_key, "withdraw")
+        super().abort()
+
+    def _written(self, started: float, aux: bytes) -> None:
+        with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
+            bootstrap_registry.drop_target(self.prefill_addr, self._target_key)
+        if time.time() > started + MAX_WRITE_S - START_MARGIN_S:
+            raise TimeoutError(f"room {self.room}: the WRITE finished {time.time() - started:.0f} s "
+                               "after it started; the prefill may have freed its pages meanwhile")
+        self.mgr.buffers.set_aux_row(self.aux_index, aux)
+        self.bytes_moved = len(self.pages) * self.mgr.buffers.page_bytes
+        self._succeed()
 
 
 CLASSES = {"manager": PdNixlKVManager, "sender": PdNixlKVSender, "receiver": PdNixlKVReceiver,

@@ -50,3 +50,52 @@ def test_an_absent_registry_is_unreachable():
     assert not br.is_alive(addr, timeout_s=0.5)
     with pytest.raises(br.RegistryUnreachable, match="unreachable"):
         br.lookup(addr, "0.0", timeout_s=0.5)
+
+
+def test_a_target_is_claimed_once_and_then_cannot_be_withdrawn(registry):
+    """Push: the decode's pages belong to whichever side the registry says: a claimed target is
+    the prefill's to write (the decode keeps its pages), a withdrawn one is the decode's again."""
+    key = br.room_key(7, "0.0")
+    assert br.target_action(registry, key, "claim")[0] == 404  # not published yet
+    assert br.put_target(registry, key, {"pages": [4, 5]})
+    status, record = br.target_action(registry, key, "claim")
+    assert (status, record) == (200, {"pages": [4, 5]})
+    assert br.target_action(registry, key, "claim")[0] == 409  # one writer only
+    status, answer = br.target_action(registry, key, "withdraw")
+    assert status == 409 and answer["claimed_at"] > 0  # a write may be under way: keep the pages
+    assert br.target_action(registry, key, "expire")[0] == 409
+    br.drop_target(registry, key)
+    assert br.target_action(registry, key, "claim")[0] == 404
+
+
+def test_a_withdrawn_target_cannot_be_claimed(registry):
+    key = br.room_key(8, "0.0")
+    assert br.put_target(registry, key, {"pages": [1]})
+    assert br.target_action(registry, key, "withdraw")[0] == 200
+    status, answer = br.target_action(registry, key, "claim")
+    assert status == 409 and "withdrawn" in answer["error"]
+
+
+def test_an_expired_room_refuses_a_late_target(registry):
+    """The prefill gave up (its lease ran out) before the decode published: the decode learns it
+    when it publishes, instead of waiting for a write that will never come."""
+    key = br.room_key(9, "0.0")
+    assert br.target_action(registry, key, "expire")[0] == 200
+    assert not br.put_target(registry, key, {"pages": [1]})
+    assert br.target_action(registry, key, "claim")[0] == 409
+    other = br.room_key(10, "0.0")
+    assert br.put_target(registry, other, {"pages": [1]})
+    assert br.target_action(registry, other, "expire")[0] == 200  # open, not claimed: expired
+    assert br.target_action(registry, other, "claim")[0] == 409
+
+
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/targets/1.0.0/steal"),   # not an action
+    ("POST", "/rooms/1.0.0/claim"),     # actions are for targets only
+    ("POST", "/targets/1.0.0"),         # no action
+])
+def test_bad_target_calls_get_a_404(registry, method, path):
+    request = urllib.request.Request(f"http://{registry}{path}", data=b"", method=method)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=5)
+    assert err.value.code == 404
