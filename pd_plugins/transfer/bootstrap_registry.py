@@ -235,7 +235,11 @@ def get_room(addr: str, key: str, timeout_s: float = 5.0) -> dict | None:
 
 
 def drop_room(addr: str, key: str, timeout_s: float = 5.0) -> None:
-    _call("DELETE", f"http://{addr}/rooms/{key}", None, timeout_s)
+    _delete(addr, "rooms", key, timeout_s)
+
+
+def _delete(addr: str, table: str, key: str, timeout_s: float) -> None:
+    _call("DELETE", f"http://{addr}/{table}/{key}", None, timeout_s)
 
 
 def put_target(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> bool:
@@ -258,7 +262,7 @@ def target_action(addr: str, key: str, action: str, timeout_s: float = 5.0
 
 
 def drop_target(addr: str, key: str, timeout_s: float = 5.0) -> None:
-    _call("DELETE", f"http://{addr}/targets/{key}", None, timeout_s)
+    _delete(addr, "targets", key, timeout_s)
 
 
 def is_alive(addr: str, timeout_s: float = 2.0) -> bool:

@@ -77,6 +77,12 @@ def mode_from_env() -> str:
     return mode
 
 
+def page_ranges(items: list[tuple[int, int]], pages) -> list[tuple[int, int]]:
+    """(address, length) of every page in every KV buffer of `items`, buffer by buffer (the order
+    HostBuffers.page_ranges gives this rank's own pages)."""
+    return [(addr + int(p) * width, width) for addr, width in items for p in pages]
+
+
 class PdNixlKVManager(HostKVManager):
     backend_name = BACKEND_NAME
 
@@ -97,6 +103,14 @@ class PdNixlKVManager(HostKVManager):
     def kv_items(self) -> list[list[int]]:
         """[address, item bytes] of each KV buffer: where a peer reads or writes page p."""
         return [[buf.ctypes.data, buf.shape[1]] for buf in self.buffers.kv]
+
+    def peer_items(self, items: list, room: int, peer_role: str) -> list[tuple[int, int]]:
+        """A peer's `kv_items` (from its registry record), checked against this rank's."""
+        theirs = [(int(addr), int(width)) for addr, width in items]
+        if [w for _, w in theirs] != [w for _, w in self.kv_items()]:
+            raise RuntimeError(f"room {room}: the {peer_role}'s KV items differ from this "
+                               "rank's: not the same model and KV layout")
+        return theirs
 
     def pump(self) -> None:
         """Notifications: a decode's (heartbeats, read starts, read completions) feed the
@@ -122,7 +136,18 @@ class PdNixlKVManager(HostKVManager):
         self.agent.close()
 
 
-class PdNixlKVSender(HostKVSender):
+class _OneTransfer:
+    """The NIXL transfer a sender (push) or receiver (pull) has under way, if any."""
+
+    xfer = None
+
+    def _drop_xfer(self) -> None:
+        xfer, self.xfer = self.xfer, None
+        if xfer is not None:
+            self.mgr.agent.release(xfer)
+
+
+class PdNixlKVSender(_OneTransfer, HostKVSender):
     pages: list[int]
     published_until = 0.0
 
@@ -163,7 +188,6 @@ class PdNixlKVSender(HostKVSender):
                                 f"({self.mgr.leases.lease_s:.0f} s and heartbeats)"))
 
     # -- push ---------------------------------------------------------------------------------
-    xfer = None
     write_started = 0.0
 
     def _push(self) -> None:
@@ -195,25 +219,17 @@ class PdNixlKVSender(HostKVSender):
                                    f"lease ({self.mgr.leases.lease_s:.0f} s and heartbeats)")
             return None
         peer = self.mgr.agent.add_peer(base64.b64decode(target["agent_metadata"]))
-        remote_kv = [(int(addr), int(width)) for addr, width in target["kv"]]
-        if [w for _, w in remote_kv] != [w for _, w in self.mgr.kv_items()]:
-            raise RuntimeError(f"room {self.room}: the decode's KV items differ from this "
-                               "prefill's: not the same model and KV layout")
+        remote_kv = self.mgr.peer_items(target["kv"], self.room, "decode")
         first, dest = int(target["first_page"]), [int(p) for p in target["pages"]]
         pages = getattr(self, "pages", [])[first:first + len(dest)]
         if len(pages) != len(dest):
             raise RuntimeError(f"room {self.room}: this prefill holds {len(self.pages)} pages; the "
                                f"decode wants {first + len(dest)}")
-        remote = [(addr + p * width, width) for addr, width in remote_kv for p in dest]
+        remote = page_ranges(remote_kv, dest)
         self.write_started = time.time()
         note = b"%s:%d:%.6f:%s" % (PUSHED, self.room, self.write_started, self.aux.encode())
         self.xfer = self.mgr.agent.write(peer, self.mgr.buffers.page_ranges(np.asarray(pages)),
                                          remote, note)
-
-    def _drop_xfer(self) -> None:
-        xfer, self.xfer = self.xfer, None
-        if xfer is not None:
-            self.mgr.agent.release(xfer)
 
     def _forget(self, expired: bool = False) -> None:
         """Drop the room; an expired one leaves a tombstone, so a late decode fails at once."""
@@ -247,8 +263,7 @@ class PdNixlKVSender(HostKVSender):
 
 
 
-class PdNixlKVReceiver(HostKVReceiver):
-    xfer = None
+class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
     peer: str | None = None
 
     def _accept(self, record: dict) -> None:
@@ -258,10 +273,7 @@ class PdNixlKVReceiver(HostKVReceiver):
                                f"in {theirs} mode, this decode in {self.mgr.transfer_mode} mode "
                                "(set PD_NIXL_MODE the same on both)")
         self.peer = self.mgr.agent.add_peer(base64.b64decode(record["agent_metadata"]))
-        self.remote_kv = [(int(addr), int(width)) for addr, width in record["kv"]]
-        if [w for _, w in self.remote_kv] != [buf.shape[1] for buf in self.mgr.buffers.kv]:
-            raise RuntimeError(f"room {self.room}: the prefill's KV items differ from this "
-                               "decode's: not the same model and KV layout")
+        self.remote_kv = self.mgr.peer_items(record["kv"], self.room, "prefill")
 
     def _heartbeat(self) -> None:
         if self.peer is not None:
@@ -305,18 +317,13 @@ class PdNixlKVReceiver(HostKVReceiver):
         if len(wanted) != len(self.pages):
             raise RuntimeError(f"room {self.room}: the prefill holds {len(record['pages'])} "
                                f"pages; this decode needs {self.first_page + len(self.pages)}")
-        remote = [(addr + int(p) * width, width) for addr, width in self.remote_kv for p in wanted]
+        remote = page_ranges(self.remote_kv, wanted)
         self.aux = base64.b64decode(record["aux"])
         self.mgr.agent.notify(self.peer, b"START:%d" % self.room)
         self.read_deadline = time.monotonic() + MAX_READ_S - START_MARGIN_S
         self.xfer = self.mgr.agent.read(self.peer, self.mgr.buffers.page_ranges(self.pages),
                                         remote, b"DONE:%d" % self.room)
         self.bytes_moved = len(self.pages) * self.mgr.buffers.page_bytes
-
-    def _drop_xfer(self) -> None:
-        xfer, self.xfer = self.xfer, None
-        if xfer is not None:
-            self.mgr.agent.release(xfer)
 
     # -- push ---------------------------------------------------------------------------------
     target_published = False
