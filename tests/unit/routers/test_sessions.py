@@ -156,11 +156,11 @@ def test_append_prefill_decider():
     for w in prefills:
         w.in_flight, w.in_flight_prefill_tokens = 4, 4000  # prefill pool busy: local wins
     go, why = decider.disaggregate(long, d0, prefills)
-    assert go is False and "TTFT gain" in why
+    assert go is False and why.startswith("append-prefill: TTFT gain")
     for w in prefills:
         w.in_flight, w.in_flight_prefill_tokens = 0, 0
     # An idle prefill pool and a busy decode worker: a 3000-token prefill there would stall 40
-    # running decodes for ~3 s, a quarter of their remaining time; it saves the transfer only.
+    # running decodes for ~3 s each; it saves the transfer only.
     huge = info(HISTORY + list(range(3000, 6000)), "c1")
     huge.turn, huge.pinned_decode = 1, d0.url
     d0.in_flight = 40
@@ -168,6 +168,15 @@ def test_append_prefill_decider():
     assert go is True and "full PD" in why
     d0.in_flight = 0  # nobody to stall: the gain decides
     assert decider.disaggregate(huge, d0, prefills)[0] is False
+    # The 200-token append again, prefill pool busy (TTFT gain over 4 s): its 0.21 s prefill stalls
+    # 10 decodes (2.1 s of waiting), which the default weight 0.1 accepts and weight 3 does not.
+    for w in prefills:
+        w.in_flight, w.in_flight_prefill_tokens = 4, 4000
+    d0.in_flight = 10
+    assert decider.disaggregate(long, d0, prefills)[0] is False
+    strict = build("decider", "append_prefill", {"max_append_tokens": 16, "w_tpot": 3.0}, ctx)
+    go, why = strict.disaggregate(long, d0, prefills)
+    assert go is True and why.startswith("full PD: TTFT gain")
 
 
 def test_multi_turn_preset_routes_turn_two_to_its_pinned_worker_without_a_prefill_leg():
