@@ -15,16 +15,16 @@ L3 cache, and every pass starts with the caches flushed, so the copies go to mem
 of 32 blocks per pool call (a connector's calls per request):
 - memcpy: `np.copyto` block by block between two private, pre-touched arrays (the baseline);
 - write: reserve a batch, `write_many` (each block copied and summed in one pass by the compiled
-  `copy_rows`), publish the batch;
-- write, no checksums: the same into a pool created with `checksums=False` (no sums: one
-  `np.copyto` per run of consecutive slots, in chunks of at most `COPY_CHUNK_BYTES`);
+  `copy_rows`, whose stores bypass the caches), publish the batch;
+- write, no checksums: the same into a pool created with `checksums=False` (the same copies, the
+  sums neither kept nor checked);
 - read: pin a batch, `read_many` (the same one-pass copies out, each block's sum checked against
   the pin's checksum), unpin the batch (the generation check);
 - read, no checksums: the same from a pool created with `checksums=False`;
 - read, other process: the read with checksums in a second process that maps the pool itself (a
   decode engine reading what a prefill wrote), timed inside that process;
-- two references for the breakdown: `np.copyto` block by block into the pool's slots and out of
-  them with no pool calls, i.e. what the shared mapping itself costs.
+- two references for the breakdown: the pool's copies alone (`copy_runs`, as `write_many` and
+  `read_many` call it) into the pool's slots and out of them, with no pool calls.
 One warm-up repetition, then the timed ones; every repetition runs each (case, block size) once,
 in a shuffled order, so the machine's noise hits all of them alike. GB/s is 1e9 bytes per second
 of wall time; a ratio is memcpy time / case time within one repetition, its median taken over
@@ -38,8 +38,8 @@ each.
 Then a short diagnostics pass times what the pool does besides copying: the per-call cost of
 `write`, `read`, `write_many` and `read_many` on a batch of tiny blocks, `checksum`, `np.copyto` and
 a `flock` pair; the locked calls per key on full pools of 256 to 65536 slots, next to a `lookup`
-of a batch there; and copies out of the shared mapping (and out of private memory) in pieces of
-64 KiB to 4 MiB: what `COPY_CHUNK_BYTES` is chosen by.
+of a batch there; and, between private arrays, np.copyto against the one-pass copy and sum with
+ordinary stores and with the pool's non-temporal ones: why `copy_rows` stores around the caches.
 
 Writes bench/results/shm_pool_bandwidth.json, docs/img/shm_pool_bandwidth.png and the
 "Shared-memory KV pool bandwidth" section of docs/benchmarks.md.
@@ -71,8 +71,10 @@ from pathlib import Path
 import numpy as np
 
 import common  # bench/common.py
+import numba
+
 from pd_plugins.transfer.shm_pool import (
-    COPY_CHUNK_BYTES, MADV_POPULATE_WRITE, ShmKVPool, checksum, pool_geometry, remove_pool)
+    MADV_POPULATE_WRITE, ShmKVPool, checksum, copy_runs, pool_geometry, remove_pool)
 
 KiB, MiB = 1 << 10, 1 << 20
 BLOCK_SIZES = (16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
@@ -91,8 +93,8 @@ CASES = {  # name -> label; memcpy first: the baseline
 TARGET_CASES = ("write", "write_plain", "read", "read_plain")
 SHORT = {"write": "write", "write_plain": "write plain", "read": "read", "read_plain": "read plain"}
 REGION_CASES = {  # references, not in the main table: the copies alone, without the pool's calls
-    "region_in": "np.copyto into pool slots",
-    "region_out": "np.copyto out of pool slots",
+    "region_in": "the pool's copy into pool slots",
+    "region_out": "the pool's copy out of pool slots",
 }
 ALL_CASES = {**CASES, **REGION_CASES}
 SHM = "/dev/shm"
@@ -170,6 +172,13 @@ def open_pool(stack: contextlib.ExitStack, name: str, slots: int, slot_bytes: in
 def memcpy_pass(src: np.ndarray, dst: np.ndarray) -> float:
     for i in range(len(src)):
         np.copyto(dst[i], src[i])
+    return 0.0
+
+
+def pool_copy_pass(src: np.ndarray, dst: np.ndarray) -> float:
+    """The pool's copies alone (as write_many and read_many make them, summing), no pool calls."""
+    for lo, hi in batches(len(src)):
+        copy_runs(src, range(lo, hi), dst, range(lo, hi), sum_source=True)
     return 0.0
 
 
@@ -330,9 +339,9 @@ def run_case(case: str, b: Blocks, rep: int, reader: OtherProcessReader) -> dict
     if case == "memcpy":
         return measure(memcpy_pass, b.src, b.dst)
     if case == "region_in":  # over the write pool's slots: nobody reads them, the next write redoes them
-        return measure(memcpy_pass, b.src, b.write_pool.data)
+        return measure(pool_copy_pass, b.src, b.write_pool.data)
     if case == "region_out":
-        return measure(memcpy_pass, b.read_pool.data, b.dst)
+        return measure(pool_copy_pass, b.read_pool.data, b.dst)
     if case == "write":
         return measure(write_pass, b.write_pool, make_keys(f"write:{b.block}:{rep}", b.n), b.src)
     if case == "write_plain":
@@ -402,29 +411,47 @@ def call_overheads(stack: contextlib.ExitStack) -> dict:
     return out
 
 
-PIECES = (64 * KiB, 256 * KiB, 1 * MiB, 2 * MiB, 4 * MiB)
+@numba.njit(nogil=True)
+def copy_rows_cached(src, dst, sums):
+    """The pool's one-pass copy and sum with ordinary stores (for comparison with copy_rows)."""
+    for j in range(src.shape[0]):
+        a, b = src[j], dst[j]
+        total = np.uint64(0)
+        for w in range(src.shape[1]):
+            x = a[w]
+            b[w] = x
+            total += x
+        sums[j] = total
 
 
-def piece_sweep(blocks: list[Blocks], runs: int) -> dict:
-    """GB/s of copying a repetition's bytes out of a pool's mapping (and, for reference, out of
-    private memory) in pieces of each size, as `read_many` without checksums copies a run: what
-    COPY_CHUNK_BYTES is chosen by. Each pass from cold caches; the variants interleaved; the
-    median of `runs` passes."""
-    b = blocks[-1]
-    sources = {"shared": b.read_pool.data.reshape(-1), "private": b.src.reshape(-1)}
-    dst = b.dst.reshape(-1)
+STORES = {"np.copyto": "np.copyto", "cached": "one pass, ordinary stores",
+          "streaming": "one pass, non-temporal stores (copy_rows)"}
 
-    def body(src: np.ndarray, piece: int) -> float:
-        for lo in range(0, src.size, piece):
-            np.copyto(dst[lo:lo + piece], src[lo:lo + piece])
+
+def store_sweep(blocks: list[Blocks], runs: int) -> dict:
+    """Between private arrays, block by block: np.copyto, the one-pass copy and sum with
+    ordinary stores, and the pool's copy_rows (non-temporal stores): each as a ratio to np.copyto
+    (median of `runs` passes from cold caches, the variants interleaved)."""
+    def body(variant: str, b: Blocks) -> float:
+        if variant == "np.copyto":
+            return memcpy_pass(b.src, b.dst)
+        src, dst = b.src.view(np.uint64), b.dst.view(np.uint64)
+        sums = np.zeros(len(src), dtype=np.uint64)
+        if variant == "cached":
+            copy_rows_cached(src, dst, sums)
+        else:
+            copy_runs(b.src, range(len(src)), b.dst, range(len(src)), sum_source=True)
         return 0.0
 
-    times = {(name, piece): [] for name in sources for piece in PIECES}
+    for b in blocks:  # compile outside the timing
+        copy_rows_cached(b.src[:1].view(np.uint64), b.dst[:1].view(np.uint64), np.zeros(1, np.uint64))
+    times = {(v, b.block): [] for b in blocks for v in STORES}
     for _ in range(runs):
-        for name, piece in times:
-            times[name, piece].append(measure(body, sources[name], piece)["s"])
-    return {name: {piece: dst.size / statistics.median(times[name, piece]) / 1e9
-                   for piece in PIECES} for name in sources}
+        for b in blocks:
+            for v in STORES:
+                times[v, b.block].append(measure(body, v, b)["s"])
+    return {v: {b.block: statistics.median(times["np.copyto", b.block]) / statistics.median(times[v, b.block])
+                for b in blocks} for v in STORES}
 
 
 def fill(pool: ShmKVPool, tag: str, chunk: int = 4096) -> None:
@@ -549,7 +576,7 @@ def costs(summary: dict, block: int) -> dict:
 
 
 def breakdown(meta: dict, summary: dict) -> list[str]:
-    lines = ["| block | memcpy µs/block | locked calls µs/block (write / read) | np.copyto into / "
+    lines = ["| block | memcpy µs/block | locked calls µs/block (write / read) | pool copies into / "
              "out of pool slots, vs memcpy | checksums' share of a write / read |",
              "|---:|---:|---:|---:|---:|"]
     for block in meta["block_sizes"]:
@@ -591,7 +618,8 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
     by_cpu = {(c, b): summary[c][str(b)]["ratio_cpu"]["median"] for c in TARGET_CASES for b in big}
     differ = [f"{CASES[c]} at {size_name(b)} ({fmt_ratio(by_cpu[c, b])}×)"
               for c in TARGET_CASES for b in big if (by_cpu[c, b] >= TARGET) != (ratio[c, b] >= TARGET)]
-    calls, locks, sweep = diag["call_us"], diag["locked_calls_us"], diag["piece_sweep_gbps"]
+    calls, locks = diag["call_us"], diag["locked_calls_us"]
+    stores = {v: {int(b): r for b, r in by.items()} for v, by in diag["store_sweep"].items()}
     cost = {b: costs(summary, b) for b in sizes}
     largest = sizes[-1]
     per_batch_largest = min(BATCH, meta["total_bytes"] // largest)
@@ -618,11 +646,6 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
     lookup, compare = locks[many_n]["lookup"], locks[many_n]["compare_one"]
     slots = [meta["total_bytes"] // b for b in sizes]
 
-    # pieces out of the shared mapping
-    piece = {name: {int(p): v for p, v in by.items()} for name, by in sweep.items()}
-    chunk = meta["copy_chunk_bytes"]
-    quarter = piece["shared"][256 * KiB] / piece["shared"][chunk]
-
     first = meta["first_touch"]
     most_faults = max(s["faults"] for c in CASES for s in summary[c].values())
     steady = {c: [summary[c][str(b)]["gbps"]["median"] for b in sizes] for c in ("write", "read_xproc")}
@@ -636,7 +659,7 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         + (f"By CPU time the verdict differs for {'; '.join(differ)}." if differ
            else "The CPU-time ratios give the same verdicts."),
         "- Without checksums, a pass costs the copies themselves plus the locked calls, a cost "
-        "per batch. The copies alone ran at "
+        "per batch. The pool's copies alone ran at "
         f"{fmt_range((cost[b]['region_out'] for b in sizes), '.2f')}× memcpy out of the slots and "
         f"{fmt_range((cost[b]['region_in'] for b in sizes), '.2f')}× into them; the locked calls "
         f"(reserve + publish for a write, pin + unpin for a read) took {lock_at(sizes[0])}, "
@@ -662,8 +685,8 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         f"{calls['flock pair']:.1f} µs, two per batch. The pools above have "
         f"{min(slots)}–{max(slots)} slots. In the passes the same calls cost more than in a warm "
         "loop (the table above): right after a large copy, this machine runs any code several "
-        "times slower than warm (caches and TLBs swept), and that fixed cost per call is what keeps "
-        "small blocks below the target.",
+        "times slower than warm (caches and TLBs swept), a fixed cost per call that weighs most on "
+        "small blocks.",
         f"- The data calls' own Python is small next to that: on a batch of {BATCH} 64-byte "
         f"blocks in consecutive slots, `write_many` costs {calls['ShmKVPool.write_many']:.1f} µs "
         f"({calls['ShmKVPool.write_many, no checksums']:.1f} µs without checksums) and "
@@ -672,7 +695,7 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         f"{calls['ShmKVPool.write']:.1f} µs (`checksum` alone {calls['checksum']:.1f} µs, "
         f"`np.copyto` {calls['np.copyto']:.1f} µs).",
         "- With checksums, each block is copied and summed in one pass (the compiled "
-        "`copy_rows`: a load, a store and an add per 8-byte word), so a checksum costs no second "
+        "`copy_rows`: a load, a non-temporal store and an add per 8-byte word), so a checksum costs no second "
         "pass over the data. Checksums took "
         f"{fmt_range((100 * cost[b]['write_sum_share'] for b in big), '.0f')}% of a write's time "
         f"and {fmt_range((100 * cost[b]['read_sum_share'] for b in big), '.0f')}% of a read's "
@@ -682,16 +705,12 @@ def reading(meta: dict, summary: dict, diag: dict) -> list[str]:
         f"{worst(('write', 'read')):.2f} (predicted/measured, write: {predicted('write')}; "
         f"read: {predicted('read')}). The other process read at the same ratios as this one to "
         f"within {xproc_gap:.2f}.",
-        "- Chunk size (copies without checksums): by hand, copies out of the shared mapping in "
-        "256 KiB pieces ran at about half speed and in pieces of 1 MiB or more at full speed, so "
-        f"`write_many` and `read_many` copy a run in chunks of {size_name(chunk)} "
-        f"(`COPY_CHUNK_BYTES`; a larger block is one chunk). This run's sweep "
-        f"({size_name(meta['total_bytes'])} out of the mapping, cold caches) ran pieces of "
-        + "/".join(size_name(p) for p in piece["shared"])
-        + " at " + "/".join(f"{v:.1f}" for v in piece["shared"].values())
-        + " GB/s (out of private memory: "
-        + "/".join(f"{v:.1f}" for v in piece["private"].values())
-        + f"): 256 KiB pieces at {quarter:.0%} of {size_name(chunk)} pieces.",
+        "- Stores: `copy_rows` writes with non-temporal stores, which go to memory around the "
+        "caches (a block is written once and read much later by another process, and an ordinary "
+        "store first reads the line it overwrites), then fences once per call. Between private "
+        "arrays, block by block from cold caches, the one-pass copy and sum ran at "
+        + pairs(stores["cached"], ".2f") + "× np.copyto with ordinary stores and at "
+        + pairs(stores["streaming"], ".2f") + "× with non-temporal ones.",
         "- Page faults: `_prefault` maps every page when a process opens a pool, with "
         "`madvise(MADV_POPULATE_WRITE)` ("
         + ("named by this Python's `mmap`" if named else
@@ -748,8 +767,8 @@ def markdown(results: dict) -> str:
         "repetition writes new keys, evicting the previous repetition's blocks. Read: pin, "
         "`read_many` (the same one-pass copies out, each block's sum checked against the pin's "
         "checksum), unpin (the generation check). \"No checksums\": the same calls on pools "
-        "created with `checksums=False`, which neither sum nor check (one `np.copyto` per run of "
-        f"consecutive slots, in chunks of at most {size_name(meta['copy_chunk_bytes'])}). \"Other process\": the read with checksums in a second (spawned) process "
+        "created with `checksums=False`, which make the same copies but neither keep nor check the "
+        "sums. \"Other process\": the read with checksums in a second (spawned) process "
         "that maps the pool itself and times its own passes. One warm-up repetition, "
         f"then {meta['repeats']}, the cases shuffled within each so that noise hits all alike.",
         "- Cells: median GB/s (1e9 bytes/s, wall clock) with the p10–p90 range in brackets; in "
@@ -760,9 +779,8 @@ def markdown(results: dict) -> str:
         "",
         *table(meta, summary), "",
         "Where the time goes (medians): the time per block in the locked calls (reserve + "
-        "publish, pin + unpin) next to memcpy's; the copies alone (`np.copyto` block by block "
-        "into the write pool's slots and out of the read pool's, no pool calls: what the shared "
-        "mapping itself costs); and the share of a pass that checksums cost (1 − with / without, "
+        "publish, pin + unpin) next to memcpy's; the pool's copies alone (`copy_runs` "
+        "into the write pool's slots and out of the read pool's, no pool calls); and the share of a pass that checksums cost (1 − with / without, "
         "from the ratios to memcpy).", "",
         *breakdown(meta, summary), "",
         "![shared-memory KV pool bandwidth](img/shm_pool_bandwidth.png)", "",
@@ -818,11 +836,11 @@ def measure_all(total: int, reps: int, quick: bool) -> dict:
             for case, b in jobs:
                 passes[case][b.block].append(run_case(case, b, rep, reader))
             print(progress_line(rep, reps, perf() - started, passes), flush=True)
-        print("diagnostics: per-call costs, locked calls vs pool size, copies by piece size",
+        print("diagnostics: per-call costs, locked calls vs pool size, stores",
               flush=True)
         diagnostics = {"call_us": call_overheads(stack),
                        "locked_calls_us": locked_calls_us(stack),
-                       "piece_sweep_gbps": piece_sweep(blocks, 3 if quick else 7)}
+                       "store_sweep": store_sweep(blocks, 3 if quick else 7)}
     return {"runs": {c: {b: p[1:] for b, p in by.items()} for c, by in passes.items()},
             "warmup": {c: {b: p[0] for b, p in by.items()} for c, by in passes.items()},
             "first_touch": {"open": {b.block: b.opened for b in blocks},
@@ -851,7 +869,6 @@ def main() -> int:
     meta = {"date": dt.date.today().isoformat(), "machine": common.machine(), "quick": args.quick,
             "python": platform.python_version(), "numpy": np.__version__, "shm": shm_description(),
             "total_bytes": total, "batch": BATCH, "repeats": reps, "block_sizes": list(BLOCK_SIZES),
-            "copy_chunk_bytes": COPY_CHUNK_BYTES,
             "mmap_names_populate_write": hasattr(mmap, "MADV_POPULATE_WRITE"),
             "populate_write_works": populate_write_works(),
             "first_touch": {c: {b: {"gbps": total / r["s"] / 1e9, "s": r["s"], "faults": r["faults"]}

@@ -5,8 +5,8 @@ block_size, 2 * head_size]; vLLM flash-attention: [2, num_blocks, ...]). A pool 
 of block b of layer 0, then of layer 1, and so on, each chunk 8-byte aligned so per-chunk
 checksums add up to the slot's checksum.
 
-Copies go block to slot as plain memory copies, one per run of consecutive blocks landing in
-consecutive slots (shm_pool.copy_runs; torch's advanced indexing copies byte by byte on uint8 and
+Copies go block to slot through shm_pool.copy_runs (one compiled pass per batch that copies and
+sums, its stores around the caches; torch's advanced indexing copies byte by byte on uint8 and
 ran at 0.2 GB/s).
 A layer whose blocks are not contiguous rows in host memory (a GPU cache, a [2, num_blocks, ...]
 layout) is gathered into host rows first. Engine-agnostic: torch and numpy only.

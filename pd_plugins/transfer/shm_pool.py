@@ -595,10 +595,6 @@ def remove_pool(path: str) -> None:
         pass
 
 
-# Runs longer than this are copied in pieces (np.copyto of a whole run ran no faster).
-COPY_CHUNK_BYTES = 2 * 1024 * 1024
-
-
 _NONE_I64, _NONE_U64 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint64)
 
 
@@ -610,29 +606,24 @@ def _row_array(rows: Sequence[int]) -> np.ndarray:
 
 def copy_runs(src: np.ndarray, src_rows: Sequence[int], dst: np.ndarray,
               dst_rows: Sequence[int], sum_source: bool | None) -> np.ndarray:
-    """Copy src rows to dst rows (uint8, equal widths up to dst's) and return each row's checksum:
-    taken from the words as they are copied (one pass, shm_pool_kernels.copy_rows) when
-    `sum_source` is True (a writer's checksum of its source) or False (what a reader got), or
-    none (None: zeros, and one np.copyto per run where both sides step by one)."""
+    """Copy src rows to dst rows (uint8, equal widths up to dst's) and return each row's checksum,
+    taken from the words as they are copied (one pass, shm_pool_kernels.copy_rows, whose stores
+    bypass the caches): a writer's checksum of its source (`sum_source` True) or what a reader
+    got (False). None (a pool without checksums): the same copy, its sums dropped (zeros); rows
+    that are not whole 8-byte words are then copied by numpy."""
     src_at, dst_at = _row_array(src_rows), _row_array(dst_rows)
     width = src.shape[1] if sum_source else dst.shape[1]
     sums = np.zeros(src_at.size, dtype=np.uint64)
     if not src_at.size:
         return sums
-    if sum_source is not None:
-        if width % 8:
+    if width % 8:
+        if sum_source is not None:
             raise ValueError(f"checksummed rows are whole 8-byte words, not {width} bytes")
-        kernels.copy_rows(src[:, :width].view(np.uint64), src_at, dst[:, :width].view(np.uint64),
-                          dst_at, sums)
+        width = min(width, src.shape[1])
+        for s, d in zip(src_at.tolist(), dst_at.tolist()):
+            np.copyto(dst[d, :width], src[s, :width])
         return sums
-    per_chunk = max(1, COPY_CHUNK_BYTES // max(1, width))
-    # Runs: a new one wherever either side stops stepping by one; then cut runs into chunks.
-    breaks = np.flatnonzero((np.diff(src_at) != 1) | (np.diff(dst_at) != 1)) + 1
-    run_starts = np.concatenate(([0], breaks))
-    run_ends = np.concatenate((breaks, [src_at.size]))
-    starts = [c for lo, hi in zip(run_starts.tolist(), run_ends.tolist())
-              for c in range(lo, hi, per_chunk)]
-    for start, end in zip(starts, starts[1:] + [src_at.size]):
-        s0, d0, n = int(src_at[start]), int(dst_at[start]), end - start
-        np.copyto(dst[d0:d0 + n, :width], src[s0:s0 + n, :width])
+    got = sums if sum_source is not None else np.empty_like(sums)
+    kernels.copy_rows(src[:, :width].view(np.uint64), src_at, dst[:, :width].view(np.uint64),
+                      dst_at, got)
     return sums

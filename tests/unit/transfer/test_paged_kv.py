@@ -30,6 +30,19 @@ def test_copy_runs_moves_rows_and_sums_them():
     assert len(copy_runs(src, [], dst, [], sum_source=True)) == 0
 
 
+def test_copy_runs_without_checksums_copies_the_same_and_sums_nothing():
+    src = np.random.default_rng(1).integers(0, 255, (6, 64), dtype=np.uint8)
+    dst = np.zeros((6, 80), dtype=np.uint8)
+    assert not copy_runs(src, [5, 0, 1], dst, [0, 2, 3], sum_source=None).any()  # zeros
+    assert np.array_equal(dst[[0, 2, 3], :64], src[[5, 0, 1]]) and not dst[[1, 4, 5]].any()
+    assert not dst[:, 64:].any()
+    odd_src, odd_dst = src[:, :13], np.zeros((6, 13), dtype=np.uint8)  # not whole 8-byte words
+    assert not copy_runs(odd_src, [2, 3], odd_dst, [4, 0], sum_source=None).any()
+    assert np.array_equal(odd_dst[[4, 0]], odd_src[[2, 3]])
+    with pytest.raises(ValueError, match="8-byte words"):
+        copy_runs(odd_src, [2], odd_dst, [4], sum_source=True)
+
+
 def test_block_dim_is_found_or_refused():
     assert block_dim(torch.zeros(NUM_BLOCKS, 3), NUM_BLOCKS) == 0
     assert block_dim(torch.zeros(2, NUM_BLOCKS, 3), NUM_BLOCKS) == 1
