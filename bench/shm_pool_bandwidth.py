@@ -424,32 +424,25 @@ def copy_rows_cached(src, dst, sums):
         sums[j] = total
 
 
-STORES = {"np.copyto": "np.copyto", "cached": "one pass, ordinary stores",
-          "streaming": "one pass, non-temporal stores (copy_rows)"}
+def cached_pass(src: np.ndarray, dst: np.ndarray) -> float:
+    copy_rows_cached(src.view(np.uint64), dst.view(np.uint64), np.zeros(len(src), dtype=np.uint64))
+    return 0.0
+
+
+# np.copyto, the one-pass copy and sum with ordinary stores, the pool's (non-temporal stores)
+STORES = {"np.copyto": memcpy_pass, "cached": cached_pass, "streaming": pool_copy_pass}
 
 
 def store_sweep(blocks: list[Blocks], runs: int) -> dict:
-    """Between private arrays, block by block: np.copyto, the one-pass copy and sum with
-    ordinary stores, and the pool's copy_rows (non-temporal stores): each as a ratio to np.copyto
-    (median of `runs` passes from cold caches, the variants interleaved)."""
-    def body(variant: str, b: Blocks) -> float:
-        if variant == "np.copyto":
-            return memcpy_pass(b.src, b.dst)
-        src, dst = b.src.view(np.uint64), b.dst.view(np.uint64)
-        sums = np.zeros(len(src), dtype=np.uint64)
-        if variant == "cached":
-            copy_rows_cached(src, dst, sums)
-        else:
-            copy_runs(b.src, range(len(src)), b.dst, range(len(src)), sum_source=True)
-        return 0.0
-
+    """Between private arrays, each of STORES as a ratio to np.copyto (median of `runs` passes
+    from cold caches, the variants interleaved)."""
     for b in blocks:  # compile outside the timing
         copy_rows_cached(b.src[:1].view(np.uint64), b.dst[:1].view(np.uint64), np.zeros(1, np.uint64))
     times = {(v, b.block): [] for b in blocks for v in STORES}
     for _ in range(runs):
         for b in blocks:
             for v in STORES:
-                times[v, b.block].append(measure(body, v, b)["s"])
+                times[v, b.block].append(measure(STORES[v], b.src, b.dst)["s"])
     return {v: {b.block: statistics.median(times["np.copyto", b.block]) / statistics.median(times[v, b.block])
                 for b in blocks} for v in STORES}
 

@@ -612,14 +612,14 @@ def copy_runs(src: np.ndarray, src_rows: Sequence[int], dst: np.ndarray,
     got (False). None (a pool without checksums): the same copy, its sums dropped (zeros); rows
     that are not whole 8-byte words are then copied by numpy."""
     src_at, dst_at = _row_array(src_rows), _row_array(dst_rows)
-    width = src.shape[1] if sum_source else dst.shape[1]
+    width = (min(src.shape[1], dst.shape[1]) if sum_source is None
+             else src.shape[1] if sum_source else dst.shape[1])
     sums = np.zeros(src_at.size, dtype=np.uint64)
     if not src_at.size:
         return sums
     if width % 8:
         if sum_source is not None:
             raise ValueError(f"checksummed rows are whole 8-byte words, not {width} bytes")
-        width = min(width, src.shape[1])
         for s, d in zip(src_at.tolist(), dst_at.tolist()):
             np.copyto(dst[d, :width], src[s, :width])
         return sums

@@ -39,6 +39,9 @@ def test_copy_runs_without_checksums_copies_the_same_and_sums_nothing():
     odd_src, odd_dst = src[:, :13], np.zeros((6, 13), dtype=np.uint8)  # not whole 8-byte words
     assert not copy_runs(odd_src, [2, 3], odd_dst, [4, 0], sum_source=None).any()
     assert np.array_equal(odd_dst[[4, 0]], odd_src[[2, 3]])
+    wider = np.zeros((6, 80), dtype=np.uint8)  # odd rows into pool-wide slots: the rows' width
+    copy_runs(odd_src, [1], wider, [2], sum_source=None)
+    assert np.array_equal(wider[2, :13], odd_src[1]) and not wider[2, 13:].any()
     with pytest.raises(ValueError, match="8-byte words"):
         copy_runs(odd_src, [2], odd_dst, [4], sum_source=True)
 
