@@ -20,7 +20,8 @@ test-unit: bootstrap
 test-e2e: bootstrap
 	$(PYTEST) tests/e2e
 
-# The same end-to-end suite on a CUDA machine (see docs/gpu.md); skips where there is no GPU.
+# The end-to-end suite (vLLM) and the SGLang pd-nixl case on a CUDA machine (docs/gpu.md); skips
+# where there is no GPU.
 test-gpu:
 	@bash scripts/test_gpu.sh
 

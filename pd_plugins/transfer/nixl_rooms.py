@@ -1,6 +1,7 @@
 """Pull transfers by room over NIXL (UCX): the decode READs the prefill's pages, under a lease.
 
-Engine-agnostic: a NIXL agent over an engine rank's host buffers, and the prefill's lease table.
+Engine-agnostic: a NIXL agent over an engine rank's KV buffers (host or CUDA memory), and the
+prefill's lease table.
 
 Protocol, per room:
 1. The prefill publishes the room (its pages, the engine's metadata row, and `lease_until`) in
@@ -47,14 +48,22 @@ def _as_connection_error(peer: str):
         raise ConnectionError(f"NIXL peer {peer}: {type(exc).__name__}: {exc}") from exc
 
 
-class NixlRoomAgent:
-    """A NIXL agent (UCX) over one engine rank's registered host buffers."""
+Memory = tuple[str, int]  # NIXL's memory type ("DRAM" or "VRAM") and device id
+HOST: Memory = ("DRAM", 0)
 
-    def __init__(self, name: str, regions: Sequence[tuple[int, int]]) -> None:
+
+class NixlRoomAgent:
+    """A NIXL agent (UCX) over one engine rank's registered KV buffers, in host memory ("DRAM")
+    or on a GPU ("VRAM", device id: UCX moves it without a host copy where it was built with
+    CUDA)."""
+
+    def __init__(self, name: str, regions: Sequence[tuple[int, int]], kind: str = "DRAM",
+                 device_id: int = 0) -> None:
         nixl_agent, nixl_agent_config = _nixl()
         self.name = name
+        self.memory: Memory = (kind, device_id)
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self._reg = self.agent.get_reg_descs([(ptr, n, 0, "") for ptr, n in regions], "DRAM")
+        self._reg = self.agent.get_reg_descs([(ptr, n, device_id, "") for ptr, n in regions], kind)
         self.agent.register_memory(self._reg)
         self._peers: dict[bytes, str] = {}
         self._lock = threading.Lock()  # the agent is shared by every sender/receiver of a rank
@@ -70,21 +79,24 @@ class NixlRoomAgent:
             return self._peers[metadata]
 
     def read(self, peer: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
-             notification: bytes):
-        """Start one READ of remote (addr, len) ranges into local ones; returns its handle."""
-        return self._start("READ", peer, local, remote, notification)
+             notification: bytes, remote_memory: Memory = HOST):
+        """Start one READ of remote (addr, len) ranges (in the peer's `remote_memory`) into local
+        ones; returns its handle."""
+        return self._start("READ", peer, local, remote, notification, remote_memory)
 
     def write(self, peer: str, local: Sequence[tuple[int, int]],
-              remote: Sequence[tuple[int, int]], notification: bytes):
-        """Start one WRITE of local (addr, len) ranges into remote ones; returns its handle. The
-        peer gets `notification` after the data."""
-        return self._start("WRITE", peer, local, remote, notification)
+              remote: Sequence[tuple[int, int]], notification: bytes, remote_memory: Memory = HOST):
+        """Start one WRITE of local (addr, len) ranges into remote ones (in the peer's
+        `remote_memory`); returns its handle. The peer gets `notification` after the data."""
+        return self._start("WRITE", peer, local, remote, notification, remote_memory)
 
     def _start(self, op: str, peer: str, local: Sequence[tuple[int, int]],
-               remote: Sequence[tuple[int, int]], notification: bytes):
+               remote: Sequence[tuple[int, int]], notification: bytes, remote_memory: Memory):
+        (kind, device), (remote_kind, remote_device) = self.memory, remote_memory
         with self._lock, _as_connection_error(peer):
-            local_d = self.agent.get_xfer_descs([(a, n, 0) for a, n in local], "DRAM")
-            remote_d = self.agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+            local_d = self.agent.get_xfer_descs([(a, n, device) for a, n in local], kind)
+            remote_d = self.agent.get_xfer_descs([(a, n, remote_device) for a, n in remote],
+                                                 remote_kind)
             handle = self.agent.initialize_xfer(op, local_d, remote_d, peer, notification)
             if self.agent.transfer(handle) == "ERR":
                 self.agent.release_xfer_handle(handle)

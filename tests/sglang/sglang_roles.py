@@ -212,9 +212,47 @@ def decode(spec: dict) -> None:
          **memory.digest(spec["dest"], spec["aux_index"]))
 
 
+def device_memory() -> None:
+    """Where each backend takes the KV to be, by SGLang's `--device`, and how pages are addressed
+    there (no GPU needed: device KV is only addressed, never touched, by this code)."""
+    from pd_plugins.connectors.sglang.host_kv import EngineBuffers, KVMemory, kv_memory_of
+
+    load_plugins()
+    memory, sa = EngineMemory(), server_args("prefill", 8998, "pd-shm")
+    args = memory.kv_args()
+    args.gpu_id = 3
+    found = {}
+    for device in ("cpu", "cuda", "npu"):
+        sa.device = device
+        try:
+            found[device] = list(kv_memory_of(sa, args))
+        except NotImplementedError as exc:
+            found[device] = f"NotImplementedError: {exc}"
+    sa.device = "cuda"
+    try:
+        kv_class(KVClassType.MANAGER, "pd-shm")(args, DisaggregationMode.PREFILL, sa, False)
+        shm_on_cuda = "accepted"
+    except NotImplementedError as exc:
+        shm_on_cuda = f"NotImplementedError: {exc}"
+    pages = [3, 7]
+    host = EngineBuffers(args)
+    device = EngineBuffers(args, KVMemory("VRAM", 3))
+    try:
+        device.gather_pages(np.asarray(pages))
+        gather_on_device = "gathered"
+    except RuntimeError as exc:
+        gather_on_device = f"RuntimeError: {exc}"
+    emit(memory=found, shm_on_cuda=shm_on_cuda, gather_on_device=gather_on_device,
+         host_ranges=host.page_ranges(pages), device_ranges=device.page_ranges(pages),
+         row_views=[[buf[p].ctypes.data, buf.shape[1]] for buf in memory.kv for p in pages],
+         device_row_views=len(device.kv))
+
+
 if __name__ == "__main__":
     role = sys.argv[1]
     if role == "registration":
         registration()
+    elif role == "device_memory":
+        device_memory()
     else:
         {"prefill": prefill, "decode": decode}[role](json.loads(sys.argv[2]))

@@ -105,6 +105,20 @@ def test_sglang_accepts_and_resolves_the_backends(pool_env, roles):
         assert got["nixl_manager"] == "NixlKVManager"  # SGLang's own backends untouched
 
 
+def test_device_kv_goes_to_pd_nixl_only(pool_env, roles):
+    got = roles(pool_env, "device_memory").next_event()
+    assert got["memory"]["cpu"] == ["DRAM", 0]
+    assert got["memory"]["cuda"] == ["VRAM", 3]  # NIXL's memory type, SGLang's gpu_id
+    assert got["memory"]["npu"].startswith("NotImplementedError") and "'npu'" in got["memory"]["npu"]
+    # pd-shm copies pages through host memory: a CUDA engine gets a clear refusal naming pd-nixl
+    assert got["shm_on_cuda"].startswith("NotImplementedError") and "pd-nixl" in got["shm_on_cuda"]
+    # pages are addressed by pointer arithmetic, the same on host and device memory, and they are
+    # where the engine's own rows are; device KV gets no host views and no host copies
+    assert got["host_ranges"] == got["row_views"] == got["device_ranges"]
+    assert got["device_row_views"] == 0
+    assert got["gather_on_device"].startswith("RuntimeError") and "VRAM" in got["gather_on_device"]
+
+
 def start_prefill(roles, env, backend, rooms, **spec):
     """A prefill process that has published `rooms`: (its Role, its bootstrap port, room ->
     the published event with the pages' digests)."""

@@ -1,5 +1,10 @@
 """What pd-plugins' SGLang backends share: SGLang's KV manager / sender / receiver / bootstrap
-server contract over host KV buffers and the bootstrap registry (transfer/bootstrap_registry.py).
+server contract over the engine's KV buffers and the bootstrap registry
+(transfer/bootstrap_registry.py).
+
+KV buffers are in host memory (`--device cpu`) or, for a backend whose transport moves device
+memory itself (`device_kv`: pd-nixl), on a CUDA GPU; other backends refuse a CUDA engine. The
+metadata buffers are host memory either way (SGLang allocates them on the CPU).
 
 A backend subclasses the three classes and supplies the transfer itself:
 - manager `_open()` (set up its transport) and `_record()` (what the prefill rank registers);
@@ -19,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from typing import Any, List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import (
@@ -45,33 +50,68 @@ def host_rows(ptr: int, length: int, item_len: int) -> np.ndarray:
     return np.ctypeslib.as_array(raw).reshape(length // item_len, item_len)
 
 
-class HostBuffers:
-    """The engine's KV buffers (one per layer and K/V) and metadata buffers, as row views."""
+class KVMemory(NamedTuple):
+    """Where an engine rank keeps its KV: NIXL's memory type ("DRAM" or "VRAM") and device id."""
 
-    def __init__(self, args: KVArgs) -> None:
-        self.kv = [host_rows(p, n, i) for p, n, i in
-                   zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)]
+    kind: str = "DRAM"
+    device_id: int = 0
+
+    @property
+    def on_host(self) -> bool:
+        return self.kind == "DRAM"
+
+
+def kv_memory_of(server_args: Any, args: KVArgs) -> KVMemory:
+    """The KV's memory from SGLang's `--device` (the metadata buffers stay in host memory: SGLang
+    allocates them on the CPU unless Mooncake's NVLink pool is configured)."""
+    device = str(getattr(server_args, "device", "cpu") or "cpu")
+    if device.startswith("cpu"):
+        return KVMemory()
+    if device.startswith("cuda"):
+        return KVMemory("VRAM", int(getattr(args, "gpu_id", 0) or 0))
+    raise NotImplementedError(f"pd-plugins' SGLang backends move KV in host or CUDA memory, not "
+                              f"on {device!r}")
+
+
+class EngineBuffers:
+    """The engine's KV buffers (one per layer and K/V) as (address, bytes, page bytes), and its
+    metadata buffers as host row views. KV row views (`kv`) exist only for host KV: device KV is
+    only ever addressed, by a transport that reads and writes device memory itself (NIXL)."""
+
+    def __init__(self, args: KVArgs, memory: KVMemory = KVMemory()) -> None:
+        self.memory = memory
+        self.items = [(int(p), int(n), int(i)) for p, n, i in
+                      zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)]
+        self.kv = [host_rows(p, n, i) for p, n, i in self.items] if memory.on_host else []
         self.aux = [host_rows(p, n, i) for p, n, i in
                     zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
         self.page_bytes = int(sum(args.kv_item_lens))
 
     def regions(self) -> list[tuple[int, int]]:
-        return [(buf.ctypes.data, buf.nbytes) for buf in self.kv]
+        return [(ptr, length) for ptr, length, _ in self.items]
 
-    def page_ranges(self, pages: np.ndarray) -> list[tuple[int, int]]:
+    def page_items(self) -> list[tuple[int, int]]:
+        """(address, page bytes) of each KV buffer: page p of a buffer starts at address + p x bytes."""
+        return [(ptr, width) for ptr, _, width in self.items]
+
+    def page_ranges(self, pages) -> list[tuple[int, int]]:
         """(address, length) of every page in every KV buffer, buffer by buffer."""
-        return [(buf.ctypes.data + int(p) * buf.shape[1], buf.shape[1])
-                for buf in self.kv for p in pages]
+        return page_ranges(self.page_items(), pages)
 
     def gather_pages(self, pages: np.ndarray) -> np.ndarray:
-        return np.concatenate([buf[pages] for buf in self.kv], axis=1)
+        return np.concatenate([buf[pages] for buf in self._host_kv()], axis=1)
 
     def scatter_pages(self, rows: np.ndarray, pages: np.ndarray) -> None:
         offset = 0
-        for buf in self.kv:
+        for buf in self._host_kv():
             width = buf.shape[1]
             buf[pages] = rows[:, offset:offset + width]
             offset += width
+
+    def _host_kv(self) -> list[np.ndarray]:
+        if not self.memory.on_host:
+            raise RuntimeError(f"the KV is in {self.memory.kind} memory: no host copy of its pages")
+        return self.kv
 
     def aux_row(self, index: int | None) -> bytes:
         if index is None or index < 0:
@@ -88,6 +128,12 @@ class HostBuffers:
             offset += width
 
 
+def page_ranges(items: list[tuple[int, int]], pages) -> list[tuple[int, int]]:
+    """(address, length) of every page in every buffer of `items` ((address, page bytes) each),
+    buffer by buffer."""
+    return [(addr + int(p) * width, width) for addr, width in items for p in pages]
+
+
 def layout_of(args: KVArgs) -> str:
     return (f"sglang|page={args.page_size}|dtype={getattr(args, 'kv_cache_dtype_str', '?')}"
             f"|items={','.join(map(str, args.kv_item_lens))}")
@@ -95,15 +141,17 @@ def layout_of(args: KVArgs) -> str:
 
 class HostKVManager(BaseKVManager):
     backend_name = "?"
+    device_kv = False  # whether the transport reads and writes device (CUDA) memory itself
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False) -> None:
-        device = str(getattr(server_args, "device", "cpu") or "cpu")
-        if not device.startswith("cpu"):
-            raise NotImplementedError(f"{self.backend_name} moves host KV only; this engine keeps "
-                                      f"its KV on {device!r}")
+        memory = kv_memory_of(server_args, args)
+        if not memory.on_host and not self.device_kv:
+            raise NotImplementedError(
+                f"{self.backend_name} moves host KV only; this engine keeps its KV on "
+                f"{server_args.device!r} (pd-nixl moves CUDA KV)")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
-        self.buffers = HostBuffers(args)
+        self.buffers = EngineBuffers(args, memory)
         host = getattr(server_args, "host", "127.0.0.1")
         self.bootstrap_addr = (f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}"
                                f":{server_args.disaggregation_bootstrap_port}")

@@ -1,6 +1,8 @@
 """SGLang transfer backend `pd-nixl`: the prefill's pages move over NIXL (UCX), pulled by the
 decode (READ, the default) or pushed by the prefill (WRITE, `PD_NIXL_MODE=push` on both sides),
-under a lease with heartbeats (transfer/nixl_rooms.py has the pull protocol).
+under a lease with heartbeats (transfer/nixl_rooms.py has the pull protocol). The KV is registered
+where the engine keeps it: host memory (`--device cpu`) or GPU memory (`--device cuda`: NIXL's
+VRAM, SGLang's gpu_id); each side's registry record says which, for the other's descriptors.
 
 Over host_kv.py's SGLang contract:
 - prefill: `send(kv_indices)` only records the pages (the KV stays where the engine computed
@@ -49,7 +51,9 @@ from pd_plugins.connectors.sglang.host_kv import (
     HostKVManager,
     HostKVReceiver,
     HostKVSender,
+    KVMemory,
     RegistryBootstrapServer,
+    page_ranges,
 )
 from pd_plugins.transfer import bootstrap_registry
 from pd_plugins.transfer.nixl_rooms import (
@@ -77,14 +81,9 @@ def mode_from_env() -> str:
     return mode
 
 
-def page_ranges(items: list[tuple[int, int]], pages) -> list[tuple[int, int]]:
-    """(address, length) of every page in every KV buffer of `items`, buffer by buffer (the order
-    HostBuffers.page_ranges gives this rank's own pages)."""
-    return [(addr + int(p) * width, width) for addr, width in items for p in pages]
-
-
 class PdNixlKVManager(HostKVManager):
     backend_name = BACKEND_NAME
+    device_kv = True  # NIXL registers CUDA memory (VRAM) and moves it without a host copy
 
     def _open(self) -> None:
         self.transfer_mode = mode_from_env()
@@ -92,17 +91,19 @@ class PdNixlKVManager(HostKVManager):
         # NIXL's progress thread polls without pause: lowest priority (PD_TRANSFER_THREADS_NICE)
         with lowered_new_threads(nice_from_env(), "pd-nixl (SGLang)"):
             self.agent = NixlRoomAgent(
-                f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions())
+                f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions(),
+                *self.buffers.memory)
         self.leases = LeaseTable(float(os.environ.get("PD_NIXL_LEASE_S", "30")))
         self.arrivals: dict[int, tuple[float, bytes]] = {}  # push, decode: room -> (start, aux)
 
     def _record(self) -> dict:
         return {"agent_metadata": base64.b64encode(self.agent.metadata()).decode(),
-                "kv": self.kv_items(), "mode": self.transfer_mode}
+                "kv": self.kv_items(), "memory": list(self.buffers.memory),
+                "mode": self.transfer_mode}
 
     def kv_items(self) -> list[list[int]]:
-        """[address, item bytes] of each KV buffer: where a peer reads or writes page p."""
-        return [[buf.ctypes.data, buf.shape[1]] for buf in self.buffers.kv]
+        """[address, page bytes] of each KV buffer: where a peer reads or writes page p."""
+        return [[addr, width] for addr, width in self.buffers.page_items()]
 
     def peer_items(self, items: list, room: int, peer_role: str) -> list[tuple[int, int]]:
         """A peer's `kv_items` (from its registry record), checked against this rank's."""
@@ -134,6 +135,14 @@ class PdNixlKVManager(HostKVManager):
 
     def close(self) -> None:
         self.agent.close()
+
+
+def peer_memory(record: dict) -> KVMemory:
+    """The memory a peer's KV is in, from its record (host memory for records without it)."""
+    kind, device_id = record.get("memory") or KVMemory()
+    if kind not in ("DRAM", "VRAM"):
+        raise RuntimeError(f"a pd-nixl peer registered KV in unknown memory {kind!r}")
+    return KVMemory(kind, int(device_id))
 
 
 class _OneTransfer:
@@ -228,8 +237,8 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
         remote = page_ranges(remote_kv, dest)
         self.write_started = time.time()
         note = b"%s:%d:%.6f:%s" % (PUSHED, self.room, self.write_started, self.aux.encode())
-        self.xfer = self.mgr.agent.write(peer, self.mgr.buffers.page_ranges(np.asarray(pages)),
-                                         remote, note)
+        self.xfer = self.mgr.agent.write(peer, self.mgr.buffers.page_ranges(pages),
+                                         remote, note, peer_memory(target))
 
     def _forget(self, expired: bool = False) -> None:
         """Drop the room; an expired one leaves a tombstone, so a late decode fails at once."""
@@ -274,6 +283,7 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
                                "(set PD_NIXL_MODE the same on both)")
         self.peer = self.mgr.agent.add_peer(base64.b64decode(record["agent_metadata"]))
         self.remote_kv = self.mgr.peer_items(record["kv"], self.room, "prefill")
+        self.remote_memory = peer_memory(record)
 
     def _heartbeat(self) -> None:
         if self.peer is not None:
@@ -322,7 +332,7 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
         self.mgr.agent.notify(self.peer, b"START:%d" % self.room)
         self.read_deadline = time.monotonic() + MAX_READ_S - START_MARGIN_S
         self.xfer = self.mgr.agent.read(self.peer, self.mgr.buffers.page_ranges(self.pages),
-                                        remote, b"DONE:%d" % self.room)
+                                        remote, b"DONE:%d" % self.room, self.remote_memory)
         self.bytes_moved = len(self.pages) * self.mgr.buffers.page_bytes
 
     # -- push ---------------------------------------------------------------------------------
@@ -341,7 +351,8 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
             try:
                 opened = bootstrap_registry.put_target(self.prefill_addr, self._target_key, {
                     "agent_metadata": base64.b64encode(self.mgr.agent.metadata()).decode(),
-                    "kv": self.mgr.kv_items(), "pages": self.pages.tolist(),
+                    "kv": self.mgr.kv_items(), "memory": list(self.mgr.buffers.memory),
+                    "pages": self.pages.tolist(),
                     "first_page": self.first_page})
             except bootstrap_registry.RegistryUnreachable:
                 return self._check_waiting()  # the prefill's heartbeat decides when it is gone
