@@ -36,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import OrderedDict
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -44,6 +45,15 @@ MAX_ROOMS = 100_000
 _KEY = re.compile(r"^/(ranks|rooms|targets)/((?:\d{1,20}\.)?\d{1,6}\.\d{1,6})"
                   r"(?:/(claim|withdraw|expire))?$")
 OPEN, CLAIMED, WITHDRAWN, EXPIRED = "open", "claimed", "withdrawn", "expired"
+
+
+@dataclass(slots=True)
+class Target:
+    """A push target: the decode's published record and who owns its pages now."""
+
+    state: str                       # OPEN, CLAIMED, WITHDRAWN or EXPIRED
+    record: bytes                    # the decode's JSON record, as it was published
+    claimed_at: float | None = None  # wall clock, once the prefill claimed it
 
 
 def rank_key(dp_rank: int, engine_rank: int) -> str:
@@ -88,7 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
         record = table.get(key)
         if record is None:
             return self._error(404, f"{key} is not registered")
-        return self._answer(200, record[1] if table is self.server.targets else record)
+        return self._answer(200, record.record if table is self.server.targets else record)
 
     def do_POST(self) -> None:
         """A target's state change (push backends), atomic under the registry's lock."""
@@ -97,24 +107,24 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         key, action, targets = match.group(2), match.group(3), self.server.targets
         with self.server.lock:
-            entry = targets.get(key)  # [state, record bytes, claimed_at]
-            state = entry[0] if entry else None
+            target: Target | None = targets.get(key)
+            state = target.state if target else None
             if action == "claim":
-                if state is None:
+                if target is None:
                     return self._error(404, f"target {key} is not published")
                 if state != OPEN:
                     return self._error(409, f"target {key} is {state}")
-                entry[0], entry[2] = CLAIMED, time.time()
-                return self._answer(200, entry[1])
+                target.state, target.claimed_at = CLAIMED, time.time()
+                return self._answer(200, target.record)
             if action == "withdraw":
                 if state == CLAIMED:
-                    return self._answer(409, json.dumps({"claimed_at": entry[2]}).encode())
-                if entry:
-                    entry[0] = WITHDRAWN
+                    return self._answer(409, json.dumps({"claimed_at": target.claimed_at}).encode())
+                if target:
+                    target.state = WITHDRAWN
                 return self._answer(200, b"{}")
             if state == CLAIMED:  # expire
                 return self._error(409, f"target {key} is claimed")
-            targets[key] = [EXPIRED, b"{}", None]
+            targets[key] = Target(EXPIRED, b"{}")
             _bound(targets)
             return self._answer(200, b"{}")
 
@@ -140,10 +150,10 @@ class _Handler(BaseHTTPRequestHandler):
         table, key = found
         with self.server.lock:
             if table is self.server.targets:
-                entry = table.get(key)
-                if entry is not None and entry[0] in (EXPIRED, CLAIMED):
-                    return self._error(409, f"target {key} is {entry[0]}")
-                body = [OPEN, body, None]
+                target = table.get(key)
+                if target is not None and target.state in (EXPIRED, CLAIMED):
+                    return self._error(409, f"target {key} is {target.state}")
+                body = Target(OPEN, body)
             table[key] = body
             _bound(table)
         return self._answer(200, b"{}")
