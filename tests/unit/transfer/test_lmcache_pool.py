@@ -147,12 +147,16 @@ def test_disk_round_trip_reads_chunks_back_from_disk(tmp_path):
     reader = open_pool(f"disk://{tmp_path}", "disk-engine", dst)
     try:
         assert writer.store(TOKENS, SRC_BLOCKS) == FULL
+        # written asynchronously: wait until the disk backend has indexed every chunk (a chunk's
+        # file can appear before it is indexed, and a lookup then stops short of it)
+        engine = writer._shared.engine
         deadline = time.monotonic() + 10
-        while len(list(tmp_path.rglob("*.pt"))) < FULL // CHUNK:  # written asynchronously
+        while engine.lookup(TOKENS, search_range=["LocalDiskBackend"]) < FULL:
             assert time.monotonic() < deadline, list(tmp_path.rglob("*"))
             time.sleep(0.02)
+        assert len(list(tmp_path.rglob("*.pt"))) == FULL // CHUNK
         # drop the CPU copies (white box): what is read next can only come from disk
-        writer._shared.engine.clear(locations=["LocalCPUBackend"])
+        engine.clear(locations=["LocalCPUBackend"])
         assert reader.lookup(TOKENS) == FULL
         assert reader.retrieve(TOKENS, DST_BLOCKS, skip_tokens=SKIP) == FULL
         assert_loaded(src, dst)
