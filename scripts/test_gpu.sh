@@ -4,7 +4,7 @@
 #   vllm:   tests/e2e with the regular (CUDA) vLLM build, in .venv-gpu
 #   sglang: tests/gpu_sglang with SGLang's CUDA build and pd-nixl on GPU memory, in .venv-gpu-sglang
 #   PD_GPU_MODEL=/models/Qwen2.5-0.5B-Instruct PD_GPU_MOE_MODEL=/models/<small MoE> make test-gpu
-#   PD_GPU_LANES=sglang make test-gpu      # one lane only
+#   PD_GPU_LANES=sglang make test-gpu      # one lane only (pytest arguments go to every lane run)
 # Skips, successfully and saying why, on a machine without an NVIDIA GPU. See docs/gpu.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +18,12 @@ if [[ -z "${PD_GPU_MODEL:-}" ]]; then
   exit 2
 fi
 LANES=${PD_GPU_LANES:-vllm,sglang}
+for lane in ${LANES//,/ }; do
+  if [[ "$lane" != vllm && "$lane" != sglang ]]; then
+    echo "test-gpu: PD_GPU_LANES takes vllm and/or sglang, comma-separated; not '$lane'" >&2
+    exit 2
+  fi
+done
 status=0
 
 if [[ ",$LANES," == *",vllm,"* ]]; then

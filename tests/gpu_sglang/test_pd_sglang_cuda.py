@@ -23,9 +23,8 @@ if os.environ.get("PD_TEST_DEVICE") != "cuda":
     pytest.skip("GPU lane only (PD_TEST_DEVICE=cuda, make test-gpu)", allow_module_level=True)
 if not os.environ.get("PD_GPU_MODEL"):
     pytest.skip("set PD_GPU_MODEL to a local model folder", allow_module_level=True)
-pytest.importorskip("sglang.srt.entrypoints.http_server", reason="needs SGLang's CUDA build")
-
 import requests  # noqa: E402
+import sglang.srt.entrypoints.http_server  # noqa: E402, F401  (the lane fails, not skips, without it)
 
 from pd_plugins.testing.engine_harness import start_all  # noqa: E402
 from pd_plugins.testing.processes import ManagedProcess, free_port  # noqa: E402
@@ -37,6 +36,7 @@ MODEL = os.environ.get("PD_GPU_MODEL", "")
 # Three servers on one GPU: each takes this share of its memory for weights and KV.
 MEM_FRACTION = os.environ.get("PD_GPU_SGLANG_MEM_FRACTION", "0.2")
 DTYPE = os.environ.get("PD_GPU_SGLANG_DTYPE", "bfloat16")
+SERVED_NAME = "pd-test"  # pd-router checks a request's model against the workers' /v1/models
 EXTRA_ARGS = shlex.split(os.environ.get("PD_GPU_SGLANG_ARGS", ""))  # e.g. an --attention-backend
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -52,6 +52,7 @@ class SglangServer(ManagedProcess):
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", MODEL,
+               "--served-model-name", SERVED_NAME, "--device", "cuda",
                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", DTYPE,
                "--mem-fraction-static", MEM_FRACTION, "--random-seed", "0", *EXTRA_ARGS]
         if self.mode is not None:
@@ -63,12 +64,14 @@ class SglangServer(ManagedProcess):
 
     def environment(self) -> dict[str, str]:
         return {**os.environ, "SGLANG_PLUGINS": "pd_plugins", "PD_NIXL_MODE": self.transfer_mode,
-                "HF_HUB_OFFLINE": "1"}
+                "HF_HUB_OFFLINE": "1",
+                # network interfaces only (as the vLLM lane): GPU memory goes by UCX's CUDA transports
+                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
 
 
 def complete(url: str, prompt: str) -> str:
     answer = requests.post(f"{url}/v1/completions", timeout=300, json={
-        "model": "default", "prompt": prompt, "max_tokens": 24, "temperature": 0})
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": 24, "temperature": 0})
     assert answer.status_code == 200, answer.text[:500]
     return answer.json()["choices"][0]["text"]
 
@@ -92,8 +95,10 @@ def test_pd_nixl_on_cuda_equals_aggregated(aggregated, transfer_mode, tmp_path):
                           log_dir=tmp_path)
     router = RouterProcess("router", prefill=[[prefill.url, f"bootstrap_port={prefill.bootstrap_port}"]],
                            decode=[[decode.url]], args=("--engine", "sglang"), log_dir=tmp_path)
-    servers = start_all([prefill, decode], timeout=900)
+    # one after the other: each sizes its KV pool from the GPU memory free when it starts
+    servers = start_all([prefill], timeout=900)
     try:
+        servers += start_all([decode], timeout=900)
         router.start()
         router.wait_healthy(60)
         for prompt in PROMPTS:

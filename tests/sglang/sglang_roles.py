@@ -222,12 +222,12 @@ def device_memory() -> None:
     args = memory.kv_args()
     args.gpu_id = 3
     found = {}
-    for device in ("cpu", "cuda", "npu"):
+    for device in ("cpu", "cuda", "npu", None):  # None: --device omitted, no GPU here
         sa.device = device
         try:
-            found[device] = list(kv_memory_of(sa, args))
+            found[str(device)] = list(kv_memory_of(sa, args))
         except NotImplementedError as exc:
-            found[device] = f"NotImplementedError: {exc}"
+            found[str(device)] = f"NotImplementedError: {exc}"
     sa.device = "cuda"
     try:
         kv_class(KVClassType.MANAGER, "pd-shm")(args, DisaggregationMode.PREFILL, sa, False)

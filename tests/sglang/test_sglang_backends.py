@@ -109,6 +109,7 @@ def test_device_kv_goes_to_pd_nixl_only(pool_env, roles):
     got = roles(pool_env, "device_memory").next_event()
     assert got["memory"]["cpu"] == ["DRAM", 0]
     assert got["memory"]["cuda"] == ["VRAM", 3]  # NIXL's memory type, SGLang's gpu_id
+    assert got["memory"]["None"] == ["DRAM", 0]  # --device omitted: what torch sees (no GPU here)
     assert got["memory"]["npu"].startswith("NotImplementedError") and "'npu'" in got["memory"]["npu"]
     # pd-shm copies pages through host memory: a CUDA engine gets a clear refusal naming pd-nixl
     assert got["shm_on_cuda"].startswith("NotImplementedError") and "pd-nixl" in got["shm_on_cuda"]

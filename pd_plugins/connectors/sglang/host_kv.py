@@ -61,10 +61,33 @@ class KVMemory(NamedTuple):
         return self.kind == "DRAM"
 
 
+def _runtime_config(namespace: str) -> Any:
+    """A namespace of SGLang's runtime config (published by its scheduler), or None outside one."""
+    try:
+        from sglang.srt import runtime_context
+        return getattr(runtime_context, f"get_{namespace}")()
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def engine_device(server_args: Any) -> str:
+    """The device SGLang runs on: the one it resolved (`--device` may be omitted: SGLang detects
+    it, and `server_args.device` then stays None), else `--device`, else what torch sees."""
+    resolved = getattr(_runtime_config("device"), "device", None)
+    device = resolved or getattr(server_args, "device", None)
+    if not device:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device)
+
+
 def kv_memory_of(server_args: Any, args: KVArgs) -> KVMemory:
-    """The KV's memory from SGLang's `--device` (the metadata buffers stay in host memory: SGLang
+    """The KV's memory from the engine's device (the metadata buffers stay in host memory: SGLang
     allocates them on the CPU unless Mooncake's NVLink pool is configured)."""
-    device = str(getattr(server_args, "device", "cpu") or "cpu")
+    if getattr(_runtime_config("memory"), "enable_hisparse", False):
+        # the decode then transfers through a host pool beside its device pool
+        raise NotImplementedError("pd-plugins' SGLang backends do not support --enable-hisparse")
+    device = engine_device(server_args)
     if device.startswith("cpu"):
         return KVMemory()
     if device.startswith("cuda"):
@@ -149,7 +172,7 @@ class HostKVManager(BaseKVManager):
         if not memory.on_host and not self.device_kv:
             raise NotImplementedError(
                 f"{self.backend_name} moves host KV only; this engine keeps its KV on "
-                f"{server_args.device!r} (pd-nixl moves CUDA KV)")
+                f"{engine_device(server_args)!r} (pd-nixl moves CUDA KV)")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
         self.buffers = EngineBuffers(args, memory)
         host = getattr(server_args, "host", "127.0.0.1")
