@@ -24,7 +24,7 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 START_MARGIN_S = 5.0
 MAX_READ_S = 30.0
@@ -48,8 +48,18 @@ def _as_connection_error(peer: str):
         raise ConnectionError(f"NIXL peer {peer}: {type(exc).__name__}: {exc}") from exc
 
 
-Memory = tuple[str, int]  # NIXL's memory type ("DRAM" or "VRAM") and device id
-HOST: Memory = ("DRAM", 0)
+class Memory(NamedTuple):
+    """Where registered buffers are: NIXL's memory type ("DRAM" host, "VRAM" GPU) and device id."""
+
+    kind: str = "DRAM"
+    device_id: int = 0
+
+    @property
+    def on_host(self) -> bool:
+        return self.kind == "DRAM"
+
+
+HOST = Memory()
 
 
 class NixlRoomAgent:
@@ -57,13 +67,12 @@ class NixlRoomAgent:
     or on a GPU ("VRAM", device id: UCX moves it without a host copy where it was built with
     CUDA)."""
 
-    def __init__(self, name: str, regions: Sequence[tuple[int, int]], kind: str = "DRAM",
-                 device_id: int = 0) -> None:
+    def __init__(self, name: str, regions: Sequence[tuple[int, int]], memory: Memory = HOST) -> None:
         nixl_agent, nixl_agent_config = _nixl()
-        self.name = name
-        self.memory: Memory = (kind, device_id)
+        self.name, self.memory = name, memory
         self.agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
-        self._reg = self.agent.get_reg_descs([(ptr, n, device_id, "") for ptr, n in regions], kind)
+        self._reg = self.agent.get_reg_descs(
+            [(ptr, n, memory.device_id, "") for ptr, n in regions], memory.kind)
         self.agent.register_memory(self._reg)
         self._peers: dict[bytes, str] = {}
         self._lock = threading.Lock()  # the agent is shared by every sender/receiver of a rank

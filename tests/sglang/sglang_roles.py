@@ -215,7 +215,8 @@ def decode(spec: dict) -> None:
 def device_memory() -> None:
     """Where each backend takes the KV to be, by SGLang's `--device`, and how pages are addressed
     there (no GPU needed: device KV is only addressed, never touched, by this code)."""
-    from pd_plugins.connectors.sglang.host_kv import EngineBuffers, KVMemory, kv_memory_of
+    from pd_plugins.connectors.sglang.host_kv import EngineBuffers, kv_memory_of
+    from pd_plugins.transfer.nixl_rooms import Memory
 
     load_plugins()
     memory, sa = EngineMemory(), server_args("prefill", 8998, "pd-shm")
@@ -236,7 +237,7 @@ def device_memory() -> None:
         shm_on_cuda = f"NotImplementedError: {exc}"
     pages = [3, 7]
     host = EngineBuffers(args)
-    device = EngineBuffers(args, KVMemory("VRAM", 3))
+    device = EngineBuffers(args, Memory("VRAM", 3))
     try:
         device.gather_pages(np.asarray(pages))
         gather_on_device = "gathered"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, Optional
 
 import numpy as np
 from sglang.srt.disaggregation.base.conn import (
@@ -40,6 +40,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 
 from pd_plugins.transfer import bootstrap_registry
+from pd_plugins.transfer.nixl_rooms import HOST, Memory
 
 logger = logging.getLogger("pd_plugins.sglang")
 
@@ -48,17 +49,6 @@ def host_rows(ptr: int, length: int, item_len: int) -> np.ndarray:
     """A [items, item_len] uint8 view of one engine buffer (host memory only)."""
     raw = (ctypes.c_uint8 * length).from_address(ptr)
     return np.ctypeslib.as_array(raw).reshape(length // item_len, item_len)
-
-
-class KVMemory(NamedTuple):
-    """Where an engine rank keeps its KV: NIXL's memory type ("DRAM" or "VRAM") and device id."""
-
-    kind: str = "DRAM"
-    device_id: int = 0
-
-    @property
-    def on_host(self) -> bool:
-        return self.kind == "DRAM"
 
 
 def _runtime_config(namespace: str) -> Any:
@@ -81,7 +71,7 @@ def engine_device(server_args: Any) -> str:
     return str(device)
 
 
-def kv_memory_of(server_args: Any, args: KVArgs) -> KVMemory:
+def kv_memory_of(server_args: Any, args: KVArgs) -> Memory:
     """The KV's memory from the engine's device (the metadata buffers stay in host memory: SGLang
     allocates them on the CPU unless Mooncake's NVLink pool is configured)."""
     if getattr(_runtime_config("memory"), "enable_hisparse", False):
@@ -89,9 +79,9 @@ def kv_memory_of(server_args: Any, args: KVArgs) -> KVMemory:
         raise NotImplementedError("pd-plugins' SGLang backends do not support --enable-hisparse")
     device = engine_device(server_args)
     if device.startswith("cpu"):
-        return KVMemory()
+        return HOST
     if device.startswith("cuda"):
-        return KVMemory("VRAM", int(getattr(args, "gpu_id", 0) or 0))
+        return Memory("VRAM", int(getattr(args, "gpu_id", 0) or 0))
     raise NotImplementedError(f"pd-plugins' SGLang backends move KV in host or CUDA memory, not "
                               f"on {device!r}")
 
@@ -101,7 +91,7 @@ class EngineBuffers:
     metadata buffers as host row views. KV row views (`kv`) exist only for host KV: device KV is
     only ever addressed, by a transport that reads and writes device memory itself (NIXL)."""
 
-    def __init__(self, args: KVArgs, memory: KVMemory = KVMemory()) -> None:
+    def __init__(self, args: KVArgs, memory: Memory = HOST) -> None:
         self.memory = memory
         self.items = [(int(p), int(n), int(i)) for p, n, i in
                       zip(args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens)]

@@ -51,7 +51,6 @@ from pd_plugins.connectors.sglang.host_kv import (
     HostKVManager,
     HostKVReceiver,
     HostKVSender,
-    KVMemory,
     RegistryBootstrapServer,
     page_ranges,
 )
@@ -60,7 +59,9 @@ from pd_plugins.transfer.nixl_rooms import (
     MAX_READ_S,
     MAX_WRITE_S,
     START_MARGIN_S,
+    HOST,
     LeaseTable,
+    Memory,
     NixlRoomAgent,
 )
 from pd_plugins.transfer.transfer_threads import lowered_new_threads, nice_from_env
@@ -92,7 +93,7 @@ class PdNixlKVManager(HostKVManager):
         with lowered_new_threads(nice_from_env(), "pd-nixl (SGLang)"):
             self.agent = NixlRoomAgent(
                 f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions(),
-                *self.buffers.memory)
+                self.buffers.memory)
         self.leases = LeaseTable(float(os.environ.get("PD_NIXL_LEASE_S", "30")))
         self.arrivals: dict[int, tuple[float, bytes]] = {}  # push, decode: room -> (start, aux)
 
@@ -137,12 +138,12 @@ class PdNixlKVManager(HostKVManager):
         self.agent.close()
 
 
-def peer_memory(record: dict) -> KVMemory:
+def peer_memory(record: dict) -> Memory:
     """The memory a peer's KV is in, from its record (host memory for records without it)."""
-    kind, device_id = record.get("memory") or KVMemory()
+    kind, device_id = record.get("memory") or HOST
     if kind not in ("DRAM", "VRAM"):
         raise RuntimeError(f"a pd-nixl peer registered KV in unknown memory {kind!r}")
-    return KVMemory(kind, int(device_id))
+    return Memory(kind, int(device_id))
 
 
 class _OneTransfer:
