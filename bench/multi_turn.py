@@ -32,7 +32,7 @@ from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
 from pd_plugins.perf.replay import replay
 from pd_plugins.perf.report import cdf, percentile
-from pd_plugins.testing.router_harness import modelled_deployment
+from pd_plugins.testing.router_harness import MockEngineProcess, modelled_deployment
 from pd_plugins.workloads import ConversationSpec, generate_conversations
 
 HARDWARE = "llama-3.1-8b@h100"
@@ -74,23 +74,57 @@ def summary(outcomes) -> dict:
             "ttft2_cdf": cdf(later), "tpot_cdf": cdf(tpot)}
 
 
-def simulated(rate: float, sessions: int, policy: str) -> dict:
+def simulated(reqs, policy: str) -> dict:
     budget = DECODE_BUDGET if policy == CHUNKED else None
     config = SimConfig(hardware_preset(HARDWARE), *CLUSTER, block_tokens=BLOCK,
                        policy="multi_turn" if policy == CHUNKED else policy,
                        decode_max_batched_tokens=budget)
-    r = simulate(conversations(rate, sessions), config)
+    r = simulate(reqs, config)
     return {**summary(r.outcomes), "kv_gb_moved": r.kv_bytes_moved / 1e9}
 
 
-def replayed(sessions: int, policy: str, log_dir: Path) -> dict:
-    reqs = conversations(REPLAY_RATE, sessions)[:REPLAY_REQUESTS]
+def replay_requests(sessions: int):
+    return conversations(REPLAY_RATE, sessions)[:REPLAY_REQUESTS]
+
+
+def replayed(reqs, policy: str, log_dir: Path) -> dict:
     with modelled_deployment(HARDWARE, *CLUSTER, policy, speedup=SPEEDUP, block_size=BLOCK,
                              scrape_s=SCRAPE_S, log_dir=log_dir) as (router, _engines):
         with tqdm(total=len(reqs), desc=f"  {policy} replay", unit="req") as bar:
             result = asyncio.run(replay(router.url, reqs, SPEEDUP, "mock", timeout_s=600, mock_outputs=True,
                                         progress=lambda done: bar.update(done - bar.n)))
     return summary(result.outcomes)
+
+
+async def _round_trips(url: str, gap_s: float, count: int) -> list[float]:
+    """Seconds from sending a 1-token streamed completion to its first chunk, `gap_s` apart."""
+    import aiohttp
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for i in range(count + 5):  # the first few open the connection
+            start = time.perf_counter()
+            async with session.post(f"{url}/v1/completions", json={
+                    "model": "mock", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True}) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data:"):
+                        break
+            if i >= 5:
+                times.append(time.perf_counter() - start)
+            await asyncio.sleep(gap_s)
+    return times
+
+
+def http_floor(log_dir: Path, count: int = 200) -> dict:
+    """The instrument's own cost: a mock engine without a latency model answering a 1-token
+    request, back to back and after 20 ms idle (p50 seconds)."""
+    engine = MockEngineProcess("floor", log_dir=log_dir)
+    try:
+        engine.start()
+        engine.wait_healthy(60)
+        return {f"gap_{gap * 1e3:g}ms": percentile(asyncio.run(_round_trips(engine.url, gap, count)), 50)
+                for gap in (0.0, 0.02)}
+    finally:
+        engine.stop(grace=5)
 
 
 def pct(value: float | None, base: float | None) -> str:
@@ -149,9 +183,14 @@ def markdown(results: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|"]
     for rate, by_policy in results["sim"].items():
         lines += rows(f"simulator, {float(rate):g} sessions/s", by_policy)
+    replay_label = f"{REPLAY_RATE:g} sessions/s (first {REPLAY_REQUESTS} requests)"
+    if "sim_of_replay" in results:
+        lines += rows(f"simulator, {replay_label}", results["sim_of_replay"])
     for by_policy in results["replay"]:
-        lines += rows(f"replay, {REPLAY_RATE:g} sessions/s (first {REPLAY_REQUESTS} requests)", by_policy)
+        lines += rows(f"replay, {replay_label}", by_policy)
     cases = ([(f"simulator at {float(rate):g} sessions/s", b) for rate, b in results["sim"].items()]
+             + ([("simulator on the replay's requests", results["sim_of_replay"])]
+                if "sim_of_replay" in results else [])
              + [(f"replay {i + 1}", b) for i, b in enumerate(results["replay"])])
     for policy in OURS:
         named = [(label, b) for label, b in cases if policy in b]
@@ -166,8 +205,32 @@ def markdown(results: dict) -> str:
             return f"{statistics.median(vals):.0f} ms (range {min(vals):.0f}-{max(vals):.0f})"
         lines += ["", f"Replay spread over {len(reps)} runs, turn-2+ TTFT p50: " + "; ".join(
             f"{p} {spread(p, 'ttft2_p50')}" for p in POLICIES) + "."]
+    if reps and "sim_of_replay" in results:
+        lines += ["", instrument_cost(results["sim_of_replay"], reps, results.get("http_floor"))]
     lines += ["", "![multi-turn](img/multi_turn.png)", "", "<!-- multi-turn:end -->"]
     return "\n".join(lines) + "\n"
+
+
+def instrument_cost(sim: dict, reps: list[dict], floor: dict | None) -> str:
+    """What the replay adds to the simulator on the same requests (median over the replays), and
+    the ratio that the simulator's times give once plain PD's extra is added to both sides."""
+    def p50(policy: str) -> float:
+        return statistics.median(r[policy]["ttft2_p50"] for r in reps)
+    extra = {p: p50(p) - sim[p]["ttft2_p50"] for p in POLICIES}
+    ours, base, cost = sim["multi_turn"]["ttft2_p50"], sim[BASELINE]["ttft2_p50"], extra[BASELINE]
+    similar = max(extra.values()) - min(extra.values()) <= 0.3 * max(abs(v) for v in extra.values())
+    text = ("Replay minus simulator on the same requests, turn-2+ TTFT p50: " + "; ".join(
+        f"{p} {extra[p] * 1e3:+.1f} ms" for p in POLICIES) + ". That is the instrument's own "
+        "cost: real HTTP through the router and the mocks")
+    if floor:
+        text += (f" (a 1-token request straight to a mock without latency model: p50 "
+                 f"{floor['gap_20ms'] * 1e3:.2f} ms after 20 ms idle, "
+                 f"{floor['gap_0ms'] * 1e3:.2f} ms back to back)")
+    text += (". It is about the same for every policy, so it weighs more on ours' shorter TTFT"
+             if similar else ". In this run it is not the same for every policy")
+    return text + (f". The simulator's {ours * 1e3:.1f} ms against {base * 1e3:.1f} ms is "
+                   f"{ours / base - 1:+.1%}; with plain PD's {cost * 1e3:.1f} ms added to both, "
+                   f"{(ours + cost) / (base + cost) - 1:+.1%}.")
 
 
 def render() -> int:
@@ -199,10 +262,14 @@ def main() -> int:
                "sim": {}, "replay": []}
     jobs = [(rate, p) for rate in SIM_RATES for p in (*POLICIES, CHUNKED)]
     for rate, policy in tqdm(jobs, desc="simulations", unit="run"):
-        results["sim"].setdefault(str(rate), {})[policy] = simulated(rate, sessions, policy)
+        results["sim"].setdefault(str(rate), {})[policy] = simulated(conversations(rate, sessions), policy)
+    # the replay's own requests through the simulator: replay minus this is the instrument's cost
+    reqs = replay_requests(replay_sessions)
+    results["sim_of_replay"] = {p: simulated(reqs, p) for p in POLICIES}
     with tempfile.TemporaryDirectory(prefix="multi-turn-") as log_dir:
+        results["http_floor"] = http_floor(Path(log_dir))
         for i in range(repeats):
-            results["replay"].append({p: replayed(replay_sessions, p, Path(log_dir)) for p in POLICIES})
+            results["replay"].append({p: replayed(reqs, p, Path(log_dir)) for p in POLICIES})
     results["meta"]["wall_min"] = (time.monotonic() - started) / 60
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results))
