@@ -220,8 +220,8 @@ def instrument_cost(sim: dict, reps: list[dict], floor: dict | None) -> str:
     ours, base, cost = sim["multi_turn"]["ttft2_p50"], sim[BASELINE]["ttft2_p50"], extra[BASELINE]
     similar = max(extra.values()) - min(extra.values()) <= 0.3 * max(abs(v) for v in extra.values())
     text = ("Replay minus simulator on the same requests, turn-2+ TTFT p50: " + "; ".join(
-        f"{p} {extra[p] * 1e3:+.1f} ms" for p in POLICIES) + ". That is the instrument's own "
-        "cost: real HTTP through the router and the mocks")
+        f"{p} {extra[p] * 1e3:+.1f} ms" for p in POLICIES) + ". That includes the instrument's "
+        "own cost, real HTTP through the router and the mocks")
     if floor:
         text += (f" (a 1-token request straight to a mock without latency model: p50 "
                  f"{floor['gap_20ms'] * 1e3:.2f} ms after 20 ms idle, "
