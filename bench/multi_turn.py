@@ -25,12 +25,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
+import msgspec
 from tqdm import tqdm
 
 import common  # noqa: E402  (bench/common.py)
 from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
-from pd_plugins.perf.replay import replay
+from pd_plugins.perf.replay import ReplayOutcome, replay, send_request
 from pd_plugins.perf.report import cdf, percentile
 from pd_plugins.testing.router_harness import MockEngineProcess, modelled_deployment
 from pd_plugins.workloads import ConversationSpec, generate_conversations
@@ -97,19 +99,19 @@ def replayed(reqs, policy: str, log_dir: Path) -> dict:
 
 
 async def _round_trips(url: str, gap_s: float, count: int) -> list[float]:
-    """Seconds from sending a 1-token streamed completion to its first chunk, `gap_s` apart."""
-    import aiohttp
+    """Seconds from sending a 1-token streamed completion to its token, `gap_s` apart (the
+    replay's own request code, so the same TTFT as the replay measures)."""
+    loop = asyncio.get_running_loop()
+    body = msgspec.json.encode({"model": "mock", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True})
     times = []
     async with aiohttp.ClientSession() as session:
         for i in range(count + 5):  # the first few open the connection
-            start = time.perf_counter()
-            async with session.post(f"{url}/v1/completions", json={
-                    "model": "mock", "prompt": [1, 2, 3], "max_tokens": 1, "stream": True}) as resp:
-                async for line in resp.content:
-                    if line.startswith(b"data:"):
-                        break
+            out = ReplayOutcome(i, 0.0, 3, 1)
+            await send_request(session, f"{url}/v1/completions", body, out, loop.time(), 1.0, loop)
+            if out.status != "ok":
+                raise RuntimeError(f"the HTTP floor's mock failed a request: {out.error}")
             if i >= 5:
-                times.append(time.perf_counter() - start)
+                times.append(out.ttft_s)
             await asyncio.sleep(gap_s)
     return times
 
@@ -263,7 +265,8 @@ def main() -> int:
     jobs = [(rate, p) for rate in SIM_RATES for p in (*POLICIES, CHUNKED)]
     for rate, policy in tqdm(jobs, desc="simulations", unit="run"):
         results["sim"].setdefault(str(rate), {})[policy] = simulated(conversations(rate, sessions), policy)
-    # the replay's own requests through the simulator: replay minus this is the instrument's cost
+    # the replay's own requests through the simulator: what the replay adds to it includes the
+    # instrument's own cost (http_floor)
     reqs = replay_requests(replay_sessions)
     results["sim_of_replay"] = {p: simulated(reqs, p) for p in POLICIES}
     with tempfile.TemporaryDirectory(prefix="multi-turn-") as log_dir:

@@ -111,7 +111,8 @@ async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, mod
             sent = loop.time()
             out.send_lag_s = max(0.0, sent - due) * speedup
             try:
-                await asyncio.wait_for(_send(session, endpoint, body, out, sent, speedup, loop), timeout_s)
+                await asyncio.wait_for(send_request(session, endpoint, body, out, sent, speedup, loop),
+                                       timeout_s)
             except asyncio.TimeoutError:
                 out.status, out.error = "failed", f"no complete answer within {timeout_s:g} s (wall)"
             except Exception as exc:  # noqa: BLE001 - connection errors, bad streams: this request failed
@@ -128,8 +129,10 @@ async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, mod
     return ReplayResult(outcomes, wall * speedup, wall, speedup)
 
 
-async def _send(session: aiohttp.ClientSession, endpoint: str, body: bytes, out: ReplayOutcome,
-                sent: float, speedup: float, loop: asyncio.AbstractEventLoop) -> None:
+async def send_request(session: aiohttp.ClientSession, endpoint: str, body: bytes, out: ReplayOutcome,
+                       sent: float, speedup: float, loop: asyncio.AbstractEventLoop) -> None:
+    """POST one streamed completion; fill `out` (status, TTFT from `sent` to the first content
+    chunk, ITL, TPOT, in model seconds) from its stream."""
     decode = msgspec.json.decode
     async with session.post(endpoint, data=body, headers={"Content-Type": "application/json"}) as resp:
         out.route = resp.headers.get("x-pd-route")
