@@ -3,11 +3,13 @@ PD (`vllm_kv_aware`, every turn through a prefill leg) and vllm-router-style ses
 (`vllm_session_affinity`: pinned decode, still a prefill leg every turn), on generated
 conversations (pd_plugins/workloads/conversations.py), in the simulator and over HTTP.
 
-    .venv/bin/python bench/multi_turn.py            # ~12 minutes
-    .venv/bin/python bench/multi_turn.py --quick    # ~2 minutes
+    .venv/bin/python bench/multi_turn.py            # ~13 minutes (--repeats 3: ~16)
+    .venv/bin/python bench/multi_turn.py --quick    # ~6 minutes
 
 Reports turn-2+ TTFT and TPOT (all turns: appends slow the decodes running beside them) p50/p95,
-with ratios to plain PD. Writes bench/results/multi_turn.json, docs/img/multi_turn.png and the
+with ratios to plain PD; the simulator's spread when the replay's arrivals move by a few ms; and
+each replay's TTFT split into the engines' model time (the mocks' /mock/timings) and the rest
+(HTTP, the router, processes waking). Writes bench/results/multi_turn.json, docs/img/multi_turn.png and the
 "Multi-turn serving" section of docs/benchmarks.md.
 """
 
@@ -18,6 +20,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -32,7 +35,7 @@ from tqdm import tqdm
 import common  # noqa: E402  (bench/common.py)
 from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
-from pd_plugins.perf.replay import ReplayOutcome, replay, send_request
+from pd_plugins.perf.replay import ReplayOutcome, attach_engine_times, replay, send_request
 from pd_plugins.perf.report import cdf, percentile
 from pd_plugins.testing.router_harness import MockEngineProcess, modelled_deployment
 from pd_plugins.workloads import ConversationSpec, generate_conversations
@@ -56,6 +59,10 @@ SIM_RATES = (1.0, 2.0, 4.0, 6.0)  # new sessions per second
 # count it double against the modelled engine times (at speedup 2 it cost ours ~10 ms per turn).
 REPLAY_RATE, REPLAY_SESSIONS, SPEEDUP, SCRAPE_S = 2.0, 80, 1.0, 0.25
 REPLAY_REQUESTS = 160  # the first ones by arrival: the think-time tail would make a replay long
+# The simulator again on the replay's requests, every arrival delayed by up to this much (uniform,
+# one seed per run): about the timing noise the replay's client and router add. Which decode a
+# conversation lands on and what runs beside it then change, and ours' turn-2+ TTFT with them.
+JITTER_S, JITTER_SEEDS = 0.003, range(1, 10)
 RESULTS = common.RESULTS / "multi_turn.json"
 
 
@@ -68,7 +75,14 @@ def summary(outcomes) -> dict:
     ok = [o for o in outcomes if o.status == "ok"]
     later = [o.ttft_s for o in ok if o.turn > 0]
     tpot = [o.tpot_s for o in ok if o.tpot_s]
-    return {"requests": len(outcomes), "served": len(ok),
+    # the engines' own share of each turn-2+ TTFT, and the rest: HTTP, the router and the
+    # processes' wake-ups in a replay, the modelled network hops in the simulator
+    timed = [(o.ttft_s, t) for o in ok if o.turn > 0 and (t := engine_time(o)) is not None]
+    engines = {"engine_timed": len(timed),
+               "engine_ttft2_p50": percentile([t for _, t in timed], 50),
+               "outside_ttft2_p50": percentile([ttft - t for ttft, t in timed], 50),
+               } if timed else {}
+    return {**engines, "requests": len(outcomes), "served": len(ok),
             "appended": sum(1 for o in ok if o.turn > 0 and not o.disaggregated),
             "later_turns": len(later),
             "ttft2_p50": percentile(later, 50), "ttft2_p95": percentile(later, 95),
@@ -85,16 +99,33 @@ def simulated(reqs, policy: str) -> dict:
     return {**summary(r.outcomes), "kv_gb_moved": r.kv_bytes_moved / 1e9}
 
 
-def replay_requests(sessions: int):
-    return conversations(REPLAY_RATE, sessions)[:REPLAY_REQUESTS]
+def engine_time(outcome) -> float | None:
+    """Seconds of a request's TTFT spent in the engines: the mocks' own model times (replay), or
+    the simulator's prefill-leg and decode-leg shares."""
+    if getattr(outcome, "engine_ttft_s", None) is not None:
+        return outcome.engine_ttft_s
+    if outcome.decode_first_s is None:
+        return None
+    return (outcome.prefill_leg_s or 0.0) + outcome.decode_first_s
+
+
+def replay_requests(sessions: int, count: int = REPLAY_REQUESTS):
+    return conversations(REPLAY_RATE, sessions)[:count]
+
+
+def jittered(reqs, seed: int):
+    rng = random.Random(seed)
+    late = [dataclasses.replace(r, arrival_s=r.arrival_s + rng.uniform(0, JITTER_S)) for r in reqs]
+    return sorted(late, key=lambda r: r.arrival_s)
 
 
 def replayed(reqs, policy: str, log_dir: Path) -> dict:
     with modelled_deployment(HARDWARE, *CLUSTER, policy, speedup=SPEEDUP, block_size=BLOCK,
-                             scrape_s=SCRAPE_S, log_dir=log_dir) as (router, _engines):
+                             scrape_s=SCRAPE_S, log_dir=log_dir) as (router, engines):
         with tqdm(total=len(reqs), desc=f"  {policy} replay", unit="req") as bar:
             result = asyncio.run(replay(router.url, reqs, SPEEDUP, "mock", timeout_s=600, mock_outputs=True,
                                         progress=lambda done: bar.update(done - bar.n)))
+        asyncio.run(attach_engine_times(result.outcomes, reqs, [e.url for e in engines]))
     return summary(result.outcomes)
 
 
@@ -185,7 +216,7 @@ def markdown(results: dict) -> str:
              "|---|---|---:|---:|---:|---:|---:|"]
     for rate, by_policy in results["sim"].items():
         lines += rows(f"simulator, {float(rate):g} sessions/s", by_policy)
-    replay_label = f"{REPLAY_RATE:g} sessions/s (first {REPLAY_REQUESTS} requests)"
+    replay_label = f"{REPLAY_RATE:g} sessions/s (first {meta.get('replay_requests', REPLAY_REQUESTS)} requests)"
     if "sim_of_replay" in results:
         lines += rows(f"simulator, {replay_label}", results["sim_of_replay"])
     for by_policy in results["replay"]:
@@ -207,32 +238,60 @@ def markdown(results: dict) -> str:
             return f"{statistics.median(vals):.0f} ms (range {min(vals):.0f}-{max(vals):.0f})"
         lines += ["", f"Replay spread over {len(reps)} runs, turn-2+ TTFT p50: " + "; ".join(
             f"{p} {spread(p, 'ttft2_p50')}" for p in POLICIES) + "."]
-    if reps and "sim_of_replay" in results:
-        lines += ["", instrument_cost(results["sim_of_replay"], reps, results.get("http_floor"))]
+    if "sim_of_replay_jitter" in results:
+        lines += ["", jitter_spread(results["sim_of_replay_jitter"])]
+    if reps and "sim_of_replay" in results and all("engine_ttft2_p50" in r[p] for r in reps for p in POLICIES):
+        lines += ["", instrument_split(results["sim_of_replay"], reps, results.get("http_floor"))]
     lines += ["", "![multi-turn](img/multi_turn.png)", "", "<!-- multi-turn:end -->"]
     return "\n".join(lines) + "\n"
 
 
-def instrument_cost(sim: dict, reps: list[dict], floor: dict | None) -> str:
-    """What the replay adds to the simulator on the same requests (median over the replays), and
-    the ratio that the simulator's times give once plain PD's extra is added to both sides."""
-    def p50(policy: str) -> float:
-        return statistics.median(r[policy]["ttft2_p50"] for r in reps)
-    extra = {p: p50(p) - sim[p]["ttft2_p50"] for p in POLICIES}
-    ours, base, cost = sim["multi_turn"]["ttft2_p50"], sim[BASELINE]["ttft2_p50"], extra[BASELINE]
-    similar = max(extra.values()) - min(extra.values()) <= 0.3 * max(abs(v) for v in extra.values())
-    text = ("Replay minus simulator on the same requests, turn-2+ TTFT p50: " + "; ".join(
-        f"{p} {extra[p] * 1e3:+.1f} ms" for p in POLICIES) + ". That includes the instrument's "
-        "own cost, real HTTP through the router and the mocks")
+def jitter_spread(runs: dict) -> str:
+    """The simulator on the replay's requests with arrivals jittered: turn-2+ TTFT p50 per policy
+    and ours against plain PD, median and range over the seeds."""
+    def spread(vals, fmt):
+        return f"{fmt(statistics.median(vals))} (range {fmt(min(vals))} to {fmt(max(vals))})"
+    ms = lambda v: f"{v * 1e3:.1f} ms"  # noqa: E731
+    change = [o["ttft2_p50"] / b["ttft2_p50"] - 1 for o, b in zip(runs["multi_turn"], runs[BASELINE])]
+    tpot = [o["tpot_p95"] / b["tpot_p95"] - 1 for o, b in zip(runs["multi_turn"], runs[BASELINE])]
+    return (f"The simulator on the replay's requests again, every arrival delayed by 0 to "
+            f"{JITTER_S * 1e3:g} ms (uniform; {len(change)} seeds), about the timing noise of the replay's "
+            "client and router. Turn-2+ TTFT p50: " + "; ".join(
+                f"{p} {spread([r['ttft2_p50'] for r in runs[p]], ms)}" for p in POLICIES)
+            + f". Ours against plain PD: {spread(change, lambda v: f'{v:+.1%}')}, TPOT p95 "
+            f"{spread(tpot, lambda v: f'{v:+.1%}')}. Which decode a conversation lands on, and what "
+            "runs beside it, moves ours' p50 by a millisecond or more.")
+
+
+def instrument_split(sim: dict, reps: list[dict], floor: dict | None) -> str:
+    """The replays' turn-2+ TTFT split into the engines' model time (/mock/timings) and the rest
+    (HTTP, the router, processes waking), median over the replays."""
+    def med(policy: str, key: str) -> float:
+        return statistics.median(r[policy][key] for r in reps)
+    engine = {p: med(p, "engine_ttft2_p50") for p in POLICIES}
+    outside = {p: med(p, "outside_ttft2_p50") for p in POLICIES}
+    per_replay = [r["multi_turn"]["engine_ttft2_p50"] / r[BASELINE]["engine_ttft2_p50"] - 1 for r in reps]
+    text = ("Where the replays' turn-2+ TTFT goes (median over the replays of each one's p50). In the "
+            "engines, the model time from each leg reaching its engine to its first token, summed over "
+            "the request's legs (the mocks' `/mock/timings`): " + "; ".join(
+                f"{p} {engine[p] * 1e3:.1f} ms" for p in POLICIES)
+            + f", ours against plain PD {engine['multi_turn'] / engine[BASELINE] - 1:+.1%} (per replay: "
+            + ", ".join(f"{c:+.1%}" for c in per_replay) + "). Outside them, HTTP through the router, the "
+            "router's own work and the processes waking on this 2-core machine: " + "; ".join(
+                f"{p} {outside[p] * 1e3:.1f} ms" for p in POLICIES) + " per request")
     if floor:
-        text += (f" (a 1-token request straight to a mock without latency model: p50 "
+        text += (f" (for scale, a 1-token request straight to a mock without latency model: p50 "
                  f"{floor['gap_20ms'] * 1e3:.2f} ms after 20 ms idle, "
                  f"{floor['gap_0ms'] * 1e3:.2f} ms back to back)")
-    text += (". It is about the same for every policy, so it weighs more on ours' shorter TTFT"
-             if similar else ". In this run it is not the same for every policy")
-    return text + (f". The simulator's {ours * 1e3:.1f} ms against {base * 1e3:.1f} ms is "
-                   f"{ours / base - 1:+.1%}; with plain PD's {cost * 1e3:.1f} ms added to both, "
-                   f"{(ours + cost) / (base + cost) - 1:+.1%}.")
+    sim_engine = {p: sim[p]["engine_ttft2_p50"] for p in (BASELINE, "multi_turn")}
+    text += (". The simulator on the same requests spends, in the engines, "
+             f"{sim_engine[BASELINE] * 1e3:.1f} ms (plain PD) and {sim_engine['multi_turn'] * 1e3:.1f} ms "
+             f"(ours): {sim_engine['multi_turn'] / sim_engine[BASELINE] - 1:+.1%}")
+    ours, base = sim["multi_turn"]["ttft2_p50"], sim[BASELINE]["ttft2_p50"]
+    return text + (f". The cost outside the engines is of the same size for every policy, so it weighs "
+                   f"more on ours' shorter TTFT: the simulator's {ours * 1e3:.1f} ms against "
+                   f"{base * 1e3:.1f} ms is {ours / base - 1:+.1%}; with each policy's cost outside the "
+                   f"engines added, {(ours + outside['multi_turn']) / (base + outside[BASELINE]) - 1:+.1%}.")
 
 
 def render() -> int:
@@ -258,8 +317,10 @@ def main() -> int:
     sessions = 150 if args.quick else 600
     repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
     replay_sessions = 30 if args.quick else REPLAY_SESSIONS
+    replay_count = 50 if args.quick else REPLAY_REQUESTS  # the first ones: the think-time tail is long
     results = {"meta": {"date": dt.date.today().isoformat(), "machine": common.machine(), "quick": args.quick,
                         "spec": dataclasses.asdict(SPEC), "sessions": sessions, "replay_sessions": replay_sessions,
+                        "replay_requests": replay_count,
                         "speedup": SPEEDUP},
                "sim": {}, "replay": []}
     jobs = [(rate, p) for rate in SIM_RATES for p in (*POLICIES, CHUNKED)]
@@ -267,8 +328,12 @@ def main() -> int:
         results["sim"].setdefault(str(rate), {})[policy] = simulated(conversations(rate, sessions), policy)
     # the replay's own requests through the simulator: what the replay adds to it includes the
     # instrument's own cost (http_floor)
-    reqs = replay_requests(replay_sessions)
+    reqs = replay_requests(replay_sessions, replay_count)
     results["sim_of_replay"] = {p: simulated(reqs, p) for p in POLICIES}
+    results["sim_of_replay_jitter"] = {
+        p: [{k: v for k, v in simulated(jittered(reqs, seed), p).items() if not k.endswith("_cdf")}
+            for seed in tqdm(JITTER_SEEDS, desc=f"  {p}, arrivals jittered", unit="run")]
+        for p in POLICIES}
     with tempfile.TemporaryDirectory(prefix="multi-turn-") as log_dir:
         results["http_floor"] = http_floor(Path(log_dir))
         for i in range(repeats):

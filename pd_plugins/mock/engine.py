@@ -294,6 +294,9 @@ class MockEngine:
             1 for f in self.s.rooms.values() if f.done()), "running": self.s.running,
             "streaming": self.s.streaming, **modelled})
 
+    async def timings(self, request: web.Request) -> web.Response:
+        return web.json_response({"timings": list(self.modelled.timings)})
+
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": self.s.args.model, "object": "model", "max_model_len": self.s.args.max_model_len}]})
@@ -331,6 +334,7 @@ class MockEngine:
             await self.session.close()
         app.cleanup_ctx.append(open_session)
         if self.modelled is not None:
+            app.add_routes([web.get("/mock/timings", self.timings)])
             app.on_startup.append(self.modelled.start)
             app.on_cleanup.append(self.modelled.stop)
         return app, side

@@ -26,6 +26,10 @@ PD legs:
   reads the transfer for good in the background, which frees the prefill's KV.
 - anything else: kind "local".
 A request that can never fit in the KV cache answers 400; a client that leaves aborts its request.
+
+`GET /mock/timings`: for each leg that produced its first token, its prompt digest, its kind, and the
+model times it reached the server and made that token. A replay subtracts these engine times from
+the TTFT its client measured to learn what HTTP, the router and the processes' wake-ups cost.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +55,9 @@ PREFILL_KV_TIMEOUT_S = 480.0
 """Model seconds a prefill keeps KV nobody fetched (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+TIMINGS_KEPT = 100_000
+"""Legs /mock/timings remembers (the oldest go first): a replay's worth, in bounded memory."""
 
 
 @dataclass(eq=False)
@@ -137,7 +145,9 @@ class ModelDriver:
     # -- clock and loop ----------------------------------------------------------------------
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.loop, self.t0 = loop, loop.time()
+        # time.monotonic(), not loop.time(): uvloop's loop clock is cached per loop iteration in
+        # whole milliseconds, which at --speedup 20 would misplace arrivals by up to 20 model ms
+        self.loop, self.t0 = loop, time.monotonic()
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
@@ -149,10 +159,10 @@ class ModelDriver:
 
     def now(self) -> float:
         """Model time now, by the wall clock."""
-        return (self.loop.time() - self.t0) * self.speedup
+        return (time.monotonic() - self.t0) * self.speedup
 
     async def _run(self) -> None:
-        inst, loop = self.inst, self.loop
+        inst = self.inst
         while True:
             self.wake.clear()
             duration = inst.plan(self.clock)
@@ -168,12 +178,13 @@ class ModelDriver:
                 self.clock, self._arrived = max(self.clock, arrived), None
                 continue
             end = self.clock + duration
-            delay = self.t0 + end / self.speedup - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            else:
+            delay = self.t0 + end / self.speedup - time.monotonic()
+            if delay <= 0:
                 self.max_lag_s = max(self.max_lag_s, -delay * self.speedup)
                 await asyncio.sleep(0)  # behind: still let the handlers run
+            while delay > 0:  # uvloop's timers round to whole ms, so may fire early: sleep the rest
+                await asyncio.sleep(delay)
+                delay = self.t0 + end / self.speedup - time.monotonic()
             steps = inst.steps
             result = inst.finish(end)
             self.clock = end
@@ -312,6 +323,7 @@ class ModelledServing:
         self.engine = engine
         self.driver = ModelDriver(engine.s.args)
         self.pinned: dict[str, tuple[Flight, asyncio.TimerHandle]] = {}  # transfer key -> prefill leg
+        self.timings: deque[dict[str, Any]] = deque(maxlen=TIMINGS_KEPT)  # /mock/timings
         self._background: set[asyncio.Task] = set()
 
     async def start(self, _app: web.Application) -> None:
@@ -362,6 +374,7 @@ class ModelledServing:
                 raise
             if flight.req.error is not None:
                 return _error(400, flight.req.error)
+            self._timed(digest, flight.req, arrived)
             if key is None:
                 driver.release(flight)
             else:
@@ -413,6 +426,7 @@ class ModelledServing:
             driver.transfer_tokens += flight.req.transfer_tokens  # KV accepted (it is the prompt's)
         if flight.req.error is not None:
             return _error(400, flight.req.error)
+        self._timed(digest, flight.req, arrived)
         words = output_words(digest, max_tokens)
         if not body.get("stream"):
             await self._wait(flight, lambda f: f.done)
@@ -421,6 +435,11 @@ class ModelledServing:
             return web.Response(body=msgspec.json.encode(_completion(chat, s.args.model, words, n_prompt)),
                                 content_type="application/json")
         return await self._stream(request, body, chat, flight, words, n_prompt)
+
+    def _timed(self, digest: str, req: EngineRequest, arrived: float) -> None:
+        if req.first_token_at is not None:
+            self.timings.append({"prompt": digest, "leg": req.kind, "arrived_s": arrived,
+                                 "first_token_s": req.first_token_at})
 
     async def _stream(self, request: web.Request, body: dict, chat: bool, flight: Flight,
                       words: list[str], n_prompt: int) -> web.StreamResponse:

@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import aiohttp
 import msgspec
 
+from pd_plugins.mock.engine import prompt_digest
 from pd_plugins.perf.cluster_sim import RequestOutcome
 from pd_plugins.workloads import TraceRequest, prompt_token_ids
 
@@ -40,6 +41,9 @@ class ReplayOutcome(RequestOutcome):
     route: str | None = None          # the router's x-pd-route header
     error: str | None = None          # why it was rejected or failed
     send_lag_s: float = 0.0           # how late (model s) the client sent it after its arrival
+    # The model time its legs spent in the engines before their first tokens (modelled mocks'
+    # /mock/timings, attach_engine_times): ttft_s minus this is what HTTP and the router cost.
+    engine_ttft_s: float | None = None
 
 
 @dataclass
@@ -206,3 +210,31 @@ async def collect_engine_stats(urls: Sequence[str], timeout_s: float = 10.0) -> 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         await asyncio.gather(*(one(session, u) for u in urls))
     return {**totals, "engines": engines}
+
+
+async def attach_engine_times(outcomes: Sequence[ReplayOutcome], requests: Sequence[TraceRequest],
+                              urls: Sequence[str], timeout_s: float = 30.0) -> int:
+    """Fill each served outcome's `engine_ttft_s` from the modelled mocks' /mock/timings: the sum,
+    over its legs (a prefill leg and the decode leg, or one local leg), of the model time from
+    reaching the engine to its first token. Matched by prompt digest; a prompt with more than one
+    leg of a kind (a retry) is left unmatched. Returns how many outcomes were matched."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        async def one(url: str) -> list[dict]:
+            async with session.get(url.rstrip("/") + "/mock/timings") as resp:
+                resp.raise_for_status()
+                return (await resp.json())["timings"]
+        answers = await asyncio.gather(*(one(u) for u in urls))
+    legs: dict[str, dict[str, float | None]] = {}
+    for leg in (leg for answer in answers for leg in answer):
+        kinds = legs.setdefault(leg["prompt"], {})
+        kinds[leg["leg"]] = None if leg["leg"] in kinds else leg["first_token_s"] - leg["arrived_s"]
+    by_id = {r.request_id: r for r in requests}
+    matched = 0
+    for out in outcomes:
+        if out.status != "ok" or out.request_id not in by_id:
+            continue
+        kinds = legs.get(prompt_digest({"prompt": prompt_token_ids(by_id[out.request_id])}), {})
+        if kinds and None not in kinds.values():
+            out.engine_ttft_s = sum(kinds.values())
+            matched += 1
+    return matched

@@ -6,7 +6,7 @@ import asyncio
 
 from pd_plugins.perf import report
 from pd_plugins.perf.hardware import preset
-from pd_plugins.perf.replay import collect_engine_stats, replay
+from pd_plugins.perf.replay import attach_engine_times, collect_engine_stats, replay
 from pd_plugins.workloads import ConversationSpec, first_n, generate_conversations
 from tests.router.conftest import deployment, mocks, wait_until
 
@@ -34,8 +34,13 @@ def test_replay_through_router_disaggregates_and_pulls_kv():
         result = asyncio.run(replay(router.url, reqs, SPEEDUP, "mock", timeout_s=30, progress=done.append))
         wait_until(lambda: prefills[0].stats()["rooms_held"] == 0, timeout=5, what="every transfer read")
         stats = asyncio.run(collect_engine_stats([prefills[0].url, decodes[0].url]))
+        matched = asyncio.run(attach_engine_times(result.outcomes, reqs, [prefills[0].url, decodes[0].url]))
     outcomes = result.outcomes
+    assert matched == 10
     assert [o.status for o in outcomes] == ["ok"] * 10, [o.error for o in outcomes]
+    # A mock that fell behind its clock runs a late request's steps from its own (earlier) model
+    # time, so the engine times below may come out short by up to that lag.
+    lag = sum(stats["engines"][e.url]["max_lag_s"] for e in (prefills[0], decodes[0]))
     assert done == list(range(1, 11))
     for o in outcomes:
         assert o.disaggregated, o.route
@@ -43,6 +48,8 @@ def test_replay_through_router_disaggregates_and_pulls_kv():
         # the prefill, then the pull of the whole prompt, then a decode step: all in model time
         first = HW.prefill_s(o.input_tokens) + HW.transfer_s(o.input_tokens)
         assert o.ttft_s > first, o
+        # the engines' own share of it: the same prefill and pull, without HTTP and the router
+        assert first - lag < o.engine_ttft_s < o.ttft_s, (o, lag)
         # ... and a decode step for every token (a step is never shorter than a lone request's)
         assert o.e2e_s > first + o.output_tokens * HW.decode_step_s(1, o.input_tokens), o
     prompt_tokens = sum(r.input_tokens for r in reqs)
