@@ -178,13 +178,14 @@ class ModelDriver:
                 self.clock, self._arrived = max(self.clock, arrived), None
                 continue
             end = self.clock + duration
-            delay = self.t0 + end / self.speedup - time.monotonic()
+            deadline = self.t0 + end / self.speedup
+            delay = deadline - time.monotonic()
             if delay <= 0:
                 self.max_lag_s = max(self.max_lag_s, -delay * self.speedup)
                 await asyncio.sleep(0)  # behind: still let the handlers run
             while delay > 0:  # uvloop's timers round to whole ms, so may fire early: sleep the rest
                 await asyncio.sleep(delay)
-                delay = self.t0 + end / self.speedup - time.monotonic()
+                delay = deadline - time.monotonic()
             steps = inst.steps
             result = inst.finish(end)
             self.clock = end

@@ -194,22 +194,27 @@ async def collect_engine_stats(urls: Sequence[str], timeout_s: float = 10.0) -> 
     whole answer under `engines` (an unreachable engine answers {} and counts 0)."""
     totals: dict = dict.fromkeys(ENGINE_COUNTERS, 0)
     engines: dict[str, dict] = {}
-
-    async def one(session: aiohttp.ClientSession, url: str) -> None:
-        try:
-            async with session.get(url.rstrip("/") + "/mock/stats") as resp:
-                data = await resp.json() if resp.status == 200 else {}
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            data = {}
-        engines[url] = data
+    for url, data in zip(urls, await _get_from_each(urls, "/mock/stats", timeout_s)):
+        engines[url] = data = data or {}
         for name, counter in ENGINE_COUNTERS.items():
             value = data.get(counter, 0)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 totals[name] += value
+    return {**totals, "engines": engines}
+
+
+async def _get_from_each(urls: Sequence[str], path: str, timeout_s: float) -> list[dict | None]:
+    """GET `path` from every engine at once: each one's JSON answer, or None where it did not
+    answer 200 with JSON."""
+    async def one(session: aiohttp.ClientSession, url: str) -> dict | None:
+        try:
+            async with session.get(url.rstrip("/") + path) as resp:
+                return await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        await asyncio.gather(*(one(session, u) for u in urls))
-    return {**totals, "engines": engines}
+        return await asyncio.gather(*(one(session, u) for u in urls))
 
 
 async def attach_engine_times(outcomes: Sequence[ReplayOutcome], requests: Sequence[TraceRequest],
@@ -218,14 +223,12 @@ async def attach_engine_times(outcomes: Sequence[ReplayOutcome], requests: Seque
     over its legs (a prefill leg and the decode leg, or one local leg), of the model time from
     reaching the engine to its first token. Matched by prompt digest; a prompt with more than one
     leg of a kind (a retry) is left unmatched. Returns how many outcomes were matched."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        async def one(url: str) -> list[dict]:
-            async with session.get(url.rstrip("/") + "/mock/timings") as resp:
-                resp.raise_for_status()
-                return (await resp.json())["timings"]
-        answers = await asyncio.gather(*(one(u) for u in urls))
+    answers = await _get_from_each(urls, "/mock/timings", timeout_s)
+    for url, answer in zip(urls, answers):
+        if answer is None:
+            raise RuntimeError(f"{url} gave no /mock/timings (is it a mock with --latency-model?)")
     legs: dict[str, dict[str, float | None]] = {}
-    for leg in (leg for answer in answers for leg in answer):
+    for leg in (leg for answer in answers for leg in answer["timings"]):
         kinds = legs.setdefault(leg["prompt"], {})
         kinds[leg["leg"]] = None if leg["leg"] in kinds else leg["first_token_s"] - leg["arrived_s"]
     by_id = {r.request_id: r for r in requests}
