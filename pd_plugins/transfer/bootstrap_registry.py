@@ -5,12 +5,13 @@ Engine-agnostic: one small HTTP server per prefill instance (SGLang starts it on
 calls a decode uses. It doubles as the prefill's liveness signal: a decode that cannot reach it
 twice in a row treats the prefill as dead.
 
-    GET  /health              -> 200 "ok"
-    PUT  /ranks/<key>         <- {...}: a rank registers (key: "<dp rank>.<engine rank>")
+    GET  /health              -> 200 "ok" (the only call without authentication)
+    PUT  /ranks/<key>         <- {...}: a rank registers (key: "<dp rank>.<engine rank>"); the
+                                 first process to register a rank owns it (another gets 409)
     GET  /ranks/<key>         -> {...}, or 404
     PUT  /rooms/<room>.<key>  <- {...}: a transfer is ready to be read (pull backends)
     GET  /rooms/<room>.<key>  -> {...}, or 404 (not ready yet)
-    DELETE /rooms/<room>.<key>   (done; the table also forgets the oldest beyond MAX_ROOMS)
+    DELETE /rooms/<room>.<key>   (done; the table also forgets the oldest beyond its bounds)
 
 Push backends turn this around: the decode publishes where the prefill may write (a target), and
 who owns the decode's pages is settled here, in one place, by a state per target:
@@ -25,35 +26,90 @@ who owns the decode's pages is settled here, in one place, by a state per target
                                          none yet, becomes expired: a decode that comes later
                                          fails at once), 409 if claimed
     DELETE /targets/<room>.<key>         (done)
+
+Trust (docs/security.md): every call but /health is signed with the peers' shared secret
+(transfer/peer_auth.py; 401 otherwise) and every answer is signed back, so neither a neighbour
+without the secret nor a process that grabbed the port can forge a record. Records belong to the
+process that wrote them: a rank's rooms, claims and expiries only to the process that registered
+the rank, a target's withdrawal to the decode that published it (403 otherwise). The server binds
+PD_BOOTSTRAP_HOST, else the engine's --host; on an address other hosts can reach it refuses to
+start without a configured secret (a per-host default secret would lock every other host out).
+Bounded: MAX_CONNECTIONS open connections (beyond that the oldest connection of the peer address
+holding the most is closed), one thread each, SOCKET_TIMEOUT_S per socket operation, records up
+to MAX_RECORD_BYTES, tables by entries and bytes.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import re
+import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-MAX_RECORD_BYTES = 64 * 1024
-MAX_ROOMS = 100_000
+from pd_plugins.transfer import peer_auth
+from pd_plugins.transfer.peer_auth import PeerAuthError, PeerSecret
+
+MAX_RECORD_BYTES = 2 * 1024 * 1024  # a 128k-page room, fully fragmented (transfer/page_runs.py)
+MAX_ROOMS = 100_000                 # rooms, and targets, kept (the oldest go first)
+MAX_TABLE_BYTES = 256 * 1024 * 1024  # bytes of records kept per table (the oldest go first)
+MAX_RANKS = 4096                    # registered ranks (more are refused: ranks are not evicted)
+MAX_CONNECTIONS = 128
+SOCKET_TIMEOUT_S = 5.0
 _KEY = re.compile(r"^/(ranks|rooms|targets)/((?:\d{1,20}\.)?\d{1,6}\.\d{1,6})"
                   r"(?:/(claim|withdraw|expire))?$")
 OPEN, CLAIMED, WITHDRAWN, EXPIRED = "open", "claimed", "withdrawn", "expired"
 
 
 @dataclass(slots=True)
-class Target:
-    """A push target: the decode's published record and who owns its pages now."""
+class Entry:
+    """A record and the process (owner) that wrote it; push targets also have a state."""
 
-    state: str                       # OPEN, CLAIMED, WITHDRAWN or EXPIRED
-    record: bytes                    # the decode's JSON record, as it was published
-    claimed_at: float | None = None  # wall clock, once the prefill claimed it
+    owner: str
+    record: bytes                    # the JSON record, as it was published
+    state: str | None = None         # targets: OPEN, CLAIMED, WITHDRAWN or EXPIRED
+    claimed_at: float | None = None  # targets: wall clock, once the prefill claimed it
+
+
+class _Table:
+    """key -> Entry, bounded by entries and bytes (the oldest go first, or `put` refuses)."""
+
+    def __init__(self, max_entries: int, max_bytes: int, evict: bool = True) -> None:
+        self.entries: OrderedDict[str, Entry] = OrderedDict()
+        self.max_entries, self.max_bytes, self.evict, self.bytes = max_entries, max_bytes, evict, 0
+
+    def get(self, key: str) -> Entry | None:
+        return self.entries.get(key)
+
+    def put(self, key: str, entry: Entry) -> bool:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old.record)
+        if not self.evict and len(self.entries) >= self.max_entries:
+            if old is not None:
+                self.entries[key], self.bytes = old, self.bytes + len(old.record)
+            return False
+        self.entries[key] = entry
+        self.bytes += len(entry.record)
+        while len(self.entries) > self.max_entries or self.bytes > self.max_bytes:
+            self.bytes -= len(self.entries.popitem(last=False)[1].record)
+        return True
+
+    def pop(self, key: str) -> None:
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= len(old.record)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 def rank_key(dp_rank: int, engine_rank: int) -> str:
@@ -62,6 +118,8 @@ def rank_key(dp_rank: int, engine_rank: int) -> str:
 
 class _Handler(BaseHTTPRequestHandler):
     server: _RegistryHTTPServer
+    timeout = SOCKET_TIMEOUT_S  # every read and write on the connection
+    _nonce: str | None = None   # the authenticated request's nonce: its answer is signed
 
     def log_message(self, *args: Any) -> None:  # no access log on stderr
         pass
@@ -70,120 +128,231 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
+        if self._nonce is not None:
+            signature = peer_auth.sign_reply(self.server.secret.key, self._nonce, status, body)
+            self.send_header(peer_auth.REPLY_HEADER, signature)
         self.end_headers()
         self.wfile.write(body)
 
     def _error(self, status: int, reason: str) -> None:
-        self._answer(status, json.dumps({"error": reason}).encode())
-
-    def _match(self, action: bool = False) -> re.Match | None:
-        match = _KEY.match(self.path)
-        if (not match or (match.group(1) == "ranks") != (match.group(2).count(".") == 1)
-                or bool(match.group(3)) != action or (action and match.group(1) != "targets")):
-            self._error(404, f"no such path: {self.path[:100]}")
-            return None
-        return match
-
-    def _table(self) -> tuple[OrderedDict, str] | None:
-        match = self._match()
-        return None if match is None else (getattr(self.server, match.group(1)), match.group(2))
+        self._answer(*_refusal(status, reason))
 
     def do_GET(self) -> None:
         if self.path == "/health":
             return self._answer(200, b"ok", "text/plain")
-        found = self._table()
-        if found is None:
-            return None
-        table, key = found
-        record = table.get(key)
-        if record is None:
-            return self._error(404, f"{key} is not registered")
-        return self._answer(200, record.record if table is self.server.targets else record)
+        return self._serve()
 
-    def do_POST(self) -> None:
-        """A target's state change (push backends), atomic under the registry's lock."""
-        match = self._match(action=True)
-        if match is None:
-            return None
-        key, action, targets = match.group(2), match.group(3), self.server.targets
-        with self.server.lock:
-            target: Target | None = targets.get(key)
-            state = target.state if target else None
-            if action == "claim":
-                if target is None:
-                    return self._error(404, f"target {key} is not published")
-                if state != OPEN:
-                    return self._error(409, f"target {key} is {state}")
-                target.state, target.claimed_at = CLAIMED, time.time()
-                return self._answer(200, target.record)
-            if action == "withdraw":
-                if state == CLAIMED:
-                    return self._answer(409, json.dumps({"claimed_at": target.claimed_at}).encode())
-                if target:
-                    target.state = WITHDRAWN
-                return self._answer(200, b"{}")
-            if state == CLAIMED:  # expire
-                return self._error(409, f"target {key} is claimed")
-            targets[key] = Target(EXPIRED, b"{}")
-            _bound(targets)
-            return self._answer(200, b"{}")
+    do_PUT = do_POST = do_DELETE = lambda self: self._serve()  # noqa: E731
 
-    def do_DELETE(self) -> None:
-        found = self._table()
-        if found is not None:
-            found[0].pop(found[1], None)
-            self._answer(200, b"{}")
-
-    def do_PUT(self) -> None:
-        found = self._table()
-        if found is None:
+    def _serve(self) -> None:
+        body = self._read_body()
+        if body is None:
             return None
-        length = int(self.headers.get("Content-Length") or 0)
-        if not 0 < length <= MAX_RECORD_BYTES:
-            return self._error(400, f"a record is 1 to {MAX_RECORD_BYTES} bytes of JSON")
-        body = self.rfile.read(length)
+        match = _KEY.match(self.path)
+        table = match and match.group(1)
+        if (not match or (table == "ranks") != (match.group(2).count(".") == 1)
+                or (self.command == "POST") != bool(match.group(3))
+                or (match.group(3) and table != "targets")):
+            return self._error(404, f"no such path: {self.command} {self.path[:100]}")
+        try:
+            owner, self._nonce = self.server.verifier.verify(
+                self.headers.get(peer_auth.AUTH_HEADER), self.command, self.path, body,
+                once=self.command != "GET")
+        except PeerAuthError as exc:
+            return self._error(401, str(exc))
+        key, action = match.group(2), match.group(3)
+        with self.server.lock:  # decide under the lock, answer after it (a slow reader waits alone)
+            if self.command == "GET":
+                status, answer = self._get(table, key)
+            elif self.command == "DELETE":
+                status, answer = self._delete(table, key, owner)
+            elif self.command == "POST":
+                status, answer = self._act(key, action, owner)
+            else:
+                status, answer = self._put(table, key, owner, body)
+        return self._answer(status, answer)
+
+    def _read_body(self) -> bytes | None:
+        length = self.headers.get("Content-Length") or "0"
+        if not length.isdigit():
+            return self._error(400, "Content-Length must be a non-negative integer")
+        if int(length) > MAX_RECORD_BYTES:
+            self.close_connection = True  # the body is not read
+            return self._error(413, f"a record is at most {MAX_RECORD_BYTES} bytes")
+        body = self.rfile.read(int(length))
+        if len(body) != int(length):
+            self.close_connection = True
+            return None  # the peer went away (or stalled past the socket timeout)
+        return body
+
+    def _rank_owner(self, key: str) -> str | None:
+        rank = self.server.tables["ranks"].get(key.split(".", 1)[1])
+        return rank.owner if rank else None
+
+    def _not_rank_owner(self, key: str, owner: str, what: str) -> tuple[int, bytes] | None:
+        if self._rank_owner(key) == owner:
+            return None
+        return _refusal(403, f"only the process that registered rank {key.split('.', 1)[1]} "
+                             f"may {what}")
+
+    def _get(self, table: str, key: str) -> tuple[int, bytes]:
+        entry = self.server.tables[table].get(key)
+        if entry is None:
+            return _refusal(404, f"{key} is not registered")
+        return 200, entry.record
+
+    def _delete(self, table: str, key: str, owner: str) -> tuple[int, bytes]:
+        entry = self.server.tables[table].get(key)
+        if entry is not None and owner != entry.owner and (
+                table != "targets" or owner != self._rank_owner(key)):
+            return _refusal(403, f"{table}/{key} belongs to another process")
+        self.server.tables[table].pop(key)
+        return 200, b"{}"
+
+    def _put(self, table: str, key: str, owner: str, body: bytes) -> tuple[int, bytes]:
         try:
             if not isinstance(json.loads(body), dict):
                 raise ValueError("not an object")
         except ValueError as exc:
-            return self._error(400, f"a record is a JSON object: {exc}")
-        table, key = found
-        with self.server.lock:
-            if table is self.server.targets:
-                target = table.get(key)
-                if target is not None and target.state in (EXPIRED, CLAIMED):
-                    return self._error(409, f"target {key} is {target.state}")
-                body = Target(OPEN, body)
-            table[key] = body
-            _bound(table)
-        return self._answer(200, b"{}")
+            return _refusal(400, f"a record is a JSON object of 1 to {MAX_RECORD_BYTES} bytes: "
+                                 f"{exc}")
+        entries, entry = self.server.tables[table], self.server.tables[table].get(key)
+        if table == "ranks":
+            if entry is not None and entry.owner != owner:
+                return _refusal(409, f"rank {key} is registered by another process "
+                                     f"({entry.owner}); a rank is registered once")
+            if not entries.put(key, Entry(owner, body)):
+                return _refusal(409, f"this registry holds {MAX_RANKS} ranks already")
+            return 200, b"{}"
+        if table == "rooms":
+            refused = self._not_rank_owner(key, owner, "publish its rooms")
+            if refused:
+                return refused
+            entries.put(key, Entry(owner, body))
+            return 200, b"{}"
+        if entry is not None and entry.state in (EXPIRED, CLAIMED):
+            return _refusal(409, f"target {key} is {entry.state}")
+        if entry is not None and entry.state == OPEN and entry.owner != owner:
+            return _refusal(409, f"target {key} is published by another process")
+        entries.put(key, Entry(owner, body, OPEN))
+        return 200, b"{}"
+
+    def _act(self, key: str, action: str, owner: str) -> tuple[int, bytes]:
+        """A target's state change (push backends), atomic under the registry's lock."""
+        targets = self.server.tables["targets"]
+        target = targets.get(key)
+        state = target.state if target else None
+        if action == "withdraw":
+            if state in (OPEN, CLAIMED) and target.owner != owner:
+                return _refusal(403, f"target {key} was published by another process")
+            if state == CLAIMED:
+                return 409, json.dumps({"claimed_at": target.claimed_at}).encode()
+            if state == OPEN:
+                target.state = WITHDRAWN
+            return 200, b"{}"
+        refused = self._not_rank_owner(key, owner, f"{action} its targets")
+        if refused:
+            return refused
+        if action == "claim":
+            if target is None:
+                return _refusal(404, f"target {key} is not published")
+            if state != OPEN:
+                return _refusal(409, f"target {key} is {state}")
+            target.state, target.claimed_at = CLAIMED, time.time()
+            return 200, target.record
+        if state == CLAIMED:  # expire
+            return _refusal(409, f"target {key} is claimed")
+        targets.put(key, Entry(owner, b"{}", EXPIRED))
+        return 200, b"{}"
 
 
-def _bound(table: OrderedDict) -> None:
-    while len(table) > MAX_ROOMS:
-        table.popitem(last=False)
+def _refusal(status: int, reason: str) -> tuple[int, bytes]:
+    return status, json.dumps({"error": reason}).encode()
 
 
 class _RegistryHTTPServer(ThreadingHTTPServer):
+    """One thread per connection, at most MAX_CONNECTIONS connections."""
+
     daemon_threads = True
-    ranks: OrderedDict
-    rooms: OrderedDict
-    targets: OrderedDict
-    lock: threading.Lock
+    block_on_close = False
+    request_queue_size = 1024  # a burst of connections waits in the kernel, not in SYN retries
+
+    def __init__(self, address: tuple[str, int], secret: PeerSecret) -> None:
+        super().__init__(address, _Handler)
+        self.secret, self.verifier = secret, peer_auth.RequestVerifier(secret.key)
+        self.tables = {"ranks": _Table(MAX_RANKS, MAX_TABLE_BYTES, evict=False),
+                       "rooms": _Table(MAX_ROOMS, MAX_TABLE_BYTES),
+                       "targets": _Table(MAX_ROOMS, MAX_TABLE_BYTES)}
+        self.lock = threading.Lock()
+        self._open: OrderedDict[socket.socket, str] = OrderedDict()  # oldest first -> peer host
+        self._open_lock = threading.Lock()
+
+    def process_request(self, request: socket.socket, client_address: Any) -> None:
+        with self._open_lock:
+            while len(self._open) >= MAX_CONNECTIONS:
+                busiest = Counter(self._open.values()).most_common(1)[0][0]
+                oldest = next(s for s, host in self._open.items() if host == busiest)
+                del self._open[oldest]
+                try:  # its thread's blocked read returns at once and the thread ends
+                    oldest.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._open[request] = client_address[0]
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: socket.socket) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+        super().shutdown_request(request)
+
+    def open_connections(self) -> int:
+        with self._open_lock:
+            return len(self._open)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: loopback if every address it resolves to is
+        try:
+            infos = socket.getaddrinfo(host, None)
+        except OSError:
+            return False
+        return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def registry_host(engine_host: str | None) -> str:
+    """Where a prefill's registry binds: PD_BOOTSTRAP_HOST, else the engine's --host."""
+    return os.environ.get("PD_BOOTSTRAP_HOST") or engine_host or "127.0.0.1"
+
+
+def local_address(engine_host: str | None, port: int) -> str:
+    """host:port at which a prefill's own ranks reach its registry."""
+    host = registry_host(engine_host)
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 class BootstrapRegistry:
-    """The server, on a daemon thread. Bind to the address the decode engines can reach."""
+    """The server, on a daemon thread, bound to `host` (see the module doc for the rules)."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self._server = _RegistryHTTPServer((host, port), _Handler)
-        self._server.ranks, self._server.rooms = OrderedDict(), OrderedDict()
-        self._server.targets = OrderedDict()
-        self._server.lock = threading.Lock()
+    def __init__(self, host: str, port: int, secret: PeerSecret | None = None) -> None:
+        secret = secret or peer_auth.load_secret()
+        if not secret.explicit and not is_loopback(host):
+            raise PeerAuthError(
+                f"the pd-plugins bootstrap registry would listen on {host}:{port}, reachable "
+                "from other hosts, without a configured peer secret: put the same secret on "
+                "every prefill and decode host (`openssl rand -hex 32 > FILE; chmod 600 FILE`) "
+                "and set PD_PEER_SECRET_FILE=FILE (or PD_PEER_SECRET), or, with every engine on "
+                "this host, set PD_BOOTSTRAP_HOST=127.0.0.1 (docs/security.md)")
+        self._server = _RegistryHTTPServer((host, port), secret)
         self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name=f"pd-bootstrap-{self.port}")
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,),
+                                        daemon=True, name=f"pd-bootstrap-{self.port}")
         self._thread.start()
+
+    def open_connections(self) -> int:
+        return self._server.open_connections()
 
     def close(self) -> None:
         self._server.shutdown()
@@ -194,21 +363,42 @@ class RegistryUnreachable(ConnectionError):
     pass
 
 
-def _call(method: str, url: str, body: bytes | None, timeout_s: float) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, data=body, method=method,
-                                     headers={"Content-Type": "application/json"})
+class RegistryAuthError(RuntimeError):
+    """The registry refused this process's signature, or answered without the shared one."""
+
+
+def _call(method: str, addr: str, path: str, body: bytes | None, timeout_s: float
+          ) -> tuple[int, bytes]:
+    secret = peer_auth.load_secret()
+    auth, nonce = peer_auth.sign_request(secret.key, method, path, body or b"",
+                                         peer_auth.process_owner())
+    request = urllib.request.Request(f"http://{addr}{path}", data=body, method=method, headers={
+        "Content-Type": "application/json", peer_auth.AUTH_HEADER: auth})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status, response.read()
+            status, data, headers = response.status, response.read(), response.headers
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+        status, data, headers = exc.code, exc.read(), exc.headers
     except (OSError, urllib.error.URLError) as exc:
-        raise RegistryUnreachable(f"bootstrap registry {url} unreachable: {exc}") from exc
+        raise RegistryUnreachable(f"bootstrap registry {addr} unreachable: {exc}") from exc
+    if not peer_auth.reply_is_authentic(secret.key, nonce, status, data,
+                                        headers.get(peer_auth.REPLY_HEADER)):
+        if status == 401:
+            raise RegistryAuthError(f"bootstrap registry {addr} refused this process: "
+                                    f"{data[:300].decode(errors='replace')}")
+        raise RegistryAuthError(
+            f"bootstrap registry {addr} answered {method} {path} without this host's peer "
+            f"secret ({secret.source}): the peers' secrets differ, or another process holds "
+            "the port")
+    return status, data
+
+
+def _compact(record: dict) -> bytes:
+    return json.dumps(record, separators=(",", ":")).encode()
 
 
 def _put(addr: str, table: str, key: str, record: dict, timeout_s: float) -> None:
-    status, body = _call("PUT", f"http://{addr}/{table}/{key}", json.dumps(record).encode(),
-                         timeout_s)
+    status, body = _call("PUT", addr, f"/{table}/{key}", _compact(record), timeout_s)
     if status != 200:
         raise RuntimeError(f"bootstrap registry {addr} refused {table}/{key}: {status} "
                            f"{body[:200]!r}")
@@ -216,7 +406,7 @@ def _put(addr: str, table: str, key: str, record: dict, timeout_s: float) -> Non
 
 def _get(addr: str, table: str, key: str, timeout_s: float) -> dict | None:
     """The record; None if there is none (yet)."""
-    status, body = _call("GET", f"http://{addr}/{table}/{key}", None, timeout_s)
+    status, body = _call("GET", addr, f"/{table}/{key}", None, timeout_s)
     if status == 404:
         return None
     if status != 200:
@@ -249,23 +439,23 @@ def drop_room(addr: str, key: str, timeout_s: float = 5.0) -> None:
 
 
 def _delete(addr: str, table: str, key: str, timeout_s: float) -> None:
-    _call("DELETE", f"http://{addr}/{table}/{key}", None, timeout_s)
+    _call("DELETE", addr, f"/{table}/{key}", None, timeout_s)
 
 
 def put_target(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> bool:
     """Publish a decode's target; False if the prefill has expired the room already."""
-    status, body = _call("PUT", f"http://{addr}/targets/{key}", json.dumps(record).encode(),
-                         timeout_s)
-    if status not in (200, 409):
+    status, body = _call("PUT", addr, f"/targets/{key}", _compact(record), timeout_s)
+    expired = status == 409 and f"is {EXPIRED}".encode() in body
+    if status != 200 and not expired:
         raise RuntimeError(f"bootstrap registry {addr} refused target {key}: {status} "
                            f"{body[:200]!r}")
-    return status == 200
+    return not expired
 
 
 def target_action(addr: str, key: str, action: str, timeout_s: float = 5.0
                   ) -> tuple[int, dict]:
     """claim, withdraw or expire a target: (HTTP status, JSON answer); see the module doc."""
-    status, body = _call("POST", f"http://{addr}/targets/{key}/{action}", None, timeout_s)
+    status, body = _call("POST", addr, f"/targets/{key}/{action}", None, timeout_s)
     if status not in (200, 404, 409):
         raise RuntimeError(f"bootstrap registry {addr}: {action} {key}: {status} {body[:200]!r}")
     return status, json.loads(body or b"{}")
@@ -277,6 +467,8 @@ def drop_target(addr: str, key: str, timeout_s: float = 5.0) -> None:
 
 def is_alive(addr: str, timeout_s: float = 2.0) -> bool:
     try:
-        return _call("GET", f"http://{addr}/health", None, timeout_s)[0] == 200
-    except RegistryUnreachable:
+        request = urllib.request.Request(f"http://{addr}/health")
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status == 200
+    except (OSError, urllib.error.URLError):
         return False

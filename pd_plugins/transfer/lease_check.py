@@ -18,11 +18,22 @@ prefill that has stopped handling notifications still answers at once.
 
 Engine-agnostic: pyzmq and msgspec only. The prefill side runs a `LeaseCheckServer`; the reader
 side holds finished reads in a `LateReadGuard` until their verdicts arrive.
+
+Exposure: the server binds the address it is given (PdNixlConnector: its NIXL side-channel host,
+the address decodes already reach). Queries only read the bounded verdict table, so they are not
+authenticated; what a peer can make the server hold is bounded: a query is at most
+MAX_MESSAGE_BYTES (bigger ones are dropped by ZMQ), each connection queues at most HWM messages
+each way (replies beyond that are dropped, the asker times out), a connection that does not
+complete ZMQ's handshake within HANDSHAKE_S or stops answering heartbeats is closed, and the
+number of connections is bounded by the process's file limit. The reader keeps sockets to at most
+MAX_ENDPOINTS prefills (an idle one, least recently used, is closed for a new one; with none idle a
+query waits, and its read fails closed at its deadline).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -32,12 +43,19 @@ from typing import Literal
 import msgspec
 import zmq
 
+from pd_plugins.transfer.signature_channel import bounded_socket
+
 Verdict = Literal["ok", "late", "pending"]
 
 MAX_VERDICTS = 100_000          # prefill side: verdicts kept for readers that have yet to ask
 CHECK_TIMEOUT_S = 10.0          # reader side: no verdict by then -> the read counts as late
 RETRY_INTERVAL_S = 0.002        # reader side: re-ask a "pending" verdict this often
 REPLY_WAIT_S = 0.005            # reader side: how long one poll waits for replies
+MAX_MESSAGE_BYTES = 16 * 1024  # a query or a reply (a request id may come from a client header)
+HWM = 256                       # messages queued per connection, each way
+HANDSHAKE_S = 5.0               # a connection must complete ZMQ's handshake by then
+HEARTBEAT_S = 5.0               # ZMQ heartbeats; a peer silent for 3 of them is dropped
+MAX_ENDPOINTS = 64              # reader side: prefills it keeps a socket to
 
 
 class VerdictTable:
@@ -92,8 +110,7 @@ class LeaseCheckServer:
 
     def __init__(self, host: str, port: int = 0, table: VerdictTable | None = None) -> None:
         self.table = table or VerdictTable()
-        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket = _bounded_tcp_socket(zmq.ROUTER)
         address = f"tcp://{host}:{port}" if port else f"tcp://{host}:*"
         self._socket.bind(address)
         self.port = int(self._socket.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
@@ -129,6 +146,16 @@ class LeaseCheckServer:
         self._socket.close()
 
 
+def _bounded_tcp_socket(kind: int) -> zmq.Socket:
+    sock = bounded_socket(kind, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_S * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * HEARTBEAT_S * 1000))
+    return sock
+
+
 Endpoint = tuple[str, int]  # (host, port) of a LeaseCheckServer
 
 
@@ -161,13 +188,17 @@ class LateReadGuard:
         self._held: dict[str, _HeldRead] = {}
         self._by_query: dict[int, str] = {}
         self._query_ids = itertools.count()
-        self._sockets: dict[Endpoint, zmq.Socket] = {}
+        self._sockets: OrderedDict[Endpoint, zmq.Socket] = OrderedDict()  # least recent first
         self._poller = zmq.Poller()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(_Reply)
 
     def hold(self, key: str, endpoint: Endpoint, request_id: str, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
+        if len(request_id.encode()) + len(self.reader.encode()) > MAX_MESSAGE_BYTES - 64:
+            # ZMQ would drop the connection (and every query on it): fail this read closed
+            self._held[key] = _HeldRead(endpoint, request_id, deadline=now, ask_after=math.inf)
+            return
         self._held[key] = _HeldRead(endpoint, request_id, deadline=now + self.check_timeout_s)
 
     def held(self) -> set[str]:
@@ -203,9 +234,12 @@ class LateReadGuard:
             held.query_id = next(self._query_ids)
             self._by_query[held.query_id] = key
             query = (held.query_id, held.request_id, self.reader)
+            sock = self._socket(held.endpoint)
             try:
-                self._socket(held.endpoint).send(self._encoder.encode(query), zmq.NOBLOCK)
-            except zmq.Again:  # queue full: ask again next poll
+                if sock is None:
+                    raise zmq.Again()
+                sock.send(self._encoder.encode(query), zmq.NOBLOCK)
+            except zmq.Again:  # queue full, or no socket free yet: ask again next poll
                 self._by_query.pop(held.query_id)
                 held.query_id = None
 
@@ -233,15 +267,25 @@ class LateReadGuard:
         if held.query_id is not None:
             self._by_query.pop(held.query_id, None)
 
-    def _socket(self, endpoint: Endpoint) -> zmq.Socket:
+    def _socket(self, endpoint: Endpoint) -> zmq.Socket | None:
+        """The socket to `endpoint`; None while MAX_ENDPOINTS sockets all serve held reads (the
+        query waits for one to become idle, or for its deadline)."""
         sock = self._sockets.get(endpoint)
-        if sock is None:
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            host, port = endpoint
-            sock.connect(f"tcp://{host}:{port}")
-            self._poller.register(sock, zmq.POLLIN)
-            self._sockets[endpoint] = sock
+        if sock is not None:
+            self._sockets.move_to_end(endpoint)
+            return sock
+        if len(self._sockets) >= MAX_ENDPOINTS:
+            busy = {held.endpoint for held in self._held.values()}
+            idle = next((e for e in self._sockets if e not in busy), None)
+            if idle is None:
+                return None
+            self._poller.unregister(self._sockets[idle])
+            self._sockets.pop(idle).close()
+        sock = _bounded_tcp_socket(zmq.DEALER)
+        host, port = endpoint
+        sock.connect(f"tcp://{host}:{port}")
+        self._poller.register(sock, zmq.POLLIN)
+        self._sockets[endpoint] = sock
         return sock
 
     def close(self) -> None:

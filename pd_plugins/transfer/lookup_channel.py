@@ -2,8 +2,10 @@
 
 vLLM runs its scheduler and its workers in different processes (the CPU build too). A store kept
 in the worker's memory (LMCache's local CPU and local disk tiers) can only be asked there, so the
-worker answers lookups on a ZMQ REP socket (ipc, a path derived from the engine id) and the
-scheduler asks with a deadline: a worker that does not answer in time counts as a miss.
+worker answers lookups on a ZMQ REP socket (ipc, a path derived from the engine id, in this user's
+private directory: no other local user can bind it first or connect) and the scheduler asks with a
+deadline: a worker that does not answer in time counts as a miss. A lookup is at most
+MAX_LOOKUP_BYTES (a bigger one is dropped by ZMQ: the asker times out).
 
 Engine-agnostic: pyzmq and msgspec only.
 """
@@ -17,9 +19,10 @@ from typing import Callable, Sequence
 import msgspec
 import zmq
 
-from pd_plugins.transfer.signature_channel import channel_address
+from pd_plugins.transfer.signature_channel import bounded_socket, channel_address
 
 log = logging.getLogger("pd_plugins.lookup_channel")
+MAX_LOOKUP_BYTES = 64 * 2**20  # a prompt's token ids, msgpack (millions of tokens)
 
 
 def lookup_address(engine_id: str, rank: int = 0) -> str:
@@ -31,8 +34,7 @@ class LookupServer:
 
     def __init__(self, address: str, lookup: Callable[[Sequence[int]], int]) -> None:
         self._lookup = lookup
-        self._sock = zmq.Context.instance().socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = bounded_socket(zmq.REP, MAX_LOOKUP_BYTES)
         self._sock.bind(address)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pd-lookup", daemon=True)
@@ -67,8 +69,7 @@ class LookupClient:
 
     def _socket(self) -> zmq.Socket:
         if self._sock is None:
-            self._sock = zmq.Context.instance().socket(zmq.REQ)
-            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock = bounded_socket(zmq.REQ, 1024)  # the answer is one integer
             self._sock.connect(self.address)
         return self._sock
 

@@ -23,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import defaultdict
+from collections import OrderedDict
 from typing import NamedTuple, Sequence
 
 START_MARGIN_S = 5.0
 MAX_READ_S = 30.0
 MAX_WRITE_S = 30.0  # push (connectors/sglang/pd_nixl.py): a WRITE's limit, as a READ's
+MAX_EARLY = 10_000  # rooms with notifications that came before the room was leased
+_KINDS = (b"HB", b"START", b"DONE")
 
 
 def _nixl():
@@ -80,12 +82,24 @@ class NixlRoomAgent:
     def metadata(self) -> bytes:
         return self.agent.get_agent_metadata()
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, expected_name: str | None) -> str:
+        """Add a peer from its metadata; the agent it describes must be the one the record that
+        carried it named (`expected_name`), else it is removed again and refused."""
         with self._lock:
-            if metadata not in self._peers:
-                name = self.agent.add_remote_agent(metadata)
-                self._peers[metadata] = name.decode() if isinstance(name, bytes) else name
-            return self._peers[metadata]
+            name = self._peers.get(metadata)
+            if name is None:
+                with _as_connection_error("(new)"):
+                    name = self.agent.add_remote_agent(metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                if name != expected_name and name not in self._peers.values():
+                    with contextlib.suppress(Exception):  # noqa: BLE001 - NIXL's own errors
+                        self.agent.remove_remote_agent(name)
+                elif name == expected_name:
+                    self._peers[metadata] = name
+            if name != expected_name:
+                raise ConnectionError(f"NIXL metadata for agent {name!r} in a record that names "
+                                      f"agent {expected_name!r}: refused")
+            return name
 
     def read(self, peer: str, local: Sequence[tuple[int, int]], remote: Sequence[tuple[int, int]],
              notification: bytes, remote_memory: Memory = HOST):
@@ -143,19 +157,21 @@ class NixlRoomAgent:
 class LeaseTable:
     """Prefill side: room -> lease end (wall clock), fed by the decode's notifications."""
 
-    def __init__(self, lease_s: float) -> None:
-        self.lease_s = lease_s
+    def __init__(self, lease_s: float, max_early: int = MAX_EARLY) -> None:
+        self.lease_s, self.max_early = lease_s, max_early
         self._until: dict[int, float] = {}
         self._done: set[int] = set()
         self._started: set[int] = set()
-        self._early: dict[int, list[bytes]] = defaultdict(list)  # before the room is leased
+        # notifications that came before their room was leased (a fast decode), bounded: a
+        # peer naming rooms that never come cannot grow it
+        self._early: OrderedDict[int, set[bytes]] = OrderedDict()
         self._lock = threading.Lock()
 
     def lease(self, room: int) -> float:
         with self._lock:
             until = time.time() + self.lease_s
             self._until[room] = until
-            for kind in self._early.pop(room, ()):
+            for kind in sorted(self._early.pop(room, ())):  # DONE, HB, START: order-free
                 self._apply(room, kind)
             return self._until[room]
 
@@ -167,10 +183,15 @@ class LeaseTable:
                     room = int(room_b)
                 except ValueError:
                     continue
+                if kind not in _KINDS or not 0 <= room < 2**64:
+                    continue
                 if room in self._until:
                     self._apply(room, kind)
-                elif kind in (b"START", b"DONE") or len(self._early) < 100_000:
-                    self._early[room].append(kind)
+                    continue
+                self._early.setdefault(room, set()).add(kind)
+                self._early.move_to_end(room)
+                while len(self._early) > self.max_early:
+                    self._early.popitem(last=False)
 
     def _apply(self, room: int, kind: bytes) -> None:
         now = time.time()

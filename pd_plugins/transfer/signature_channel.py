@@ -7,13 +7,17 @@ worker pushes each step's results over ZMQ (ipc, a path derived from the engine 
 connect before the scheduler binds) right after the forward pass, before the step's output leaves
 the worker; the scheduler drains them when a request finishes, waiting briefly if needed.
 
+The ipc sockets live in this user's private directory (transfer/private_dir.py, mode 0700), so
+no other local user can bind the path first, connect to it, or read what passes; a message is at
+most MAX_MESSAGE_BYTES and a queue at most HWM messages.
+
 Engine-agnostic: pyzmq and msgspec only.
 """
 
 from __future__ import annotations
 
 import hashlib
-import tempfile
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -22,22 +26,36 @@ from typing import Any
 import msgspec
 import zmq
 
+from pd_plugins.transfer.private_dir import private_dir
+
 MAX_HELD = 10_000     # results kept for requests the scheduler has not finished yet
 WAIT_S = 0.05         # how long the scheduler waits for a result still in flight
+MAX_MESSAGE_BYTES = 16 * 2**20  # one step's results (a peer's bigger message is dropped)
+HWM = 1000            # messages queued per socket
 
 
 def channel_address(engine_id: str, purpose: str = "experts") -> str:
+    """An ipc address in this user's private directory (the same for every process of the
+    engine: the path derives from the engine id)."""
     digest = hashlib.sha1(f"{purpose}:{engine_id}".encode()).hexdigest()[:16]
-    return f"ipc://{tempfile.gettempdir()}/pd-{purpose}-{digest}.sock"
+    return f"ipc://{os.path.join(private_dir(), f'pd-{purpose}-{digest}.sock')}"
+
+
+def bounded_socket(kind: int, max_message_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+    """A ZMQ socket with no linger, bounded queues and a bounded message size."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.RCVHWM, HWM)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    return sock
 
 
 class ResultSender:
     """Worker side: push {request id: result} once per step (never blocks the forward pass)."""
 
     def __init__(self, address: str) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 1000)
+        self._sock = bounded_socket(zmq.PUSH)
         self._sock.connect(address)
         self.dropped = 0
 
@@ -57,8 +75,7 @@ class ResultReceiver:
     """Scheduler side: results by request id, bounded (oldest dropped first)."""
 
     def __init__(self, address: str) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.PULL)
-        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock = bounded_socket(zmq.PULL)
         self._sock.bind(address)
         self._held: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()

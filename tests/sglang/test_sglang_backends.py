@@ -244,3 +244,13 @@ def test_mismatched_backends_and_no_registry_fail_clearly(pool_env, roles):
                   free_port(), 1, [1], 0, bootstrap_s=30)
     assert got["state"] == KV_POLL_FAILED
     assert "bootstrap timed out" in got["failure"] and "unreachable" in got["failure"]
+
+
+def test_a_decode_without_the_prefill_s_secret_is_refused_clearly(pool_env, roles):
+    """The prefill's registry answers only calls signed with the shared secret (here the per-host
+    default one): a decode configured with another secret fails at once, saying why."""
+    _, port, _ = start_prefill(roles, pool_env, "pd-nixl", [])
+    got = receive(roles, {**pool_env, "PD_PEER_SECRET": "not-the-prefill-s-secret"}, "pd-nixl",
+                  port, 1, [1], 0)
+    assert got["state"] == KV_POLL_FAILED, got
+    assert got["failure"].startswith("PermissionError") and "bad signature" in got["failure"], got

@@ -103,6 +103,11 @@ class EngineBuffers:
     def regions(self) -> list[tuple[int, int]]:
         return [(ptr, length) for ptr, length, _ in self.items]
 
+    @property
+    def num_pages(self) -> int:
+        """Pages each KV buffer holds (the most any room or target can name)."""
+        return min((length // width for _, length, width in self.items), default=0)
+
     def page_items(self) -> list[tuple[int, int]]:
         """(address, page bytes) of each KV buffer: page p of a buffer starts at address + p x bytes."""
         return [(ptr, width) for ptr, _, width in self.items]
@@ -165,9 +170,9 @@ class HostKVManager(BaseKVManager):
                 f"{engine_device(server_args)!r} (pd-nixl moves CUDA KV)")
         self.kv_args, self.mode, self.server_args = args, disaggregation_mode, server_args
         self.buffers = EngineBuffers(args, memory)
-        host = getattr(server_args, "host", "127.0.0.1")
-        self.bootstrap_addr = (f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}"
-                               f":{server_args.disaggregation_bootstrap_port}")
+        # where this instance's registry listens (PD_BOOTSTRAP_HOST, else --host)
+        self.bootstrap_addr = bootstrap_registry.local_address(
+            getattr(server_args, "host", None), server_args.disaggregation_bootstrap_port)
         self.rank_key = bootstrap_registry.rank_key(getattr(args, "system_dp_rank", 0),
                                                     args.engine_rank)
         self._open()
@@ -314,6 +319,8 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         key = self.prefill_rank_key
         try:
             record = bootstrap_registry.lookup(self.prefill_addr, key)
+        except bootstrap_registry.RegistryAuthError as exc:  # configuration: waiting cannot help
+            return self._fail(PermissionError(f"room {self.room}: {exc}"))
         except (bootstrap_registry.RegistryUnreachable, RuntimeError) as exc:
             record, reason = None, str(exc)
         else:
@@ -398,7 +405,10 @@ class RegistryBootstrapServer(BaseKVBootstrapServer):
     """The prefill instance's bootstrap registry (transfer/bootstrap_registry.py)."""
 
     def __init__(self, host: str, port: int) -> None:
-        self.registry = bootstrap_registry.BootstrapRegistry(host, port)
+        # PD_BOOTSTRAP_HOST, else SGLang's --host; one other hosts can reach needs a configured
+        # peer secret (transfer/bootstrap_registry.py, docs/security.md)
+        self.registry = bootstrap_registry.BootstrapRegistry(
+            bootstrap_registry.registry_host(host), port)
 
     def close(self) -> None:
         self.registry.close()

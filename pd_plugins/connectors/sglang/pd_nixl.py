@@ -31,7 +31,9 @@ SGLang's own NIXL backend is push only and has no lease. Options (environment): 
 (pull or push; the decode refuses a prefill in the other mode); PD_NIXL_LEASE_S (how long a
 prefill keeps a finished room's pages for the decode, default 30); PD_TRANSFER_THREADS_NICE (the
 nice value of NIXL's threads, default 19: its progress thread polls without pause; "none" leaves
-them alone). UCX on CPU: UCX_NET_DEVICES=lo on one host.
+them alone). UCX on CPU: UCX_NET_DEVICES=lo on one host. Registry calls are signed with the peers'
+secret (PD_PEER_SECRET_FILE or PD_PEER_SECRET; transfer/peer_auth.py), and a NIXL peer must be the
+agent its record names.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ from pd_plugins.transfer.nixl_rooms import (
     Memory,
     NixlRoomAgent,
 )
+from pd_plugins.transfer.page_runs import decode_pages, encode_pages
 from pd_plugins.transfer.transfer_threads import lowered_new_threads, nice_from_env
 
 logger = logging.getLogger("pd_plugins.sglang")
@@ -99,8 +102,8 @@ class PdNixlKVManager(HostKVManager):
 
     def _record(self) -> dict:
         return {"agent_metadata": base64.b64encode(self.agent.metadata()).decode(),
-                "kv": self.kv_items(), "memory": list(self.buffers.memory),
-                "mode": self.transfer_mode}
+                "agent_name": self.agent.name, "kv": self.kv_items(),
+                "memory": list(self.buffers.memory), "mode": self.transfer_mode}
 
     def kv_items(self) -> list[list[int]]:
         """[address, page bytes] of each KV buffer: where a peer reads or writes page p."""
@@ -177,7 +180,8 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
 
     def _publish(self, lease_until: float) -> None:
         bootstrap_registry.put_room(self.mgr.bootstrap_addr, self._key, {
-            "pages": getattr(self, "pages", []), "aux": self.aux, "lease_until": lease_until})
+            "page_runs": encode_pages(getattr(self, "pages", [])), "aux": self.aux,
+            "lease_until": lease_until})
         self.published_until = lease_until
 
     def _progress(self) -> None:
@@ -228,9 +232,11 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
                 raise TimeoutError(f"room {self.room}: no decode was ready for its KV within the "
                                    f"lease ({self.mgr.leases.lease_s:.0f} s and heartbeats)")
             return None
-        peer = self.mgr.agent.add_peer(base64.b64decode(target["agent_metadata"]))
+        peer = self.mgr.agent.add_peer(base64.b64decode(target["agent_metadata"]),
+                                       target.get("agent_name"))
         remote_kv = self.mgr.peer_items(target["kv"], self.room, "decode")
-        first, dest = int(target["first_page"]), [int(p) for p in target["pages"]]
+        first = int(target["first_page"])
+        dest = decode_pages(target.get("page_runs"), self.mgr.buffers.num_pages).tolist()
         pages = getattr(self, "pages", [])[first:first + len(dest)]
         if len(pages) != len(dest):
             raise RuntimeError(f"room {self.room}: this prefill holds {len(self.pages)} pages; the "
@@ -282,7 +288,8 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
             raise RuntimeError(f"room {self.room}: the prefill at {self.prefill_addr} runs pd-nixl "
                                f"in {theirs} mode, this decode in {self.mgr.transfer_mode} mode "
                                "(set PD_NIXL_MODE the same on both)")
-        self.peer = self.mgr.agent.add_peer(base64.b64decode(record["agent_metadata"]))
+        self.peer = self.mgr.agent.add_peer(base64.b64decode(record["agent_metadata"]),
+                                            record.get("agent_name"))
         self.remote_kv = self.mgr.peer_items(record["kv"], self.room, "prefill")
         self.remote_memory = peer_memory(record)
 
@@ -324,10 +331,11 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
             # extends the lease and republishes the room, or lets it expire)
             self._heartbeat()
             return self._check_waiting()
-        wanted = record["pages"][self.first_page:self.first_page + len(self.pages)]
+        held = decode_pages(record.get("page_runs"), self.mgr.buffers.num_pages)
+        wanted = held[self.first_page:self.first_page + len(self.pages)]
         if len(wanted) != len(self.pages):
-            raise RuntimeError(f"room {self.room}: the prefill holds {len(record['pages'])} "
-                               f"pages; this decode needs {self.first_page + len(self.pages)}")
+            raise RuntimeError(f"room {self.room}: the prefill holds {len(held)} pages; this "
+                               f"decode needs {self.first_page + len(self.pages)}")
         remote = page_ranges(self.remote_kv, wanted)
         self.aux = base64.b64decode(record["aux"])
         self.mgr.agent.notify(self.peer, b"START:%d" % self.room)
@@ -352,9 +360,9 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
             try:
                 opened = bootstrap_registry.put_target(self.prefill_addr, self._target_key, {
                     "agent_metadata": base64.b64encode(self.mgr.agent.metadata()).decode(),
-                    "kv": self.mgr.kv_items(), "memory": list(self.mgr.buffers.memory),
-                    "pages": self.pages.tolist(),
-                    "first_page": self.first_page})
+                    "agent_name": self.mgr.agent.name, "kv": self.mgr.kv_items(),
+                    "memory": list(self.mgr.buffers.memory),
+                    "page_runs": encode_pages(self.pages), "first_page": self.first_page})
             except bootstrap_registry.RegistryUnreachable:
                 return self._check_waiting()  # the prefill's heartbeat decides when it is gone
             if not opened:

@@ -1,17 +1,57 @@
+"""The bootstrap registry over real HTTP on loopback: records, push targets, and its trust
+boundary (signed calls and answers, owners, bounds)."""
+
+import http.server
 import json
+import os
+import socket
+import threading
+import time
 import urllib.request
 
 import pytest
 
 from pd_plugins.testing.processes import free_port
 from pd_plugins.transfer import bootstrap_registry as br
+from pd_plugins.transfer import peer_auth
+from pd_plugins.transfer.page_runs import decode_pages, encode_pages
+
+
+@pytest.fixture(autouse=True)
+def own_secret(tmp_path, monkeypatch):
+    """Each test gets its own per-host default secret (in its own private directory)."""
+    monkeypatch.setenv("PD_PRIVATE_DIR", str(tmp_path / "private"))
+    monkeypatch.delenv("PD_PEER_SECRET", raising=False)
+    monkeypatch.delenv("PD_PEER_SECRET_FILE", raising=False)
+    monkeypatch.delenv("PD_BOOTSTRAP_HOST", raising=False)
 
 
 @pytest.fixture
-def registry():
-    server = br.BootstrapRegistry("127.0.0.1", free_port())
-    yield f"127.0.0.1:{server.port}"
-    server.close()
+def server():
+    srv = br.BootstrapRegistry("127.0.0.1", free_port())
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def registry(server):
+    return f"127.0.0.1:{server.port}"
+
+
+def raw(addr: str, method: str, path: str, body: bytes = b"", owner: str = "other-process",
+        key: bytes | None = None, auth: str | None = None) -> tuple[int, bytes]:
+    """One call signed as `owner` (with this host's secret unless `key`), or with header `auth`."""
+    if auth is None:
+        auth = peer_auth.sign_request(key or peer_auth.load_secret().key, method, path, body,
+                                      owner)[0]
+    headers = {peer_auth.AUTH_HEADER: auth} if auth else {}
+    request = urllib.request.Request(f"http://{addr}{path}", data=body, method=method,
+                                     headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
 
 
 def test_register_and_look_up(registry):
@@ -22,6 +62,7 @@ def test_register_and_look_up(registry):
 
 
 def test_rooms_come_and_go(registry):
+    br.register(registry, "0.0", {})
     key = br.room_key(2**62 + 5, br.rank_key(0, 0))
     assert br.get_room(registry, key) is None
     br.put_room(registry, key, {"pages": [1, 2]})
@@ -39,10 +80,18 @@ def test_rooms_come_and_go(registry):
     ("/ranks/5.0.0", b"{}", 404),             # a rank key has two
 ])
 def test_bad_records_get_a_4xx(registry, path, body, status):
-    request = urllib.request.Request(f"http://{registry}{path}", data=body, method="PUT")
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(request, timeout=5)
-    assert err.value.code == status and "error" in json.loads(err.value.read())
+    got, answer = raw(registry, "PUT", path, body)
+    assert got == status and "error" in json.loads(answer)
+
+
+def test_oversized_and_malformed_bodies_get_a_4xx_without_being_read(registry):
+    with socket.create_connection(registry.split(":")) as sock:
+        sock.sendall(b"PUT /ranks/0.0 HTTP/1.1\r\nContent-Length: %d\r\n\r\n"
+                     % (br.MAX_RECORD_BYTES + 1))
+        assert sock.recv(100).startswith(b"HTTP/1.0 413")
+    with socket.create_connection(registry.split(":")) as sock:
+        sock.sendall(b"PUT /ranks/0.0 HTTP/1.1\r\nContent-Length: -5\r\n\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.0 400")
 
 
 def test_an_absent_registry_is_unreachable():
@@ -55,6 +104,7 @@ def test_an_absent_registry_is_unreachable():
 def test_a_target_is_claimed_once_and_then_cannot_be_withdrawn(registry):
     """Push: the decode's pages belong to whichever side the registry says: a claimed target is
     the prefill's to write (the decode keeps its pages), a withdrawn one is the decode's again."""
+    br.register(registry, "0.0", {})
     key = br.room_key(7, "0.0")
     assert br.target_action(registry, key, "claim")[0] == 404  # not published yet
     assert br.put_target(registry, key, {"pages": [4, 5]})
@@ -69,6 +119,7 @@ def test_a_target_is_claimed_once_and_then_cannot_be_withdrawn(registry):
 
 
 def test_a_withdrawn_target_cannot_be_claimed(registry):
+    br.register(registry, "0.0", {})
     key = br.room_key(8, "0.0")
     assert br.put_target(registry, key, {"pages": [1]})
     assert br.target_action(registry, key, "withdraw")[0] == 200
@@ -79,6 +130,7 @@ def test_a_withdrawn_target_cannot_be_claimed(registry):
 def test_an_expired_room_refuses_a_late_target(registry):
     """The prefill gave up (its lease ran out) before the decode published: the decode learns it
     when it publishes, instead of waiting for a write that will never come."""
+    br.register(registry, "0.0", {})
     key = br.room_key(9, "0.0")
     assert br.target_action(registry, key, "expire")[0] == 200
     assert not br.put_target(registry, key, {"pages": [1]})
@@ -93,9 +145,169 @@ def test_an_expired_room_refuses_a_late_target(registry):
     ("POST", "/targets/1.0.0/steal"),   # not an action
     ("POST", "/rooms/1.0.0/claim"),     # actions are for targets only
     ("POST", "/targets/1.0.0"),         # no action
+    ("PUT", "/targets/1.0.0/claim"),    # actions are POSTs
 ])
 def test_bad_target_calls_get_a_404(registry, method, path):
-    request = urllib.request.Request(f"http://{registry}{path}", data=b"", method=method)
-    with pytest.raises(urllib.error.HTTPError) as err:
-        urllib.request.urlopen(request, timeout=5)
-    assert err.value.code == 404
+    assert raw(registry, method, path)[0] == 404
+
+
+# -- trust --------------------------------------------------------------------------------------
+
+def test_unauthenticated_forged_stale_and_replayed_calls_are_refused(registry):
+    """Without the shared secret nobody reads a rank's NIXL metadata, or writes or deletes
+    anything; a captured call cannot be replayed."""
+    br.register(registry, "0.0", {"agent_metadata": "secret-ish"})
+    path, body = "/ranks/0.0", b'{"agent_metadata": "forged"}'
+    assert raw(registry, "GET", path, auth="")[0] == 401                    # no signature
+    assert raw(registry, "PUT", path, body, auth="")[0] == 401
+    assert raw(registry, "DELETE", path, auth="")[0] == 401
+    assert raw(registry, "PUT", path, body, key=b"k" * 32)[0] == 401        # another secret
+    good = peer_auth.sign_request(peer_auth.load_secret().key, "PUT", "/ranks/0.1", b"{}", "x")[0]
+    assert raw(registry, "PUT", path, body, auth=good)[0] == 401            # another path
+    assert raw(registry, "PUT", "/ranks/0.1", b'{"a": 1}', auth=good)[0] == 401  # another body
+    stale = peer_auth.sign_request(peer_auth.load_secret().key, "GET", path, b"", "x",
+                                   now=time.time() - 120)[0]
+    status, answer = raw(registry, "GET", path, auth=stale)
+    assert status == 401 and "clock" in json.loads(answer)["error"]
+    assert raw(registry, "PUT", "/ranks/0.1", b"{}", auth=good)[0] == 200
+    status, answer = raw(registry, "PUT", "/ranks/0.1", b"{}", auth=good)  # the same call again
+    assert status == 401 and "replayed" in json.loads(answer)["error"]
+    assert br.lookup(registry, "0.0") == {"agent_metadata": "secret-ish"}
+
+
+def test_records_belong_to_the_process_that_wrote_them(registry):
+    """A rank is registered once (its owner may refresh it); only its owner publishes its rooms,
+    claims or expires its targets; only a target's publisher withdraws it."""
+    br.register(registry, "0.0", {"agent_name": "prefill-a"})
+    br.register(registry, "0.0", {"agent_name": "prefill-a", "refreshed": True})  # same owner
+    status, answer = raw(registry, "PUT", "/ranks/0.0", b'{"agent_name": "evil"}')
+    assert status == 409 and "registered once" in json.loads(answer)["error"]
+    assert raw(registry, "DELETE", "/ranks/0.0")[0] == 403
+    assert br.lookup(registry, "0.0") == {"agent_name": "prefill-a", "refreshed": True}
+
+    assert raw(registry, "PUT", "/rooms/5.0.0", b'{"pages": [0, 1]}')[0] == 403
+    br.put_room(registry, "5.0.0", {"page_runs": [0, 1]})
+    assert raw(registry, "DELETE", "/rooms/5.0.0")[0] == 403
+    assert br.get_room(registry, "5.0.0") == {"page_runs": [0, 1]}
+
+    # a decode (another process) publishes a target; the prefill (this one) claims it
+    assert raw(registry, "PUT", "/targets/6.0.0", b'{"pages": [3]}', owner="decode-1")[0] == 200
+    assert raw(registry, "PUT", "/targets/6.0.0", b'{"pages": [9]}', owner="decode-2")[0] == 409
+    assert raw(registry, "POST", "/targets/6.0.0/claim", owner="decode-2")[0] == 403
+    assert raw(registry, "POST", "/targets/6.0.0/expire", owner="decode-2")[0] == 403
+    assert raw(registry, "POST", "/targets/6.0.0/withdraw", owner="decode-2")[0] == 403
+    assert br.target_action(registry, "6.0.0", "claim") == (200, {"pages": [3]})
+    assert raw(registry, "DELETE", "/targets/6.0.0", owner="decode-2")[0] == 403
+    assert raw(registry, "DELETE", "/targets/6.0.0", owner="decode-1")[0] == 200
+
+
+def test_answers_without_the_secret_are_not_believed():
+    """Another process that holds the port (the prefill is down, or not up yet) cannot hand a
+    decode a forged rank record."""
+    class Forger(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"backend": "pd-nixl", "agent_metadata": "attacker"}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    forger = http.server.HTTPServer(("127.0.0.1", 0), Forger)
+    threading.Thread(target=forger.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(br.RegistryAuthError, match="another process holds the port"):
+            br.lookup(f"127.0.0.1:{forger.server_address[1]}", "0.0")
+    finally:
+        forger.shutdown()
+        forger.server_close()
+
+
+def test_a_registry_other_hosts_can_reach_needs_a_configured_secret(tmp_path, monkeypatch):
+    with pytest.raises(peer_auth.PeerAuthError, match="PD_PEER_SECRET_FILE"):
+        br.BootstrapRegistry("0.0.0.0", free_port())
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret-" * 8)
+    secret.chmod(0o600)
+    monkeypatch.setenv("PD_PEER_SECRET_FILE", str(secret))
+    server = br.BootstrapRegistry("0.0.0.0", free_port())
+    try:
+        addr = br.local_address("0.0.0.0", server.port)
+        assert addr == f"127.0.0.1:{server.port}"
+        br.register(addr, "0.0", {"ok": True})
+        assert br.lookup(addr, "0.0") == {"ok": True}
+    finally:
+        server.close()
+
+
+def test_the_bind_address_is_pd_bootstrap_host_else_the_engine_s(monkeypatch):
+    assert br.registry_host("10.1.2.3") == "10.1.2.3"
+    monkeypatch.setenv("PD_BOOTSTRAP_HOST", "127.0.0.1")
+    assert br.registry_host("0.0.0.0") == "127.0.0.1"
+    assert br.local_address("10.1.2.3", 5) == "127.0.0.1:5"
+    assert br.is_loopback("::1") and br.is_loopback("localhost") and not br.is_loopback("0.0.0.0")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_stalled_connections_hold_bounded_threads_and_memory(server, registry):
+    """1,000 connections that never send a byte: the registry keeps at most MAX_CONNECTIONS of
+    them (one thread each), and a real client is answered at once meanwhile."""
+    br.register(registry, "0.0", {"ok": True})
+    threads_before, rss_before = threading.active_count(), _rss_bytes()
+    host, port = registry.split(":")
+    stalled = [socket.create_connection((host, int(port)), timeout=5) for _ in range(1000)]
+    try:
+        start = time.monotonic()
+        assert br.lookup(registry, "0.0", timeout_s=5) == {"ok": True}  # accepted after them all
+        assert time.monotonic() - start < 3
+        deadline = time.monotonic() + 5  # the threads of closed connections are ending
+        while (threading.active_count() - threads_before > br.MAX_CONNECTIONS + 2
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+        assert threading.active_count() - threads_before <= br.MAX_CONNECTIONS + 2
+        assert server.open_connections() <= br.MAX_CONNECTIONS
+        assert _rss_bytes() - rss_before < 64 * 2**20
+        assert br.lookup(registry, "0.0", timeout_s=5) == {"ok": True}
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_connection_that_never_sends_is_closed_after_the_socket_timeout(registry, monkeypatch):
+    monkeypatch.setattr(br._Handler, "timeout", 0.3)
+    host, port = registry.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        start = time.monotonic()
+        assert sock.recv(100) == b""  # closed by the registry
+        assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("pages", [
+    list(range(131_072)),                                # a 128k-token prompt, page size 1
+    list(range(10**8, 10**8 + 2 * 131_072, 2)),          # the same, no two pages adjacent
+], ids=["contiguous", "fragmented"])
+def test_a_128k_page_room_fits_a_record(registry, pages):
+    br.register(registry, "0.0", {})
+    record = {"page_runs": encode_pages(pages), "aux": "A" * 1000, "lease_until": 1.0}
+    assert len(json.dumps(record, separators=(",", ":"))) < br.MAX_RECORD_BYTES
+    br.put_room(registry, "1.0.0", record)
+    got = br.get_room(registry, "1.0.0")
+    assert decode_pages(got["page_runs"], max_pages=len(pages)).tolist() == pages
+
+
+def test_tables_are_bounded_by_entries_and_bytes():
+    table = br._Table(max_entries=3, max_bytes=10)
+    for i in range(5):
+        table.put(str(i), br.Entry("o", b"x"))
+    assert list(table.entries) == ["2", "3", "4"] and table.bytes == 3
+    table.put("big", br.Entry("o", b"y" * 9))  # over the byte bound: the oldest go
+    assert list(table.entries) == ["4", "big"] and table.bytes == 10
+    ranks = br._Table(max_entries=1, max_bytes=100, evict=False)
+    assert ranks.put("a", br.Entry("o", b"1")) and ranks.put("a", br.Entry("o", b"2"))
+    assert not ranks.put("b", br.Entry("o", b"3")) and list(ranks.entries) == ["a"]

@@ -94,3 +94,59 @@ def test_released_request_without_verdict_is_late():
     assert table.lookup("r1", "d0") == "ok"    # confirmed before the release
     assert table.lookup("r1", "d1") == "late"  # d1's notification had not come by then
     assert table.lookup("r2", "d0") == "pending"
+
+
+def test_what_a_peer_can_make_the_server_hold_is_bounded(server):
+    """A query bigger than MAX_MESSAGE_BYTES costs its sender the connection, not the server
+    memory; the server's queues are capped; other readers are still answered."""
+    import zmq
+
+    from pd_plugins.transfer import lease_check
+
+    sock = server._socket
+    assert sock.getsockopt(zmq.MAXMSGSIZE) == lease_check.MAX_MESSAGE_BYTES
+    assert sock.getsockopt(zmq.RCVHWM) == sock.getsockopt(zmq.SNDHWM) == lease_check.HWM
+    assert sock.getsockopt(zmq.HANDSHAKE_IVL) > 0 and sock.getsockopt(zmq.HEARTBEAT_IVL) > 0
+    flood = zmq.Context.instance().socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(f"tcp://127.0.0.1:{server.port}")
+    flood.send(b"\x00" * (10 * lease_check.MAX_MESSAGE_BYTES))
+    flood.connect(f"tcp://127.0.0.1:{server.port}")  # a second connection: the first is dropped
+    for _ in range(10_000):  # queries whose replies are never read
+        try:
+            flood.send(b"\x93\x01\xa2p1\xa1r", zmq.NOBLOCK)
+        except zmq.Again:  # its own queue is full
+            break
+    server.table.record("p1", "r", True)
+    guard = LateReadGuard(reader="r", check_timeout_s=5.0)
+    guard.hold("d1", ("127.0.0.1", server.port), "p1")
+    assert poll_until_settled(guard)[0] == {"d1"}
+    flood.close()
+    guard.close()
+
+
+def test_a_request_id_too_long_to_ask_about_fails_closed_at_once():
+    from pd_plugins.transfer import lease_check
+
+    guard = LateReadGuard(reader="r", check_timeout_s=60)
+    guard.hold("d1", ("127.0.0.1", 1), "x" * lease_check.MAX_MESSAGE_BYTES)
+    assert guard.poll(wait_s=0).timed_out == {"d1"} and not guard._sockets
+    guard.close()
+
+
+def test_the_reader_keeps_sockets_to_a_bounded_number_of_prefills(server, monkeypatch):
+    """Endpoints come from transfer parameters: however many there are, the reader holds at most
+    MAX_ENDPOINTS sockets, and a read whose socket was closed is asked again."""
+    from pd_plugins.testing.processes import free_port
+    from pd_plugins.transfer import lease_check
+
+    monkeypatch.setattr(lease_check, "MAX_ENDPOINTS", 3)
+    server.table.record("p-real", "r", True)
+    guard = LateReadGuard(reader="r", check_timeout_s=1.5)
+    guard.hold("real", ("127.0.0.1", server.port), "p-real")
+    for i in range(10):
+        guard.hold(f"dead-{i}", ("127.0.0.1", free_port()), f"p{i}")
+    on_time, late, timed_out = poll_until_settled(guard)
+    assert len(guard._sockets) <= 3
+    assert on_time == {"real"} and timed_out == {f"dead-{i}" for i in range(10)}
+    guard.close()

@@ -56,3 +56,23 @@ def test_a_failing_store_answers_zero_and_keeps_serving():
     finally:
         client.close()
         server.close()
+
+
+def test_an_oversized_lookup_is_dropped_and_the_worker_keeps_serving(tmp_path, monkeypatch):
+    import os
+    import stat
+
+    from pd_plugins.transfer import lookup_channel
+
+    monkeypatch.setenv("PD_PRIVATE_DIR", str(tmp_path / "private"))
+    monkeypatch.setattr(lookup_channel, "MAX_LOOKUP_BYTES", 1000)
+    addr = address()
+    assert stat.S_IMODE(os.stat(tmp_path / "private").st_mode) == 0o700
+    server = LookupServer(addr, lambda tokens: len(tokens))
+    client = LookupClient(addr, timeout_s=0.5)
+    try:
+        assert client.lookup(list(range(10_000))) == 0 and client.timeouts == 1  # dropped
+        assert client.lookup([1, 2, 3]) == 3
+    finally:
+        client.close()
+        server.close()
