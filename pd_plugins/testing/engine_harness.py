@@ -51,11 +51,13 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"
 
 
 def shm_config(role: str, pool_path: str, **extra: Any) -> dict[str, Any]:
-    """A --kv-transfer-config for PdShmConnector on the pool at `pool_path`."""
+    """A --kv-transfer-config for PdShmConnector on the pool at `pool_path` (removed when the
+    last engine on it exits, so an interrupted run leaves no pool in /dev/shm's memory)."""
     return {
         "kv_connector": "PdShmConnector",
         "kv_role": KV_ROLES[role],
-        "kv_connector_extra_config": {"pool_path": pool_path, "pool_size_gb": 0.25, **extra},
+        "kv_connector_extra_config": {"pool_path": pool_path, "pool_size_gb": 0.25,
+                                      "remove_when_unused": True, **extra},
     }
 
 

@@ -12,9 +12,17 @@ Who may touch a slot, and when:
 - Every header change happens under one lock: `flock` on the region's file plus a thread lock.
   The kernel drops a `flock` when its holder dies, so a killed process never leaves the pool
   locked. Data copies run outside the lock.
-- A writer reserves a slot (state WRITING, a write lease), copies the data, then publishes it
-  (state READY, checksum) in a second, later header change: data first, index entry second.
-  A writer killed mid-copy never publishes; its lease runs out and the slot is reclaimed.
+- A writer reserves a slot (state WRITING, a write lease, a new generation), copies the data,
+  then publishes it (state READY, checksum) in a second, later header change that checks the
+  generation: data first, index entry second. A writer killed mid-copy never publishes; its
+  lease runs out and the slot is reclaimed.
+- A writer copies only inside a fence (`writing`): a shared OFD lock on each of its slots, under
+  which it checks the slots still hold its generation. A reservation whose lease ran out is
+  reused only once `reserve` gets that slot's exclusive lock (the writer is not copying: dead, or
+  stalled between copies, and its next fence sees the slot is gone); if the writer holds its
+  fence, it is alive and copying, and its lease is renewed instead. So a copy into a slot happens
+  only while the slot is the copier's reservation: a writer that stalled past its lease never
+  changes another writer's published block, with or without checksums.
 - A reader pins a READY slot (reader count and a read lease), copies, then unpins. Unpinning
   reports whether the slot kept its generation (`seq`) throughout: a slot is only reused once
   it has no live pins, so a changed generation means the copy may be torn and must not be used.
@@ -30,19 +38,40 @@ Who may touch a slot, and when:
 - Header work is batched and compiled: a call handles a request's blocks as arrays (`SlotRefs`,
   `PinnedSlots`) in one call into a numba kernel (shm_pool_kernels.py), not per block.
 
+Who may open the region (the pool holds every prompt's KV, so it is as private as the prompts):
+- A file is created with O_EXCL|O_NOFOLLOW, mode 0600 (0660 and the configured group with
+  `group`), and its memory reserved at once (posix_fallocate: a full /dev/shm is an error here, not
+  a SIGBUS on first touch). An existing file is used only if it is a regular file with one link,
+  owned by this user with no group or other access, or in the configured group with no other
+  access: a file another local user planted at the path, or a symbolic link, is refused. A DAX
+  device (a character device, which only root can make) is used as its node's permissions allow.
+- The superblock (magic, version, flags, geometry) is checked against the region's size before
+  any header column is mapped: a truncated or corrupt region is a PoolError naming the path,
+  never a ValueError or a SIGBUS.
+- `readonly` handles (the router's view, pd-pool) open the file O_RDONLY and map it read-only.
+
+Removing pools: `remove_when_unused` unlinks the file when the last process that maps it
+read-write closes its handle; `pd-pool` (pool_admin.py) lists pools and removes idle ones. An
+opener that finds the path unlinked or replaced under it (between its open and its lock) opens
+again, so engines never settle on a pool that was just removed.
+
 Engine-agnostic: numpy, numba and the standard library only.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
+import grp
 import mmap
 import os
 import stat
+import struct
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
@@ -64,7 +93,7 @@ DEFAULT_READ_LEASE_S = 30.0   # likewise for a reader that has not unpinned
 
 
 class PoolError(RuntimeError):
-    """The region cannot serve as this pool (wrong layout, too small, not a pool)."""
+    """The region cannot serve as this pool (wrong layout, too small, not a pool, not trusted)."""
 
 
 # Header columns: name -> (dtype, elements per slot). Order fixes the on-memory layout.
@@ -111,6 +140,117 @@ def checksums_by_default(path: str) -> bool:
         return stat.S_ISCHR(os.stat(path).st_mode)
     except OSError:
         return False
+
+
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # NONBLOCK: a planted FIFO cannot hang us
+
+
+def resolve_group(group: str | int | None) -> int | None:
+    """A group name or id (the `group` option) as a gid."""
+    if group is None or group == "":
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise PoolError(f"KV pool group {group!r} does not exist") from None
+
+
+def check_trusted(path: str, st: os.stat_result, gid: int | None) -> None:
+    """Refuse a region that someone else could read or write: see the module docstring."""
+    if stat.S_ISCHR(st.st_mode):
+        return  # a DAX device node: only root makes those, and its permissions say who opens it
+    if not stat.S_ISREG(st.st_mode):
+        raise PoolError(f"KV pool {path} is not a regular file or a DAX device: refused")
+    mine = st.st_uid == os.geteuid() and not st.st_mode & 0o077
+    shared = gid is not None and st.st_gid == gid and not st.st_mode & 0o007
+    if not (mine or shared):
+        allowed = ("owned by this user (uid %d) with mode 0600" % os.geteuid()
+                   + ("" if gid is None else f", or in group {gid} with no access for others"))
+        raise PoolError(
+            f"KV pool {path} is owned by uid {st.st_uid}, group {st.st_gid}, mode "
+            f"{stat.S_IMODE(st.st_mode):04o}: refused (another local user may have made it, or "
+            f"may read it); a pool must be {allowed}. Remove it, or give another path")
+    if st.st_nlink != 1:
+        raise PoolError(f"KV pool {path} has {st.st_nlink} hard links: refused")
+
+
+def _open_region(path: str, *, create: bool, readonly: bool, gid: int | None) -> tuple[int, bool]:
+    """(fd, whether this call created the file): a new file made exclusively, or an existing
+    region that passes check_trusted."""
+    access = os.O_RDONLY if readonly else os.O_RDWR
+    if create:
+        mode = 0o600 if gid is None else 0o660
+        try:
+            fd = os.open(path, access | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, mode)
+        except FileExistsError:
+            pass  # someone made it: open it as an existing region (checked)
+        except OSError as exc:
+            raise PoolError(f"cannot create KV pool {path}: {exc.strerror}") from exc
+        else:
+            try:
+                os.fchmod(fd, mode)  # what the umask took away
+                if gid is not None:
+                    os.fchown(fd, -1, gid)
+            except OSError as exc:
+                _unlink_if_same(path, fd)
+                os.close(fd)
+                raise PoolError(f"cannot give KV pool {path} mode {mode:04o} and group {gid}: "
+                                f"{exc.strerror}") from exc
+            return fd, True
+    try:
+        fd = os.open(path, access | _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise PoolError(f"KV pool {path} is a symbolic link: refused (a link in a shared "
+                            "directory can point anywhere; give the real path)") from exc
+        raise PoolError(f"cannot open KV pool {path}: {exc.strerror}") from exc
+    try:
+        check_trusted(path, os.fstat(fd), gid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, False
+
+
+def _same_file(path: str, fd: int) -> bool:
+    """Whether `path` still names the file open at `fd` (not unlinked or replaced)."""
+    try:
+        a, b = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _unlink_if_same(path: str, fd: int) -> bool:
+    if _same_file(path, fd) and not stat.S_ISCHR(os.fstat(fd).st_mode):
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            pass
+    return False
+
+
+# Slot fences: OFD byte-range locks (kept per open file description, so per thread here, and
+# dropped by the kernel when their holder dies) on byte SLOT_LOCK_BASE + slot of the region's file,
+# far past its data. A writer holds a shared lock on its slots while it copies into them; taking
+# over a reservation whose lease ran out needs the exclusive lock (ShmKVPool.writing, _reclaim).
+SLOT_LOCK_BASE = 1 << 62
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux (l_pid 0, as OFD locks need)
+
+
+def _range_lock(fd: int, kind: int, start: int, length: int) -> bool:
+    """Take (F_RDLCK, F_WRLCK) or drop (F_UNLCK) an OFD lock without waiting; False: held by
+    someone else."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
 
 
 def _round_up(n: int, to: int) -> int:
@@ -260,7 +400,8 @@ class ShmKVPool:
 
     def __init__(self, path: str, *, slot_bytes: int | None, layout: str | None,
                  size_bytes: int | None = None, create: bool = True,
-                 prefault: bool = True, checksums: bool | None = True) -> None:
+                 prefault: bool = True, checksums: bool | None = True, readonly: bool = False,
+                 group: str | int | None = None, remove_when_unused: bool = False) -> None:
         """Map the pool at `path`, creating it if it does not exist (and `create`).
 
         `slot_bytes` and `layout` (a description of the engine's KV block: model, dtype, shapes)
@@ -270,92 +411,173 @@ class ShmKVPool:
         `checksums` is the pool's setting when this call creates it (None: `checksums_by_default`
         for the path); an existing pool keeps its own (`self.checksums`): every writer and reader
         of a pool must agree.
+        `readonly`: map it read-only (header and data); only lookups and inspection work.
+        `group`: a group (name or id) whose members share the pool: a file is created 0660 in it,
+        and an existing one may belong to it (default: this user's alone, 0600).
+        `remove_when_unused`: `close` unlinks the file when no other process maps it read-write.
+        Every way the region can be unfit (untrusted, truncated, corrupt, another layout) is a
+        PoolError that names the path.
         """
         if (slot_bytes is None) != (layout is None) or (layout is None and create):
             raise ValueError("give slot_bytes and layout, or neither with create=False")
+        if readonly and create:
+            raise ValueError("a read-only handle cannot create a pool: give create=False")
         layout_b = layout.encode() if layout is not None else None
         if layout_b is not None and len(layout_b) > LAYOUT_BYTES:
             raise PoolError(f"layout description longer than {LAYOUT_BYTES} bytes")
         self.path = path
+        self.readonly = readonly
+        self.remove_when_unused = remove_when_unused and not readonly
+        self._gid = resolve_group(group)
         self._thread_lock = threading.Lock()
-        flags = os.O_RDWR | (os.O_CREAT if create else 0)
-        try:
-            self._fd = os.open(path, flags, 0o600)
-        except OSError as exc:
-            raise PoolError(f"cannot open KV pool {path}: {exc}") from exc
+        self._local = threading.local()  # each thread's own descriptor for slot fences
+        self._fence_fds: list[int] = []
+        self._cols = None
         if checksums is None:
             checksums = checksums_by_default(path)
-        try:
-            with self._file_lock():
-                self._map(size_bytes, slot_bytes, layout_b, create, checksums)
-        except BaseException:
+        for _ in range(5):
+            self._fd, created = _open_region(path, create=create, readonly=readonly,
+                                             gid=self._gid)
+            try:
+                with self._file_lock():
+                    # pd-pool or a last user may have unlinked it between our open and our lock
+                    replaced = not _same_file(path, self._fd)
+                    if not replaced:
+                        self._map(size_bytes, slot_bytes, layout_b, create, checksums)
+            except BaseException:
+                if created:  # ours alone so far: leave no half-made pool behind
+                    _unlink_if_same(path, self._fd)
+                self._unmap()
+                os.close(self._fd)
+                raise
+            if not replaced:
+                break
+            self._unmap()
             os.close(self._fd)
-            raise
-        if prefault:
-            self._prefault()
-        kernels.warm_up()
+        else:
+            raise PoolError(f"KV pool {path} was removed or replaced each time it was opened")
+        if not readonly:
+            self._takeover_fd = self._reopen()
+            if prefault:
+                self._prefault()
+            kernels.warm_up()
 
     # -- opening -------------------------------------------------------------------------------
-    def _region_size(self) -> int:
-        st = os.fstat(self._fd)
+    def _region_size(self, st: os.stat_result) -> int:
         if stat.S_ISCHR(st.st_mode):  # a DAX device: its size is in sysfs
             major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-            with open(f"/sys/dev/char/{major}:{minor}/size") as f:
-                return int(f.read())
+            try:
+                with open(f"/sys/dev/char/{major}:{minor}/size") as f:
+                    return int(f.read())
+            except (OSError, ValueError) as exc:
+                raise PoolError(f"KV pool {self.path} is a character device without a DAX size "
+                                f"({exc}): not a DAX device?") from exc
         return st.st_size
 
     @classmethod
-    def attach(cls, path: str, prefault: bool = False) -> ShmKVPool:
+    def attach(cls, path: str, prefault: bool = False, readonly: bool = False,
+               group: str | int | None = None) -> ShmKVPool:
         """Map an existing pool, whatever KV layout it serves (tools, tests, the router)."""
-        return cls(path, slot_bytes=None, layout=None, create=False, prefault=prefault)
+        return cls(path, slot_bytes=None, layout=None, create=False, prefault=prefault,
+                   readonly=readonly, group=group)
 
     def _map(self, size_bytes: int | None, slot_bytes: int | None, layout: bytes | None,
              create: bool, checksums: bool) -> None:
-        size = self._region_size()
+        st = os.fstat(self._fd)
+        self._device = stat.S_ISCHR(st.st_mode)
+        size = self._region_size(st)
         if size == 0:
             if not create or not size_bytes:
-                raise PoolError(f"{self.path} is empty and no pool size was given")
-            os.ftruncate(self._fd, size_bytes)
+                raise PoolError(f"KV pool {self.path} is empty and no pool size was given "
+                                "(no engine has made it yet, or one died making it)")
+            self._allocate(size_bytes)
             size = size_bytes
-        self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        if size < SUPERBLOCK_BYTES + PAGE:
+            raise PoolError(f"KV pool {self.path} is {size} bytes: too small for a pool's header "
+                            "(a truncated file?)")
+        prot = mmap.PROT_READ | (0 if self.readonly else mmap.PROT_WRITE)
+        try:
+            self._mm = mmap.mmap(self._fd, size, mmap.MAP_SHARED, prot)
+        except OSError as exc:
+            raise PoolError(f"cannot map KV pool {self.path}: {exc.strerror}") from exc
         sb = np.frombuffer(self._mm, dtype=_SUPER_DTYPE, count=1)[0:1]
         self._super = sb
         # next_seq as a plain one-element view: a structured array's field costs ~5 us a touch
         self._next_seq = np.frombuffer(self._mm, dtype=np.uint64, count=1,
                                        offset=_SUPER_DTYPE.fields["next_seq"][1])
         if sb["magic"][0] != MAGIC:
-            if not create:
-                raise PoolError(f"{self.path} is not a pd-plugins KV pool")
+            # format only a region that was never a pool: a file whose creator died before
+            # writing the header (all zeros), or a DAX device this engine was given
+            blank = self._mm[:SUPERBLOCK_BYTES].count(0) == SUPERBLOCK_BYTES
+            if not (create and (blank or self._device)):
+                raise PoolError(f"{self.path} is not a pd-plugins KV pool (no pool header): "
+                                "remove it, or give another path")
             self._format(size, slot_bytes, layout, checksums)
-        if int(sb["version"][0]) != FORMAT_VERSION:
-            raise PoolError(f"KV pool {self.path} has format {int(sb['version'][0])}, this "
-                            f"pd-plugins uses {FORMAT_VERSION}: remove it (or give another path)")
+        self._check_superblock(size)
         if layout is None:  # attach
             slot_bytes, layout = int(sb["slot_bytes"][0]), bytes(sb["layout"][0])
         want_slot = _round_up(slot_bytes, SLOT_ALIGN)
-        self.layout = layout.decode()
+        try:
+            self.layout = layout.decode()
+            have_layout = bytes(sb["layout"][0]).decode()
+        except UnicodeDecodeError as exc:
+            raise PoolError(f"KV pool {self.path} has a corrupt layout description") from exc
         if int(sb["slot_bytes"][0]) != want_slot or bytes(sb["layout"][0]) != layout:
             raise PoolError(
                 f"KV pool {self.path} was made for another KV layout: it has "
-                f"{int(sb['slot_bytes'][0])}-byte slots for {bytes(sb['layout'][0]).decode()!r}, "
-                f"this engine needs {want_slot}-byte slots for {layout.decode()!r}. "
+                f"{int(sb['slot_bytes'][0])}-byte slots for {have_layout!r}, "
+                f"this engine needs {want_slot}-byte slots for {self.layout!r}. "
                 f"Give each model its own pool path.")
         self.slot_bytes = want_slot
         self.pool_id = bytes(sb["uuid"][0]).hex()  # names this pool in transfer params
         self.checksums = bool(int(sb["flags"][0]) & FLAG_CHECKSUMS)
         self.num_slots = int(sb["num_slots"][0])
-        if self.num_slots == 0:
-            raise PoolError(f"KV pool {self.path} is too small for one {want_slot}-byte slot")
         offset = SUPERBLOCK_BYTES
-        self._cols: dict[str, np.ndarray] = {}
+        cols: dict[str, np.ndarray] = {}
         for name, dt, width in _COLUMNS:
             count = self.num_slots * width
             col = np.frombuffer(self._mm, dtype=dt, count=count, offset=offset)
-            self._cols[name] = col.reshape(self.num_slots, width) if width > 1 else col
+            cols[name] = col.reshape(self.num_slots, width) if width > 1 else col
             offset += _column_bytes(dt, width, self.num_slots)
+        self._cols = cols
         data_offset = int(sb["data_offset"][0])
         self.data = np.frombuffer(self._mm, dtype=np.uint8, count=self.num_slots * self.slot_bytes,
                                   offset=data_offset).reshape(self.num_slots, self.slot_bytes)
+
+    def _check_superblock(self, size: int) -> None:
+        """Version, flags and geometry against the region's size, before any column is mapped."""
+        sb = self._super
+        version = int(sb["version"][0])
+        if version != FORMAT_VERSION:
+            raise PoolError(f"KV pool {self.path} has format {version}, this "
+                            f"pd-plugins uses {FORMAT_VERSION}: remove it (or give another path)")
+        flags = int(sb["flags"][0])
+        if flags & ~FLAG_CHECKSUMS:
+            raise PoolError(f"KV pool {self.path} has unknown flags {flags:#x}: a corrupt header")
+        slot_bytes, num_slots = int(sb["slot_bytes"][0]), int(sb["num_slots"][0])
+        data_offset = int(sb["data_offset"][0])
+        if num_slots == 0:
+            raise PoolError(f"KV pool {self.path} is too small for one {slot_bytes}-byte slot")
+        need = data_offset + num_slots * slot_bytes
+        if (slot_bytes <= 0 or slot_bytes % SLOT_ALIGN
+                or data_offset != _round_up(SUPERBLOCK_BYTES + _headers_bytes(num_slots), PAGE)
+                or need > size):
+            raise PoolError(
+                f"KV pool {self.path} is truncated or its header is corrupt: the header says "
+                f"{num_slots} slots of {slot_bytes} bytes from offset {data_offset} ({need} bytes), "
+                f"the region has {size} bytes. Remove it (pd-pool remove) and an engine makes "
+                "it anew")
+
+    def _allocate(self, size: int) -> None:
+        """Give a new file its size, its memory reserved now (a full /dev/shm is an error here,
+        not a SIGBUS when a page is first touched)."""
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise PoolError(f"cannot allocate {size} bytes for KV pool {self.path}: "
+                                f"{exc.strerror}") from exc
+            os.ftruncate(self._fd, size)  # a file system without fallocate
 
     def _format(self, size: int, slot_bytes: int, layout: bytes, checksums: bool) -> None:
         slot_bytes, num_slots, data_offset = pool_geometry(size, slot_bytes)
@@ -372,20 +594,65 @@ class ShmKVPool:
         """Map every page now: a first touch inside a copy runs ~8x slower (engines.md §5)."""
         try:  # Python names MADV_POPULATE_WRITE from 3.13; Linux has it since 5.14
             self._mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE))
-        except OSError:  # an older kernel: touch one byte per page instead
-            view = np.frombuffer(self._mm, dtype=np.uint8)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # not "unknown advice": memory ran out (a sparse file)
+                raise PoolError(f"cannot populate KV pool {self.path}: {exc.strerror} (is "
+                                f"{os.path.dirname(self.path) or '.'} full?)") from exc
+            view = np.frombuffer(self._mm, dtype=np.uint8)  # an older kernel: touch every page
             view[::PAGE] = view[::PAGE]
 
-    def close(self) -> None:
-        cols = getattr(self, "_cols", None)
-        if cols is None:
-            return
-        self._cols, self.data, self._super, self._next_seq = None, None, None, None  # views first
+    def _reopen(self) -> int:
+        """A second open file description of this region (its own OFD locks)."""
         try:
-            self._mm.close()
-        except BufferError:
-            pass  # a caller still holds a view; the mapping goes with the process
+            return os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:  # no /proc: by path, then make sure it is the same file
+            fd = os.open(self.path, os.O_RDWR | _OPEN_FLAGS)
+            if (os.fstat(fd).st_ino, os.fstat(fd).st_dev) != (os.fstat(self._fd).st_ino,
+                                                              os.fstat(self._fd).st_dev):
+                os.close(fd)
+                raise PoolError(f"KV pool {self.path} was replaced while in use") from None
+            return fd
+
+    def _unmap(self) -> None:
+        self._cols, self.data, self._super, self._next_seq = None, None, None, None  # views first
+        mm = getattr(self, "_mm", None)
+        if mm is not None:
+            try:
+                mm.close()
+            except BufferError:
+                pass  # a caller still holds a view; the mapping goes with the process
+            self._mm = None
+
+    def close(self) -> None:
+        if self._cols is None:
+            return
+        self._unmap()
+        with self._thread_lock:
+            fds, self._fence_fds = self._fence_fds, []
+        if not self.readonly:
+            fds.append(self._takeover_fd)
+        for fd in fds:
+            os.close(fd)
+        if self.remove_when_unused:
+            self._remove_if_unused()
         os.close(self._fd)
+
+    def _remove_if_unused(self) -> None:
+        """Unlink the file if no other process maps it read-write (checked under the pool's lock,
+        which openers take before they map: one that opened the file before the unlink sees the
+        path gone once it has the lock, and opens again)."""
+        from pd_plugins.transfer.pool_admin import writable_mappers  # /proc scanning lives there
+        with self._file_lock():
+            try:
+                if not writable_mappers(self.path, os.fstat(self._fd)):
+                    _unlink_if_same(self.path, self._fd)
+            except PoolError:
+                pass  # users we cannot see: keep it
+
+    def file_id(self) -> tuple[int, int]:
+        """(device, inode) of the mapped region: whether its path still names it."""
+        st = os.fstat(self._fd)
+        return st.st_dev, st.st_ino
 
     def __enter__(self) -> ShmKVPool:
         return self
@@ -412,6 +679,10 @@ class ShmKVPool:
 
     def _file_lock(self) -> _Locked:
         return ShmKVPool._Locked(self)
+
+    def _require_writable(self) -> None:
+        if self.readonly:
+            raise PoolError(f"KV pool {self.path} is mapped read-only here")
 
     # -- lookup ----------------------------------------------------------------------------------
     # Each locked call is one kernel call over the batch and the header columns
@@ -455,28 +726,124 @@ class ShmKVPool:
         rows = self._key_rows(keys)
         content = (np.asarray(content_keys, dtype=np.int64) if content_keys is not None
                    else _NONE_I64)
+        self._require_writable()
         with self._file_lock():
-            c = self._cols
-            slots, seqs = kernels.reserve(
+            slots, seqs = self._reserve_locked(rows, content, float(write_lease_s))
+        return SlotRefs(slots, seqs)
+
+    def _reserve_locked(self, rows: np.ndarray, content: np.ndarray, lease_s: float
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        c = self._cols
+        now = time.time()
+
+        def reserve(rows, content):
+            return kernels.reserve(
                 c["state"], c["key"], c["key64"], c["content_key"], c["seq"], c["write_until"],
                 c["hold_until"], c["readers"], c["read_until"], c["last_use"], c["writer_pid"],
-                self._next_seq, rows, content, time.time(), float(write_lease_s), os.getpid())
-        return SlotRefs(slots, seqs)
+                self._next_seq, rows, content, now, lease_s, os.getpid())
+
+        slots, seqs, expired = reserve(rows, content)
+        if expired.size and self._reclaim(expired, now, lease_s) and (slots < 0).any():
+            again = np.flatnonzero(slots < 0)  # keys left without a slot: try the freed ones
+            retry = rows[again]
+            retry.flags.writeable = False  # as keys always are: the kernel compiled for that
+            slots[again], seqs[again], _ = reserve(retry,
+                                                   content[again] if content.size else content)
+        return slots, seqs
+
+    def _reclaim(self, expired: np.ndarray, now: float, lease_s: float) -> int:
+        """Reservations whose write lease ran out (under the pool's lock): free each one whose
+        writer is not copying into it (dead, or stalled between copies: its next copy and its
+        publish see the slot is no longer its own), renew the lease of each one whose writer is
+        copying now (alive: it holds the slot's fence). Returns how many were freed."""
+        c, fd = self._cols, self._takeover_fd
+        idle = np.array([_range_lock(fd, fcntl.F_WRLCK, SLOT_LOCK_BASE + s, 1)
+                         for s in expired.tolist()], dtype=bool)
+        try:
+            c["state"][expired[idle]] = FREE
+            c["write_until"][expired[~idle]] = now + lease_s
+        finally:
+            _range_lock(fd, fcntl.F_UNLCK, SLOT_LOCK_BASE, self.num_slots)
+        return int(idle.sum())
+
+    @contextmanager
+    def writing(self, refs: Sequence[SlotRef] | SlotRefs) -> Iterator[np.ndarray]:
+        """Fence a copy into reserved slots: yields a bool per ref, True where the slot is still
+        this writer's reservation (same generation, still WRITING). Copy into those slots only,
+        inside the block: until it ends nobody can take them over, even once their write lease
+        has run out (a reserve that meets them renews their lease instead). A slot that is not
+        this writer's any more (its lease ran out and it was taken over or freed) is left alone:
+        a writer that stalled past its lease never changes another writer's block. Blocks may
+        overlap in time (one per batch of a step, say) but not in slots; a block may end on
+        another thread than it began."""
+        self._require_writable()
+        refs = SlotRefs.of(refs)
+        fd = self._fence_fd()
+        slots = refs.slots
+        locked, ranges = self._fence_slots(fd, slots, self.num_slots)
+        try:
+            c = self._cols
+            yield locked & (c["seq"][slots] == refs.seqs) & (c["state"][slots] == WRITING)
+        finally:
+            for start, length in ranges:  # these only: blocks of one thread may overlap in time
+                _range_lock(fd, fcntl.F_UNLCK, SLOT_LOCK_BASE + start, length)
+
+    @staticmethod
+    def _fence_slots(fd: int, slots: np.ndarray, num_slots: int
+                     ) -> tuple[np.ndarray | bool, list[tuple[int, int]]]:
+        """Shared fences on slots: one lock call when they are one run of consecutive slots
+        (nearly always: a batch is reserved in consecutive slots), else one per slot. Returns
+        where a fence was taken (False: a reserve is taking that slot over right now) and the
+        (first slot, count) ranges locked."""
+        n = len(slots)
+        if not n:
+            return True, []
+        low, high = int(slots.min()), int(slots.max())
+        if low < 0 or high >= num_slots:
+            raise ValueError("slots out of range: fence only what reserve handed out")
+        if high - low == n - 1 and _range_lock(fd, fcntl.F_RDLCK, SLOT_LOCK_BASE + low, n):
+            return True, [(low, n)]
+        got = np.zeros(n, dtype=bool)
+        for j, slot in enumerate(slots.tolist()):
+            got[j] = _range_lock(fd, fcntl.F_RDLCK, SLOT_LOCK_BASE + slot, 1)
+        return got, [(slot, 1) for slot, ok in zip(slots.tolist(), got.tolist()) if ok]
+
+    def _fence_fd(self) -> int:
+        """This thread's own open file description: OFD locks of one description do not
+        conflict, so threads (and the takeover in `reserve`) each need their own."""
+        fd = getattr(self._local, "fd", None)
+        if fd is None:
+            fd = self._local.fd = self._reopen()
+            with self._thread_lock:
+                self._fence_fds.append(fd)
+        return fd
 
     def write(self, ref: SlotRef, data: np.ndarray) -> int:
         """Copy `data` (any contiguous array) into a reserved slot; returns its checksum (0 in
-        a pool without checksums)."""
+        a pool without checksums). Nothing is copied into a slot that is no longer this
+        writer's (its lease ran out and it was taken over): `publish` then says False."""
         src = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if src.size > self.slot_bytes:
             raise ValueError(f"{src.size} bytes do not fit a {self.slot_bytes}-byte slot")
-        self.data[ref.slot, :src.size] = src
+        with self.writing([ref]) as owned:
+            if owned[0]:
+                self.data[ref.slot, :src.size] = src
         return checksum(src) if self.checksums else 0
 
     def write_many(self, refs: Sequence[SlotRef] | SlotRefs, rows: np.ndarray) -> np.ndarray:
         """Copy rows ([n, nbytes] uint8, nbytes a multiple of 8) into reserved slots (all
-        present); returns each row's checksum (zeros without checksums)."""
-        return copy_runs(rows, range(len(refs)), self.data, SlotRefs.of(refs).slots,
-                         sum_source=True if self.checksums else None)
+        present); returns each row's checksum (zeros without checksums). Rows whose slot is no
+        longer this writer's are not copied (`publish` says False for them)."""
+        refs = SlotRefs.of(refs)
+        with self.writing(refs) as owned:
+            if owned.all():
+                return copy_runs(rows, range(len(refs)), self.data, refs.slots,
+                                 sum_source=True if self.checksums else None)
+            sums = np.zeros(len(refs), dtype=np.uint64)
+            keep = np.flatnonzero(owned)
+            sums[keep] = copy_runs(rows, keep, self.data, refs.slots[keep],
+                                   sum_source=True if self.checksums else None)
+            return sums
 
     def publish(self, refs: Iterable[tuple[SlotRef, int, int]], hold_s: float = 0.0) -> list[bool]:
         """Publish written slots: (ref, checksum, nbytes) each. False for a slot whose write lease
@@ -490,6 +857,7 @@ class ShmKVPool:
     def publish_many(self, refs: SlotRefs, checksums: np.ndarray, nbytes: int | np.ndarray,
                      hold_s: float = 0.0) -> np.ndarray:
         """`publish` for a batch (all present) as arrays: a bool array, True where published."""
+        self._require_writable()
         slots, seqs = refs.slots, refs.seqs
         if not slots.size:
             return np.zeros(0, dtype=bool)
@@ -503,6 +871,7 @@ class ShmKVPool:
 
     def abandon(self, refs: Iterable[SlotRef]) -> None:
         """Give back reserved slots that will not be published."""
+        self._require_writable()
         with self._file_lock():
             c = self._cols
             for ref in refs:
@@ -516,6 +885,7 @@ class ShmKVPool:
         and generation from the writer) is used only if that slot still holds exactly this key."""
         rows = self._key_rows(keys)
         hint_slots, hint_seqs = self._hint_arrays(hints)
+        self._require_writable()
         with self._file_lock():
             c = self._cols
             return PinnedSlots(*kernels.pin(
@@ -554,6 +924,7 @@ class ShmKVPool:
     def unpin(self, pinned: Iterable[PinnedSlot] | PinnedSlots) -> list[bool]:
         """Release pins (all present); True where the slot kept its generation throughout (the
         copy is good)."""
+        self._require_writable()
         pinned = PinnedSlots.of(pinned)
         if not len(pinned):
             return []
@@ -564,6 +935,7 @@ class ShmKVPool:
 
     def release_hold(self, refs: Iterable[SlotRef]) -> None:
         """End the publisher's hold early (the decode has what it needed)."""
+        self._require_writable()
         with self._file_lock():
             c = self._cols
             for ref in refs:
@@ -584,6 +956,11 @@ class ShmKVPool:
                 pinned=int(((c["readers"] > 0) & (c["read_until"] > now)).sum()),
                 held=int(((state == READY) & (c["hold_until"] > now)).sum()),
             )
+
+    def last_use(self) -> float:
+        """When a slot was last reserved, published or pinned (the pool's creation if never)."""
+        used = float(self._cols["last_use"].max()) if self.num_slots else 0.0
+        return max(used, float(self._super["created"][0]))
 
 
 def remove_pool(path: str) -> None:

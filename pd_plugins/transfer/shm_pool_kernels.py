@@ -126,18 +126,22 @@ def _heap_replace_top(times, slots, size, t, s):
 
 
 @jit
-def victims(state, hold_until, readers, read_until, write_until, last_use, count, now, out):
-    """Fill out[:k] with up to `count` slots to reuse and return k: free slots first, in slot
-    order (consecutive blocks land in consecutive slots and copy as one run), then the least
-    recently used evictable ones (no hold, no live pin, no live write lease; at equal times the
-    lower slots), in slot order.
+def victims(state, hold_until, readers, read_until, write_until, last_use, count, now, out,
+            expired):
+    """Fill out[:k] with up to `count` slots to reuse and return (k, e): free slots first, in
+    slot order (consecutive blocks land in consecutive slots and copy as one run), then the least
+    recently used evictable ones (no hold, no live pin; at equal times the lower slots), in slot
+    order. A reservation whose write lease ran out is not reused here: it goes to expired[:e]
+    (at most `count`), for the caller to check whether its writer is still copying
+    (ShmKVPool._reclaim).
 
     One pass: it keeps the free slots it meets and, in a max-heap of `count` entries, the least
     recently used evictable slots met so far, so a slot of a large full pool costs a state check
     and a comparison with the heap's top."""
     k = 0
+    e = 0
     if count <= 0:
-        return k
+        return k, e
     heap_times = np.empty(count, np.float64)
     heap_slots = np.empty(count, np.int64)
     size = 0
@@ -147,20 +151,24 @@ def victims(state, hold_until, readers, read_until, write_until, last_use, count
             out[k] = s
             k += 1
             if k == count:
-                return k
+                return k, e
             continue
         # slots come in increasing order: at the top's time this one is later than the top
         if size == count and last_use[s] >= heap_times[0]:
             continue
-        if ((st == READY and hold_until[s] <= now and (readers[s] == 0 or read_until[s] <= now))
-                or (st == WRITING and write_until[s] <= now)):
+        if st == WRITING:
+            if write_until[s] <= now and e < count:
+                expired[e] = s
+                e += 1
+            continue
+        if st == READY and hold_until[s] <= now and (readers[s] == 0 or read_until[s] <= now):
             if size < count:
                 size = _heap_push(heap_times, heap_slots, size, last_use[s], s)
             else:
                 _heap_replace_top(heap_times, heap_slots, size, last_use[s], s)
     need = min(count - k, size)
     if need <= 0:
-        return k
+        return k, e
     # the heap's `need` earliest: by slot, then (stable) by time; handed out in slot order
     by_slot = np.argsort(heap_slots[:size])
     by_time = by_slot[np.argsort(heap_times[:size][by_slot], kind="mergesort")]
@@ -168,15 +176,17 @@ def victims(state, hold_until, readers, read_until, write_until, last_use, count
     for j in range(need):
         out[k] = picked[j]
         k += 1
-    return k
+    return k, e
 
 
 @jit
 def reserve(state, key, key64, content_key, seq, write_until, hold_until, readers, read_until,
             last_use, writer_pid, next_seq, rows, content_keys, now, lease_s, pid):
     """Reserve a slot (state WRITING, a write lease, a new generation) for each key that is not
-    published or being written by a live writer: (slots, generations), slot -1 for the others
-    and for keys left over when no slot can be reused. content_keys: one per key, or none (0)."""
+    published or being written by a live writer: (slots, generations, expired), slot -1 for the
+    others and for keys left over when no slot can be reused; `expired`: reservations met whose
+    write lease ran out, which this call does not reuse (see `victims`). content_keys: one per
+    key, or none (0)."""
     n = rows.shape[0]
     out_slots = np.full(n, -1, np.int64)
     out_seqs = np.zeros(n, np.uint64)
@@ -191,7 +201,9 @@ def reserve(state, key, key64, content_key, seq, write_until, hold_until, reader
             wanted[w] = i
             w += 1
     slots = np.empty(w, np.int64)
-    got = victims(state, hold_until, readers, read_until, write_until, last_use, w, now, slots)
+    expired = np.empty(w, np.int64)
+    got, n_expired = victims(state, hold_until, readers, read_until, write_until, last_use, w,
+                             now, slots, expired)
     seq0 = next_seq[0]
     for j in range(got):
         i, s = wanted[j], slots[j]
@@ -209,7 +221,7 @@ def reserve(state, key, key64, content_key, seq, write_until, hold_until, reader
         out_slots[i] = s
         out_seqs[i] = seq0 + np.uint64(j)
     next_seq[0] = seq0 + np.uint64(got)
-    return out_slots, out_seqs
+    return out_slots, out_seqs, expired[:n_expired]
 
 
 @jit
@@ -345,8 +357,8 @@ def warm_up() -> None:
     f8, readers, pid = np.zeros(n), np.zeros(n, np.uint32), np.zeros(n, np.int32)
     key, key64, ints = np.zeros((n, KEY_BYTES), np.uint8), np.zeros(n, np.uint64), np.zeros(n, np.int64)
     rows = np.frombuffer(bytes(KEY_BYTES), np.uint8).reshape(1, KEY_BYTES)  # read-only, as keys are
-    slots, seqs = reserve(state, key, key64, ints, seq, f8, f8, readers, f8, f8, pid,
-                          np.ones(1, np.uint64), rows, np.zeros(0, np.int64), 0.0, 1.0, 1)
+    slots, seqs, _ = reserve(state, key, key64, ints, seq, f8, f8, readers, f8, f8, pid,
+                             np.ones(1, np.uint64), rows, np.zeros(0, np.int64), 0.0, 1.0, 1)
     publish(state, seq, u64, u64, f8, f8, slots, seqs, u64[:1], u64[:1], 0.0, 0.0)
     pinned = pin(state, key, key64, seq, u64, u64, readers, f8, f8, rows, np.zeros(0, np.int64),
                  np.zeros(0, np.uint64), 0.0, 1.0)

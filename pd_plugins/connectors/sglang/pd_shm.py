@@ -12,7 +12,10 @@ Over host_kv.py's SGLang contract and the room channel (transfer/shm_rooms.py):
 
 Options (environment, every engine of a deployment alike): PD_SHM_POOL (path, default
 /dev/shm/pd-sglang-kv), PD_SHM_POOL_GB (size when this engine creates it, default 1),
-PD_SHM_HOLD_S (how long the prefill's pages are held for the decode, default 60).
+PD_SHM_HOLD_S (how long the prefill's pages are held for the decode, default 60),
+PD_SHM_POOL_GROUP (a group that shares the pool file, 0660; default: this user's alone, 0600),
+PD_SHM_REMOVE_WHEN_UNUSED (1: unlink the pool file when the last engine mapping it exits cleanly;
+default 0, `pd-pool remove` frees it).
 """
 
 from __future__ import annotations
@@ -42,7 +45,10 @@ class PdShmKVManager(HostKVManager):
         size = int(float(os.environ.get("PD_SHM_POOL_GB", "1")) * 2**30)
         self.pool = ShmKVPool(path, slot_bytes=self.buffers.page_bytes,
                               layout=layout_of(self.kv_args), size_bytes=size,
-                              checksums=None)  # on for a DAX device, off for a file
+                              checksums=None,  # on for a DAX device, off for a file
+                              group=os.environ.get("PD_SHM_POOL_GROUP") or None,
+                              remove_when_unused=os.environ.get(
+                                  "PD_SHM_REMOVE_WHEN_UNUSED", "0").lower() in ("1", "true"))
         self.scope = f"{self.pool.pool_id}|{self.bootstrap_addr}|{self.rank_key}"
         self.writer = RoomWriter(self.pool, self.scope, float(os.environ.get("PD_SHM_HOLD_S", "60")))
 

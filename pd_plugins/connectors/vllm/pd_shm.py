@@ -21,6 +21,7 @@ pool's own rules (leases, publish order, eviction) are in pd_plugins/transfer/sh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -44,7 +45,7 @@ from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolCo
 from pd_plugins.connectors.vllm.pd_shm_stats import PdShmPromMetrics, PdShmStats
 from pd_plugins.routers.policy.prefix_index import block_keys
 from pd_plugins.transfer.paged_kv import PagedKV
-from pd_plugins.transfer.shm_pool import ShmKVPool, SlotRef
+from pd_plugins.transfer.shm_pool import ShmKVPool, SlotRef, SlotRefs
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -74,6 +75,10 @@ class ShmOptions(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
     #                               None: on for a DAX device, off for a file (checksums_by_default)
     lookup: bool = True           # load prefix blocks found in the pool (any role)
     store: str = "pd"             # producers store PD prefill legs only, or every request
+    pool_group: str | None = None  # a group that shares the pool (file 0660 in it); None: 0600
+    remove_when_unused: bool = False  # unlink the pool file when the last engine mapping it
+    #                                   read-write closes it (default: keep it, a prefix cache
+    #                                   that outlives restarts; `pd-pool remove` frees it)
 
     def __post_init__(self) -> None:
         if self.save_mode not in SAVE_MODES:
@@ -168,7 +173,8 @@ class _SchedulerSide:
         end = first + found
         params = request.kv_transfer_params
         if isinstance(params, dict) and params.get("do_remote_prefill"):
-            expected = len(params.get(POOL_SLOTS_KEY) or ())
+            slots = params.get(POOL_SLOTS_KEY)
+            expected = len(slots) if isinstance(slots, list) else 0  # a client's value, unchecked
             if end < expected:
                 logger.warning("PdShmConnector: request %s: %d of the prefill's %d blocks are not "
                                "in the pool (evicted, or another pool); computing them",
@@ -249,9 +255,13 @@ class _SchedulerSide:
 class _PendingStore:
     op: StoreOp
     positions: list[int]      # which of op.block_ids got a slot
-    refs: list[SlotRef]
+    refs: SlotRefs
     checksums: Any            # np.ndarray[uint64], summed over layers
     layers_done: set[int] = field(default_factory=set)
+    # the slots' fence (ShmKVPool.writing), from the first layer's copy until published: no
+    # slot can change hands meanwhile, so one fence a step (not one per layer) covers the copies
+    fence: contextlib.ExitStack | None = None
+    owned: Any = None         # np.ndarray[bool]: slots still this writer's when fenced
 
 
 class _WorkerSide(PoolWorkerSide):
@@ -292,13 +302,24 @@ class _WorkerSide(PoolWorkerSide):
                 self.stats.count("unstored_blocks", len(present) - n_present)
             if positions:
                 self._pending.append(_PendingStore(
-                    op, positions, [refs[i] for i in positions],
-                    np.zeros(len(positions), dtype=np.uint64)))
+                    op, positions, refs.present(), np.zeros(len(positions), dtype=np.uint64)))
 
     def _write_layer(self, p: _PendingStore, layer: int) -> None:
-        p.checksums += self.kv.save_layer(  # sums wrap mod 2**64, as the pool's do
-            layer, [p.op.block_ids[i] for i in p.positions], self.c.pool.data,
-            [r.slot for r in p.refs], checksums=self.c.pool.checksums)
+        pool = self.c.pool
+        if p.fence is None:
+            # a slot whose reservation lapsed and was taken over is not written (its publish
+            # fails): a stalled step never changes another writer's block
+            p.fence = contextlib.ExitStack()
+            p.owned = p.fence.enter_context(pool.writing(p.refs))
+        keep = np.flatnonzero(p.owned)
+        if keep.size == len(p.positions):
+            p.checksums += self.kv.save_layer(  # sums wrap mod 2**64, as the pool's do
+                layer, [p.op.block_ids[i] for i in p.positions], pool.data, p.refs.slots,
+                checksums=pool.checksums)
+        elif keep.size:
+            p.checksums[keep] += self.kv.save_layer(
+                layer, [p.op.block_ids[p.positions[i]] for i in keep.tolist()], pool.data,
+                p.refs.slots[keep], checksums=pool.checksums)
         p.layers_done.add(layer)
 
     def save_kv_layer(self, layer_name: str) -> None:
@@ -323,8 +344,13 @@ class _WorkerSide(PoolWorkerSide):
                 if layer not in p.layers_done:
                     self._write_layer(p, layer)
             publishes += [(ref, int(chk), kv.block_bytes) for ref, chk in zip(p.refs, p.checksums)]
-        self._pending = []
-        ok = pool.publish(publishes, hold_s=self.c.options.hold_s)
+        pending, self._pending = self._pending, []
+        try:
+            ok = pool.publish(publishes, hold_s=self.c.options.hold_s)
+        finally:
+            for p in pending:
+                if p.fence is not None:
+                    p.fence.close()
         stored = sum(ok)
         self.stats.count("stored_blocks", stored)
         self.stats.count("unstored_blocks", len(ok) - stored)
@@ -386,7 +412,8 @@ class PdShmConnector(SyncPoolConnector):
         path = self.options.pool_path or default_pool_path(vllm_config, layout)
         self.pool = ShmKVPool(path, slot_bytes=self.slot_bytes, layout=layout,
                               size_bytes=int(self.options.pool_size_gb * (1 << 30)),
-                              checksums=self.options.checksums)
+                              checksums=self.options.checksums, group=self.options.pool_group,
+                              remove_when_unused=self.options.remove_when_unused)
         if self.options.checksums is not None and self.pool.checksums != self.options.checksums:
             logger.warning("PdShmConnector: pool %s was created with checksums %s; following "
                            "it (every engine of a pool must agree)", path,

@@ -7,13 +7,17 @@ With PdShmConnector, engines on one host (or one CXL rack) share a KV pool
 (pd_plugins/transfer/shm_pool.py). A block in the pool is as good as cached on every worker that
 maps it, so the pool's contents count toward each such worker's prefix match, and which decode
 worker a prefill's KV "lives near" stops mattering. The connector stores the router's own block
-key (prefix_index.block_keys) beside each block; the router maps the pool read-only and reads
-those keys, refreshed at most every `refresh_s` (a routing hint, read without the pool's lock).
+key (prefix_index.block_keys) beside each block; the router maps the pool read-only (O_RDONLY,
+PROT_READ) and reads those keys, refreshed at most every `refresh_s` (a routing hint, read
+without the pool's lock). A pool that cannot be read (not made yet, untrusted, truncated,
+corrupt) is an unknown pool: it matches nothing and the router keeps serving; a pool file that
+was removed or replaced (pd-pool remove, remove_when_unused) is mapped again at its new inode.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from typing import Iterable, Sequence
@@ -26,22 +30,27 @@ LEARNED_POOL_PREFIX = "lmcache:"  # kv_pool=lmcache:<name>: an LMCache pool, lea
 
 
 class PoolPrefixView:
-    def __init__(self, path: str, refresh_s: float = 0.05) -> None:
-        self.path, self.refresh_s = path, refresh_s
+    def __init__(self, path: str, refresh_s: float = 0.05, group: str | int | None = None) -> None:
+        self.path, self.refresh_s, self.group = path, refresh_s, group
         self._pool: ShmKVPool | None = None
+        self._inode: tuple[int, int] | None = None
         self._keys: frozenset[int] = frozenset()
         self._read_at = float("-inf")
-        self._warned = False
+        self._warned: str | None = None
 
     def _attach(self) -> ShmKVPool | None:
+        if self._pool is not None and self._inode != _inode(self.path):
+            self.close()  # removed or replaced: the mapping we hold is no engine's pool any more
         if self._pool is None:
             try:
-                self._pool = ShmKVPool.attach(self.path)
+                self._pool = ShmKVPool.attach(self.path, readonly=True, group=self.group)
+                self._inode = self._pool.file_id()
+                self._warned = None
                 log.info("reading KV pool %s (%d slots)", self.path, self._pool.num_slots)
-            except (PoolError, OSError) as exc:  # no engine has created it yet
-                if not self._warned:
-                    log.warning("KV pool %s not readable yet: %s", self.path, exc)
-                    self._warned = True
+            except (PoolError, OSError) as exc:  # not made yet, or unfit: an unknown pool
+                if self._warned != str(exc):
+                    log.warning("KV pool %s not readable: %s", self.path, exc)
+                    self._warned = str(exc)
         return self._pool
 
     def keys(self) -> frozenset[int]:
@@ -49,8 +58,8 @@ class PoolPrefixView:
         if now - self._read_at >= self.refresh_s:
             self._read_at = now
             pool = self._attach()
-            if pool is not None:
-                self._keys = frozenset(pool.published_content_keys().tolist())
+            self._keys = (frozenset(pool.published_content_keys().tolist()) if pool is not None
+                          else frozenset())
         return self._keys
 
     def matched_blocks(self, keys: Sequence[int]) -> int:
@@ -66,7 +75,15 @@ class PoolPrefixView:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
-            self._pool = None
+            self._pool, self._inode = None, None
+
+
+def _inode(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class LearnedPoolView:

@@ -71,8 +71,21 @@ def test_pool_members_all_hold_the_pooled_prefix(kv_pool):
 
 
 def test_worker_spec_takes_a_pool_path():
-    spec = WorkerSpec(url="http://127.0.0.1:8000", kv_pool="/dev/shm/pool")
-    assert spec.kv_pool == "/dev/shm/pool"
+    spec = WorkerSpec(url="http://127.0.0.1:8000", kv_pool="/dev/shm/pool", kv_pool_group="kv")
+    assert spec.kv_pool == "/dev/shm/pool" and spec.kv_pool_group == "kv"
+
+
+def test_view_reads_a_group_shared_pool_only_when_told_the_group(tmp_path):
+    path = f"/dev/shm/pd-router-group-{os.getpid()}-{tmp_path.name}"
+    gid = os.getgid()
+    try:
+        with ShmKVPool(path, slot_bytes=64, layout="router-test", size_bytes=1 << 20,
+                       group=gid) as pool:  # 0660: the engines' pool_group
+            publish(pool, [1])
+            assert PoolPrefixView(path, refresh_s=0.0).matched_blocks([1]) == 0  # refused
+            assert PoolPrefixView(path, refresh_s=0.0, group=gid).matched_blocks([1]) == 1
+    finally:
+        remove_pool(path)
 
 
 def test_learned_pool_counts_what_prefills_reported_storing():
@@ -100,3 +113,56 @@ def test_learned_pool_is_bounded_oldest_first():
     assert view.matched_blocks([1]) == 1
     assert view.matched_blocks([2]) == 0
     assert view.matched_blocks([3, 4, 1]) == 3
+
+
+def _mapping_perms(path: str) -> list[str]:
+    ino = str(os.stat(path).st_ino)
+    with open("/proc/self/maps") as f:
+        return [fields[1] for fields in map(str.split, f) if len(fields) >= 5
+                and fields[4] == ino]
+
+
+def test_view_maps_the_pool_read_only(kv_pool):
+    view = PoolPrefixView(kv_pool.path, refresh_s=0.0)
+    publish(kv_pool, [1, 2])
+    assert view.matched_blocks([1, 2, 3]) == 2
+    perms = _mapping_perms(kv_pool.path)
+    assert sorted(perms) == ["r--s", "rw-s"]  # the view's, and the engine-side handle's
+    view.close()
+
+
+def test_view_of_an_unfit_pool_matches_nothing_and_recovers(tmp_path):
+    """A truncated (or planted, or corrupt) pool file is an unknown pool, never an exception
+    into the request path (before: a ValueError on every refresh, answered 500); once an engine
+    makes a good pool at the path, the view reads it."""
+    path = f"/dev/shm/pd-router-unfit-{os.getpid()}-{tmp_path.name}"
+    try:
+        ShmKVPool(path, slot_bytes=64, layout="router-test", size_bytes=1 << 20).close()
+        os.truncate(path, 1 << 19)
+        view = PoolPrefixView(path, refresh_s=0.0)
+        assert view.matched_blocks([1, 2]) == 0
+        assert view.matched_blocks([1, 2]) == 0  # and again: no state left half-made
+        os.unlink(path)
+        with ShmKVPool(path, slot_bytes=64, layout="router-test", size_bytes=1 << 20) as pool:
+            publish(pool, [1, 2])
+            assert view.matched_blocks([1, 2]) == 2
+        view.close()
+    finally:
+        remove_pool(path)
+
+
+def test_view_follows_a_pool_that_was_removed_and_made_again(tmp_path):
+    path = f"/dev/shm/pd-router-remade-{os.getpid()}-{tmp_path.name}"
+    try:
+        view = PoolPrefixView(path, refresh_s=0.0)
+        with ShmKVPool(path, slot_bytes=64, layout="router-test", size_bytes=1 << 20) as pool:
+            publish(pool, [1, 2])
+        assert view.matched_blocks([1, 2]) == 2
+        remove_pool(path)  # pd-pool remove: the old file's keys are no engine's any more
+        assert view.matched_blocks([1, 2]) == 0
+        with ShmKVPool(path, slot_bytes=64, layout="router-test", size_bytes=1 << 20) as pool:
+            publish(pool, [1])
+            assert view.matched_blocks([1, 2]) == 1
+        view.close()
+    finally:
+        remove_pool(path)

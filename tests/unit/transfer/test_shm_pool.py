@@ -78,6 +78,7 @@ def test_layout_mismatch_is_a_clear_error(pool_path):
 def test_not_a_pool_and_too_small(tmp_path):
     junk = tmp_path / "junk"
     junk.write_bytes(b"x" * 100_000)
+    junk.chmod(0o600)  # trusted (test_shm_pool_trust.py covers untrusted files)
     with pytest.raises(PoolError, match="not a pd-plugins KV pool"):
         ShmKVPool(str(junk), slot_bytes=SLOT, layout="l", create=False)
     with pytest.raises(PoolError, match="too small"):

@@ -54,20 +54,24 @@ def test_victims_free_first_then_least_recently_used_in_slot_order():
     h["hold_until"][4] = now + 10        # held: never evicted
     h["readers"][1], h["read_until"][1] = 1, now + 10  # pinned by a live reader
     h["readers"][3], h["read_until"][3] = 1, now - 1   # a dead reader's pin: evictable
-    out = np.empty(8, np.int64)
-    got = k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"], h["write_until"],
-                    h["last_use"], 3, now, out)
+    out, expired = np.empty(8, np.int64), np.empty(8, np.int64)
+
+    def victims(count):
+        got, e = k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"],
+                           h["write_until"], h["last_use"], count, now, out, expired)
+        return out[:got].tolist(), expired[:e].tolist()
+
     # the free slot, then the two least recently used evictable ones (3 at 1, 5 at 2), by slot
-    assert out[:got].tolist() == [6, 3, 5]
+    assert victims(3) == ([6, 3, 5], [])
     h["last_use"][:] = 1.0  # all tied: the lowest slots among the evictable
-    got = k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"], h["write_until"],
-                    h["last_use"], 4, now, out)
-    assert out[:got].tolist() == [6, 0, 2, 3]
-    got = k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"], h["write_until"],
-                    h["last_use"], 20, now, out)
-    assert sorted(out[:got].tolist()) == [0, 2, 3, 5, 6, 7]  # all but the held and the pinned
-    assert k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"], h["write_until"],
-                     h["last_use"], 0, now, out) == 0
+    assert victims(4) == ([6, 0, 2, 3], [])
+    assert sorted(victims(20)[0]) == [0, 2, 3, 5, 6, 7]  # all but the held and the pinned
+    assert victims(0) == ([], [])
+    # a reservation whose write lease ran out is never handed out: it is reported, so that the
+    # pool can check whether its writer is still copying; a live write lease is neither
+    h["state"][[0, 2]] = WRITING
+    h["write_until"][0], h["write_until"][2] = now - 1, now + 10
+    assert victims(20) == ([6, 3, 5, 7], [0])
 
 
 def random_header(rng: np.random.Generator, n: int, now: float) -> dict:
@@ -104,16 +108,20 @@ def test_find_and_victims_match_plain_references_on_random_headers():
         assert out.tolist() == expect
 
         count = int(rng.integers(0, n + 5))
-        got = np.empty(max(count, 1), np.int64)
-        m = k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"],
-                      h["write_until"], h["last_use"], count, now, got)
+        got, expired = np.empty(max(count, 1), np.int64), np.empty(max(count, 1), np.int64)
+        m, e = k.victims(h["state"], h["hold_until"], h["readers"], h["read_until"],
+                         h["write_until"], h["last_use"], count, now, got, expired)
         free = [s for s in range(n) if h["state"][s] == FREE][:count]
         evictable = sorted((s for s in range(n) if
-                            (h["state"][s] == READY and h["hold_until"][s] <= now
-                             and (h["readers"][s] == 0 or h["read_until"][s] <= now))
-                            or (h["state"][s] == WRITING and h["write_until"][s] <= now)),
+                            h["state"][s] == READY and h["hold_until"][s] <= now
+                            and (h["readers"][s] == 0 or h["read_until"][s] <= now)),
                            key=lambda s: (h["last_use"][s], s))
         assert got[:m].tolist() == free + sorted(evictable[:count - len(free)])
+        lapsed = [s for s in range(n) if h["state"][s] == WRITING and h["write_until"][s] <= now]
+        if m < count:  # too few to reuse: every lapsed reservation was reported (up to count)
+            assert expired[:e].tolist() == lapsed[:count]
+        else:  # enough: the pass may stop early, and what it reports is lapsed
+            assert set(expired[:e].tolist()) <= set(lapsed) and e <= count
 
 
 def test_pin_twice_in_one_batch_then_unpin_twice_leaves_no_reader_and_no_underflow():
