@@ -8,6 +8,7 @@ Two things cross the wire in a PD request's `kv_transfer_params`:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import msgspec
@@ -72,7 +73,27 @@ _PULL_FIELDS: dict[str, tuple[Any, str]] = {
     "remote_block_ids": (_is_block_id_list, "a list of non-negative block ids (or one per group)"),
 }
 _REQUIRED_FIELDS = {"pull": _PULL_FIELDS, "push": _PUSH_FIELDS}
-_OPTIONAL_INT_FIELDS = ("dcp_size", "pp_size", "remote_num_tokens")
+# Optional fields upstream reads unchecked too (a string in an arithmetic field kills a worker).
+_OPTIONAL_FIELDS: dict[str, tuple[Any, str]] = {
+    "dcp_size": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "pp_size": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "remote_num_tokens": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "remote_block_size": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "remote_blocks_expiry_time": (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+        "a number (seconds since the epoch)"),
+}
+
+
+def malformed_params_error(params: Any) -> str | None:
+    """Why a request's kv_transfer_params cannot be read at all (not a JSON object), or None.
+
+    vLLM's API types the top-level field as a dict, but copies `vllm_xargs` (string, number or
+    list values) into the same place unchecked, and upstream connectors then call `.get` on
+    whatever is there: `""`, `0` or `[]` there raise inside the engine core and kill it."""
+    if params is None or isinstance(params, dict):
+        return None
+    return f"kv_transfer_params must be a JSON object, got {type(params).__name__} {params!r:.80}"
 
 
 def remote_prefill_error(params: dict[str, Any], mode: TransferMode = "pull") -> str | None:
@@ -88,10 +109,10 @@ def remote_prefill_error(params: dict[str, Any], mode: TransferMode = "pull") ->
             return f"kv_transfer_params.{field} is missing"
         if not check(params[field]):
             return f"kv_transfer_params.{field} must be {expected}, got {params[field]!r}"
-    for field in _OPTIONAL_INT_FIELDS:
+    for field, (check, expected) in _OPTIONAL_FIELDS.items():
         value = params.get(field)
-        if value is not None and not (_is_int(value) and value >= 0):
-            return f"kv_transfer_params.{field} must be a non-negative integer, got {value!r}"
+        if value is not None and not check(value):
+            return f"kv_transfer_params.{field} must be {expected}, got {value!r}"
     return None
 
 

@@ -106,6 +106,7 @@ class _Flight:
     decision: object = None
     charge: accounting.PrefillCharge | None = None  # a prefill leg's charge on its worker
     local_uncached: int = 0         # a local prefill's charge on its decode worker
+    decode_charge: accounting.DecodeCharge | None = None  # its decode leg's charge there
     prefill_sent_at: float = 0.0
     prefill_leg: EngineRequest | None = None
 
@@ -222,7 +223,7 @@ class ClusterSim:
         outcome.decode = self.instances[decision.decode].index
         if decision.prefill is None:
             outcome.disaggregated = False
-            accounting.decode_started(decision.decode, info)
+            flight.decode_charge = accounting.decode_started(decision.decode, info)
             flight.local_uncached = accounting.local_prefill_started(self.ctx, decision.decode, info)
             self._submit(flight, decision.decode, "local", r.output_tokens, now + self.config.leg_network_s)
             return
@@ -277,7 +278,7 @@ class ClusterSim:
             flight.decision = self.scheduler.rebind_decode(info, flight.decision)
             flight.outcome.decode = self.instances[flight.decision.decode].index
         decode = flight.decision.decode
-        accounting.decode_started(decode, info)
+        flight.decode_charge = accounting.decode_started(decode, info)
         # The answer travels back to the router, the decode leg out to the decode engine.
         self._submit(flight, decode, "remote_decode", flight.trace.output_tokens,
                      now + 2 * self.config.leg_network_s)
@@ -304,7 +305,7 @@ class ClusterSim:
         if req.output_tokens > 1:
             outcome.tpot_s = (now - req.first_token_at) / (req.output_tokens - 1)
             accounting.decode_observed(self.ctx, decode, outcome.tpot_s)
-        accounting.decode_ended(decode, flight.info)
+        accounting.decode_ended(decode, flight.info, flight.decode_charge)
         accounting.request_succeeded(self.ctx, decode, flight.info, self.record_prefixes)
         if self.sessions is not None:
             self.sessions.record(flight.info, decode.url)
@@ -316,7 +317,7 @@ class ClusterSim:
         if req.kind == "prefill":
             accounting.prefill_ended(worker, flight.info, flight.charge)
         else:
-            accounting.decode_ended(worker, flight.info)
+            accounting.decode_ended(worker, flight.info, flight.decode_charge)
         if req.kind == "local":
             accounting.local_prefill_ended(worker, flight.local_uncached)
         if req.kind == "remote_decode":  # its prefill's KV will never be pulled now

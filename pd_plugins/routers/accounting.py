@@ -7,6 +7,7 @@ calls the same functions around simulated legs, so the policies see the same sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pd_plugins.routers.policy.base import PolicyContext, RequestInfo, uncached_tokens
 from pd_plugins.routers.workers import Worker
@@ -50,11 +51,21 @@ def prefill_succeeded(ctx: PolicyContext, worker: Worker, info: RequestInfo, cha
     worker.record_success()
 
 
-def decode_started(worker: Worker, info: RequestInfo) -> None:
+@dataclass(slots=True)
+class DecodeCharge:
+    # the expert histogram added to the worker's footprint, if any: what decode_ended removes.
+    # Not info.expert_histogram at the end: in push mode the prefill reports it only after the
+    # decode leg started, so the request's histogram changes while its decode runs.
+    experts: Any = None
+
+
+def decode_started(worker: Worker, info: RequestInfo) -> DecodeCharge:
     worker.in_flight += 1
     worker.in_flight_tokens += info.prompt_tokens
-    if info.expert_histogram is not None:
-        worker.experts.add(info.expert_histogram)
+    charge = DecodeCharge(info.expert_histogram)
+    if charge.experts is not None:
+        worker.experts.add(charge.experts)
+    return charge
 
 
 def local_prefill_started(ctx: PolicyContext, decode: Worker, info: RequestInfo) -> int:
@@ -69,11 +80,11 @@ def local_prefill_ended(decode: Worker, uncached: int) -> None:
     decode.in_flight_prefill_tokens -= uncached
 
 
-def decode_ended(worker: Worker, info: RequestInfo) -> None:
+def decode_ended(worker: Worker, info: RequestInfo, charge: DecodeCharge) -> None:
     worker.in_flight -= 1
     worker.in_flight_tokens -= info.prompt_tokens
-    if info.expert_histogram is not None:
-        worker.experts.remove(info.expert_histogram)
+    if charge.experts is not None:
+        worker.experts.remove(charge.experts)
 
 
 def decode_observed(ctx: PolicyContext, worker: Worker, tpot_s: float) -> None:

@@ -8,9 +8,11 @@ and the server maps that segment and copies blocks itself, so a store or retriev
 
 Keys: LMCache hashes token chunks (blake3, process independent) under a model name; the model
 name here is a digest of the engine's layout fingerprint and KV geometry, so engines with
-incompatible KV never see each other's chunks. A lookup needs some engine with the same
-fingerprint and world size to have registered its KV with the server (the server resolves object
-keys through the registered layout); until then it answers 0.
+incompatible KV never see each other's chunks; a request's `namespace` (what besides the tokens
+decides its KV: LoRA, cache salt, multimodal inputs) is the server's per-user cache salt, so
+requests from different namespaces never see each other's chunks either. A lookup needs some
+engine with the same fingerprint and world size to have registered its KV with the server (the
+server resolves object keys through the registered layout); until then it answers 0.
 
 Failure policy: no method raises on server errors; lookup/store/retrieve answer 0. Every call
 waits at most about timeout_s. After a timeout the client turns unhealthy and answers 0 at once
@@ -289,21 +291,23 @@ class LMCacheMPClient:
 
     # --------------------------------------------------------------- requests
 
-    def _key(self, tokens: Sequence[int], end: int, request_id: str, worker: bool) -> Any:
+    def _key(self, tokens: Sequence[int], end: int, request_id: str, worker: bool,
+             namespace: str = "") -> Any:
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
+        # the namespace (what besides the tokens decides the KV) is the server's per-user salt
         return IPCCacheServerKey(model_name=self.model_name, world_size=self.world_size,
                                  worker_id=self.rank if worker else None,
                                  token_ids=tuple(int(t) for t in tokens[:end]), start=0, end=end,
-                                 request_id=request_id, num_kv_readers=1)
+                                 request_id=request_id, num_kv_readers=1, cache_salt=namespace)
 
     def _wait(self, future: Any, deadline: float) -> Any:
         return future.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def _lookup_locked(self, tokens: Sequence[int], end: int, request_id: str,
-                       deadline: float) -> int:
+                       deadline: float, namespace: str = "") -> int:
         """LOOKUP + prefetch wait: chunks present (now read-locked on the server)."""
-        key = self._key(tokens, end, request_id, worker=False)
+        key = self._key(tokens, end, request_id, worker=False, namespace=namespace)
         self._wait(self._client.lookup(key, self.world_size), deadline)
         left = max(0.0, deadline - time.monotonic())
         chunks = self._wait(self._client.wait_prefetch_status(request_id, left), deadline)
@@ -312,17 +316,18 @@ class LMCacheMPClient:
         return int(chunks)
 
     def _release(self, tokens: Sequence[int], hit_tokens: int, request_id: str,
-                 deadline: float) -> None:
+                 deadline: float, namespace: str = "") -> None:
         """Drop the read locks of a lookup that is not followed by a retrieve, end the session."""
         if hit_tokens:
-            key = self._key(tokens, hit_tokens, request_id, worker=False)
+            key = self._key(tokens, hit_tokens, request_id, worker=False, namespace=namespace)
             self._wait(self._client.free_lookup_locks(key, self.world_size), deadline)
         self._client.end_session(request_id)  # fire and forget
 
     def _aligned(self, n: int) -> int:
         return n // self.chunk_size * self.chunk_size
 
-    def _await_visible(self, tokens: Sequence[int], end: int, deadline: float) -> None:
+    def _await_visible(self, tokens: Sequence[int], end: int, deadline: float,
+                       namespace: str = "") -> None:
         """Wait (at most ~1 s, within the deadline) until a lookup sees a finished store.
 
         The server answers STORE before it commits the chunks: the commit is a host callback
@@ -336,8 +341,8 @@ class LMCacheMPClient:
         while True:
             rid = f"pd-confirm-{uuid.uuid4().hex}"
             try:
-                hit = self._lookup_locked(tokens, end, rid, limit) * self.chunk_size
-                self._release(tokens, hit, rid, limit)
+                hit = self._lookup_locked(tokens, end, rid, limit, namespace) * self.chunk_size
+                self._release(tokens, hit, rid, limit, namespace)
             except Exception as err:  # the store itself succeeded; do not turn unhealthy here
                 logger.debug("LMCache MP store confirmation: %r", err)
                 return
@@ -345,7 +350,7 @@ class LMCacheMPClient:
                 return
             time.sleep(0.002)
 
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Leading tokens present on the server (a multiple of chunk_size); 0 when it is down."""
         end = self._aligned(len(tokens))
         if end == 0:
@@ -357,15 +362,15 @@ class LMCacheMPClient:
                 return 0
             rid = f"pd-lookup-{uuid.uuid4().hex}"
             try:
-                hit = self._lookup_locked(tokens, end, rid, deadline) * self.chunk_size
-                self._release(tokens, hit, rid, deadline)
+                hit = self._lookup_locked(tokens, end, rid, deadline, namespace) * self.chunk_size
+                self._release(tokens, hit, rid, deadline, namespace)
                 return min(hit, end)
             except Exception as err:
                 self.stats["lookup_errors"] += 1
                 self._mark_down("lookup failed", err)
                 return 0
 
-    def store(self, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
+    def store(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: str = "") -> int:
         """Store the full chunks of tokens (tokens[i] in block block_ids[i // block_size]).
         Returns the tokens stored; 0 on any failure."""
         end = self._aligned(min(len(tokens), len(block_ids) * self.block_size))
@@ -382,9 +387,9 @@ class LMCacheMPClient:
             blocks = [int(b) for b in block_ids[:end // self.block_size]]
             try:
                 event = self._transfer.create_recorded_event()
-                future = self._transfer.submit_store(rid, self._key(tokens, end, rid, worker=True),
-                                                     self._kv, [blocks], event,
-                                                     self.blocks_per_chunk)
+                future = self._transfer.submit_store(
+                    rid, self._key(tokens, end, rid, worker=True, namespace=namespace),
+                    self._kv, [blocks], event, self.blocks_per_chunk)
                 ok = bool(self._wait(future, deadline))
             except Exception as err:
                 self._mark_down("store failed", err)
@@ -395,14 +400,14 @@ class LMCacheMPClient:
                 logger.warning("LMCache MP server refused a store of %d tokens", end)
                 self._registered_at = 0.0  # maybe reaped: register again on the next call
                 return 0
-            self._await_visible(tokens, end, deadline)
+            self._await_visible(tokens, end, deadline, namespace)
             self.stats["stored_tokens"] += end
             self.stats["stored_bytes"] += len(blocks) * self.block_bytes
             self.stats["store_seconds"] += time.monotonic() - t0
             return end
 
     def retrieve(self, tokens: Sequence[int], block_ids: Sequence[int],
-                 skip_tokens: int = 0) -> int:
+                 skip_tokens: int = 0, namespace: str = "") -> int:
         """Load the leading chunks present into block_ids, writing only tokens >= skip_tokens.
         Returns the leading tokens now valid (tokens below skip_tokens are taken as valid
         already); 0 on failure."""
@@ -419,15 +424,16 @@ class LMCacheMPClient:
             rid = f"pd-retrieve-{uuid.uuid4().hex}"
             hit = 0
             try:
-                hit = min(self._lookup_locked(tokens, end, rid, deadline) * self.chunk_size, end)
+                hit = min(self._lookup_locked(tokens, end, rid, deadline, namespace)
+                          * self.chunk_size, end)
                 if hit <= skip_tokens:  # nothing to write: release the locks instead
-                    self._release(tokens, hit, rid, deadline)
+                    self._release(tokens, hit, rid, deadline, namespace)
                     return hit
                 blocks = [int(b) for b in block_ids[:hit // self.block_size]]
                 event = self._transfer.create_recorded_event()
                 future = self._transfer.submit_retrieve(
-                    rid, self._key(tokens, hit, rid, worker=True), self._kv, [blocks], event,
-                    self.blocks_per_chunk, int(max(0, skip_tokens)))
+                    rid, self._key(tokens, hit, rid, worker=True, namespace=namespace), self._kv,
+                    [blocks], event, self.blocks_per_chunk, int(max(0, skip_tokens)))
                 ok = bool(self._wait(future, deadline))
             except Exception as err:
                 if hit:

@@ -3,7 +3,9 @@ local disk, a shared directory, an `lmcache_server` or Redis. Engine-agnostic (t
 
 A chunk (`chunk_size` tokens, whole blocks) is keyed by a prefix hash of its tokens plus the
 engine's layout fingerprint (`layout`, passed to LMCache as the model name), rank and dtype, so
-engines whose layouts differ never read each other's chunks.
+engines whose layouts differ never read each other's chunks, and by the request's `namespace`
+(an LMCache key tag): what besides the tokens decides the KV (LoRA adapter, cache salt,
+multimodal inputs; the vLLM connector derives it), so such requests only meet their own kind.
 
 What this wrapper adds to LMCache:
 - Keys that agree across processes. LMCache's default hash is Python's `hash()` and its root hash
@@ -55,6 +57,11 @@ DISK_GB = 8.0          # local disk backend capacity
 CLOSE_TIMEOUT_S = 3.0  # LMCache's close beyond this is presumed deadlocked
 PROBE_TTL_S = 1.0      # a reachability probe's answer is reused this long
 ROOT_HASH = 0          # prefix hash "before" the first chunk, the same in every process
+NAMESPACE_TAG = "lmcache.tag.pd_ns"  # a key tag: part of every chunk key (and its remote name)
+
+
+def _request_configs(namespace: str) -> dict[str, str] | None:
+    return {NAMESPACE_TAG: namespace} if namespace else None
 
 
 def parse_backend(backend: str) -> tuple[dict[str, Any], tuple[str, int] | str | None]:
@@ -262,14 +269,15 @@ class LMCachePool:
         self._live().connector.check_layers(views)
         self._layers = views
 
-    def lookup(self, tokens: Sequence[int]) -> int:
+    def lookup(self, tokens: Sequence[int], namespace: str = "") -> int:
         """Leading tokens held, in whole chunks. With the remote backend down: a warning, and
         only what this process's own CPU/disk tier holds (0 for anything it did not store)."""
         full = self._full_chunks(len(tokens))
         if full == 0:
             return 0
-        engine = self._live().engine
-        hit = self._bounded("lookup", lambda: engine.lookup(list(tokens[:full])))
+        engine, configs = self._live().engine, _request_configs(namespace)
+        hit = self._bounded("lookup", lambda: engine.lookup(list(tokens[:full]),
+                                                            request_configs=configs))
         if hit is None:  # failed or timed out: warned
             self.stats.lookup_errors += 1
             return 0
@@ -279,9 +287,9 @@ class LMCachePool:
                                  f"own copies only")
         return hit
 
-    def store(self, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
+    def store(self, tokens: Sequence[int], block_ids: Sequence[int], namespace: str = "") -> int:
         """Stores the full chunks not yet held; returns the tokens newly stored (0 on failure)."""
-        engine = self._worker_engine()
+        engine, configs = self._worker_engine(), _request_configs(namespace)
         full = self._full_chunks(min(len(tokens), len(block_ids) * self.block_size))
         if full == 0:
             return 0
@@ -293,14 +301,15 @@ class LMCachePool:
         ticket, progress = CopyTicket(), {}
 
         def run() -> int:
-            present = engine.lookup(chunk_tokens)
+            present = engine.lookup(chunk_tokens, request_configs=configs)
             if present >= full:
                 return 0
             mask = torch.ones(full, dtype=torch.bool)
             mask[:present] = False
             engine.store(chunk_tokens, mask=mask, block_ids=list(block_ids), layers=self._layers,
-                         ticket=ticket, progress=progress)
-            return self._await_remote(chunk_tokens, present, progress.get("tokens", 0), started)
+                         ticket=ticket, progress=progress, request_configs=configs)
+            return self._await_remote(chunk_tokens, present, progress.get("tokens", 0), started,
+                                      configs)
 
         stored = self._bounded("store", run, ticket)
         self.stats.store_seconds += time.perf_counter() - started
@@ -312,11 +321,11 @@ class LMCachePool:
         return stored
 
     def retrieve(self, tokens: Sequence[int], block_ids: Sequence[int],
-                 skip_tokens: int = 0) -> int:
+                 skip_tokens: int = 0, namespace: str = "") -> int:
         """Loads the longest present run of chunks into `block_ids`, leaving tokens below
         `skip_tokens` alone; returns how many leading tokens are now valid: 0 on failure,
         `skip_tokens` if nothing further was present."""
-        engine = self._worker_engine()
+        engine, configs = self._worker_engine(), _request_configs(namespace)
         if skip_tokens % self.block_size:
             raise ValueError(f"skip_tokens {skip_tokens} is not a multiple of {self.block_size}")
         full = self._full_chunks(min(len(tokens), len(block_ids) * self.block_size))
@@ -329,7 +338,7 @@ class LMCachePool:
         def run() -> int:
             got = engine.retrieve(list(tokens[:full]), mask=mask, block_ids=list(block_ids),
                                   skip_tokens=skip_tokens, layers=self._layers, ticket=ticket,
-                                  progress=progress)
+                                  progress=progress, request_configs=configs)
             loaded = got & mask
             return int(loaded.nonzero().max()) + 1 if loaded.any() else skip_tokens
 
@@ -401,14 +410,16 @@ class LMCachePool:
             return None
         return outcome["value"]
 
-    def _await_remote(self, tokens: list[int], present: int, copied: int, started: float) -> int:
+    def _await_remote(self, tokens: list[int], present: int, copied: int, started: float,
+                      configs: dict[str, str] | None = None) -> int:
         """Tokens newly stored; for a remote backend only once it holds every new chunk (its
         puts are asynchronous, and a failed put is only logged by LMCache)."""
         remote = self._shared.remote
         if remote is None or copied == 0:
             return copied
-        keys = [key for start, _, key in
-                self._shared.engine.token_database.process_tokens(tokens) if start >= present]
+        database = self._shared.engine.token_database
+        keys = [key for start, _, key in database.process_tokens(tokens, request_configs=configs)
+                if start >= present]
         while remote.batched_contains(keys) < len(keys):
             if not self._reachable(fresh=True):
                 raise ConnectionError(f"{self.backend} went down while storing")

@@ -3,6 +3,7 @@ import pytest
 from pd_plugins.connectors.transfer_params import (
     PdSection,
     lease_check_of,
+    malformed_params_error,
     pd_section_of,
     remote_prefill_error,
 )
@@ -49,6 +50,11 @@ def test_requests_without_remote_prefill_are_not_checked():
         ("remote_block_ids", [1, [2]], "remote_block_ids must be a list"),
         ("tp_size", 0, "tp_size must be a positive integer"),
         ("remote_num_tokens", -1, "remote_num_tokens must be a non-negative integer"),
+        ("pp_size", 0, "pp_size must be a positive integer"),
+        ("dcp_size", "2", "dcp_size must be a positive integer"),
+        ("remote_block_size", [16], "remote_block_size must be a positive integer"),
+        ("remote_blocks_expiry_time", "soon", "remote_blocks_expiry_time must be a number"),
+        ("remote_blocks_expiry_time", float("nan"), "remote_blocks_expiry_time must be a number"),
     ],
 )
 def test_wrong_types_are_named(field, value, words):
@@ -84,3 +90,16 @@ def test_lease_check_endpoint_comes_from_the_pd_section():
 def test_no_usable_lease_check_port_means_unchecked(pd):
     params = dict(GOOD_PULL) if pd is None else {**GOOD_PULL, "pd": pd}
     assert lease_check_of(params) is None
+
+
+@pytest.mark.parametrize("value", ["", 0, 0.0, [], "x", 7, [1, "a"], True])
+def test_params_that_are_not_an_object_are_named(value):
+    error = malformed_params_error(value)
+    assert error is not None and "must be a JSON object" in error
+
+
+def test_absent_or_object_params_are_readable():
+    assert malformed_params_error(None) is None
+    assert malformed_params_error({}) is None
+    assert malformed_params_error(GOOD_PULL) is None
+    assert remote_prefill_error({**GOOD_PULL, "remote_blocks_expiry_time": 1.7e9}, "pull") is None

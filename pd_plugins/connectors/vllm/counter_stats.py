@@ -18,8 +18,27 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 # data key -> (metric name, help)
 CounterTable = dict[str, tuple[str, str]]
 
+# Counted by every pd connector's scheduler side, under one metric name (PdNixlConnector's too).
+REJECTED_PARAMS_KEY = "pd_rejected_transfer_params"
+REJECTED_PARAMS_COUNTER: CounterTable = {
+    REJECTED_PARAMS_KEY: (
+        "vllm:pd_rejected_transfer_params",
+        "Requests whose kv_transfer_params were not a JSON object (e.g. a value smuggled in "
+        "through vllm_xargs): ignored, the request is served without remote KV."),
+}
 
-class CounterStats(KVConnectorStats):
+
+class _WithSharedCounters:
+    """Every subclass's COUNTERS also holds the counters all pd connectors share."""
+
+    COUNTERS: CounterTable = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.COUNTERS = {**cls.COUNTERS, **REJECTED_PARAMS_COUNTER}
+
+
+class CounterStats(_WithSharedCounters, KVConnectorStats):
     COUNTERS: CounterTable = {}
 
     def reset(self) -> None:
@@ -42,7 +61,7 @@ class CounterStats(KVConnectorStats):
                 for key, (name, _) in self.COUNTERS.items() if self.data.get(key)}
 
 
-class CounterPromMetrics(KVConnectorPromMetrics):
+class CounterPromMetrics(_WithSharedCounters, KVConnectorPromMetrics):
     COUNTERS: CounterTable = {}
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):

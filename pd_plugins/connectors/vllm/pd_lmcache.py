@@ -8,8 +8,11 @@ Selected with `--kv-transfer-config '{"kv_connector":"PdLMCacheConnector","kv_ro
   finds into its own paged KV cache before the forward pass; the engine computes only the rest.
 
 LMCache finds chunks by a hash of the request's own tokens (and our layout fingerprint), never by
-an address from the request: a client cannot make a decode read another prompt's KV. Chunks the
-pool lost (evicted, server down) are failed loads, handled by vLLM's `kv_load_failure_policy`.
+an address from the request: a client cannot make a decode read another prompt's KV. Everything
+else vLLM's block hashes include (LoRA adapter, multimodal inputs, `cache_salt`) goes into the
+chunk keys as the request's namespace (`pool_namespace`), so requests that differ in those never
+share chunks; requests with prompt embeddings bypass the pool (counted). Chunks the pool lost
+(evicted, server down) are failed loads, handled by vLLM's `kv_load_failure_policy`.
 
 Only backends that engines share can carry PD KV from a prefill to a decode: `fs://` (a directory
 on the host), `lm://`, `redis://` and `mp://` (an LMCache server). `cpu` and `disk://` are each
@@ -22,6 +25,7 @@ asked directly).
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -84,6 +88,9 @@ LMCACHE_COUNTERS = {
     "store_seconds": ("vllm:pd_lmcache_store_seconds", "Time spent storing into the pool."),
     "retrieve_seconds": ("vllm:pd_lmcache_retrieve_seconds",
                          "Time spent retrieving from the pool."),
+    "unpooled_requests": ("vllm:pd_lmcache_unpooled_requests",
+                          "Requests the pool cannot key (prompt embeddings): neither looked up "
+                          "nor stored."),
 }
 
 
@@ -116,6 +123,52 @@ def open_pool(options: LMCacheOptions, layout: str, num_layers: int, block_size:
     return LMCachePool(options.backend, local_cpu_gb=options.local_cpu_gb, **common)
 
 
+def pool_namespace(request: Request) -> str | None:
+    """What besides the token ids decides this request's KV, as a key namespace: "" for a
+    plain request, None when the pool cannot key it (prompt embeddings: the token ids are
+    placeholders). The same inputs as vLLM's block hashes (kv_cache_utils.py,
+    generate_block_hash_extra_keys): the LoRA adapter's name and path, each multimodal input's
+    identifier and position, the cache salt. Request-wide, so two requests share chunks only if
+    all of these agree (a request with an image shares no chunk with one without it)."""
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    parts: list[tuple] = []
+    lora = request.lora_request
+    if lora:
+        parts.append(("lora", lora.lora_name, lora.lora_path))
+    for feature in request.mm_features or ():
+        position = feature.mm_position
+        parts.append(("mm", feature.identifier, position.offset, position.length))
+    if request.cache_salt:
+        parts.append(("cache_salt", request.cache_salt))
+    if not parts:
+        return ""
+    return hashlib.blake2b(msgspec.msgpack.encode(parts), digest_size=16).hexdigest()
+
+
+# The scheduler's lookups travel to the worker's LMCache engine as a list of token ids
+# (transfer/lookup_channel.py); a namespace rides in front as [-1, four 32-bit words]: token ids
+# are never negative, so the two forms cannot be confused.
+_NAMESPACE_MARK = -1
+
+
+def lookup_message(tokens: list[int], namespace: str) -> list[int]:
+    if not namespace:
+        return tokens
+    raw = bytes.fromhex(namespace)
+    return [_NAMESPACE_MARK, *(int.from_bytes(raw[i:i + 4], "big") for i in range(0, 16, 4)),
+            *tokens]
+
+
+def split_lookup_message(message: list[int]) -> tuple[list[int], str]:
+    if not message or message[0] != _NAMESPACE_MARK:
+        return message, ""
+    words = message[1:5]
+    if len(words) != 4 or not all(0 <= w < 1 << 32 for w in words):
+        raise ValueError("malformed namespace in a lookup")
+    return message[5:], b"".join(w.to_bytes(4, "big") for w in words).hex()
+
+
 # -- what the scheduler tells the worker each step --------------------------------------------------
 @dataclass
 class RetrieveOp:
@@ -124,6 +177,7 @@ class RetrieveOp:
     block_ids: list[int]   # the request's blocks covering `tokens`
     skip_tokens: int       # already in the engine's own prefix cache: not overwritten
     needed_tokens: int     # what the scheduler counted on (skip_tokens + external tokens)
+    namespace: str = ""    # pool_namespace
 
 
 @dataclass
@@ -131,6 +185,7 @@ class StoreOp:
     req_id: str
     tokens: list[int]      # the prompt's full chunks
     block_ids: list[int]
+    namespace: str = ""    # pool_namespace
 
 
 @dataclass
@@ -148,15 +203,27 @@ class _SchedulerSide:
         self._storing: dict[str, Request] = {}
         self._cached: dict[str, int] = {}  # req id -> prompt tokens not computed (local + pool)
         self._stored: dict[str, int] = {}  # req id -> prompt tokens sent to the pool
+        self._namespaces: dict[str, str | None] = {}  # req id -> pool_namespace
+
+    def _namespace(self, request: Request) -> str | None:
+        req_id = request.request_id
+        if req_id not in self._namespaces:
+            namespace = self._namespaces[req_id] = pool_namespace(request)
+            if namespace is None:
+                self.c.count_on_scheduler("unpooled_requests")
+                logger.debug("PdLMCacheConnector: request %s has prompt embeddings, which the "
+                             "pool cannot key: not looked up, not stored", req_id)
+        return self._namespaces[req_id]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
         c = self.c
         self._cached[request.request_id] = num_computed_tokens
-        if not c.options.lookup:
+        namespace = self._namespace(request)
+        if not c.options.lookup or namespace is None:
             return 0, False
         prompt = request.prompt_token_ids or []
-        hit = c.lookups.lookup(prompt) if len(prompt) >= c.chunk_size else 0
+        hit = c.lookup(prompt, namespace) if len(prompt) >= c.chunk_size else 0
         params = request.kv_transfer_params
         if isinstance(params, dict) and params.get("do_remote_prefill"):
             expected = params.get(STORED_TOKENS_KEY)
@@ -182,8 +249,10 @@ class _SchedulerSide:
             block_ids = blocks.get_block_ids()[0][:-(-end // c.block_size)]
             self._retrieves.append(RetrieveOp(
                 request.request_id, list(request.prompt_token_ids[:end]), list(block_ids),
-                skip_tokens=computed, needed_tokens=needed))
+                skip_tokens=computed, needed_tokens=needed,
+                namespace=self._namespaces.get(request.request_id) or ""))
         if (c.stores and request.request_id not in self._storing
+                and self._namespace(request) is not None
                 and (c.options.store == "all" or asks_remote_decode(request.kv_transfer_params))):
             self._storing[request.request_id] = request
 
@@ -201,7 +270,8 @@ class _SchedulerSide:
             if full:
                 block_ids = c.kv_cache_manager.get_block_ids(req_id)[0]
                 meta.stores.append(StoreOp(req_id, list(req.prompt_token_ids[:full]),
-                                           list(block_ids[:full // c.block_size])))
+                                           list(block_ids[:full // c.block_size]),
+                                           self._namespaces.get(req_id) or ""))
                 self._stored[req_id] = full
         return meta
 
@@ -209,6 +279,7 @@ class _SchedulerSide:
         c = self.c
         self._storing.pop(request.request_id, None)
         self._hits.pop(request.request_id, None)
+        self._namespaces.pop(request.request_id, None)
         cached = self._cached.pop(request.request_id, 0)
         stored = self._stored.pop(request.request_id, 0)
         if not (c.stores and asks_remote_decode(request.kv_transfer_params)):
@@ -237,7 +308,8 @@ class _WorkerSide(PoolWorkerSide):
         c.pool.attach_kv([kv_caches[n] for n in c.layout.layer_names],
                          c.kv_cache_config.num_blocks)
         if c.lookup_address is not None:  # the scheduler asks this process's LMCache engine
-            self.lookup_server = LookupServer(c.lookup_address, c.pool.lookup)
+            self.lookup_server = LookupServer(
+                c.lookup_address, lambda message: c.pool.lookup(*split_lookup_message(message)))
 
     def close(self) -> None:
         if self.lookup_server is not None:
@@ -247,7 +319,8 @@ class _WorkerSide(PoolWorkerSide):
         bs = self.c.block_size
         for op in meta.retrieves:
             start = time.perf_counter()
-            got = self.c.pool.retrieve(op.tokens, op.block_ids, skip_tokens=op.skip_tokens)
+            got = self.c.pool.retrieve(op.tokens, op.block_ids, skip_tokens=op.skip_tokens,
+                                       namespace=op.namespace)
             self.stats.count("retrieve_seconds", time.perf_counter() - start)
             self.stats.count("retrieved_tokens", max(0, got - op.skip_tokens))
             if got < op.needed_tokens:
@@ -260,7 +333,8 @@ class _WorkerSide(PoolWorkerSide):
     def wait_for_save(self, meta: PdLMCacheMetadata) -> None:
         for op in meta.stores:
             start = time.perf_counter()
-            self.stats.count("stored_tokens", self.c.pool.store(op.tokens, op.block_ids))
+            self.stats.count("stored_tokens", self.c.pool.store(op.tokens, op.block_ids,
+                                                                op.namespace))
             self.stats.count("store_seconds", time.perf_counter() - start)
 
 
@@ -309,6 +383,12 @@ class PdLMCacheConnector(SyncPoolConnector):
                     config.kv_role, role.name, self.options.backend, self.chunk_size)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
+
+    def lookup(self, tokens: list[int], namespace: str) -> int:
+        """Scheduler side: leading prompt tokens the pool holds under this namespace."""
+        if isinstance(self.lookups, LookupClient):
+            return self.lookups.lookup(lookup_message(tokens, namespace))
+        return self.lookups.lookup(tokens, namespace)
 
     # -- worker side -------------------------------------------------------------------------------
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,

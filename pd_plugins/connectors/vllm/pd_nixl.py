@@ -6,7 +6,8 @@ All transfer machinery (handshake, lease, heartbeat, transfers) is upstream's; t
 - a `pd` section in the prefill response's kv_transfer_params (see transfer_params.PdSection);
 - validation of the decode request's transfer params: malformed ones are reported to vLLM as a
   failed KV load, so vLLM's `kv_load_failure_policy` (fail | recompute) decides, instead of the
-  engine crashing or reading from a bad address;
+  engine crashing or reading from a bad address; params that are not an object at all (a client's
+  `vllm_xargs`) are dropped on arrival and the request runs without remote KV;
 - pull: lease checks. A decode uses KV it read only once the prefill confirms its lease still
   held the blocks when the read finished; a late read is a failed load (transfer/lease_check.py);
 - push: a deadline on every transfer (`push_timeout_s`) on the decode; on the prefill no WRITE
@@ -43,8 +44,10 @@ from pd_plugins.connectors.transfer_params import (
     PdSection,
     TransferMode,
     lease_check_of,
+    malformed_params_error,
     remote_prefill_error,
 )
+from pd_plugins.connectors.vllm.counter_stats import REJECTED_PARAMS_KEY
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.options import extra_flag
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
@@ -152,6 +155,7 @@ class _PdAdditions(_PdStatsClassMethods):
         self._rejections_to_report: set[str] = set()  # shipped to workers next step
         self._lease_checks_to_send: dict[str, tuple[str, int, str] | None] = {}
         self._push_waits_to_send: dict[str, float] = {}
+        self._malformed_params = 0  # not yet counted on /metrics
         self._lease_server: LeaseCheckServer | None = None
         if role == KVConnectorRole.SCHEDULER and self.pd_mode == "pull" and self._serves:
             host = socket.gethostbyname(self.connector_scheduler.side_channel_host)
@@ -185,6 +189,24 @@ class _PdAdditions(_PdStatsClassMethods):
                 self._write_gate = WriteGate(worker)
 
     # ---- scheduler side -------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        # The first connector call for a request, and upstream's first `.get` on its params.
+        error = malformed_params_error(request.kv_transfer_params)
+        if error is not None:
+            logger.warning("PdNixlConnector: request %s: %s; ignored, served without remote KV",
+                           request.request_id, error)
+            request.kv_transfer_params = None
+            self._malformed_params += 1
+        super().on_new_request(request)
+
+    def get_kv_connector_stats(self) -> PdNixlStats | None:
+        if self.connector_worker is not None or not self._malformed_params:
+            return super().get_kv_connector_stats()
+        stats = PdNixlStats()
+        stats.count(REJECTED_PARAMS_KEY, self._malformed_params)
+        self._malformed_params = 0
+        return stats
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

@@ -15,8 +15,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from pd_plugins.connectors.vllm.counter_stats import REJECTED_PARAMS_COUNTER
+
 # data key -> (metric name, help)
 PD_COUNTERS: dict[str, tuple[str, str]] = {
+    **REJECTED_PARAMS_COUNTER,
     "pd_late_reads": (
         "vllm:pd_nixl_late_reads",
         "Pull reads the prefill answered as late (its lease had released the blocks): the data "

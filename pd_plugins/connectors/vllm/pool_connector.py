@@ -16,14 +16,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
 )
+from vllm.logger import init_logger
 
-from pd_plugins.connectors.vllm.counter_stats import CounterPromMetrics, CounterStats
+from pd_plugins.connectors.transfer_params import malformed_params_error
+from pd_plugins.connectors.vllm.counter_stats import (
+    REJECTED_PARAMS_KEY,
+    CounterPromMetrics,
+    CounterStats,
+)
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+logger = init_logger(__name__)
 
 
 class PoolWorkerSide:
@@ -51,6 +59,7 @@ class SyncPoolConnector(KVConnectorBase_V1):
     PROM_METRICS: type[CounterPromMetrics] = CounterPromMetrics
     _scheduler: Any = None
     _worker: Any = None
+    _scheduler_stats: CounterStats | None = None  # scheduler side: not yet on /metrics
 
     @property
     def kv_cache_manager(self):
@@ -66,9 +75,27 @@ class SyncPoolConnector(KVConnectorBase_V1):
         return cls.PROM_METRICS(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_stats(self) -> CounterStats | None:
-        return self._worker.take_stats() if self._worker else None
+        if self._worker:
+            return self._worker.take_stats()
+        stats, self._scheduler_stats = self._scheduler_stats, None
+        return stats
+
+    def count_on_scheduler(self, key: str, n: float = 1) -> None:
+        """Count a scheduler-side event; vLLM collects it with the step's worker counters."""
+        if self._scheduler_stats is None:
+            self._scheduler_stats = self.STATS()
+        self._scheduler_stats.count(key, n)
 
     # -- scheduler side ----------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        # The first connector call for a request: what a client put there is checked once here.
+        error = malformed_params_error(request.kv_transfer_params)
+        if error is not None:
+            logger.warning("%s: request %s: %s; ignored, served without remote KV",
+                           type(self).__name__, request.request_id, error)
+            request.kv_transfer_params = None
+            self.count_on_scheduler(REJECTED_PARAMS_KEY)
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -227,3 +227,25 @@ def test_different_layout_never_hits(server, tmp_path):
             same.close()
     finally:
         worker.close()
+
+
+def test_namespaces_keep_requests_apart_on_the_server(server):
+    """A namespace (a request's salt, LoRA, multimodal inputs) is the server's cache salt:
+    chunks stored under one are found only under the same one."""
+    salted, other = "a1" * 16, "b2" * 16
+    src = zeros()
+    for t in src:
+        t[20:24] = 3.0
+    worker = LMCacheMPClient(server.mp_url, layout=LAYOUT, **GEOMETRY)
+    try:
+        worker.attach_kv(src, BLOCKS)
+        assert worker.store(TOKENS, [20, 21, 22, 23], namespace=salted) == 64
+        assert worker.lookup(TOKENS, namespace=salted) == 64
+        assert worker.lookup(TOKENS) == 0
+        assert worker.lookup(TOKENS, namespace=other) == 0
+        assert worker.retrieve(TOKENS, [10, 11, 12, 13], namespace=other) == 0
+        assert all(torch.count_nonzero(t[10:14]) == 0 for t in src)
+        assert worker.retrieve(TOKENS, [10, 11, 12, 13], namespace=salted) == 64
+        assert all(torch.all(t[10:14] == 3.0) for t in src)
+    finally:
+        worker.close()

@@ -356,3 +356,26 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+def test_namespaces_keep_requests_apart(tmp_path):
+    """Chunks stored under a namespace (a request's salt, LoRA, multimodal inputs) are found
+    only under the same namespace, on the engine's own tier and through a shared one."""
+    salted, other = "a1" * 16, "b2" * 16
+    src, dst = kv(4), kv(None)
+    writer = open_pool(f"fs://{tmp_path}", "ns-writer", src)
+    reader = open_pool(f"fs://{tmp_path}", "ns-reader", dst)   # another engine on the pool
+    try:
+        assert writer.store(TOKENS, SRC_BLOCKS, namespace=salted) == FULL
+        for pool in (writer, reader):
+            assert pool.lookup(TOKENS) == 0                       # no namespace: not the same KV
+            assert pool.lookup(TOKENS, namespace=other) == 0
+            assert pool.lookup(TOKENS, namespace=salted) == FULL
+        assert reader.retrieve(TOKENS, DST_BLOCKS, skip_tokens=SKIP, namespace=other) == SKIP
+        assert not any(t.any() for t in dst)                      # nothing written
+        assert writer.store(TOKENS, SRC_BLOCKS) == FULL           # unsalted: stored anew
+        assert reader.retrieve(TOKENS, DST_BLOCKS, skip_tokens=SKIP, namespace=salted) == FULL
+        assert_loaded(src, dst)
+    finally:
+        writer.close()
+        reader.close()

@@ -1,0 +1,112 @@
+"""kv_transfer_params that are not a JSON object never reach upstream code that calls `.get` on
+them (vLLM copies `vllm_xargs.kv_transfer_params` into the request unchecked): vLLM's real
+scheduler with each of our connectors serves such requests locally and counts them."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_plugins.connectors.vllm.counter_stats import REJECTED_PARAMS_KEY
+from tests.unit.connectors.vllm_scheduler import make_request, make_scheduler
+
+pytest.importorskip("vllm")
+
+# What vLLM's API lets through vllm_xargs (strings, numbers, lists of them): the falsy ones
+# pass vLLM's own `if params and params.get(...)` checks and reached NIXL's `.get`.
+MALFORMED = ["", 0, 0.0, [], "x", 7, [1, "a"]]
+PROMPT = list(range(1, 41))  # 40 tokens: two full blocks of 16 and a partial one
+
+
+def prompt(i: int) -> list[int]:
+    """A prompt of its own (no prefix-cache hits between the test's requests)."""
+    return [100 + i] + PROMPT[1:]
+
+
+def _rejected_count(scheduler) -> int:
+    stats = scheduler.connector.get_kv_connector_stats()
+    return sum(stats.data.get(REJECTED_PARAMS_KEY, ())) if stats is not None else 0
+
+
+def _serves_malformed_params_locally(scheduler) -> None:
+    requests = [make_request(f"bad-{i}", prompt(i), {"kv_transfer_params": value})
+                for i, value in enumerate(MALFORMED)]
+    for request in requests:
+        scheduler.add_request(request)  # upstream NIXL raised AttributeError here
+    output = scheduler.schedule()
+    assert {r.request_id: output.num_scheduled_tokens.get(r.request_id) for r in requests} == {
+        r.request_id: len(PROMPT) for r in requests}  # computed here, nothing loaded
+    assert all(r.kv_transfer_params is None for r in requests)
+    assert _rejected_count(scheduler) == len(MALFORMED)
+    assert _rejected_count(scheduler) == 0  # counted once
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_pd_nixl_decode_serves_malformed_params_locally(mode):
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer", {"mode": mode})
+    try:
+        _serves_malformed_params_locally(scheduler)
+    finally:
+        scheduler.shutdown()
+
+
+def test_pd_nixl_prefill_serves_malformed_params_locally():
+    scheduler = make_scheduler("PdNixlConnector", "kv_producer", {"lease_check_port": 0})
+    try:
+        _serves_malformed_params_locally(scheduler)
+    finally:
+        scheduler.shutdown()
+
+
+def test_pd_nixl_well_formed_params_are_untouched():
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer")
+    try:
+        request = make_request("ok", PROMPT, {"kv_transfer_params": {"do_remote_decode": False}})
+        scheduler.add_request(request)
+        scheduler.schedule()
+        assert request.kv_transfer_params == {"do_remote_decode": False}
+        assert _rejected_count(scheduler) == 0
+    finally:
+        scheduler.shutdown()
+
+
+def test_pd_nixl_refuses_a_garbage_optional_field_before_upstream_reads_it():
+    """A string where upstream does arithmetic (the lease expiry) would kill the worker: the
+    load is reported failed instead (kv_load_failure_policy), never handed to NIXL."""
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer")
+    try:
+        params = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+                  "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
+                  "remote_block_ids": [[0, 1]], "remote_blocks_expiry_time": "soon"}
+        request = make_request("garbage-expiry", PROMPT, {"kv_transfer_params": params})
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert request.kv_transfer_params["do_remote_prefill"] is False
+        assert "remote_blocks_expiry_time" in request.kv_transfer_params["pd_rejected_reason"]
+        assert not output.kv_connector_metadata.reqs_to_recv  # nothing handed to NIXL
+        assert output.kv_connector_metadata.pd_rejected_recv == {"garbage-expiry"}
+    finally:
+        scheduler.shutdown()
+
+
+def test_pd_shm_serves_malformed_params_locally(tmp_path):
+    scheduler = make_scheduler("PdShmConnector", "kv_both",
+                               {"pool_path": str(tmp_path / "pool"), "pool_size_gb": 0.01})
+    try:
+        _serves_malformed_params_locally(scheduler)
+        # a dict whose slot list is not a list: ignored, not a crash of the scheduler
+        request = make_request("bad-slots", prompt(99), {"kv_transfer_params": {
+            "do_remote_prefill": True, "pool_slots": 5}})
+        scheduler.add_request(request)
+        assert scheduler.schedule().num_scheduled_tokens["bad-slots"] == len(PROMPT)
+    finally:
+        scheduler.shutdown()
+
+
+def test_pd_lmcache_serves_malformed_params_locally():
+    pytest.importorskip("lmcache")
+    scheduler = make_scheduler("PdLMCacheConnector", "kv_both", {"lookup": False},
+                               engine_id="malformed-params-test")
+    try:
+        _serves_malformed_params_locally(scheduler)
+    finally:
+        scheduler.shutdown()

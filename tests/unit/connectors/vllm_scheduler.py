@@ -1,0 +1,75 @@
+"""vLLM's own scheduler with one of our connectors, built without a server or a model runner.
+
+The scheduler, its KV cache manager, its requests (with vLLM's block hasher) and the connector's
+scheduler side are all real; only the forward pass never happens, so tests drive what the engine
+core would do on `add_request` and each `schedule()`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 200
+
+
+@functools.cache
+def tiny_llama() -> str:
+    from pd_plugins.testing.tiny_models import ensure_tiny_model
+
+    return str(ensure_tiny_model("tiny-llama"))
+
+
+def make_scheduler(kv_connector: str, kv_role: str, extra: dict[str, Any] | None = None,
+                   engine_id: str | None = None):
+    from pd_plugins.vllm_plugin import register
+
+    register()
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = VllmConfig(
+        model_config=ModelConfig(model=tiny_llama(), dtype="float32", seed=0, max_model_len=1024),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=2048,
+                                         max_model_len=1024, is_encoder_decoder=False),
+        kv_transfer_config=KVTransferConfig(kv_connector=kv_connector, kv_role=kv_role,
+                                            kv_buffer_device="cpu", engine_id=engine_id,
+                                            kv_connector_extra_config=extra or {}),
+        device_config=DeviceConfig("cpu"))
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(config),
+                     block_size=BLOCK_SIZE)
+
+
+def make_request(request_id: str, prompt: list[int], extra_args: dict[str, Any] | None = None,
+                 **kwargs: Any):
+    """A request as the engine core builds it (vLLM's block hasher, sha256 as by default)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return Request(request_id=request_id, prompt_token_ids=list(prompt),
+                   sampling_params=SamplingParams(max_tokens=4, extra_args=extra_args),
+                   pooling_params=None,
+                   block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn), **kwargs)
