@@ -72,7 +72,7 @@ def main() -> None:
     decode = VllmServer("decode", model, "1", nixl_config("decode", "pull"))
     router = RouterProcess("router", prefill=[[prefill.url]], decode=[[decode.url]],
                            args=("--tokenizer", str(model), "--block-size", "32", "--log-format", "text",
-                                 "--log-level", "warning"))
+                                 "--log-level", "warning", "--route-header", "full"))
     print("starting vLLM prefill (core 0) and decode (core 1) with PdNixlConnector, then pd-router ...")
     started = time.monotonic()
     try:

@@ -23,6 +23,7 @@ import hashlib
 import random
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from aiohttp import web
 
 from pd_plugins.routers.policy.expert_signature import ExpertSignature
 
+BODIES_KEPT = 64
 WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega")
 _encode = msgspec.json.Encoder().encode
 
@@ -54,9 +56,11 @@ class MockState:
     rooms: dict[str, asyncio.Future] = field(default_factory=dict)
     running: int = 0
     streaming: int = 0           # streams that have sent at least one token
+    # the last request bodies received (GET /mock/bodies): what the router forwarded
+    bodies: deque = field(default_factory=lambda: deque(maxlen=BODIES_KEPT))
     stats: dict[str, int] = field(default_factory=lambda: {
         "requests": 0, "prefill_legs": 0, "remote_decodes": 0, "local": 0, "mismatched_kv": 0,
-        "failed_injected": 0, "canaries": 0})
+        "failed_injected": 0, "canaries": 0, "cancelled": 0})
 
 
 def prompt_digest(body: dict[str, Any]) -> str:
@@ -127,6 +131,7 @@ class MockEngine:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError:
             return _error(400, "invalid JSON")
+        s.bodies.append(body)
         chat = request.path.endswith("chat/completions")
         if body.get("model") not in (None, a.model):
             return _error(404, f"The model `{body.get('model')}` does not exist.")
@@ -150,21 +155,28 @@ class MockEngine:
             finally:
                 s.running -= 1
         try:
-            if is_prefill:
-                return await self._prefill(request, body, chat, digest, key)
-            if key is not None:
-                s.stats["remote_decodes"] += 1
-                held = await self.fetch_kv(kv, body, key)
-                if held != digest:
-                    s.stats["mismatched_kv"] += 1
-                    return _error(409, f"KV under {key} belongs to another prompt")
-                first_delay = 0.0
-            else:
-                s.stats["local"] += 1
-                first_delay = self._prefill_s(body)
-            return await self._answer(request, body, chat, digest, max_tokens, first_delay)
+            return await self._serve(request, body, chat, digest, key, kv, is_prefill, max_tokens)
+        except asyncio.CancelledError:  # the client closed the connection: aborted, as vLLM does
+            s.stats["cancelled"] += 1
+            raise
         finally:
             s.running -= 1
+
+    async def _serve(self, request, body, chat, digest, key, kv, is_prefill, max_tokens):
+        s = self.s
+        if is_prefill:
+            return await self._prefill(request, body, chat, digest, key)
+        if key is not None:
+            s.stats["remote_decodes"] += 1
+            held = await self.fetch_kv(kv, body, key)
+            if held != digest:
+                s.stats["mismatched_kv"] += 1
+                return _error(409, f"KV under {key} belongs to another prompt")
+            first_delay = 0.0
+        else:
+            s.stats["local"] += 1
+            first_delay = self._prefill_s(body)
+        return await self._answer(request, body, chat, digest, max_tokens, first_delay)
 
     def _transfer_key(self, request: web.Request, body: dict, kv: dict) -> str | None:
         if self.s.args.engine == "sglang":
@@ -294,6 +306,9 @@ class MockEngine:
             1 for f in self.s.rooms.values() if f.done()), "running": self.s.running,
             "streaming": self.s.streaming, **modelled})
 
+    async def bodies(self, request: web.Request) -> web.Response:
+        return web.json_response({"bodies": list(self.s.bodies)})
+
     async def timings(self, request: web.Request) -> web.Response:
         return web.json_response({"timings": list(self.modelled.timings)})
 
@@ -324,6 +339,7 @@ class MockEngine:
             web.get("/get_server_info", self.server_info), web.get("/server_info", self.server_info),
             web.get("/get_model_info", self.server_info), web.get("/model_info", self.server_info),
             web.post("/mock/faults", self.set_faults), web.get("/mock/stats", self.stats),
+            web.get("/mock/bodies", self.bodies),
         ])
         side = web.Application()
         side.add_routes([web.get("/room/{key}", self.room)])
@@ -451,8 +467,8 @@ def main(argv: list[str] | None = None) -> None:
     async def serve() -> None:
         runners = []
         for application, port in ((app, args.port), (side, args.side_port)):
-            runner = web.AppRunner(application, access_log=None,
-                                   handler_cancellation=bool(args.latency_model))
+            # A closed connection cancels its handler: the request is aborted, as vLLM does.
+            runner = web.AppRunner(application, access_log=None, handler_cancellation=True)
             await runner.setup()
             await web.TCPSite(runner, args.host, port).start()
             runners.append(runner)

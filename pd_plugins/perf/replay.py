@@ -140,7 +140,9 @@ async def send_request(session: aiohttp.ClientSession, endpoint: str, body: byte
     decode = msgspec.json.decode
     async with session.post(endpoint, data=body, headers={"Content-Type": "application/json"}) as resp:
         out.route = resp.headers.get("x-pd-route")
-        out.disaggregated = out.route is not None and not out.route.startswith("prefill=local")
+        # x-pd-route: "route=local|disaggregated, ..." (minimal) or "prefill=local|URL, ..." (full)
+        out.disaggregated = out.route is not None and not out.route.startswith(("prefill=local",
+                                                                                "route=local"))
         if resp.status >= 400:
             out.status = "rejected" if resp.status == 429 else "failed"
             out.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"

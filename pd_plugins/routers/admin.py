@@ -28,6 +28,10 @@ class AdminApi:
                 web.post("/admin/workers", self.add_worker),
                 web.delete("/admin/workers", self.remove_worker)]
 
+    def allows(self, request: web.Request) -> bool:
+        """The request carries the admin token (for details elsewhere, e.g. /ready's workers)."""
+        return self._denied(request) is None
+
     def _denied(self, request: web.Request) -> web.Response | None:
         if self.token is None:
             return error_response(403, "the admin API is off: start pd-router with --admin-token "

@@ -44,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="token block size of the prefix index")
     p.add_argument("--admin-token", help="bearer token of the admin API (or PD_ROUTER_ADMIN_TOKEN)")
     p.add_argument("--client-transfer-fields", choices=["reject", "strip"])
+    p.add_argument("--route-header", choices=["minimal", "full"],
+                   help="x-pd-route: the decision only (default), or with worker URLs, scores "
+                        "and session ids")
+    p.add_argument("--tls-cert", help="PEM certificate (chain) for HTTPS on the router's listener")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--api-key-file", help="client API keys, one per line: /v1/* then need "
+                                          "'Authorization: Bearer KEY' (also PD_ROUTER_API_KEYS, "
+                                          "comma-separated)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
@@ -54,7 +62,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     data: dict[str, Any] = load_yaml(args.config) if args.config else {}
     source = args.config or "flags"
     for key in ("engine", "mode", "transfer", "host", "port", "tokenizer", "block_size",
-                "client_transfer_fields", "log_level"):
+                "client_transfer_fields", "route_header", "tls_cert", "tls_key", "api_key_file",
+                "log_level"):
         value = getattr(args, key)
         if value is not None:
             data[key] = value
@@ -67,6 +76,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     data.setdefault("admin_token", args.admin_token or os.environ.get("PD_ROUTER_ADMIN_TOKEN"))
     if args.admin_token:
         data["admin_token"] = args.admin_token
+    env_keys = [k.strip() for k in os.environ.get("PD_ROUTER_API_KEYS", "").split(",") if k.strip()]
+    if env_keys:
+        data["api_keys"] = [*(data.get("api_keys") or []), *env_keys]
     config = config_from_mapping(data, source)
     from pd_plugins.routers.server import Router
     Router(config)  # builds every policy piece: unknown names and bad params fail here
@@ -113,8 +125,10 @@ def main(argv: list[str] | None = None) -> None:
 
     from pd_plugins.routers.server import Router
     router = Router(config)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes both
+    # legs, so the engines abort the request and free its KV (aiohttp's default is off).
     web.run_app(router.app(), host=config.host, port=config.port, access_log=None,
-                print=None, handle_signals=True)
+                print=None, handle_signals=True, handler_cancellation=True, ssl_context=router.tls)
 
 
 if __name__ == "__main__":

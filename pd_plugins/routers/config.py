@@ -35,17 +35,27 @@ class WorkerSpec(_Strict):
     dp_size: int = 1
     # vLLM KV events (ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557) for the prefix_cache scorer.
     kv_events: str | None = None
+    # `bind:` endpoints other than loopback or ipc accept events from any host that reaches them
+    # (fake events skew routing): refused unless this is set (prefix_index.check_bind_endpoint).
+    kv_events_bind_any: bool = False
     # The shared KV pool this worker is on; its contents count as cached on the worker for the
     # prefix scorers. PdShmConnector: the pool's path (same host as the router; read directly).
     # PdLMCacheConnector: `lmcache:<any name shared by the pool's workers>` (learned from the
     # prefills' answers).
     kv_pool: str | None = None
+    # The group a PdShmConnector pool is shared with (the engines' `pool_group`): the router then
+    # reads a pool file of that group (mode 0660) made by another user; default: its own, 0600.
+    kv_pool_group: str | int | None = None
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme != "http" or not parts.hostname:  # legs speak plain HTTP (http_client.py)
             raise ValueError(f"worker url {self.url!r} must look like http://host:port")
         self.url = self.url.rstrip("/")
+        if self.kv_events and self.kv_events.startswith("bind:"):
+            from pd_plugins.routers.policy.prefix_index import check_bind_endpoint
+
+            check_bind_endpoint(self.kv_events[5:], self.kv_events_bind_any)
 
     @property
     def host(self) -> str:
@@ -83,6 +93,8 @@ class TimeoutSpec(_Strict):
     decode_first_byte_s: float = 60.0  # decode leg until its first byte
     decode_idle_s: float = 30.0      # longest silence between streamed chunks
     decode_total_s: float = 600.0
+    # one write to the client (a chunk, or a whole answer): a reader this slow is dropped
+    client_write_s: float = 30.0
 
 
 class FailoverSpec(_Strict):
@@ -147,10 +159,22 @@ class RouterConfig(_Strict):
     tokenizer: str | None = None
     block_size: int = 16             # token block size of the prefix index (match the engines)
     max_body_bytes: int = 4 * 1024 * 1024
-    # What to do with client-sent kv_transfer_params / bootstrap_*: they never reach a worker.
+    # What to do with client-sent transfer fields (kv_transfer_params, bootstrap_*, and those in
+    # vllm_xargs; request.py): they never reach a worker.
     client_transfer_fields: Literal["reject", "strip"] = "reject"
     push_head_start_s: float = 0.1   # vLLM push: decode leg goes this much before the prefill
     admin_token: str | None = None   # bearer token for /admin; None: admin API disabled
+    # x-pd-route response header: minimal (the decision and retries, nothing about the
+    # deployment) or full (worker URLs, scores, session ids: for operators and tests).
+    route_header: Literal["minimal", "full"] = "minimal"
+    # TLS on the router's own listener (PEM files; legs to the workers stay plain HTTP).
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    # Client API keys (bearer tokens) for /v1/*: from here, a file (one per line) and
+    # PD_ROUTER_API_KEYS (comma-separated); none at all: the API is open (client_auth.py).
+    api_keys: list[str] = []
+    api_key_file: str | None = None
+    metrics_need_api_key: bool = False  # /metrics behind the same keys (/health, /ready stay open)
     log_level: str = "info"
 
     def validate(self) -> RouterConfig:
@@ -184,6 +208,11 @@ class RouterConfig(_Strict):
                 raise ConfigError("sessions.redis_timeout_s must be > 0")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
+        if self.metrics_need_api_key and not (self.api_keys or self.api_key_file):
+            raise ConfigError("metrics_need_api_key is set but no API key is configured "
+                              "(api_keys, --api-key-file or PD_ROUTER_API_KEYS)")
         return self
 
 
@@ -207,6 +236,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+_BOOL_WORKER_OPTIONS = ("kv_events_bind_any",)
+
+
 def parse_worker_arg(values: list[str]) -> dict[str, Any]:
     """`URL [KEY=VALUE ...] [BOOTSTRAP_PORT]` from one --prefill/--decode flag."""
     url, *rest = values
@@ -218,5 +250,6 @@ def parse_worker_arg(values: list[str]) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"worker option {item!r} after {url}: expected KEY=VALUE")
-        spec[key] = int(value) if value.isdigit() else value
+        spec[key] = (int(value) if value.isdigit()
+                     else value.lower() == "true" if key in _BOOL_WORKER_OPTIONS else value)
     return spec

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import aiohttp
 import msgspec
@@ -21,6 +22,8 @@ from pd_plugins.routers.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd_router.health")
 
+MAX_METRICS_BYTES = 16 << 20  # vLLM's /metrics is well under 1 MiB
+
 # engine -> (waiting, running, kv usage) metric names
 ENGINE_METRICS = {
     "vllm": ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"),
@@ -29,20 +32,36 @@ ENGINE_METRICS = {
 
 
 def parse_engine_metrics(text: str, engine: str) -> tuple[float, float, float]:
-    """Sum each gauge over its label sets (one per DP rank or model)."""
+    """Sum each gauge over its label sets (one per DP rank or model). A line that does not parse,
+    or holds a value that is not a finite number >= 0, is skipped: an engine's odd line must not
+    freeze or poison the load the policies see."""
     names = ENGINE_METRICS[engine]
     totals = [0.0, 0.0, 0.0]
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         for i, name in enumerate(names):
-            if line.startswith(name) and line[len(name)] in " {":
-                try:
-                    totals[i] += float(line.rsplit(" ", 1)[1])
-                except (ValueError, IndexError):
-                    pass
+            if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+                value = _sample_value(line[len(name):])
+                if value is not None:
+                    totals[i] += value
     waiting, running, usage = totals
     return waiting, running, min(1.0, usage)
+
+
+def _sample_value(rest: str) -> float | None:
+    """The value of `{labels} value [timestamp]` (or ` value [timestamp]`)."""
+    if rest[0] == "{":
+        end = rest.rfind("}")
+        if end < 0:
+            return None
+        rest = rest[end + 1:]
+    fields = rest.split()
+    try:
+        value = float(fields[0])
+    except (ValueError, IndexError):
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
 
 
 class PoolUpkeep:
@@ -51,6 +70,7 @@ class PoolUpkeep:
         self.spec = config.health
         self._tasks: list[asyncio.Task] = []
         self.on_change = lambda: None  # called after each round of checks
+        self._bad_metrics: set[str] = set()  # workers whose last scrape was unusable (logged once)
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._health_loop()),
@@ -69,7 +89,8 @@ class PoolUpkeep:
         while True:
             await asyncio.sleep(tick)
             now = asyncio.get_running_loop().time()
-            due = [w for w in self.pool if not w.healthy or now - w.last_probe >= self.spec.interval_s]
+            due = [w for w in self.pool if not w.probing
+                   and (not w.healthy or now - w.last_probe >= self.spec.interval_s)]
             if due:
                 await asyncio.gather(*(self.check(w) for w in due))
                 self.on_change()
@@ -79,6 +100,7 @@ class PoolUpkeep:
 
     async def check(self, worker: Worker) -> bool:
         worker.last_probe = asyncio.get_running_loop().time()
+        worker.probing = True
         try:
             await asyncio.wait_for(self._probe(worker), self.spec.timeout_s)
         except Exception as exc:  # noqa: BLE001 - any failure of the probe counts against the worker
@@ -88,12 +110,17 @@ class PoolUpkeep:
             if worker.record_failure(self.spec.failure_threshold) or not worker.ever_up:
                 log.warning("worker %s down: health probe %s", worker.url, reason)
             return False
+        finally:
+            worker.probing = False
+        first_up = not worker.ever_up
         worker.ever_up = True
         worker.consecutive_failures = 0
         worker.consecutive_successes += 1
-        if not worker.healthy and worker.consecutive_successes >= self.spec.success_threshold:
+        # A new worker is in at its first passing probe; one that went down needs success_threshold.
+        if not worker.healthy and (first_up or
+                                   worker.consecutive_successes >= self.spec.success_threshold):
             worker.healthy = True
-            log.info("worker %s back up", worker.url)
+            log.info("worker %s %s", worker.url, "up" if first_up else "back up")
         return True
 
     async def _probe(self, worker: Worker) -> None:
@@ -122,19 +149,36 @@ class PoolUpkeep:
 
     # -- engine metrics --------------------------------------------------------------------
     async def _metrics_loop(self) -> None:
+        # Nothing a worker answers may end this loop: a dead loop freezes every worker's load.
         while True:
-            await asyncio.gather(*(self.scrape(w) for w in self.pool if w.healthy))
+            try:
+                await asyncio.gather(*(self.scrape(w) for w in self.pool if w.healthy),
+                                     return_exceptions=True)
+            except Exception:  # noqa: BLE001 - logged; the next round runs regardless
+                log.exception("engine metrics round failed")
             await asyncio.sleep(self.spec.metrics_interval_s)
 
     async def scrape(self, worker: Worker) -> None:
+        """One worker's load from its /metrics; any failure leaves the last values in place."""
         try:
             async with self.session.get(worker.url + "/metrics",
                                         timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s)) as resp:
                 if resp.status != 200:
                     return
-                text = await resp.text()
+                body = bytearray()
+                async for chunk in resp.content.iter_chunked(1 << 16):
+                    body += chunk
+                    if len(body) > MAX_METRICS_BYTES:
+                        raise ValueError(f"/metrics is larger than {MAX_METRICS_BYTES} bytes")
+            load = parse_engine_metrics(body.decode("utf-8", "replace"), self.config.engine)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
-        worker.engine_waiting, worker.engine_running, worker.kv_usage = \
-            parse_engine_metrics(text, self.config.engine)
+        except Exception as exc:  # noqa: BLE001 - whatever the engine sent, scraping goes on
+            if worker.url not in self._bad_metrics:
+                self._bad_metrics.add(worker.url)
+                log.warning("worker %s: unusable /metrics answer (%s: %s); its load stays as last "
+                            "scraped", worker.url, type(exc).__name__, exc)
+            return
+        self._bad_metrics.discard(worker.url)
+        worker.engine_waiting, worker.engine_running, worker.kv_usage = load
         worker.last_scrape = asyncio.get_running_loop().time()

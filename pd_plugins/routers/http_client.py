@@ -24,10 +24,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from typing import Callable
 
 import httptools
 
 __all__ = ["Upstream", "Response", "UpstreamError", "UpstreamTimeout"]
+
+
+# Unread body bytes per connection before the client stops reading from the socket.
+MAX_BUFFERED = 1 << 20
 
 
 class UpstreamError(ConnectionError):
@@ -55,6 +60,8 @@ class _Conn(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status, self.headers, self.chunks = 0, [], []
+        self.buffered = 0  # bytes in chunks, not yet taken by the reader
+        self.paused = False
         self.got_bytes = self.headers_done = self.done = False
         self.exc: BaseException | None = None
         self.waiter: asyncio.Future | None = None
@@ -97,6 +104,11 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > MAX_BUFFERED and not self.paused and self.transport is not None:
+            # The reader is behind (a slow client downstream): let TCP push back on the server.
+            self.paused = True
+            self.transport.pause_reading()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -106,6 +118,15 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     # -- helpers ---------------------------------------------------------------------------
+    def take(self) -> list[bytes]:
+        """The body pieces that have arrived; reading resumes if it was paused."""
+        chunks, self.chunks, self.buffered = self.chunks, [], 0
+        if self.paused:
+            self.paused = False
+            if not self.closed and self.transport is not None:
+                self.transport.resume_reading()
+        return chunks
+
     def _wake(self) -> None:
         w = self.waiter
         if w is not None and not w.done():
@@ -160,9 +181,12 @@ class Response:
     async def read(self) -> bytes:
         """The whole body; the connection then goes back to the pool."""
         conn = self._conn
+        parts: list[bytes] = []
         while not conn.done:
+            parts += conn.take()
             await conn.wait()
-        body = b"".join(conn.chunks) if len(conn.chunks) != 1 else conn.chunks[0]
+        parts += conn.take()
+        body = b"".join(parts) if len(parts) != 1 else parts[0]
         self.release()
         return body
 
@@ -173,7 +197,7 @@ class Response:
             if conn.done:
                 return b""
             await conn.wait()
-        chunks, conn.chunks = conn.chunks, []
+        chunks = conn.take()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def rearm(self, timeout: float) -> None:
@@ -184,14 +208,20 @@ class Response:
         self._timer = conn.loop.call_later(timeout, conn.fail, UpstreamTimeout(
             f"no data within {timeout:g}s"))
 
+    def disarm(self) -> None:
+        """Stop the timeout until the next rearm: time the caller spends elsewhere (writing to a
+        slow client) is not the upstream's."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     async def __aiter__(self):
         """The body in the pieces it arrives in (chunked framing already removed)."""
         conn = self._conn
         try:
             while True:
                 if conn.chunks:
-                    chunks, conn.chunks = conn.chunks, []
-                    for c in chunks:
+                    for c in conn.take():
                         yield c
                 elif conn.done:
                     break
@@ -207,7 +237,7 @@ class Response:
             return
         if self._timer is not None:
             self._timer.cancel()
-        if conn.done and not conn.closed and conn.exc is None:
+        if conn.done and not conn.closed and conn.exc is None and not conn.paused:
             self._pool._put(conn)
         else:
             conn.abort()
@@ -250,8 +280,10 @@ class Upstream:
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: dict[str, str] | None = None,
-                      timeout: float | None = None) -> Response:
-        """Send a request; return once the status and headers are in."""
+                      timeout: float | None = None,
+                      on_sent: Callable[[], None] | None = None) -> Response:
+        """Send a request; return once the status and headers are in. `on_sent` is called once
+        the request has been handed to a connection (the server may act on it from then on)."""
         head = [f"{method} {path} HTTP/1.1\r\n".encode(), self._host_line,
                 b"Content-Length: %d\r\n" % len(body)]
         if headers:
@@ -268,13 +300,14 @@ class Upstream:
             if conn is None:
                 conn = await self._connect()
             try:
-                return await self._send(conn, data, timeout)
+                return await self._send(conn, data, timeout, on_sent)
             except _Stale:
                 if attempt:
                     raise UpstreamError("upstream closed the connection twice") from None
         raise AssertionError("unreachable")
 
-    async def _send(self, conn: _Conn, data: bytes, timeout: float | None) -> Response:
+    async def _send(self, conn: _Conn, data: bytes, timeout: float | None,
+                    on_sent: Callable[[], None] | None = None) -> Response:
         conn._reset()
         timer = None
         if timeout is not None:
@@ -282,6 +315,8 @@ class Upstream:
                 f"{self.host}:{self.port} did not answer within {timeout:g}s"))
         try:
             conn.transport.write(data)
+            if on_sent is not None:
+                on_sent()
             while not conn.headers_done:
                 await conn.wait()
         except BaseException:

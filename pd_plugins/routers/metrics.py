@@ -27,6 +27,10 @@ class RouterMetrics:
         self.retries = Counter("pd_router_retries", "Legs retried on another worker", ["leg"], registry=r)
         self.rejections = Counter("pd_router_rejections", "Requests rejected before routing",
                                   ["reason"], registry=r)
+        # Not worker failures: the client closed the connection, or read too slowly.
+        self.client_gone = Counter("pd_router_client_gone", "Requests whose client went away, by "
+                                   "what the router was doing then (prefill, decode, answer) and "
+                                   "how (disconnect, write_timeout)", ["stage", "how"], registry=r)
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
         r.register(_PoolCollector(pool))

@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import msgspec
@@ -22,6 +22,7 @@ from aiohttp import web
 from pd_plugins.routers import accounting
 from pd_plugins.routers.config import RouterConfig
 from pd_plugins.routers.flows import Attempt, PdFlow
+from pd_plugins.routers.flows.base import one_token_body
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
 from pd_plugins.routers.policy.expert_signature import ExpertSignature
@@ -34,6 +35,11 @@ from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, jso
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+STAGE_KEY = "pd_stage"  # on the aiohttp request: prefill | decode | answer, for client_gone
+
+
+class ClientTooSlow(Exception):
+    """A write to the client did not complete within timeouts.client_write_s."""
 
 
 def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> bytes:
@@ -60,6 +66,7 @@ class Proxy:
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._ok = {d: metrics.requests.labels(d, "ok") for d in ("disaggregated", "local")}
+        self._releases: set[asyncio.Task] = set()  # KV releases for clients that left (_release)
 
     # -- the request ----------------------------------------------------------------------
     async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
@@ -100,6 +107,11 @@ class Proxy:
                               frozenset(excluded_decode))
             try:
                 return await self._run(http, attempt, started, history)
+            except asyncio.CancelledError:
+                # The client disconnected (aiohttp cancels the handler): _run closed the legs.
+                self.metrics.client_gone.labels(http.get(STAGE_KEY, "prefill"), "disconnect").inc()
+                self.metrics.requests.labels(_decision_label(decision), "client_gone").inc()
+                raise
             except RequestRefused as refused:
                 self.metrics.requests.labels(_decision_label(decision), "refused").inc()
                 return web.Response(status=refused.status, body=refused.body,
@@ -144,33 +156,45 @@ class Proxy:
     async def _run(self, http: web.Request, attempt: Attempt, started: float,
                    history: list[str]) -> web.StreamResponse:
         decision, info = attempt.decision, attempt.request.info
-        decode_body, prefill_task = await self.flow.prepare(attempt, self._prefill_leg)
+        http[STAGE_KEY] = "prefill"
+        decode_body, prefill_task = await self._prepare(attempt)
+        http[STAGE_KEY] = "decode"
         if prefill_task is None and info.expert_histogram is not None:
             # ELDR: the prefill reported the prompt's experts; the decode leg has not started
             attempt.decision = decision = self.scheduler.rebind_decode(
                 info, decision, set(attempt.excluded_decode))
         decode = decision.decode
-        accounting.decode_started(decode, info)
+        decode_charge = accounting.decode_started(decode, info)
         # A local prefill queues on the decode worker until its first token: policies see it there.
         local_uncached = (accounting.local_prefill_started(self.ctx, decode, info)
                           if decision.prefill is None else 0)
         decode_started = time.monotonic()
+        decode_sent = asyncio.Event()  # set once the decode leg's request is on its way
         try:
             if prefill_task is None:  # pull flow or local prefill: nothing runs alongside
-                first = self._decode_first(attempt, decode_body)
+                first = self._decode_first(attempt, decode_body, decode_sent.set)
             else:
                 first = asyncio.create_task(self._decode_first(attempt, decode_body))
-                await asyncio.wait({first, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    await asyncio.wait({first, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
+                except asyncio.CancelledError:  # the client left: close both legs now
+                    first.cancel()
+                    prefill_task.cancel()
+                    await asyncio.gather(first, prefill_task, return_exceptions=True)
+                    raise
                 if prefill_task.done() and prefill_task.exception() is not None and not first.done():
                     first.cancel()  # closes the decode leg: the engine aborts it
                     await asyncio.gather(first, return_exceptions=True)
                     raise prefill_task.exception()
             try:
                 resp, payload = await first
-            except BaseException:
+            except BaseException as exc:
                 if prefill_task is not None:
                     prefill_task.cancel()
                     await asyncio.gather(prefill_task, return_exceptions=True)
+                elif (isinstance(exc, asyncio.CancelledError) and decision.prefill is not None
+                      and not decode_sent.is_set()):
+                    self._release_later(attempt, decode_body)
                 raise
             finally:
                 accounting.local_prefill_ended(decode, local_uncached)
@@ -179,14 +203,54 @@ class Proxy:
                 prefill_task.add_done_callback(_consume)
             decode.record_success()
             header = self._route_header(decision, history, info)
+            http[STAGE_KEY] = "answer"
             if not info.stream:
                 self._finish(attempt, started, decode_started)
-                return web.Response(body=payload, headers={"Content-Type": "application/json",
-                                                           "x-pd-route": header})
+                return await self._send_whole(http, payload, {"Content-Type": "application/json",
+                                                              "x-pd-route": header})
             return await self._relay_stream(http, attempt, resp, payload, header, started, decode_started)
         finally:
             accounting.local_prefill_ended(decode, local_uncached)  # when never reached
-            accounting.decode_ended(decode, info)
+            accounting.decode_ended(decode, info, decode_charge)
+
+    async def _prepare(self, attempt: Attempt) -> tuple[dict[str, Any], asyncio.Task | None]:
+        """The flow's prepare (the pull prefill leg), in a task of its own so that a client
+        leaving just as the prefill answers loses no answer: the KV it holds is then released."""
+        task = asyncio.ensure_future(self.flow.prepare(attempt, self._prefill_leg))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0)  # an answer already received completes the task now
+            if not task.done():
+                task.cancel()  # closes the prefill leg: the engine aborts it and frees its KV
+                await asyncio.gather(task, return_exceptions=True)
+            elif not task.cancelled() and task.exception() is None:
+                decode_body, prefill_task = task.result()
+                if prefill_task is not None:
+                    prefill_task.cancel()
+                elif attempt.decision.prefill is not None:
+                    self._release_later(attempt, decode_body)
+            raise
+
+    def _release_later(self, attempt: Attempt, decode_body: dict[str, Any]) -> None:
+        """The client left after the prefill answered but before the decode leg went out: the
+        prefill holds the prompt's KV under its lease for a read that will never come. A one-token
+        decode leg reads it, which frees it on the prefill now; nobody waits for the answer."""
+        task = asyncio.create_task(self._release(attempt, one_token_body(decode_body)))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, attempt: Attempt, body: dict[str, Any]) -> None:
+        worker = attempt.decision.decode
+        try:
+            await json_leg(self.pools, worker, "decode", attempt.path, body, attempt.request_id,
+                           self.timeouts.decode_first_byte_s)
+            log.info("request %s: client left after its prefill; the KV was released through "
+                     "decode %s", attempt.request_id, worker.url)
+        except (WorkerFailed, RequestRefused) as exc:
+            log.warning("request %s: client left after its prefill, and releasing its KV through "
+                        "decode %s failed (the prefill's lease frees it): %s",
+                        attempt.request_id, worker.url, exc)
 
     async def _prefill_leg(self, attempt: Attempt, body: dict[str, Any]) -> dict[str, Any]:
         worker, info = attempt.decision.prefill, attempt.request.info
@@ -215,12 +279,13 @@ class Proxy:
                                      cached if isinstance(cached, int) else None, self.record_prefixes)
         return answer
 
-    async def _decode_first(self, attempt: Attempt, body: dict[str, Any]):
+    async def _decode_first(self, attempt: Attempt, body: dict[str, Any],
+                            on_sent: Callable[[], None] | None = None):
         """Open the decode leg; return it with its first chunk (streaming) or whole body."""
         worker = attempt.decision.decode
         timeouts = self.timeouts
         resp = await open_leg(self.pools, worker, "decode", attempt.path, body,
-                              attempt.request_id, timeouts.decode_first_byte_s)
+                              attempt.request_id, timeouts.decode_first_byte_s, on_sent)
         if not attempt.request.info.stream:
             resp.rearm(timeouts.decode_total_s)
             payload = await read_body(resp, worker, "decode", timeouts.decode_total_s)
@@ -246,12 +311,14 @@ class Proxy:
                             first_chunk: bytes, header: str, started: float,
                             decode_started: float) -> web.StreamResponse:
         out = web.StreamResponse(headers={**SSE_HEADERS, "x-pd-route": header})
-        await out.prepare(http)
         first_at = time.monotonic()
         last_at, events = first_at, first_chunk.count(b"data:")
         idle_s, deadline = self.timeouts.decode_idle_s, decode_started + self.timeouts.decode_total_s
         try:
-            await out.write(first_chunk)
+            resp.disarm()  # the decode's timeouts do not run while the client is written to
+            await self._to_client(http, out, first_chunk)
+            # the time a slow client takes is not the decode's: its deadline moves by as much
+            deadline += time.monotonic() - first_at
             while True:
                 resp.rearm(max(0.001, min(idle_s, deadline - time.monotonic())))
                 chunk = await resp.next_chunk()
@@ -259,7 +326,12 @@ class Proxy:
                     break
                 events += chunk.count(b"data:")
                 last_at = time.monotonic()
-                await out.write(chunk)
+                resp.disarm()
+                await self._to_client(http, out, chunk)
+                deadline += time.monotonic() - last_at
+        except ClientTooSlow:
+            self._client_too_slow(http, attempt)
+            return out  # releasing resp closes the leg and aborts the decode
         except UpstreamError as exc:
             message = ("stream stalled past the idle timeout" if isinstance(exc, UpstreamTimeout)
                        else str(exc))
@@ -268,10 +340,14 @@ class Proxy:
             log.warning("request %s: decode %s failed mid-stream: %s", attempt.request_id, worker.url, message)
             self.metrics.requests.labels(_decision_label(attempt.decision), "error").inc()
             await _write_quietly(out, b"data: " + error_body(502, f"decode worker failed mid-stream: "
-                                                                  f"{message}") + b"\n\n")
+                                                                  f"{message}") + b"\n\n",
+                                 self.timeouts.client_write_s)
             return out
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            return out  # the client left; releasing resp closes the leg and aborts the decode
+            # the client left; releasing resp closes the leg and aborts the decode
+            self.metrics.client_gone.labels("answer", "disconnect").inc()
+            self.metrics.requests.labels(_decision_label(attempt.decision), "client_gone").inc()
+            return out
         finally:
             resp.release()
         tokens = max(1, events - 1)  # the last event is [DONE]
@@ -281,8 +357,44 @@ class Proxy:
             self.metrics.tpot.observe(tpot)
             accounting.decode_observed(self.ctx, attempt.decision.decode, tpot)
         self._finish(attempt, started, decode_started)
-        await _write_quietly(out, None)
+        await _write_quietly(out, None, self.timeouts.client_write_s)
         return out
+
+    async def _to_client(self, http: web.Request, out: web.StreamResponse, data: bytes,
+                         eof: bool = False) -> None:
+        """One write to the client under `timeouts.client_write_s` (ClientTooSlow past it)."""
+        try:
+            async with asyncio.timeout(self.timeouts.client_write_s):
+                if not out.prepared:
+                    await out.prepare(http)
+                await out.write(data)
+                if eof:
+                    await out.write_eof()
+        except TimeoutError:
+            raise ClientTooSlow from None
+
+    async def _send_whole(self, http: web.Request, payload: bytes,
+                          headers: dict[str, str]) -> web.StreamResponse:
+        """A non-streaming answer, written under the client write timeout."""
+        out = web.StreamResponse(headers=headers)
+        out.content_length = len(payload)
+        try:
+            await self._to_client(http, out, payload, eof=True)
+        except ClientTooSlow:
+            self._client_too_slow(http, None)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            self.metrics.client_gone.labels("answer", "disconnect").inc()
+        return out
+
+    def _client_too_slow(self, http: web.Request, attempt: Attempt | None) -> None:
+        """Drop a client that does not read its answer: the client's fault, not the worker's."""
+        self.metrics.client_gone.labels("answer", "write_timeout").inc()
+        if attempt is not None:
+            self.metrics.requests.labels(_decision_label(attempt.decision), "client_gone").inc()
+        log.warning("client %s did not read its answer within %g s: connection closed",
+                    http.remote, self.timeouts.client_write_s)
+        if http.transport is not None:
+            http.transport.abort()
 
     def _finish(self, attempt: Attempt, started: float, decode_started: float) -> None:
         now = time.monotonic()
@@ -297,6 +409,11 @@ class Proxy:
                 self.sharing.push(session_id)  # in the background; never fails the request
 
     def _route_header(self, decision: Decision, history: list[str], info: RequestInfo) -> str:
+        """`route_header`: minimal tells a client only what happened to its request (no worker
+        URLs, scores or session ids, which map the deployment for anyone who can send one)."""
+        if self.config.route_header != "full":
+            retried = f", retried={len(history)}" if history else ""
+            return f"route={_decision_label(decision)}{retried}"
         prefill = decision.prefill.url if decision.prefill else "local"
         session = (f", session={info.session_id}, turn={info.turn + 1}"
                    if info.session_id and self.sessions is not None else "")
@@ -318,10 +435,11 @@ def _consume(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def _write_quietly(out: web.StreamResponse, data: bytes | None) -> None:
+async def _write_quietly(out: web.StreamResponse, data: bytes | None, timeout_s: float) -> None:
     try:
-        if data is not None:
-            await out.write(data)
-        await out.write_eof()
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError):
+        async with asyncio.timeout(timeout_s):
+            if data is not None:
+                await out.write(data)
+            await out.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, RuntimeError, TimeoutError):
         pass

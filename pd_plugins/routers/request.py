@@ -1,11 +1,15 @@
 """Turn a client's OpenAI request into a checked body plus what the policies need to know.
 
 Cheap checks only (the engine validates the rest and its 4xx is passed through): the body is a JSON
-object, the prompt or messages are there and well-formed, max_tokens is sane, the model is served.
+object nested at most MAX_JSON_DEPTH deep, the prompt or messages are there and well-formed,
+max_tokens is sane, the model is served, a client's X-Request-Id is short printable ASCII.
 `block_size=None` skips the prefix block keys (no policy piece reads them).
-Transfer fields (`kv_transfer_params`, `bootstrap_*`) are the router's alone: a client that sends
-them is refused or has them removed (`client_transfer_fields`), so it can never point a decode at
-KV blocks it does not own.
+Transfer fields are the router's alone, wherever they hide: top level (`kv_transfer_params`,
+`ec_transfer_params`, SGLang's `bootstrap_*`, `disagg_*` and DP-rank fields) and inside
+`vllm_xargs`, which vLLM copies into SamplingParams.extra_args and reads `kv_transfer_params`,
+`ec_transfer_params` and `kv_cache_report_mode` back from (vllm/v1/request.py). A client that sends
+one is refused or has it removed (`client_transfer_fields`), so it can never point a decode at KV
+blocks it does not own, nor hand an engine a malformed one.
 """
 
 from __future__ import annotations
@@ -18,8 +22,15 @@ import msgspec
 from pd_plugins.routers.policy.base import RequestInfo
 from pd_plugins.routers.policy.prefix_index import block_keys, text_block_keys
 
-TRANSFER_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                   "bootstrap_pair_key", "disagg_prefill_dp_rank", "data_parallel_rank")
+TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params", "bootstrap_host", "bootstrap_port",
+                   "bootstrap_room", "bootstrap_pair_key", "disagg_prefill_dp_rank",
+                   "data_parallel_rank", "routed_dp_rank", "kv_cache_report_mode")
+# SGLang's PD fields, also ones a later version adds; any *_transfer_params (vLLM's connectors)
+TRANSFER_PREFIXES = ("bootstrap_", "disagg_")
+TRANSFER_SUFFIX = "_transfer_params"
+MAX_JSON_DEPTH = 64  # far deeper than any OpenAI request (tool schemas nest a few levels)
+MAX_REQUEST_ID = 128
+XARGS_INT_RANGE = (-(2**63), 2**64)  # vLLM's extra_args travel as MessagePack integers
 SESSION_HEADERS = ("x-session-id", "x-conversation-id", "x-user-id")
 SESSION_FIELDS = ("session_id", "user")  # body fields, after the headers
 MAX_SESSION_ID = 128
@@ -58,17 +69,21 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
                   tokenize: Tokenize | None = None) -> ClientRequest:
     try:
         body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # e.g. 1e999: out of range
         raise BadRequest(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
-
-    for name in TRANSFER_FIELDS:
-        if name in body:
-            if not strip_transfer_fields:
-                raise BadRequest(400, f"'{name}' is set by the router and may not come from a "
-                                      "client", param=name)
-            del body[name]
+    _check_depth(body, raw)
+    _check_request_id(headers)
+    _remove_transfer_fields(body, "", strip_transfer_fields)
+    xargs = body.get("vllm_xargs")
+    if xargs is not None:
+        if not isinstance(xargs, dict):
+            raise BadRequest(400, "'vllm_xargs' must be an object", param="vllm_xargs")
+        _remove_transfer_fields(xargs, "vllm_xargs.", strip_transfer_fields)
+        _check_xargs(xargs)
 
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -81,12 +96,14 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
     if not isinstance(stream, bool):
         raise BadRequest(400, "'stream' must be true or false", param="stream")
 
-    limit_key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
+    for key in ("max_tokens", "max_completion_tokens"):  # both checked: an engine may read either
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise BadRequest(400, f"'{key}' must be a positive integer (got {_short(value)})", param=key)
+    limit_key = ("max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None
+                 else "max_tokens")
     max_tokens = body.get(limit_key)
     if max_tokens is not None:
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise BadRequest(400, f"'{limit_key}' must be a positive integer (got {max_tokens!r})",
-                             param=limit_key)
         if max_model_len is not None and max_tokens >= max_model_len:
             raise BadRequest(400, f"'{limit_key}' = {max_tokens} does not fit the model's "
                                   f"context of {max_model_len} tokens", param=limit_key)
@@ -109,6 +126,59 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
     info = RequestInfo(prompt_tokens=prompt_tokens, block_keys=keys, max_tokens=max_tokens,
                        stream=stream, session_id=session, exact_tokens=exact)
     return ClientRequest(kind, body, info)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _is_transfer_field(name: str) -> bool:
+    return name in TRANSFER_FIELDS or name.startswith(TRANSFER_PREFIXES) or name.endswith(TRANSFER_SUFFIX)
+
+
+def _remove_transfer_fields(fields: dict, where: str, strip: bool) -> None:
+    for name in [k for k in fields if _is_transfer_field(k)]:
+        if not strip:
+            raise BadRequest(400, f"'{where}{name}' is set by the router and may not come from a "
+                                  "client", param=where + name)
+        del fields[name]
+
+
+def _check_xargs(xargs: dict) -> None:
+    """vLLM's schema: each value a string or number, or a list of them (a 400 here, not from the
+    engine after a prefill leg ran)."""
+    for key, value in xargs.items():
+        for item in value if isinstance(value, list) else (value,):
+            if not isinstance(item, (str, int, float)):
+                raise BadRequest(400, f"'vllm_xargs.{key}' must be a string or a number, or a list "
+                                      "of them", param=f"vllm_xargs.{key}")
+            if isinstance(item, int) and not XARGS_INT_RANGE[0] <= item < XARGS_INT_RANGE[1]:
+                raise BadRequest(400, f"'vllm_xargs.{key}' holds an integer out of the 64-bit "
+                                      "range", param=f"vllm_xargs.{key}")
+
+
+def _check_depth(body: dict, raw: bytes) -> None:
+    # Only a body with that many brackets can nest that deep: counting them runs in C, so a
+    # normal request never pays for the walk.
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    level, depth = [body], 1
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            raise BadRequest(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        depth += 1
+
+
+def _check_request_id(headers: Any) -> None:
+    """A client's X-Request-Id goes into the legs' ids and logs: short printable ASCII only (a
+    header that is not UTF-8 arrives here with surrogates, which are not ASCII)."""
+    value = headers.get("X-Request-Id")
+    if value and (len(value) > MAX_REQUEST_ID or not value.isascii() or not value.isprintable()):
+        raise BadRequest(400, f"X-Request-Id must be at most {MAX_REQUEST_ID} printable ASCII "
+                              "characters", param="X-Request-Id")
 
 
 def _session_id(headers: Any, body: dict) -> str | None:
@@ -134,6 +204,8 @@ def _completion_prompt(body: dict) -> tuple[list[int] | None, str]:
     prompt = body.get("prompt")
     if prompt is None:
         raise BadRequest(400, "'prompt' is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = body["prompt"] = prompt[0]  # a batch of one: unwrapped once, never recursively
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest(400, "'prompt' is empty", param="prompt")
@@ -143,9 +215,6 @@ def _completion_prompt(body: dict) -> tuple[list[int] | None, str]:
         if min(prompt) < 0:
             raise BadRequest(400, "'prompt' token ids must be >= 0", param="prompt")
         return prompt, ""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        body["prompt"] = prompt[0]
-        return _completion_prompt(body)
     if isinstance(prompt, list) and len(prompt) > 1:
         raise BadRequest(400, "batched prompts are not supported by PD serving: send one prompt "
                               "per request", param="prompt")
@@ -164,8 +233,27 @@ def _chat_prompt(body: dict) -> tuple[None, str]:
         if isinstance(content, str):
             parts.append(f"{message['role']}: {content}\n")
         elif isinstance(content, list):
-            parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.extend(_text_parts(content, i))
         elif content is not None:
             raise BadRequest(400, f"messages[{i}].content must be a string or a list of parts",
                              param="messages")
     return None, "".join(parts)
+
+
+def _text_parts(content: list, i: int) -> list[str]:
+    """The text of a message's content parts (vLLM takes a part as a string or an object; an
+    object's `text`, when there, is a string)."""
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):
+            texts.append(part)
+        elif isinstance(part, dict):
+            text = part.get("text")
+            if text is not None and not isinstance(text, str):
+                raise BadRequest(400, f"messages[{i}].content[{j}].text must be a string",
+                                 param="messages")
+            texts.append(text or "")
+        else:
+            raise BadRequest(400, f"messages[{i}].content[{j}] must be a string or an object",
+                             param="messages")
+    return texts

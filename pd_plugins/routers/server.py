@@ -9,6 +9,7 @@ import aiohttp
 from aiohttp import web
 
 from pd_plugins.routers.admin import AdminApi
+from pd_plugins.routers.client_auth import api_key_middleware, load_api_keys, tls_context
 from pd_plugins.routers.config import RouterConfig, WorkerSpec
 from pd_plugins.routers.flows import flow_for
 from pd_plugins.routers.health import PoolUpkeep
@@ -57,16 +58,20 @@ class Router:
         self._subscribers: dict[str, asyncio.Task] = {}
         # kv_pool value -> its view
         self._pool_views: dict[str, PoolPrefixView | LearnedPoolView] = {}
-        for spec in config.prefill:
-            self.pool.add(spec, "prefill")
+        for spec in config.prefill:  # each takes requests once a health probe passed
+            self.pool.add(spec, "prefill", probe_first=True)
         for spec in config.decode:
-            self.pool.add(spec, "decode")
+            self.pool.add(spec, "decode", probe_first=True)
         self.session: aiohttp.ClientSession | None = None
         self._models: set[str] = set()
         self._max_model_len: int | None = None
         self._key_block_size = config.block_size if self.scheduler.uses_prefix_index else None
         self.proxy: Proxy | None = None
         self.upkeep: PoolUpkeep | None = None
+        self.admin = AdminApi(self, config.admin_token)
+        # the edge: both read here, so --check-config and startup fail on a bad key file or cert
+        self.api_keys = load_api_keys(config)
+        self.tls = tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
 
     # -- lifecycle --------------------------------------------------------------------------
     async def startup(self, app: web.Application) -> None:
@@ -88,9 +93,11 @@ class Router:
         self.refresh_served()
         self.upkeep.on_change = self.refresh_served
         self.upkeep.start()
-        log.info("pd-router ready on http://%s:%d: %d prefill, %d decode (%s, %s)", self.config.host,
-                 self.config.port, len(self.pool.by_role("prefill")), len(self.pool.by_role("decode")),
-                 self.config.engine, self.config.mode)
+        log.info("pd-router ready on %s://%s:%d: %d prefill, %d decode (%s, %s)%s",
+                 "https" if self.tls else "http", self.config.host, self.config.port,
+                 len(self.pool.by_role("prefill")), len(self.pool.by_role("decode")),
+                 self.config.engine, self.config.mode,
+                 f"; {len(self.api_keys)} API key(s)" if self.api_keys else "")
 
     async def cleanup(self, app: web.Application) -> None:
         if self.upkeep:
@@ -113,16 +120,19 @@ class Router:
             if view is None:
                 view = self._pool_views[path] = (
                     LearnedPoolView(path) if path.startswith(LEARNED_POOL_PREFIX)
-                    else PoolPrefixView(path))
+                    else PoolPrefixView(path, group=worker.spec.kv_pool_group))
             self.prefix_index.attach_pool(worker.url, view)
         if worker.spec.kv_events and worker.url not in self._subscribers:
-            sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events)
+            sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events,
+                                    allow_any_host=worker.spec.kv_events_bind_any)
             self._subscribers[worker.url] = asyncio.create_task(sub.run())
 
     async def add_worker(self, spec: WorkerSpec, role: str) -> Worker:
-        worker = self.pool.add(spec, role)
+        # Not routable until its probe passes: a worker that accepts connections but never
+        # answers would otherwise hold requests for as long as the probe waits.
+        worker = self.pool.add(spec, role, probe_first=True)
         self._subscribe(worker)
-        if self.upkeep:
+        if self.upkeep and not worker.probing:
             await self.upkeep.check(worker)
         self.refresh_served()
         return worker
@@ -175,10 +185,12 @@ class Router:
         return web.json_response({"status": "ok"})
 
     async def ready(self, http: web.Request) -> web.Response:
+        """Counts for every probe; the workers (URLs, load) only with the admin token."""
         decodes = len(self.pool.usable("decode"))
         prefills = len(self.pool.usable("prefill"))
-        body = {"ready": decodes > 0, "usable_decode": decodes, "usable_prefill": prefills,
-                "workers": self.pool.snapshot()}
+        body = {"ready": decodes > 0, "usable_decode": decodes, "usable_prefill": prefills}
+        if self.admin.allows(http):
+            body["workers"] = self.pool.snapshot()
         return web.json_response(body, status=200 if decodes > 0 else 503)
 
     async def prometheus(self, http: web.Request) -> web.Response:
@@ -186,11 +198,13 @@ class Router:
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
+        middlewares = ([api_key_middleware(self.api_keys, self.config.metrics_need_api_key)]
+                       if self.api_keys else [])
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=middlewares)
         app.add_routes([web.post(path, self.generate) for path in ENDPOINTS])
         app.add_routes([web.get("/v1/models", self.models), web.get("/health", self.health),
                         web.get("/ready", self.ready), web.get("/metrics", self.prometheus)])
-        app.add_routes(AdminApi(self, self.config.admin_token).routes())
+        app.add_routes(self.admin.routes())
         app.on_startup.append(self.startup)
         app.on_cleanup.append(self.cleanup)
         return app

@@ -8,7 +8,7 @@ worker would refuse it too. Legs go through `http_client` (one keep-alive pool p
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -68,13 +68,16 @@ def _failure(worker: Any, leg: str, exc: UpstreamError, timeout_s: float) -> Wor
 
 
 async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
-                   request_id: str, timeout_s: float) -> Response:
+                   request_id: str, timeout_s: float,
+                   on_sent: Callable[[], None] | None = None) -> Response:
     """POST and wait for the response headers; non-2xx answers are classified and raised.
 
-    The timeout keeps running over the body until the caller re-arms it (Response.rearm)."""
+    The timeout keeps running over the body until the caller re-arms it (Response.rearm).
+    `on_sent`: called once the request is on its way to the worker."""
     headers = {**JSON_HEADERS, "X-Request-Id": request_id}
     try:
-        resp = await pools.get(worker.url).request("POST", path, _encode(body), headers, timeout_s)
+        resp = await pools.get(worker.url).request("POST", path, _encode(body), headers, timeout_s,
+                                                   on_sent)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc, timeout_s) from None
     if resp.status == 200:

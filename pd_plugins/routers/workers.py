@@ -28,6 +28,7 @@ class Worker:
     consecutive_successes: int = 0
     last_probe: float = 0.0         # monotonic time of the last health probe
     ever_up: bool = False           # a probe has succeeded at least once
+    probing: bool = False           # a health probe is in flight (one at a time)
     in_flight: int = 0              # requests with a leg running on this worker now
     in_flight_prefill_tokens: int = 0  # uncached prompt tokens queued for prefill here
     in_flight_tokens: int = 0       # prompt tokens of every request in flight here (KV it holds)
@@ -75,13 +76,16 @@ class WorkerPool:
     def __init__(self) -> None:
         self._workers: dict[tuple[Role, str], Worker] = {}
 
-    def add(self, spec: WorkerSpec, role: Role) -> Worker:
+    def add(self, spec: WorkerSpec, role: Role, probe_first: bool = False) -> Worker:
+        """A new worker; with `probe_first` it takes no requests until a health probe passed
+        (the router's choice: a worker that accepts connections but never answers must not get
+        traffic while its first probe waits out the timeout)."""
         key = (role, spec.url)
         existing = self._workers.get(key)
         if existing is not None:
             existing.draining = False
             return existing
-        worker = Worker(spec, role)
+        worker = Worker(spec, role, healthy=not probe_first)
         self._workers[key] = worker
         return worker
 

@@ -47,6 +47,10 @@ class MockEngineProcess(ManagedProcess):
     def stats(self) -> dict:
         return requests.get(f"{self.url}/mock/stats", timeout=5).json()
 
+    def bodies(self) -> list[dict]:
+        """The last request bodies this engine received (canaries aside), oldest first."""
+        return requests.get(f"{self.url}/mock/bodies", timeout=5).json()["bodies"]
+
     def set_faults(self, **faults: float) -> dict:
         return requests.post(f"{self.url}/mock/faults", json=faults, timeout=5).json()
 

@@ -134,7 +134,7 @@ def routed(expected, pool):
     pd = pool.get(CONFIG)
     router = RouterProcess("router-multi-turn", prefill=[[pd.prefill.url]], decode=[[pd.decode.url]],
                            args=("--transfer", "pull", "--policy", "multi_turn",
-                                 "--block-size", str(BLOCK), "--log-format", "text"),
+                                 "--block-size", str(BLOCK), "--log-format", "text", "--route-header", "full"),
                            # No canary generations: they would show up in the engines' counters.
                            config={"health": {"interval_s": 30, "canary": False},
                                    "timeouts": {"prefill_s": 60, "decode_first_byte_s": 60}})

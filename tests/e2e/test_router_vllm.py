@@ -42,7 +42,7 @@ def routed(request, pool):
         prefill += [f"engine_id={pd.target.engine_id}", f"kv_port={pd.target.side_channel_port}"]
     router = RouterProcess("router", prefill=[prefill], decode=[[pd.decode.url]],
                            args=("--transfer", pd.config.mode, "--policy", "round_robin",
-                                 "--block-size", "32", "--log-format", "text"),
+                                 "--block-size", "32", "--log-format", "text", "--route-header", "full"),
                            config={"push_head_start_s": 0.3, "health": {"interval_s": 30},
                                    # A stalled first push handshake (upstream, issue 10) is retried.
                                    "timeouts": {"prefill_s": 120, "decode_first_byte_s": 120},
@@ -140,7 +140,8 @@ def test_prefix_index_follows_real_vllm_kv_events(references, pool):
                         extra_args=("--kv-events-config", json.dumps(events)))
     # vLLM connects to a non-wildcard endpoint, so the router binds it (loopback only).
     router = RouterProcess("router-events", decode=[[server.url, f"kv_events=bind:tcp://127.0.0.1:{port}"]],
-                           args=("--policy", "prefix_cache", "--block-size", "32", "--log-format", "text"),
+                           args=("--policy", "prefix_cache", "--block-size", "32", "--log-format", "text",
+                                 "--route-header", "full"),
                            config={"health": {"interval_s": 30}})
     try:
         start_all([server], timeout=600)

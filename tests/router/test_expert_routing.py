@@ -26,7 +26,7 @@ def decode_of(route: str) -> str:
 def test_eldr_sends_a_decode_where_its_experts_already_run():
     prefills, decodes = mocks("vllm", decodes=3, prefill_args=("--moe-experts", "2,16"),
                               decode_args=("--tpot-ms", "40"))
-    with deployment(prefills, decodes, "--policy", "eldr") as router, ThreadPoolExecutor(4) as pool:
+    with deployment(prefills, decodes, "--policy", "eldr", "--route-header", "full") as router, ThreadPoolExecutor(4) as pool:
         first = pool.submit(post, router, CODE, 80)  # ~3 s of decoding: its footprint stays
         wait_until(lambda: sum(d.stats().get("remote_decodes", 0) for d in decodes) == 1,
                    what="the first decode leg")

@@ -78,7 +78,7 @@ def test_kill_decode_with_200_requests_in_flight():
 @pytest.mark.parametrize("fault", ["fail_rate", "garbage_rate"])
 def test_failing_prefill_is_retried_on_another(fault):
     prefills, decodes = mocks(prefills=2)
-    with deployment(prefills, decodes, "--policy", "round_robin") as router:
+    with deployment(prefills, decodes, "--policy", "round_robin", "--route-header", "full") as router:
         prefills[0].set_faults(**{fault: 1.0})
         for _ in range(6):
             resp = post(router)
@@ -91,7 +91,7 @@ def test_failing_prefill_is_retried_on_another(fault):
 
 def test_no_usable_prefill_falls_back_to_local_prefill_or_fails_clearly():
     prefills, decodes = mocks()
-    with deployment(prefills, decodes, "--policy", "round_robin") as router:
+    with deployment(prefills, decodes, "--policy", "round_robin", "--route-header", "full") as router:
         prefills[0].set_faults(fail_rate=1.0)
         resp = post(router)
         assert resp.status_code == 200 and "prefill=local" in resp.headers["x-pd-route"]
@@ -108,7 +108,8 @@ def test_no_usable_prefill_falls_back_to_local_prefill_or_fails_clearly():
 def test_hanging_workers_hit_their_timeouts_and_are_routed_around():
     prefills, decodes = mocks(prefills=2, decodes=2)
     config = {"timeouts": {"prefill_s": 1.0, "decode_first_byte_s": 1.0}}
-    with deployment(prefills, decodes, "--policy", "round_robin", config=config) as router:
+    with deployment(prefills, decodes, "--policy", "round_robin", "--route-header", "full",
+                    config=config) as router:
         prefills[0].set_faults(hang_rate=1.0)
         decodes[0].set_faults(hang_rate=1.0)
         for _ in range(4):

@@ -34,7 +34,7 @@ def test_flow_streaming_and_not_chat_and_completions(engine, transfer):
     prefills, decodes = mocks(engine, push=transfer == "push")
     reference = mocks(engine)[1][0]  # an aggregated server answering on its own
     reference.role = "both"
-    args = ("--engine", engine, "--transfer", transfer, "--policy", "round_robin")
+    args = ("--engine", engine, "--transfer", transfer, "--policy", "round_robin", "--route-header", "full")
     with deployment(prefills, decodes, *args) as router:
         reference.start().wait_healthy(30)
         try:
@@ -61,7 +61,7 @@ def test_flow_streaming_and_not_chat_and_completions(engine, transfer):
 
 def test_short_prompt_is_prefilled_on_the_decode_worker():
     prefills, decodes = mocks()
-    with deployment(prefills, decodes, "--policy", "prefix_cache") as router:
+    with deployment(prefills, decodes, "--policy", "prefix_cache", "--route-header", "full") as router:
         resp = requests.post(router.url + "/v1/completions",
                              json={"model": "mock", "prompt": "hi there", "max_tokens": 3}, timeout=10)
         assert resp.status_code == 200
@@ -72,7 +72,8 @@ def test_short_prompt_is_prefilled_on_the_decode_worker():
 
 def test_sidecar_mode_uses_its_decode_and_chooses_the_prefill():
     prefills, decodes = mocks(prefills=2)
-    with deployment(prefills, decodes, "--mode", "sidecar", "--policy", "least_loaded") as router:
+    with deployment(prefills, decodes, "--mode", "sidecar", "--policy", "least_loaded",
+                    "--route-header", "full") as router:
         for _ in range(4):
             resp = requests.post(router.url + "/v1/completions",
                                  json={"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 3}, timeout=10)
@@ -98,7 +99,8 @@ def test_sglang_decodes_never_prefill_and_keep_the_conversation():
     pinned decode, whose radix cache gives the prefill decode_prefix_len (SGLang's own
     mechanism), so only the new pages move."""
     prefills, decodes = mocks("sglang", decodes=2)
-    with deployment(prefills, decodes, "--engine", "sglang", "--policy", "multi_turn") as router:
+    with deployment(prefills, decodes, "--engine", "sglang", "--policy", "multi_turn",
+                    "--route-header", "full") as router:
         routes, prompt = [], "hi there"
         for turn in range(3):
             resp = requests.post(router.url + "/v1/completions",

@@ -191,7 +191,8 @@ def _routers(prefills, decodes, redis_url, count=2):
     sessions = {"redis_url": redis_url, "redis_prefix": "it:", "redis_timeout_s": 0.5}
     return [RouterProcess(f"router-{name}", prefill=[p.worker_arg() for p in prefills],
                           decode=[d.worker_arg() for d in decodes[::step]], args=("--log-format", "text"),
-                          config={"health": HEALTH, "policy": POLICY, "sessions": sessions})
+                          config={"health": HEALTH, "policy": POLICY, "sessions": sessions,
+                                  "route_header": "full"})
             for name, step in zip("ab"[:count], (1, -1))]
 
 

@@ -71,3 +71,39 @@ policy:
 def test_invalid_configurations_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
         config(*argv)
+
+
+DECODE = ("--decode", "http://127.0.0.1:8200")
+
+
+def test_edge_options_from_flags_and_environment(tmp_path, monkeypatch):
+    keys = tmp_path / "keys"
+    keys.write_text("# comment\nfile-key-1\n\n  file-key-2  \n")
+    monkeypatch.setenv("PD_ROUTER_API_KEYS", "env-key-1, env-key-2,")
+    cfg = config(*DECODE, "--api-key-file", str(keys), "--route-header", "full")
+    assert cfg.api_keys == ["env-key-1", "env-key-2"] and cfg.api_key_file == str(keys)
+    assert cfg.route_header == "full"
+    from pd_plugins.routers.client_auth import load_api_keys
+    assert load_api_keys(cfg) == [b"env-key-1", b"env-key-2", b"file-key-1", b"file-key-2"]
+    monkeypatch.delenv("PD_ROUTER_API_KEYS")
+    assert config(*DECODE).route_header == "minimal" and config(*DECODE).api_keys == []
+
+
+def test_bad_edge_options_fail_at_startup_naming_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("PD_ROUTER_API_KEYS", raising=False)
+    with pytest.raises(ConfigError, match="both tls_cert and tls_key"):
+        config(*DECODE, "--tls-cert", str(tmp_path / "c.pem"))
+    with pytest.raises(ConfigError, match=f"cannot load TLS certificate {tmp_path}/c.pem"):
+        config(*DECODE, "--tls-cert", str(tmp_path / "c.pem"), "--tls-key", str(tmp_path / "k.pem"))
+    with pytest.raises(ConfigError, match=f"cannot read api_key_file {tmp_path}/missing"):
+        config(*DECODE, "--api-key-file", str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        config(*DECODE, "--api-key-file", str(tmp_path / "empty"))
+    monkeypatch.setenv("PD_ROUTER_API_KEYS", "caf\u00e9")
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        config(*DECODE)
+    monkeypatch.delenv("PD_ROUTER_API_KEYS")
+    with pytest.raises(ConfigError, match="metrics_need_api_key is set but no API key"):
+        config(yaml_text="decode: [{url: 'http://127.0.0.1:1'}]\nmetrics_need_api_key: true\n",
+               tmp_path=tmp_path)

@@ -6,7 +6,7 @@ import time
 import pytest
 from aiohttp import web
 
-from pd_plugins.routers.http_client import Upstream, UpstreamError, UpstreamTimeout
+from pd_plugins.routers.http_client import MAX_BUFFERED, Upstream, UpstreamError, UpstreamTimeout
 
 
 async def serve(handlers):
@@ -106,4 +106,57 @@ def test_connection_refused_is_an_upstream_error():
         up = Upstream("127.0.0.1", 1, connect_timeout=1)
         with pytest.raises(UpstreamError):
             await up.request("GET", "/")
+    asyncio.run(main())
+
+
+def test_disarm_stops_the_timeout_until_the_next_rearm():
+    async def scenario(up):
+        resp = await up.request("GET", "/stall", timeout=0.2)
+        assert await resp.next_chunk() == b"first"
+        resp.disarm()  # the caller is busy elsewhere (a slow client): not the upstream's time
+        await asyncio.sleep(0.5)
+        resp.rearm(5)
+        assert await resp.next_chunk() == b""  # the rest (nothing) and the end, no timeout
+        resp.release()
+    run(scenario)
+
+
+def test_on_sent_is_called_once_the_request_is_written():
+    async def scenario(up):
+        sent = []
+        resp = await up.request("POST", "/echo", b"x", on_sent=lambda: sent.append(True))
+        assert sent == [True]
+        await resp.read()
+    run(scenario)
+
+
+def test_an_unread_body_is_bounded_and_read_whole_later():
+    big = bytes(range(256)) * (40 * 1024)  # 10 MiB
+
+    async def huge(request):
+        out = web.StreamResponse()
+        await out.prepare(request)
+        for i in range(0, len(big), 1 << 16):
+            await out.write(big[i:i + (1 << 16)])
+        await out.write_eof()
+        return out
+
+    async def main():
+        runner, port = await serve({"/huge": huge})
+        up = Upstream("127.0.0.1", port)
+        try:
+            resp = await up.request("GET", "/huge", timeout=30)
+            await asyncio.sleep(0.5)  # the reader is behind: the client stops reading the socket
+            conn = resp._conn
+            assert conn.paused and conn.buffered <= MAX_BUFFERED + (1 << 18)
+            pieces = []
+            while chunk := await resp.next_chunk():
+                pieces.append(chunk)
+            assert b"".join(pieces) == big
+            resp.release()
+            again = await up.request("GET", "/huge", timeout=30)
+            assert await again.read() == big  # read() takes a paused body whole too
+        finally:
+            await up.close()
+            await runner.cleanup()
     asyncio.run(main())

@@ -66,3 +66,90 @@ def test_client_transfer_fields_are_refused_or_stripped(field):
     body = {"prompt": "a", field: {"remote_block_ids": [1]} if field == "kv_transfer_params" else 1}
     assert field in refused(dict(body))
     assert field not in parse(dict(body), strip=True).body
+
+
+@pytest.mark.parametrize("field", ["ec_transfer_params", "routed_dp_rank", "disagg_prefill_dp_rank",
+                                   "bootstrap_new_field", "disagg_anything", "lmcache_transfer_params"])
+def test_every_transfer_field_at_the_top_level_is_the_routers(field):
+    assert field in refused({"prompt": "a", field: {"x": 1}})
+    assert field not in parse({"prompt": "a", field: {"x": 1}}, strip=True).body
+
+
+@pytest.mark.parametrize("key", ["kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"])
+@pytest.mark.parametrize("value", ["", 0, [], "full", [1, 2]])
+def test_transfer_keys_smuggled_through_vllm_xargs(key, value):
+    # vLLM copies vllm_xargs into extra_args and reads these keys back from there: a falsy value
+    # reached NIXL's scheduler code as kv_transfer_params
+    body = {"prompt": "a", "vllm_xargs": {key: value, "my_extension": 3}}
+    assert f"vllm_xargs.{key}" in refused(msgspec.json.decode(msgspec.json.encode(body)))
+    for kind, extra in (("completion", {}), ("chat", {"messages": [{"role": "user", "content": "a"}]})):
+        stripped = parse({**msgspec.json.decode(msgspec.json.encode(body)), **extra}, kind=kind,
+                         strip=True).body
+        assert stripped["vllm_xargs"] == {"my_extension": 3}
+
+
+@pytest.mark.parametrize("xargs", [[1], "x", 5, {"k": {"nested": 1}}, {"k": [1, [2]]}, {"k": None},
+                                   {"k": [{"a": 1}]}, {"k": 2**64}, {"k": [-(2**63) - 1]}])
+def test_vllm_xargs_must_follow_vllms_schema(xargs):
+    assert "vllm_xargs" in refused({"prompt": "a", "vllm_xargs": xargs})
+
+
+def test_vllm_xargs_of_scalars_pass_through():
+    xargs = {"a": "s", "b": 1, "c": 2.5, "d": ["x", 1, 2.0], "e": True, "f": 2**64 - 1}
+    assert parse({"prompt": "a", "vllm_xargs": dict(xargs)}).body["vllm_xargs"] == xargs
+
+
+@pytest.mark.parametrize("depth", [65, 999, 5000])
+def test_deeply_nested_json_is_a_400(depth):
+    raw = b'{"prompt": "a", "x": ' + b"[" * depth + b"]" * depth + b"}"
+    assert "nested deeper than 64" in refused(None, raw=raw)
+
+
+def test_nesting_within_the_limit_passes_and_bracket_heavy_bodies_are_fine():
+    raw = b'{"prompt": "a", "x": ' + b"[" * 62 + b"]" * 62 + b"}"
+    assert parse(None, raw=raw).body["prompt"] == "a"
+    parse({"prompt": "[" * 500 + "{" * 500})  # brackets inside a string nest nothing
+
+
+def test_numbers_out_of_range_are_a_400():
+    assert "not valid JSON" in refused(None, raw=b'{"prompt": "a", "temperature": 1e999}')
+
+
+def test_a_nested_batch_of_one_is_unwrapped_once():
+    assert parse({"prompt": [[1, 2, 3]]}).info.prompt_tokens == 3
+    assert "string or a list of token ids" in refused({"prompt": [[[1, 2, 3]]]})
+    assert "string or a list of token ids" in refused(None, raw=b'{"prompt": ' + b"[" * 60 + b"]" * 60 + b"}")
+
+
+@pytest.mark.parametrize("part, words", [({"type": "text", "text": 5}, "content[0].text"),
+                                         ({"type": "text", "text": ["a"]}, "content[0].text"),
+                                         (7, "content[0] must be"), ([{"text": "a"}], "content[0] must be")])
+def test_chat_content_parts_must_be_well_formed(part, words):
+    assert words in refused({"messages": [{"role": "user", "content": [part]}]}, kind="chat")
+
+
+def test_chat_content_parts_as_strings_and_objects_count_as_text():
+    req = parse({"messages": [{"role": "user", "content": ["x" * 40, {"type": "text", "text": "y" * 40},
+                                                          {"type": "image_url", "image_url": {"url": "u"}}]}]},
+                kind="chat")
+    assert req.info.prompt_tokens == 20
+
+
+@pytest.mark.parametrize("value", ["a" * 129, "bad\x00id", "tab\tid", "caf\u00e9",
+                                   b"\xff\xfe".decode("utf-8", "surrogateescape")])
+def test_bad_client_request_ids_are_a_400(value):
+    assert "X-Request-Id" in refused({"prompt": "a"}, headers={"X-Request-Id": value})
+
+
+def test_good_client_request_ids_pass():
+    parse({"prompt": "a"}, headers={"X-Request-Id": "trace-1234 abc/DEF:9"})
+    parse({"prompt": "a"}, headers={"X-Request-Id": "a" * 128})
+
+
+def test_both_token_limits_are_checked_whichever_the_engine_reads():
+    # a completion's max_completion_tokens, or a chat's max_tokens beside max_completion_tokens
+    assert "'max_completion_tokens' must be" in refused({"prompt": "a", "max_completion_tokens": "x"})
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 5, "max_tokens": "abc"}
+    assert "'max_tokens' must be" in refused(chat, kind="chat")
+    chat = {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": None, "max_tokens": 4}
+    assert parse(chat, kind="chat").info.max_tokens == 4

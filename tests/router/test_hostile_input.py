@@ -1,0 +1,142 @@
+"""What a hostile client can send pd-router: transfer fields hidden in `vllm_xargs` and the like never
+reach an engine, odd bodies and headers get a 400 with a reason (never a 500), and the router tells
+a client nothing about the deployment (x-pd-route, /ready) unless configured to. The engines are
+pd-mock-engine processes, which record the bodies they receive (GET /mock/bodies)."""
+
+import pytest
+import requests
+
+from tests.router.conftest import LONG_PROMPT, deployment, mocks
+
+TOKEN = "admin-s3cret"
+CHAT = {"model": "mock", "messages": [{"role": "user", "content": LONG_PROMPT}], "max_tokens": 3}
+COMPLETION = {"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 3}
+# Everything with transfer semantics a client may try, at the top level and inside vllm_xargs.
+SMUGGLED = {"ec_transfer_params": {"x": 1}, "routed_dp_rank": 1, "disagg_prefill_dp_rank": 0,
+            "bootstrap_host": "10.0.0.66",
+            "vllm_xargs": {"kv_transfer_params": "", "ec_transfer_params": 0,
+                           "kv_cache_report_mode": "full", "my_extension": 7}}
+
+
+@pytest.fixture(scope="module")
+def router():
+    prefills, decodes = mocks()
+    with deployment(prefills, decodes, "--policy", "round_robin",
+                    env={"PD_ROUTER_ADMIN_TOKEN": TOKEN}) as r:
+        r.decodes, r.prefills = decodes, prefills
+        yield r
+
+
+def engine_requests(router) -> int:
+    return sum(m.stats()["requests"] for m in [*router.prefills, *router.decodes])
+
+
+def assert_refused(resp, status, *words):
+    assert resp.status_code == status, resp.text
+    message = resp.json()["error"]["message"]
+    assert all(word in message for word in words), message
+
+
+def assert_no_client_transfer_state(body):
+    for name in ("ec_transfer_params", "routed_dp_rank", "disagg_prefill_dp_rank", "bootstrap_host"):
+        assert name not in body, body
+    assert body["vllm_xargs"] == {"my_extension": 7}, body
+    params = body.get("kv_transfer_params")
+    assert params is None or isinstance(params, dict), body  # only ever the router's own
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode"])
+def test_transfer_params_in_vllm_xargs_are_refused_before_any_engine(router, field):
+    before = engine_requests(router)
+    resp = requests.post(router.url + "/v1/completions", timeout=15,
+                         json={**COMPLETION, "vllm_xargs": {field: ""}})
+    assert_refused(resp, 400, f"vllm_xargs.{field}")
+    assert engine_requests(router) == before
+
+
+def test_vllm_xargs_outside_vllms_schema_is_refused(router):
+    resp = requests.post(router.url + "/v1/completions", timeout=15,
+                         json={**COMPLETION, "vllm_xargs": {"k": {"remote_host": "10.0.0.66"}}})
+    assert_refused(resp, 400, "vllm_xargs.k")
+
+
+def test_strip_mode_removes_smuggled_fields_from_every_leg_and_route():
+    prefills, decodes = mocks()
+    with deployment(prefills, decodes, "--policy", "round_robin", "--client-transfer-fields", "strip") as r:
+        for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+            for stream in (False, True):
+                resp = requests.post(r.url + path, json={**body, **SMUGGLED, "stream": stream}, timeout=15)
+                assert resp.status_code == 200, resp.text
+        decode_bodies, prefill_bodies = decodes[0].bodies(), prefills[0].bodies()
+        assert len(decode_bodies) == 4 and len(prefill_bodies) == 4
+        for body in decode_bodies + prefill_bodies:
+            assert_no_client_transfer_state(body)
+        # A local prefill forwards the client's whole body to the decode: stripped there too.
+        prefills[0].set_faults(fail_rate=1.0)
+        resp = requests.post(r.url + "/v1/completions", json={**COMPLETION, **SMUGGLED}, timeout=15)
+        assert resp.status_code == 200, resp.text
+        local = decodes[0].bodies()[-1]
+        assert "kv_transfer_params" not in local and decodes[0].stats()["local"] == 1
+        assert_no_client_transfer_state(local)
+        assert decodes[0].stats()["mismatched_kv"] == 0
+
+
+DEEP = 5000
+BAD_INPUT = [
+    ("JSON nested 5,000 deep", dict(data=b'{"prompt": "x", "a": ' + b"[" * DEEP + b"]" * DEEP + b"}"),
+     ["nested deeper"]),
+    ("JSON object nested 5,000 deep", dict(data=b'{"prompt": "x", "a": ' + b'{"a": ' * DEEP + b"1"
+                                           + b"}" * DEEP + b"}"), ["nested deeper"]),
+    ("prompt nested 60 deep", dict(data=b'{"prompt": ' + b"[" * 60 + b"]" * 60 + b"}"), ["prompt"]),
+    ("number out of range", dict(data=b'{"prompt": "x", "temperature": 1e999}'), ["not valid JSON"]),
+    ("chat text part that is a number", dict(path="/v1/chat/completions", json={
+        "model": "mock", "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+     ["content[0].text"]),
+    ("chat part that is a number", dict(path="/v1/chat/completions", json={
+        "model": "mock", "messages": [{"role": "user", "content": [5]}]}), ["content[0]"]),
+    ("X-Request-Id not UTF-8", dict(json=COMPLETION, headers={"X-Request-Id": b"\xff\xfe\x80"}),
+     ["X-Request-Id"]),
+    # aiohttp's own parser refuses control bytes in a header (a plain-text 400): no words to check
+    ("X-Request-Id with control bytes", dict(json=COMPLETION, headers={"X-Request-Id": b"a\x01b"}), []),
+    ("X-Request-Id too long", dict(json=COMPLETION, headers={"X-Request-Id": "r" * 500}), ["X-Request-Id"]),
+    ("session header not UTF-8", dict(json=COMPLETION, headers={"x-session-id": b"\xc3\x28"}),
+     ["session id"]),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, words", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_odd_bodies_and_headers_get_a_400_with_a_reason(router, name, kwargs, words):
+    kwargs = dict(kwargs)
+    path = kwargs.pop("path", "/v1/completions")
+    if "data" in kwargs:
+        kwargs["headers"] = {"Content-Type": "application/json"}
+    before = engine_requests(router)
+    resp = requests.post(router.url + path, timeout=15, **kwargs)
+    if words:
+        assert_refused(resp, 400, *words)
+    assert resp.status_code == 400, resp.text
+    assert engine_requests(router) == before
+    assert requests.get(router.url + "/health", timeout=5).status_code == 200
+
+
+def test_route_header_tells_a_client_only_the_decision(router):
+    resp = requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=15,
+                         headers={"x-session-id": "private-conversation-42"})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-pd-route"] == "route=disaggregated"
+    stream = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=15)
+    assert stream.headers["x-pd-route"] == "route=disaggregated"
+    for mock in [*router.prefills, *router.decodes]:
+        assert str(mock.port) not in resp.headers["x-pd-route"]
+
+
+def test_ready_lists_workers_only_to_the_admin(router):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        anonymous = requests.get(router.url + "/ready", timeout=5, headers=headers)
+        assert anonymous.status_code == 200
+        body = anonymous.json()
+        assert body == {"ready": True, "usable_decode": 1, "usable_prefill": 1}, body
+        assert "127.0.0.1" not in anonymous.text
+    admin = requests.get(router.url + "/ready", timeout=5, headers={"Authorization": f"Bearer {TOKEN}"})
+    urls = {w["url"] for w in admin.json()["workers"]}
+    assert urls == {router.prefills[0].url, router.decodes[0].url}

@@ -1,0 +1,88 @@
+"""Engine /metrics scrapes: odd lines are skipped, and no answer a worker gives stops the scrape
+loop (a stopped loop froze every worker's load for good). The loop runs against a real aiohttp
+server on loopback."""
+
+import asyncio
+import math
+
+import pytest
+from aiohttp import web
+
+from pd_plugins.routers.config import HealthSpec, RouterConfig, WorkerSpec
+from pd_plugins.routers.health import PoolUpkeep, parse_engine_metrics
+from pd_plugins.routers.upstream import new_session
+from pd_plugins.routers.workers import WorkerPool
+
+
+@pytest.mark.parametrize("text", [
+    "vllm:num_requests_waiting",                   # the name alone: was an IndexError
+    "vllm:num_requests_waiting{",                  # labels never closed
+    "vllm:num_requests_waiting{engine=\"0\"}",     # no value
+    "vllm:num_requests_waiting NaN",
+    "vllm:num_requests_waiting +Inf",
+    "vllm:num_requests_waiting -3",
+    "vllm:num_requests_waiting garbage",
+    "vllm:num_requests_waiting \ufffd\ufffd",
+])
+def test_unparsable_or_meaningless_samples_are_skipped(text):
+    assert parse_engine_metrics(text + "\nvllm:num_requests_running 2\n", "vllm") == (0.0, 2.0, 0.0)
+
+
+def test_values_with_timestamps_and_braces_in_labels():
+    text = ('vllm:num_requests_waiting{model_name="a}b c"} 3 1712345678000\n'
+            "vllm:kv_cache_usage_perc 0.5 1712345678000\n")
+    assert parse_engine_metrics(text, "vllm") == (3.0, 0.0, 0.5)
+
+
+def test_usage_is_capped_and_never_nan():
+    waiting, running, usage = parse_engine_metrics("vllm:kv_cache_usage_perc 7\n", "vllm")
+    assert usage == 1.0 and not any(math.isnan(v) for v in (waiting, running, usage))
+
+
+GOOD = b"vllm:num_requests_waiting 4\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0.5\n"
+BAD_ANSWERS = [
+    b"\xff\xfe\x00 not utf-8 \x80\x81",
+    b"vllm:num_requests_waiting\n",
+    b"vllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc nan\n",
+    b"<html>" + bytes(range(256)) * 10,
+]
+
+
+def test_scrape_loop_survives_every_bad_answer_and_updates_load_after():
+    async def scenario():
+        answers = [*BAD_ANSWERS, GOOD]
+        served = []
+
+        async def metrics(request):
+            body = answers[min(len(served), len(answers) - 1)]
+            served.append(body)
+            return web.Response(body=body, content_type="text/plain")
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        pool = WorkerPool()
+        worker = pool.add(WorkerSpec(url=f"http://127.0.0.1:{port}"), "decode")
+        config = RouterConfig(decode=[worker.spec], health=HealthSpec(metrics_interval_s=0.01))
+        session = new_session(1.0)
+        upkeep = PoolUpkeep(config, pool, session)
+        task = asyncio.create_task(upkeep._metrics_loop())
+        try:
+            for _ in range(500):
+                if worker.engine_waiting == 4.0 or task.done():
+                    break
+                await asyncio.sleep(0.01)
+            assert not task.done(), task.exception()
+            assert len(served) > len(BAD_ANSWERS)  # every bad answer was scraped, then the good one
+            assert (worker.engine_waiting, worker.engine_running, worker.kv_usage) == (4.0, 3.0, 0.5)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await session.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
