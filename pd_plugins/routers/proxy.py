@@ -149,8 +149,15 @@ class Proxy:
     def _fail(self, decision: str, status: int, message: str,
               history: list[str]) -> web.Response:
         self.metrics.requests.labels(decision, "error").inc()
-        detail = f"{message}: " + "; ".join(history) if history else message
-        return error_response(status, detail)
+        if not history:
+            return error_response(status, message)
+        if self.config.route_header == "full":
+            return error_response(status, f"{message}: " + "; ".join(history))
+        # minimal: which legs failed, not where (worker addresses and their errors map the
+        # deployment for anyone who can send a request); the detail is in the log
+        log.warning("answered %d: %s: %s", status, message, "; ".join(history))
+        legs = ", ".join(entry.split(" ", 1)[0] for entry in history)
+        return error_response(status, f"{message} (failed legs: {legs}; details in the router's log)")
 
     # -- one attempt ------------------------------------------------------------------------
     async def _run(self, http: web.Request, attempt: Attempt, started: float,
@@ -215,7 +222,10 @@ class Proxy:
 
     async def _prepare(self, attempt: Attempt) -> tuple[dict[str, Any], asyncio.Task | None]:
         """The flow's prepare (the pull prefill leg), in a task of its own so that a client
-        leaving just as the prefill answers loses no answer: the KV it holds is then released."""
+        leaving just as the prefill answers loses no answer: the KV it holds is then released.
+        A local prefill has no prefill leg to protect: no task, no shield."""
+        if attempt.decision.prefill is None:
+            return await self.flow.prepare(attempt, self._prefill_leg)
         task = asyncio.ensure_future(self.flow.prepare(attempt, self._prefill_leg))
         try:
             return await asyncio.shield(task)
@@ -339,8 +349,9 @@ class Proxy:
             worker.record_failure(self.config.health.failure_threshold)
             log.warning("request %s: decode %s failed mid-stream: %s", attempt.request_id, worker.url, message)
             self.metrics.requests.labels(_decision_label(attempt.decision), "error").inc()
-            await _write_quietly(out, b"data: " + error_body(502, f"decode worker failed mid-stream: "
-                                                                  f"{message}") + b"\n\n",
+            shown = f": {message}" if self.config.route_header == "full" else ""
+            await _write_quietly(out, b"data: " + error_body(502, f"decode worker failed mid-stream"
+                                                                  f"{shown}") + b"\n\n",
                                  self.timeouts.client_write_s)
             return out
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):

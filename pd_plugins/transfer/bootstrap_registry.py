@@ -138,6 +138,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer(*_refusal(status, reason))
 
     def do_GET(self) -> None:
+        self._nonce = None  # a kept-alive connection: never sign with the previous request's
         if self.path == "/health":
             return self._answer(200, b"ok", "text/plain")
         return self._serve()
@@ -145,6 +146,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_PUT = do_POST = do_DELETE = lambda self: self._serve()  # noqa: E731
 
     def _serve(self) -> None:
+        self._nonce = None  # set once this request authenticates (a connection may carry several)
         body = self._read_body()
         if body is None:
             return None

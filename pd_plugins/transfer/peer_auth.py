@@ -43,6 +43,7 @@ MAX_SECRET_BYTES = 4096
 MAX_NONCES = 200_000  # state-changing requests remembered within the replay window
 _OWNER = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _NONCE = re.compile(r"^[0-9a-f]{32}$")
+_MAC = re.compile(r"[0-9a-f]{64}")  # hex SHA-256 (compare_digest raises on non-ASCII strings)
 
 
 class PeerAuthError(RuntimeError):
@@ -159,7 +160,8 @@ def sign_reply(key: bytes, nonce: str, status: int, body: bytes) -> str:
 
 def reply_is_authentic(key: bytes, nonce: str, status: int, body: bytes,
                        header: str | None) -> bool:
-    return bool(header) and hmac.compare_digest(sign_reply(key, nonce, status, body), header)
+    return (bool(header) and _MAC.fullmatch(header) is not None
+            and hmac.compare_digest(sign_reply(key, nonce, status, body), header))
 
 
 class RequestVerifier:
@@ -179,7 +181,8 @@ class RequestVerifier:
             raise PeerAuthError(f"no {AUTH_HEADER} header: set the same PD_PEER_SECRET_FILE "
                                 "(or PD_PEER_SECRET) on every engine")
         fields = header.split(" ")
-        if len(fields) != 4 or not _OWNER.match(fields[0]) or not _NONCE.match(fields[2]):
+        if (len(fields) != 4 or not _OWNER.fullmatch(fields[0]) or not _NONCE.fullmatch(fields[2])
+                or not _MAC.fullmatch(fields[3])):
             raise PeerAuthError(f"malformed {AUTH_HEADER} header")
         owner, stamp, nonce, mac = fields
         expected = _mac(self.key, method, path, owner, stamp, nonce, body=body)

@@ -34,7 +34,7 @@ def test_client_leaving_mid_prefill_cancels_the_prefill_leg_at_once():
         left = time.monotonic()
         wait_until(lambda: prefills[0].stats()["cancelled"] == 1, timeout=3,
                    what="the prefill to see its leg closed")
-        assert time.monotonic() - left < 0.5  # not the 4 s the prefill would have run on
+        assert time.monotonic() - left < 2.0  # not the 4 s the prefill would have run on (slack: 2 busy cores)
         stats = prefills[0].stats()
         assert stats["rooms_held"] == 0 and stats["running"] == 0  # no KV left behind
         assert decodes[0].stats()["requests"] == 0  # and no decode leg for a client that left
@@ -59,7 +59,7 @@ def test_client_leaving_mid_decode_cancels_the_decode_leg_at_once():
         left = time.monotonic()
         wait_until(lambda: decodes[0].stats()["cancelled"] == 1, timeout=4,
                    what="the decode to see its leg closed")
-        assert time.monotonic() - left < 0.5
+        assert time.monotonic() - left < 2.0  # not the 5 s the decode would have run on
         assert prefills[0].stats()["rooms_held"] == 0  # the decode had read the KV
         wait_until(lambda: in_flight(router) == 0, timeout=5, what="in-flight counts back to 0")
         metrics = router.metrics()
@@ -73,7 +73,7 @@ def test_a_client_that_does_not_read_is_dropped_and_not_blamed_on_the_decode():
     # decode is still streaming when the router gives up on the client
     long_context = ("--max-model-len", "300000")
     prefills, decodes = mocks(prefill_args=long_context, decode_args=long_context)
-    config = {"timeouts": {"client_write_s": 1.0, "decode_idle_s": 0.5},
+    config = {"timeouts": {"client_write_s": 2.0, "decode_idle_s": 1.0},
               "health": {"interval_s": 30, "timeout_s": 2, "failure_threshold": 1}}
     with deployment(prefills, decodes, config=config) as router:
         sock = send_raw(router.url, {"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 200_000,

@@ -24,3 +24,15 @@ def test_bootstrap_rooms_keep_a_conversation_on_one_dp_rank():
     rooms = [bootstrap_room(4, None, rng) for _ in range(50)]
     assert len({r % 4 for r in rooms}) > 1 and all(0 <= r < 2**63 for r in rooms)
     assert len(set(rooms)) == 50
+
+
+def test_an_admin_token_that_is_not_utf8_is_refused_not_a_500():
+    # aiohttp passes a non-UTF-8 header on with surrogates; /ready asks allows() for every probe
+    from types import SimpleNamespace
+
+    from pd_plugins.routers.admin import AdminApi
+
+    admin = AdminApi(None, "the-token")
+    odd = SimpleNamespace(headers={"Authorization": b"Bearer \xff\xfe".decode("utf-8", "surrogateescape")})
+    assert admin.allows(odd) is False
+    assert admin.allows(SimpleNamespace(headers={"Authorization": "Bearer the-token"})) is True

@@ -311,3 +311,42 @@ def test_tables_are_bounded_by_entries_and_bytes():
     ranks = br._Table(max_entries=1, max_bytes=100, evict=False)
     assert ranks.put("a", br.Entry("o", b"1")) and ranks.put("a", br.Entry("o", b"2"))
     assert not ranks.put("b", br.Entry("o", b"3")) and list(ranks.entries) == ["a"]
+
+
+def _http_exchange(sock: socket.socket, request: bytes) -> bytes:
+    """Send one request on a kept-alive connection; its answer's head and body."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_non_ascii_signature_gets_a_401(registry):
+    host, port = registry.split(":")
+    auth = b"o 1 " + b"a" * 32 + b" " + b"\xe9" * 64
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        answer = _http_exchange(sock, b"GET /ranks/0.0 HTTP/1.1\r\nHost: x\r\nX-PD-Auth: " + auth
+                                + b"\r\nContent-Length: 0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.0 401")
+
+
+def test_a_kept_alive_connection_signs_only_authenticated_answers(registry):
+    """The reply signature belongs to its own request: an unauthenticated request after an
+    authenticated one on the same connection gets an unsigned answer."""
+    br.register(registry, "0.0", {})
+    host, port = registry.split(":")
+    auth = peer_auth.sign_request(peer_auth.load_secret().key, "GET", "/ranks/0.0", b"", "x")[0]
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        first = _http_exchange(sock, f"GET /ranks/0.0 HTTP/1.1\r\nHost: x\r\nX-PD-Auth: {auth}\r\n"
+                                     "Connection: keep-alive\r\nContent-Length: 0\r\n\r\n".encode())
+        second = _http_exchange(sock, b"GET /nowhere HTTP/1.1\r\nHost: x\r\n"
+                                      b"Content-Length: 0\r\n\r\n")
+    assert b"200" in first.split(b"\r\n")[0] and peer_auth.REPLY_HEADER.encode() in first
+    assert b"404" in second.split(b"\r\n")[0]
+    assert peer_auth.REPLY_HEADER.encode() not in second

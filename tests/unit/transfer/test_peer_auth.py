@@ -110,3 +110,16 @@ def test_the_replay_memory_is_bounded():
     for _ in range(50):
         verifier.verify(peer_auth.sign_request(key, "PUT", "/a", b"", "o")[0], "PUT", "/a", b"")
     assert len(verifier._seen) == 10
+
+
+def test_a_non_hex_mac_is_refused_not_raised():
+    """hmac.compare_digest raises TypeError on non-ASCII strings (headers arrive as latin-1): a
+    peer without the secret gets a refusal, and a forged reply is simply not authentic."""
+    key = b"k" * 32
+    verifier = RequestVerifier(key)
+    header, nonce = peer_auth.sign_request(key, "GET", "/a", b"", "o")
+    owner, stamp, _, _ = header.split(" ")
+    for mac in ("\xe9" * 64, "A" * 64, "0" * 63):
+        with pytest.raises(PeerAuthError, match="malformed"):
+            verifier.verify(f"{owner} {stamp} {nonce} {mac}", "GET", "/a", b"", once=False)
+        assert not peer_auth.reply_is_authentic(key, nonce, 200, b"{}", mac)
