@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import re
 import secrets
@@ -34,6 +35,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pd_plugins.transfer.private_dir import private_dir
+
+log = logging.getLogger("pd_plugins.peer_auth")
 
 AUTH_HEADER = "X-PD-Auth"
 REPLY_HEADER = "X-PD-Auth-Reply"
@@ -99,13 +102,15 @@ def _load(path: str | None, value: str | None) -> PeerSecret:
 
 def _read_secret_file(path: str, private: bool) -> bytes:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # The per-host secret is ours: never through a link. An operator's file may be one
+        # (Kubernetes mounts a Secret's keys as links into ..data/): its target is checked.
+        fd = os.open(path, os.O_RDONLY | (os.O_NOFOLLOW if private else 0))
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise PeerAuthError(f"cannot read the peer secret file {path}: {exc}") from exc
     try:
-        info = os.fstat(fd)  # O_NOFOLLOW: the file itself, not what a symlink points to
+        info = os.fstat(fd)  # the file opened, whatever link led to it
         if private and (not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid()
                         or info.st_mode & 0o077):
             raise PeerAuthError(f"refusing the per-host peer secret {path}: not a regular file "
@@ -113,6 +118,9 @@ def _read_secret_file(path: str, private: bool) -> bytes:
         if not private and (not stat.S_ISREG(info.st_mode) or info.st_mode & 0o022):
             raise PeerAuthError(f"refusing the peer secret file {path}: not a regular file, or "
                                 "writable by group or others (chmod 600 it)")
+        if not private and info.st_mode & 0o004:
+            log.warning("the peer secret file %s is readable by every local user, who can then "
+                        "sign registry calls: chmod 600 it (Kubernetes: defaultMode 0400)", path)
         data = os.read(fd, MAX_SECRET_BYTES + 1)
     finally:
         os.close(fd)
@@ -170,7 +178,11 @@ class RequestVerifier:
     def __init__(self, key: bytes, window_s: float = REPLAY_WINDOW_S,
                  max_nonces: int = MAX_NONCES) -> None:
         self.key, self.window_s, self.max_nonces = key, window_s, max_nonces
-        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> when it may be forgotten
+        # nonce -> (when it may be forgotten, the request's own time)
+        self._seen: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # The newest request time among nonces forgotten while still replayable (the table was
+        # full): a request not newer than that cannot be checked for replay, so it is refused.
+        self._floor = float("-inf")
         self._lock = threading.Lock()
 
     def verify(self, header: str | None, method: str, path: str, body: bytes,
@@ -197,16 +209,17 @@ class RequestVerifier:
             raise PeerAuthError(f"request time is {skew:.0f} s off this host's clock (at most "
                                 f"{self.window_s:.0f} s: synchronise the clocks)")
         if once:
-            self._remember(nonce)
+            self._remember(nonce, float(stamp))
         return owner, nonce
 
-    def _remember(self, nonce: str) -> None:
+    def _remember(self, nonce: str, stamp: float) -> None:
         now = time.monotonic()
         with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now:
+            while self._seen and next(iter(self._seen.values()))[0] < now:
                 self._seen.popitem(last=False)
-            if nonce in self._seen:
-                raise PeerAuthError("replayed request (its nonce was seen before)")
-            self._seen[nonce] = now + 2 * self.window_s
+            if nonce in self._seen or stamp <= self._floor:
+                raise PeerAuthError("replayed request (its nonce was seen before, or it is older "
+                                    "than the replay memory reaches)")
+            self._seen[nonce] = (now + 2 * self.window_s, stamp)
             while len(self._seen) > self.max_nonces:
-                self._seen.popitem(last=False)
+                self._floor = max(self._floor, self._seen.popitem(last=False)[1][1])

@@ -212,6 +212,13 @@ def _size(n: int) -> str:
     return str(n)
 
 
+def _owned_by_me(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.geteuid()
+    except FileNotFoundError:  # removed since the scan
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pd-pool", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -245,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("remove: give pool paths or --all-idle")
     paths = list(args.paths)
     if args.all_idle:
-        paths += [p for p in find_pools(dirs) if os.stat(p).st_uid == os.geteuid()]
+        paths += [p for p in find_pools(dirs) if _owned_by_me(p)]
     failed = 0
     for path in paths:
         removed, why = remove(path, args.idle_for)

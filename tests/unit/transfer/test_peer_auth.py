@@ -38,12 +38,12 @@ def test_configured_secrets_come_first(tmp_path, monkeypatch):
     assert load_secret().key == b"file-secret-0123456789" and load_secret().explicit
 
 
-@pytest.mark.parametrize("problem", ["short", "group-writable", "symlink", "missing"])
+@pytest.mark.parametrize("problem", ["short", "group-writable", "link-to-writable", "missing"])
 def test_a_secret_file_that_cannot_be_trusted_is_refused(tmp_path, monkeypatch, problem):
     path = tmp_path / "secret"
     path.write_text("x" * (4 if problem == "short" else 32))
-    path.chmod(0o620 if problem == "group-writable" else 0o600)
-    if problem == "symlink":
+    path.chmod(0o620 if problem in ("group-writable", "link-to-writable") else 0o600)
+    if problem == "link-to-writable":
         os.symlink(path, tmp_path / "link")
         path = tmp_path / "link"
     if problem == "missing":
@@ -51,6 +51,20 @@ def test_a_secret_file_that_cannot_be_trusted_is_refused(tmp_path, monkeypatch, 
     monkeypatch.setenv("PD_PEER_SECRET_FILE", str(path))
     with pytest.raises((PeerAuthError, FileNotFoundError), match=str(path)):
         load_secret()
+
+
+def test_an_operators_secret_file_may_be_a_link_and_world_readable_is_warned(
+        tmp_path, monkeypatch, caplog):
+    """Kubernetes mounts a Secret's keys as links (key -> ..data/key), mode 0644 by default."""
+    (tmp_path / "..data").mkdir()
+    target = tmp_path / "..data" / "peer-secret"
+    target.write_text("s" * 32)
+    target.chmod(0o644)
+    os.symlink(target, tmp_path / "peer-secret")
+    monkeypatch.setenv("PD_PEER_SECRET_FILE", str(tmp_path / "peer-secret"))
+    with caplog.at_level("WARNING", logger="pd_plugins.peer_auth"):
+        assert load_secret().key == b"s" * 32
+    assert "readable by every local user" in caplog.text
 
 
 @pytest.mark.parametrize("problem", ["mode", "symlink"])
@@ -107,9 +121,20 @@ def test_signatures_cover_everything_and_replies_bind_to_the_request():
 def test_the_replay_memory_is_bounded():
     key = b"k" * 32
     verifier = RequestVerifier(key, max_nonces=10)
-    for _ in range(50):
-        verifier.verify(peer_auth.sign_request(key, "PUT", "/a", b"", "o")[0], "PUT", "/a", b"")
+    start = time.time()
+    headers = [peer_auth.sign_request(key, "PUT", "/a", b"", "o", now=start + i / 1000)[0]
+               for i in range(50)]
+    for header in headers:
+        verifier.verify(header, "PUT", "/a", b"")
     assert len(verifier._seen) == 10
+    # a nonce the full table forgot while it was still in the window is not replayable: the
+    # requests older than the newest forgotten one are refused
+    with pytest.raises(PeerAuthError, match="replayed"):
+        verifier.verify(headers[0], "PUT", "/a", b"")
+    with pytest.raises(PeerAuthError, match="replayed"):
+        verifier.verify(headers[39], "PUT", "/a", b"")
+    fresh = peer_auth.sign_request(key, "PUT", "/a", b"", "o", now=start + 1)[0]
+    verifier.verify(fresh, "PUT", "/a", b"")  # newer requests still pass
 
 
 def test_a_non_hex_mac_is_refused_not_raised():
