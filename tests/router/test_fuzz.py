@@ -4,10 +4,14 @@ processes, over completions and chat bodies, raw bytes and headers. Whatever a c
 - the router answers 5xx only for a request an engine actually received (an engine's failure is
   not the client's fault, but a request the router refused itself must get a 4xx with a reason);
 - a refusal of its own is a JSON error with a message;
+- a body that carries a transfer field (at the top level or inside `vllm_xargs`) is never
+  forwarded (`client_transfer_fields: reject`, the default), and no engine ever receives a
+  `vllm_xargs` with transfer semantics;
 - the router never dies, and every worker's in-flight count goes back to zero.
 
 Time budget: at most PD_FUZZ_EXAMPLES (default 200) examples per fuzz test and PD_FUZZ_SECONDS
-(default 50) of requests over the three (0.45 completions, 0.35 chat, 0.2 raw bytes); CI runs the
+(default 50) of requests over the four (0.45 completions, 0.35 chat, 0.2 raw bytes, 0.2 valid
+requests with transfer fields hidden in them); CI runs the
 defaults (about 60 s on 2 busy cores, 90 s at most). For a long run, e.g.
 `PD_FUZZ_SECONDS=3600 PD_FUZZ_EXAMPLES=1000000 .venv/bin/python -m pytest -p no:cacheprovider
 tests/router/test_fuzz.py`. A failure prints the smallest example Hypothesis found.
@@ -112,6 +116,21 @@ raw_bodies = st.binary(max_size=300) | st.integers(1, 4000).map(deep) | st.build
 
 
 # -- the properties -----------------------------------------------------------------------------
+XARGS_TRANSFER = ("kv_transfer_params", "ec_transfer_params", "kv_cache_report_mode")
+
+
+def client_transfer_fields(body) -> list[str]:
+    """The transfer fields a client body carries (what the router must never forward)."""
+    if not isinstance(body, dict):
+        return []
+    found = [name for name in body if name in TRANSFER_NAMES or name.endswith("_transfer_params")
+             or name.startswith(("bootstrap_", "disagg_"))]
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        found += [f"vllm_xargs.{name}" for name in xargs if name in XARGS_TRANSFER]
+    return found
+
+
 def engine_requests(router) -> int:
     return sum(engine.stats()["requests"] for engine in router.engines)
 
@@ -130,6 +149,14 @@ def check(router, path: str, **kwargs) -> None:
     assert router.proc.poll() is None, f"the router died:\n{router.log_tail()}"
     forwarded = engine_requests(router) > before
     assert status < 500 or forwarded, f"{status} for a request no engine received: {body[:300]!r}"
+    if forwarded:
+        smuggled = client_transfer_fields(kwargs.get("json"))
+        assert not smuggled, f"forwarded a body with client transfer fields {smuggled}"
+        for engine in router.engines:
+            for received in engine.bodies()[-4:]:
+                xargs = received.get("vllm_xargs")
+                assert not (isinstance(xargs, dict) and set(xargs) & set(XARGS_TRANSFER)), \
+                    f"{engine.url} received vllm_xargs {xargs!r:.200}"
     if not forwarded and resp.headers.get("Content-Type", "").startswith("application/json"):
         assert status < 400 or resp.json()["error"]["message"], body[:300]
     deadline = time.monotonic() + 10
@@ -158,6 +185,25 @@ def test_chat_fuzz(router, body, headers):
 @given(raw=raw_bodies, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_raw_bytes_fuzz(router, raw, path):
     raw_budget.run(lambda: check(router, path, data=raw, headers={"Content-Type": "application/json"}))
+
+
+# Valid requests with transfer fields hidden in them: the bodies above are mostly invalid for
+# other reasons, so this is where a smuggled field would get through if the router let it.
+xargs_scalars = st.text(max_size=12) | st.integers(-3, 2**40) | st.floats(allow_nan=False, allow_infinity=False)
+smuggling_bodies = st.builds(
+    lambda top, hidden, extra: {"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 2, **top,
+                                "vllm_xargs": {**extra, **hidden}},
+    st.dictionaries(st.sampled_from(TRANSFER_NAMES), json_values, max_size=2),
+    st.dictionaries(st.sampled_from(XARGS_TRANSFER), xargs_scalars | st.lists(xargs_scalars, max_size=3),
+                    max_size=2),
+    st.dictionaries(st.sampled_from(["ext", "n", "seed_x"]), xargs_scalars, max_size=2))
+smuggling_budget = Budget(SECONDS * 0.2)
+
+
+@FUZZ
+@given(body=smuggling_bodies)
+def test_transfer_fields_never_reach_an_engine(router, body):
+    smuggling_budget.run(lambda: check(router, "/v1/completions", json=body))
 
 
 def test_router_still_serves_after_the_fuzz(router):
