@@ -257,10 +257,16 @@ class Proxy:
                            self.timeouts.decode_first_byte_s)
             log.info("request %s: client left after its prefill; the KV was released through "
                      "decode %s", attempt.request_id, worker.url)
-        except (WorkerFailed, RequestRefused) as exc:
+        except Exception as exc:  # noqa: BLE001 - nobody awaits this task: log, never raise
             log.warning("request %s: client left after its prefill, and releasing its KV through "
                         "decode %s failed (the prefill's lease frees it): %s",
                         attempt.request_id, worker.url, exc)
+
+    async def aclose(self) -> None:
+        """Stop the KV releases still running (the pools close under them next)."""
+        for task in list(self._releases):
+            task.cancel()
+        await asyncio.gather(*self._releases, return_exceptions=True)
 
     async def _prefill_leg(self, attempt: Attempt, body: dict[str, Any]) -> dict[str, Any]:
         worker, info = attempt.decision.prefill, attempt.request.info

@@ -102,6 +102,8 @@ class Router:
     async def cleanup(self, app: web.Application) -> None:
         if self.upkeep:
             await self.upkeep.stop()
+        if self.proxy is not None:
+            await self.proxy.aclose()
         for view in self._pool_views.values():
             view.close()
         for task in self._subscribers.values():
