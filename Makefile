@@ -12,7 +12,7 @@ demo: bootstrap
 	$(PY) -m pd_plugins.demo
 
 test: bootstrap
-	$(PYTEST) tests
+	$(PYTEST) --durations=25 tests
 
 test-unit: bootstrap
 	$(PYTEST) tests/unit
