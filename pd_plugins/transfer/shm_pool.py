@@ -76,6 +76,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from pd_plugins.transfer import shm_pool_kernels as kernels
+from pd_plugins.transfer.pool_mappers import MappersUnknown, writable_mappers
 from pd_plugins.transfer.shm_pool_kernels import FREE, KEY_BYTES, READY, WRITING  # one definition
 
 MAGIC = b"PDSHMPL1"
@@ -591,7 +592,8 @@ class ShmKVPool:
         sb["magic"] = MAGIC  # last: a pool is only a pool once its header is complete
 
     def _prefault(self) -> None:
-        """Map every page now: a first touch inside a copy runs ~8x slower (engines.md §5)."""
+        """Map every page now: a first touch inside a copy faults page by page and runs ~8x slower
+        (bench/shm_pool_bandwidth.py times a pool's mapping and first pass: docs/benchmarks.md)."""
         try:  # Python names MADV_POPULATE_WRITE from 3.13; Linux has it since 5.14
             self._mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE))
         except OSError as exc:
@@ -641,12 +643,11 @@ class ShmKVPool:
         """Unlink the file if no other process maps it read-write (checked under the pool's lock,
         which openers take before they map: one that opened the file before the unlink sees the
         path gone once it has the lock, and opens again)."""
-        from pd_plugins.transfer.pool_admin import writable_mappers  # /proc scanning lives there
         with self._file_lock():
             try:
                 if not writable_mappers(self.path, os.fstat(self._fd)):
                     _unlink_if_same(self.path, self._fd)
-            except PoolError:
+            except MappersUnknown:
                 pass  # users we cannot see: keep it
 
     def file_id(self) -> tuple[int, int]:

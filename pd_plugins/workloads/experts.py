@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pd_plugins.routers.policy.expert_signature import LEVELS, ExpertSignature
+from pd_plugins.vocab.expert_signature import LEVELS, ExpertSignature
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ import random
 import numpy as np
 import pytest
 
-from pd_plugins.routers.policy.expert_signature import ExpertSignature, similarity
+from pd_plugins.routers.policy.expert_signature import similarity
+from pd_plugins.vocab.expert_signature import ExpertSignature
 from tests.e2e.deployments import (
     PROMPTS, PdConfig, completion_body, output_ids, pd_param, token_prompt,
 )

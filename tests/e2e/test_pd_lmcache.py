@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pd_plugins.connectors.transfer_params import pd_section_of
+from pd_plugins.vocab.transfer_params import pd_section_of
 from pd_plugins.testing.engine_harness import VllmServer, lmcache_config, metric_value, start_all
 from pd_plugins.testing.kv_servers import REDIS_SERVER, LMCacheServer, RedisServer
 from pd_plugins.testing.lmcache_mp_server import LMCacheMPServer

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from pd_plugins.connectors.transfer_params import pd_section_of
+from pd_plugins.vocab.transfer_params import pd_section_of
 from pd_plugins.testing.pd_client import completion
 from tests.e2e.deployments import (
     pd_param,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import requests
 
-from pd_plugins.connectors.transfer_params import pd_section_of
+from pd_plugins.vocab.transfer_params import pd_section_of
 from pd_plugins.testing.engine_harness import VllmServer, metric_value, shm_config, start_all
 from pd_plugins.testing.pd_client import PrefillTarget, completion, pd_pull, prefill
 from pd_plugins.testing.router_harness import RouterProcess

@@ -1,12 +1,7 @@
 import pytest
 
-from pd_plugins.connectors.transfer_params import (
-    PdSection,
-    lease_check_of,
-    malformed_params_error,
-    pd_section_of,
-    remote_prefill_error,
-)
+from pd_plugins.connectors.transfer_params import lease_check_of, malformed_params_error, remote_prefill_error
+from pd_plugins.vocab.transfer_params import PdSection, pd_section_of
 
 GOOD_PULL = {
     "do_remote_prefill": True,

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from pd_plugins.patches.moe_capture import ExpertCapture, version_supported
-from pd_plugins.routers.policy.expert_signature import ExpertSignature
+from pd_plugins.vocab.expert_signature import ExpertSignature
 
 
 class FakeRunner:

@@ -5,9 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from pd_plugins.routers.policy.expert_signature import (
-    ExpertFootprint, ExpertSignature, locality_band, similarity,
-)
+from pd_plugins.routers.policy.expert_signature import ExpertFootprint, locality_band, similarity
+from pd_plugins.vocab.expert_signature import ExpertSignature
 
 
 def topk(rng, layers, experts, tokens, k, hot):

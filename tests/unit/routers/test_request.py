@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from pd_plugins.routers.policy.prefix_index import block_keys
+from pd_plugins.vocab.block_keys import block_keys
 from pd_plugins.routers.request import BadRequest, parse_request
 
 MODELS = {"tiny"}

@@ -7,7 +7,7 @@ import pytest
 
 from pd_plugins.routers.config import SessionSpec
 from pd_plugins.routers.policy.base import RequestInfo, build
-from pd_plugins.routers.policy.prefix_index import block_keys
+from pd_plugins.vocab.block_keys import block_keys
 from pd_plugins.routers.policy.scheduler import Scheduler, preset
 from pd_plugins.routers.request import BadRequest, parse_request
 from pd_plugins.routers.sessions import SessionTable

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pd_plugins.routers.policy.expert_signature import ExpertSignature
+from pd_plugins.vocab.expert_signature import ExpertSignature
 from pd_plugins.workloads.experts import CapturedMixes
 
 REPO_FILE = Path(__file__).resolve().parents[3] / "bench" / "data" / "captured_signatures.json"

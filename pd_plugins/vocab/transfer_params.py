@@ -1,0 +1,69 @@
+"""What pd-plugins adds to a request's `kv_transfer_params`, typed on both ends.
+
+- The leg flags the router (or a test client) sets on a prefill leg.
+- The `pd` section a prefill engine adds to its answer: what the router needs to route well
+  (cache hits, where the KV is, the prompt's experts). Written with `PdSection.into`, read with
+  `pd_section_of`.
+- `lmcache_tokens`, beside it: how many prompt tokens a PdLMCacheConnector prefill put into the
+  shared pool (the decode checks it; the router learns the pool's contents from it).
+
+The engine's own transfer fields (engine id, host, port, block ids) are checked on the decode side
+by pd_plugins/connectors/transfer_params.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pd_plugins.vocab.engines import TransferMode
+
+PD_SECTION_KEY = "pd"
+STORED_TOKENS_KEY = "lmcache_tokens"
+
+# A prefill leg: compute the prompt's KV and hold it for a remote decode (vLLM's NIXL names).
+PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def prefill_flags() -> dict[str, bool]:
+    """A fresh copy of PREFILL_FLAGS (the engine may write into the dict it is given)."""
+    return dict(PREFILL_FLAGS)
+
+
+class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What the prefill engine tells the router about a finished prefill."""
+
+    prompt_tokens: int  # tokens in the prompt the prefill served
+    cached_tokens: int  # of those, how many came from the prefill's own prefix cache
+    engine_id: str  # the prefill engine that holds the KV
+    mode: TransferMode  # see vocab/engines.py
+    block_size: int  # KV block size in tokens, for block-level cost models
+    # pull: where the prefill answers lease checks (transfer/lease_check.py), on remote_host
+    lease_check_port: int | None = None
+    # MoE with expert_signatures on: the prompt's experts (vocab/expert_signature.py, encoded)
+    experts: dict | None = None
+
+    def into(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+        """Add this section to a prefill answer's kv_transfer_params (and return them)."""
+        kv_transfer_params[PD_SECTION_KEY] = msgspec.to_builtins(self)
+        return kv_transfer_params
+
+
+def pd_section_of(kv_transfer_params: dict[str, Any] | None) -> PdSection | None:
+    """The `pd` section of a prefill answer's kv_transfer_params: None if absent, ValueError if
+    it is there but malformed (it comes from a peer over the network)."""
+    if not isinstance(kv_transfer_params, dict) or PD_SECTION_KEY not in kv_transfer_params:
+        return None
+    try:
+        return msgspec.convert(kv_transfer_params[PD_SECTION_KEY], PdSection)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"malformed pd section: {exc}") from None
+
+
+def stored_tokens_of(kv_transfer_params: dict[str, Any] | None) -> int | None:
+    """`lmcache_tokens` of a prefill answer, or None if absent or not a non-negative int."""
+    if not isinstance(kv_transfer_params, dict):
+        return None
+    stored = kv_transfer_params.get(STORED_TOKENS_KEY)
+    return stored if isinstance(stored, int) and not isinstance(stored, bool) and stored >= 0 else None
