@@ -3,332 +3,261 @@
 It answers the OpenAI endpoints with deterministic text (a function of the prompt only), with
 configurable delays and injected failures, and it checks the PD handshake the way a real engine
 depends on it: a prefill registers each request's prompt digest under its transfer key on a small
-"side server" (the NIXL side channel / SGLang bootstrap port); the decode fetches it from there
-before producing anything. KV that belongs to another prompt is refused with HTTP 409, and a
-decode whose prefill never arrives waits (up to --transfer-timeout-s) as a real one does.
+"side server" (side_channel.py); the decode fetches it from there before producing anything. KV
+that belongs to another prompt is refused with HTTP 409, and a decode whose prefill never arrives
+waits (up to --transfer-timeout-s) as a real one does. A prefill answers with the `pd` section a
+PD connector adds (vocab/transfer_params.py), with a fake expert signature under --moe-experts.
 
-Transfer keys: vLLM pull: remote_request_id from the prefill's kv_transfer_params; vLLM push: the
-shared X-Request-Id; SGLang: bootstrap_room.
-
-With --latency-model MODEL@GPU the fixed delays give way to the engine model of pd_plugins.perf
-(continuous batching, prefix cache, bounded KV, KV transfer times) on an accelerated clock
-(--speedup), with engine metrics and optional vLLM KV events to match: see modelled.py.
+This module is the HTTP side: parsing, fault injection (faults.py), the PD legs and streaming.
+When tokens come is the timing's (timing.py): fixed delays, or with --latency-model MODEL@GPU the
+engine model of pd_plugins.perf on an accelerated clock (--speedup), with engine metrics and
+optional vLLM KV events to match (modelled.py). Counters: stats.py; the mock's own endpoints as
+its clients read them: protocol.py and client.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import random
-import time
 import uuid
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-import aiohttp
 import msgspec
-import numpy as np
 from aiohttp import web
 
-from pd_plugins.routers.policy.expert_signature import ExpertSignature
+from pd_plugins.mock import answers
+from pd_plugins.mock.experts import mock_expert_signature
+from pd_plugins.mock.faults import Faults
+from pd_plugins.mock.modelled import ModelledTiming
+from pd_plugins.mock.protocol import (
+    BODIES_PATH, FAULTS_PATH, STATS_PATH, TIMINGS_PATH, LegTiming, prompt_digest,
+)
+from pd_plugins.mock.side_channel import KvHandoff, SideChannel
+from pd_plugins.mock.stats import MockStats
+from pd_plugins.mock.timing import FixedDelays, Kind, Run, Timing, Work
+from pd_plugins.perf.hardware import preset
+from pd_plugins.vocab.engines import ENGINES, TransferMode, load_metrics_text
+from pd_plugins.vocab.transfer_params import PdSection
 
-BODIES_KEPT = 64
-WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "lambda", "sigma", "omega")
-_encode = msgspec.json.Encoder().encode
+# What the mock's prefill answer stands for: vLLM's carries a pull's fields (remote block ids,
+# host, port); an SGLang prefill sends its KV to the decode.
+TRANSFER_MODE: dict[str, TransferMode] = {"vllm": "pull", "sglang": "push"}
 
 
 @dataclass
-class Faults:
-    fail_rate: float = 0.0      # answer HTTP 500
-    garbage_rate: float = 0.0   # answer 200 with a body that is not JSON
-    hang_rate: float = 0.0      # never answer
-    break_stream_after: int = 0  # close the connection after this many streamed tokens (0: never)
+class Leg:
+    """One request as the mock serves it."""
+
+    http: web.Request
+    body: dict
+    chat: bool
+    digest: str           # protocol.prompt_digest
+    prompt_tokens: int
+    max_tokens: int
+    arrived: float        # on the timing's clock
+    kv: dict              # the request's kv_transfer_params
+    key: str | None       # its transfer key (side_channel.py), None: not a PD leg
+    run: Run | None = None
+    handoff: KvHandoff | None = None
 
 
-@dataclass
-class MockState:
-    args: argparse.Namespace
-    faults: Faults
-    rng: random.Random
-    engine_id: str
-    rooms: dict[str, asyncio.Future] = field(default_factory=dict)
-    running: int = 0
-    streaming: int = 0           # streams that have sent at least one token
-    # the last request bodies received (GET /mock/bodies): what the router forwarded
-    bodies: deque = field(default_factory=lambda: deque(maxlen=BODIES_KEPT))
-    stats: dict[str, int] = field(default_factory=lambda: {
-        "requests": 0, "prefill_legs": 0, "remote_decodes": 0, "local": 0, "mismatched_kv": 0,
-        "failed_injected": 0, "canaries": 0, "cancelled": 0})
-
-
-def prompt_digest(body: dict[str, Any]) -> str:
-    source = body.get("prompt") if "prompt" in body else body.get("messages")
-    return hashlib.blake2b(_encode(source), digest_size=8).hexdigest()
-
-
-def mock_expert_counts(tokens: list[int], layers: int, experts: int) -> np.ndarray:
-    """The mock's MoE routing (a fake, for ELDR tests and benchmarks): token t picks expert
-    t mod experts in every layer. [layers, experts] counts."""
-    counts = np.zeros((layers, experts))
-    np.add.at(counts, (slice(None), np.asarray(tokens, dtype=np.int64) % experts), 1)
-    return counts
-
-
-def mock_expert_signature(body: dict[str, Any], layers: int, experts: int) -> ExpertSignature:
-    """The prefill's answer under the mock routing; a text prompt's bytes stand in for tokens."""
-    prompt = body.get("prompt")
-    tokens = prompt if isinstance(prompt, list) else list(_encode(prompt or body.get("messages")))
-    return ExpertSignature.from_counts(mock_expert_counts(tokens, layers, experts))
-
-
-def mock_expert_pick(tokens: list[int], layers: int, experts: int, top_k: int) -> np.ndarray:
-    """The decode's view of the same routing, for the engine model's expert-aware step time: the
-    chance that one of the request's tokens picks each expert (top_k per token)."""
-    counts = mock_expert_counts(tokens, layers, experts)
-    return np.minimum(1.0, top_k * counts / max(1, len(tokens)))
-
-
-def prompt_tokens(body: dict[str, Any]) -> int:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list):
-        return len(prompt)
-    if isinstance(prompt, str):
-        return max(1, len(prompt) // 4)
-    return max(1, len(_encode(body.get("messages", ""))) // 4)
-
-
-def output_words(digest: str, count: int) -> list[str]:
-    seed = int(digest, 16)
-    return [WORDS[(seed >> (i % 61)) % len(WORDS) ^ (i % 3)] + " " for i in range(count)]
+def make_timing(args: argparse.Namespace) -> Timing:
+    if args.latency_model:
+        return ModelledTiming(args)
+    return FixedDelays(args.ttft_ms, args.prefill_ms_per_token, args.tpot_ms)
 
 
 class MockEngine:
     def __init__(self, args: argparse.Namespace) -> None:
-        self.s = MockState(args, Faults(args.fail_rate, args.garbage_rate, args.hang_rate,
-                                        args.break_stream_after),
-                           random.Random(args.seed), args.engine_id or uuid.uuid4().hex)
-        self.session: aiohttp.ClientSession | None = None
-        self.modelled = None
-        if getattr(args, "latency_model", None):  # answers timed by the engine model (modelled.py)
-            from pd_plugins.mock.modelled import ModelledServing
-            self.modelled = ModelledServing(self)
+        self.args = args
+        self.faults = Faults(args.fail_rate, args.garbage_rate, args.hang_rate, args.break_stream_after)
+        self.rng = random.Random(args.seed)
+        self.engine_id = args.engine_id or uuid.uuid4().hex
+        self.stats = MockStats()
+        self.side = SideChannel(args.engine, self.engine_id, args.side_port, args.transfer_timeout_s)
+        self.timing = make_timing(args)
 
     # -- OpenAI endpoints --------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        s, a = self.s, self.s.args
+        a, stats = self.args, self.stats
         if request.headers.get("X-Request-Id", "").startswith("pd-router-canary"):
-            s.stats["canaries"] += 1  # health probes, kept apart from the traffic tests count
+            stats.count("canaries")  # health probes, kept apart from the traffic tests count
             injected = self._injected_fault()
             if injected is not None:
                 return await injected
-            return web.Response(body=_encode(_completion(False, a.model, ["ok "], 1)),
-                                content_type="application/json")
-        s.stats["requests"] += 1
-        arrived = self.modelled.driver.now() if self.modelled is not None else 0.0
+            return answers.json_answer(answers.completion(False, a.model, ["ok "], 1))
+        stats.count("requests")
+        arrived = self.timing.now()
         try:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError:
-            return _error(400, "invalid JSON")
-        s.bodies.append(body)
-        chat = request.path.endswith("chat/completions")
+            return answers.error(400, "invalid JSON")
+        stats.bodies.append(body)
         if body.get("model") not in (None, a.model):
-            return _error(404, f"The model `{body.get('model')}` does not exist.")
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        if prompt_tokens(body) + max_tokens > a.max_model_len:
-            return _error(400, f"This model's maximum context length is {a.max_model_len} tokens.")
+            return answers.error(404, f"The model `{body.get('model')}` does not exist.")
+        max_tokens = answers.max_tokens(body)
+        n_prompt = answers.prompt_tokens(body)
+        if n_prompt + max_tokens > a.max_model_len:
+            return answers.error(400, f"This model's maximum context length is {a.max_model_len} tokens.")
         injected = self._injected_fault()
         if injected is not None:
             return await injected
 
         kv = body.get("kv_transfer_params") or {}
-        digest = prompt_digest(body)
-        key = self._transfer_key(request, body, kv)
-        is_prefill = a.role == "prefill" or kv.get("do_remote_decode") or (
-            a.engine == "sglang" and a.role == "prefill")
-        s.running += 1
-        if self.modelled is not None:
-            try:
-                return await self.modelled.generate(request, body, chat, digest, key, kv, bool(is_prefill),
-                                                    max_tokens, arrived)
-            finally:
-                s.running -= 1
+        key = self.side.transfer_key(request.headers.get("X-Request-Id"), body, kv)
+        leg = Leg(request, body, request.path.endswith("chat/completions"), prompt_digest(body), n_prompt,
+                  max_tokens, arrived, kv, key)
+        stats.running += 1
         try:
-            return await self._serve(request, body, chat, digest, key, kv, is_prefill, max_tokens)
+            if a.role == "prefill" or kv.get("do_remote_decode"):
+                return await self._prefill(leg)
+            return await self._decode(leg)
         except asyncio.CancelledError:  # the client closed the connection: aborted, as vLLM does
-            s.stats["cancelled"] += 1
+            stats.count("cancelled")
+            if leg.handoff is not None:
+                leg.handoff.abandon()
+            if leg.run is not None:
+                leg.run.abort()
             raise
         finally:
-            s.running -= 1
+            stats.running -= 1
 
-    async def _serve(self, request, body, chat, digest, key, kv, is_prefill, max_tokens):
-        s = self.s
-        if is_prefill:
-            return await self._prefill(request, body, chat, digest, key)
-        if key is not None:
-            s.stats["remote_decodes"] += 1
-            held = await self.fetch_kv(kv, body, key)
-            if held != digest:
-                s.stats["mismatched_kv"] += 1
-                return _error(409, f"KV under {key} belongs to another prompt")
-            first_delay = 0.0
+    async def _prefill(self, leg: Leg) -> web.Response:
+        a = self.args
+        self.stats.count("prefill_legs")
+        leg.run = run = self.timing.start(Work("prefill", leg.prompt_tokens, 1, answers.token_ids(leg.body)),
+                                          leg.arrived)
+        await run.finished()
+        if run.error is not None:
+            return answers.error(400, run.error)
+        self._timed(leg, "prefill", run)
+        if leg.key is None:
+            run.release()
         else:
-            s.stats["local"] += 1
-            first_delay = self._prefill_s(body)
-        return await self._answer(request, body, chat, digest, max_tokens, first_delay)
+            self.side.register(leg.key, leg.digest, run.release, self.timing.unread_kv_hold_s)
+        params = self.side.transfer_params(leg.key)
+        PdSection(prompt_tokens=leg.prompt_tokens, cached_tokens=run.cached_tokens, engine_id=self.engine_id,
+                  mode=TRANSFER_MODE[a.engine], block_size=a.block_size,
+                  experts=mock_expert_signature(leg.body, *a.moe_experts).encode() if a.moe_experts else None,
+                  ).into(params)
+        return answers.json_answer(answers.completion(leg.chat, a.model, answers.output_words(leg.digest, 1),
+                                                      leg.prompt_tokens, params))
 
-    def _transfer_key(self, request: web.Request, body: dict, kv: dict) -> str | None:
-        if self.s.args.engine == "sglang":
-            room = body.get("bootstrap_room")
-            return None if room is None else str(room)
-        if kv.get("do_remote_decode"):  # vLLM prefill leg: pull key, and push key
-            return request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        if kv.get("do_remote_prefill"):
-            return str(kv.get("remote_request_id"))
-        return None
-
-    def _prefill_s(self, body: dict) -> float:
-        a = self.s.args
-        return (a.ttft_ms + a.prefill_ms_per_token * prompt_tokens(body)) / 1e3
-
-    async def _prefill(self, request, body, chat, digest, key) -> web.StreamResponse:
-        s = self.s
-        s.stats["prefill_legs"] += 1
-        await asyncio.sleep(self._prefill_s(body))
-        if key is not None:
-            self.register_room(key, digest)
-        params = self.transfer_params(key)
-        if s.args.moe_experts:
-            params["pd"] = {"experts": mock_expert_signature(body, *s.args.moe_experts).encode()}
-        return web.Response(body=_encode(_completion(chat, s.args.model, output_words(digest, 1),
-                                                     prompt_tokens(body), params)),
-                            content_type="application/json")
-
-    def register_room(self, key: str, digest: str) -> None:
-        """The prefill's KV under `key` is ready for a decode to read."""
-        rooms = self.s.rooms
-        rooms.setdefault(key, asyncio.get_running_loop().create_future())
-        if not rooms[key].done():
-            rooms[key].set_result(digest)
-
-    def transfer_params(self, key: str | None) -> dict[str, Any]:
-        s = self.s
-        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": s.engine_id,
-                "remote_request_id": key, "remote_block_ids": [list(range(3))],
-                "remote_host": "127.0.0.1", "remote_port": s.args.side_port, "tp_size": 1}
-
-    async def fetch_kv(self, kv: dict, body: dict, key: str, peek: bool = False) -> str | None:
-        """The digest the prefill registered under `key` (waiting for it); reading it frees the
-        transfer there, unless `peek`."""
-        if self.s.args.engine == "sglang":
-            host, port = body.get("bootstrap_host"), body.get("bootstrap_port")
+    async def _decode(self, leg: Leg) -> web.StreamResponse:
+        """A remote decode (its KV from a prefill), or a request served here from start to end."""
+        kind: Kind = "local"
+        arrived: float | None = leg.arrived
+        if leg.key is not None:
+            kind = "remote_decode"
+            self.stats.count("remote_decodes")
+            leg.handoff = self.side.handoff(leg.kv, leg.body, leg.key, leg.digest,
+                                            self.timing.times_kv_transfer)
+            if not await leg.handoff.before_start():
+                return self._mismatched(leg)
+            if leg.handoff.waited:  # its time in the engine starts now
+                arrived = None
         else:
-            host, port = kv.get("remote_host"), kv.get("remote_port")
-        url = f"http://{host}:{port}/room/{key}" + ("?peek=1" if peek else "")
-        try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(
-                    total=self.s.args.transfer_timeout_s)) as resp:
-                return (await resp.text()) if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            return None
+            self.stats.count("local")
+        body = leg.body
+        work = Work(kind, leg.prompt_tokens, leg.max_tokens, answers.token_ids(body), answers.output_ids(body))
+        leg.run = run = self.timing.start(work, arrived)
+        await run.first_token()
+        if leg.handoff is not None:
+            if not await leg.handoff.at_first_token():
+                run.abort()
+                return self._mismatched(leg)
+            run.kv_accepted()
+        if run.error is not None:
+            return answers.error(400, run.error)
+        self._timed(leg, kind, run)
+        words = answers.output_words(leg.digest, leg.max_tokens)
+        if body.get("stream"):
+            return await self._stream(leg, run, words)
+        await run.finished()
+        if run.error is not None:
+            return answers.error(400, run.error)
+        return answers.json_answer(answers.completion(leg.chat, self.args.model, words, leg.prompt_tokens))
 
-    async def _answer(self, request, body, chat, digest, max_tokens, first_delay) -> web.StreamResponse:
-        a = self.s.args
-        words = output_words(digest, max_tokens)
-        await asyncio.sleep(first_delay + a.tpot_ms / 1e3)
-        if not body.get("stream"):
-            await asyncio.sleep(a.tpot_ms / 1e3 * (max_tokens - 1))
-            return web.Response(body=_encode(_completion(chat, a.model, words, prompt_tokens(body))),
-                                content_type="application/json")
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        self.s.streaming += 1
+    def _mismatched(self, leg: Leg) -> web.Response:
+        self.stats.count("mismatched_kv")
+        return answers.error(409, f"KV under {leg.key} belongs to another prompt")
+
+    def _timed(self, leg: Leg, kind: Kind, run: Run) -> None:
+        if run.first_token_at is not None:
+            self.stats.timings.append(LegTiming(leg.digest, kind, leg.arrived, run.first_token_at))
+
+    async def _stream(self, leg: Leg, run: Run, words: list[str]) -> web.StreamResponse:
+        chat, model = leg.chat, self.args.model
+        out = web.StreamResponse(headers=answers.SSE_HEADERS)
+        await out.prepare(leg.http)
+        self.stats.streaming += 1
+        sent, total = 0, len(words)
+        brk = self.faults.break_stream_after if self.faults.break_stream_after < total else 0
         try:
-            return await self._stream_words(request, out, chat, words)
+            while True:
+                upto = min(run.made, brk or total)
+                if upto > sent:
+                    await out.write(b"".join(answers.event(answers.chunk(
+                        chat, model, words[i], "length" if i == total - 1 else None))
+                        for i in range(sent, upto)))
+                    sent = upto
+                if brk and sent >= brk:
+                    run.abort()
+                    leg.http.transport.close()  # an abrupt end, as when the engine dies
+                    return out
+                if run.done:
+                    break
+                await run.progress()
+            if sent < total:  # aborted or failed mid-way (cannot happen without an abort)
+                await out.write(answers.event({"error": {"message": run.error or "aborted", "code": 500}}))
+            elif (leg.body.get("stream_options") or {}).get("include_usage"):
+                await out.write(answers.event({**answers.chunk(chat, model, "", None), "choices": [],
+                                               "usage": answers.usage(leg.prompt_tokens, total)}))
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+        except ConnectionResetError:  # the client left between two writes
+            run.abort()
         finally:
-            self.s.streaming -= 1
-
-    async def _stream_words(self, request, out, chat, words) -> web.StreamResponse:
-        a = self.s.args
-        for i, word in enumerate(words):
-            if i and a.tpot_ms:
-                await asyncio.sleep(a.tpot_ms / 1e3)
-            if self.s.faults.break_stream_after and i == self.s.faults.break_stream_after:
-                request.transport.close()  # an abrupt end, as when the engine dies
-                return out
-            last = i == len(words) - 1
-            await out.write(b"data: " + _encode(_chunk(chat, a.model, word, "length" if last else None))
-                            + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+            self.stats.streaming -= 1
         return out
 
     def _injected_fault(self):
-        f, rng = self.s.faults, self.s.rng
-        roll = rng.random()
-        if roll < f.fail_rate:
-            self.s.stats["failed_injected"] += 1
-            return _later(_error(500, "injected failure"))
-        roll -= f.fail_rate
-        if roll < f.garbage_rate:
-            self.s.stats["failed_injected"] += 1
-            return _later(web.Response(body=b"<html>garbage", content_type="application/json"))
-        roll -= f.garbage_rate
-        if roll < f.hang_rate:
-            self.s.stats["failed_injected"] += 1
-            return _hang()
-        return None
-
-    # -- side server: where decodes fetch a prefill's KV --------------------------------------
-    async def room(self, request: web.Request) -> web.Response:
-        key = request.match_info["key"]
-        future = self.s.rooms.setdefault(key, asyncio.get_running_loop().create_future())
-        try:
-            digest = await asyncio.wait_for(asyncio.shield(future), self.s.args.transfer_timeout_s)
-        except asyncio.TimeoutError:
-            return web.Response(status=404, text="no such transfer")
-        if request.query.get("peek"):  # a modelled decode checks early and reads at its first token
-            return web.Response(text=digest)
-        self.s.rooms.pop(key, None)  # read once, then freed
-        if self.modelled is not None:
-            self.modelled.room_read(key)  # the prefill's KV is free again
-        return web.Response(text=digest)
+        injected = self.faults.roll(self.rng)
+        if injected is not None:
+            self.stats.count("failed_injected")
+        return injected
 
     # -- control and info --------------------------------------------------------------------
     async def set_faults(self, request: web.Request) -> web.Response:
-        self.s.faults = msgspec.convert({**self.s.faults.__dict__, **await request.json()}, Faults)
-        return web.json_response(self.s.faults.__dict__)
+        self.faults = self.faults.updated(await request.json())
+        return web.json_response(self.faults.__dict__)
 
-    async def stats(self, request: web.Request) -> web.Response:
-        modelled = self.modelled.driver.stats() if self.modelled is not None else {}
-        return web.json_response({**self.s.stats, "rooms_held": sum(
-            1 for f in self.s.rooms.values() if f.done()), "running": self.s.running,
-            "streaming": self.s.streaming, **modelled})
+    async def get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats.snapshot(self.side.rooms_held(), self.timing.stats()))
 
     async def bodies(self, request: web.Request) -> web.Response:
-        return web.json_response({"bodies": list(self.s.bodies)})
+        return web.json_response({"bodies": list(self.stats.bodies)})
 
     async def timings(self, request: web.Request) -> web.Response:
-        return web.json_response({"timings": list(self.modelled.timings)})
+        return web.Response(body=msgspec.json.encode({"timings": list(self.stats.timings)}),
+                            content_type="application/json")
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
-            {"id": self.s.args.model, "object": "model", "max_model_len": self.s.args.max_model_len}]})
+            {"id": self.args.model, "object": "model", "max_model_len": self.args.max_model_len}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        if self.modelled is not None:
-            return web.Response(text=self.modelled.driver.metrics())
-        return web.Response(text=(f"vllm:num_requests_waiting 0\nvllm:num_requests_running {self.s.running}\n"
-                                  f"vllm:kv_cache_usage_perc 0\nsglang:num_queue_reqs 0\n"
-                                  f"sglang:num_running_reqs {self.s.running}\nsglang:token_usage 0\n"))
+        # both engines' gauges: any router (vllm-router, sglang-router, pd-router) can scrape it
+        load = self.timing.load(self.stats.running)
+        return web.Response(text="".join(load_metrics_text(engine, *load) for engine in ENGINES))
 
     async def ok(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.s.args.model, "served_model_name": self.s.args.model,
-                                  "disaggregation_mode": self.s.args.role, "dp_size": 1})
+        return web.json_response({"model_path": self.args.model, "served_model_name": self.args.model,
+                                  "disaggregation_mode": self.args.role, "dp_size": 1})
 
     def apps(self) -> tuple[web.Application, web.Application]:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -338,57 +267,22 @@ class MockEngine:
             web.get("/health", self.ok), web.get("/health_generate", self.ok),
             web.get("/get_server_info", self.server_info), web.get("/server_info", self.server_info),
             web.get("/get_model_info", self.server_info), web.get("/model_info", self.server_info),
-            web.post("/mock/faults", self.set_faults), web.get("/mock/stats", self.stats),
-            web.get("/mock/bodies", self.bodies),
+            web.post(FAULTS_PATH, self.set_faults), web.get(STATS_PATH, self.get_stats),
+            web.get(BODIES_PATH, self.bodies),
         ])
+        if self.timing.modelled:
+            app.add_routes([web.get(TIMINGS_PATH, self.timings)])
         side = web.Application()
-        side.add_routes([web.get("/room/{key}", self.room)])
+        side.add_routes([web.get("/room/{key}", self.side.room)])
 
-        async def open_session(_app):
-            self.session = aiohttp.ClientSession()
+        async def lifetime(_app):
+            await self.side.open()
+            await self.timing.open()
             yield
-            await self.session.close()
-        app.cleanup_ctx.append(open_session)
-        if self.modelled is not None:
-            app.add_routes([web.get("/mock/timings", self.timings)])
-            app.on_startup.append(self.modelled.start)
-            app.on_cleanup.append(self.modelled.stop)
+            await self.timing.close()
+            await self.side.close()
+        app.cleanup_ctx.append(lifetime)
         return app, side
-
-
-def _completion(chat: bool, model: str, words: list[str], n_prompt: int,
-                kv_transfer_params: dict | None = None) -> dict:
-    text = "".join(words)
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
-    out = {"id": f"mock-{uuid.uuid4().hex[:12]}", "object": "chat.completion" if chat else "text_completion",
-           "created": int(time.time()), "model": model, "choices": [choice],
-           "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(words),
-                     "total_tokens": n_prompt + len(words)}}
-    if kv_transfer_params is not None:
-        out["kv_transfer_params"] = kv_transfer_params
-    return out
-
-
-def _chunk(chat: bool, model: str, word: str, finish: str | None) -> dict:
-    choice = ({"index": 0, "delta": {"content": word}, "finish_reason": finish} if chat
-              else {"index": 0, "text": word, "logprobs": None, "finish_reason": finish})
-    return {"id": "mock", "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice]}
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, body=_encode({"error": {"message": message, "code": status}}),
-                        content_type="application/json")
-
-
-async def _later(response: web.Response) -> web.Response:
-    return response
-
-
-async def _hang() -> web.Response:
-    await asyncio.sleep(3600)
-    return _error(500, "hung")
 
 
 def _layers_by_experts(text: str) -> tuple[int, int]:
@@ -405,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--side-port", type=int, required=True,
                    help="where decodes fetch KV: the NIXL side channel / SGLang bootstrap port")
     p.add_argument("--role", choices=["prefill", "decode", "both"], default="both")
-    p.add_argument("--engine", choices=["vllm", "sglang"], default="vllm")
+    p.add_argument("--engine", choices=list(ENGINES), default="vllm")
     p.add_argument("--model", default="mock")
     p.add_argument("--engine-id", help="fixed kv engine id (vLLM push needs one)")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -440,7 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.latency_model:
         return
-    from pd_plugins.perf.hardware import preset
     try:
         preset(args.latency_model)
     except ValueError as exc:

@@ -1,4 +1,4 @@
-"""`pd-mock-engine --latency-model PRESET`: the mock's answers timed by the engine model.
+"""`pd-mock-engine --latency-model PRESET`: the mock's legs timed by the engine model.
 
 One `EngineInstance` (perf/engine_model.py: continuous batching, prefix cache, bounded KV) per
 process, stepped by an asyncio task on an accelerated clock: model time = wall time x `--speedup`.
@@ -12,24 +12,17 @@ Requests: a prompt of token ids keys its full blocks with the router's own `bloc
 prefix cache, the router's index and the KV events all agree; a text prompt counts ~4 characters
 a token and caches nothing. `max_tokens` is exactly what is generated (as with ignore_eos).
 With a MoE preset, a token-id prompt routes as the mock's `--moe-experts` capture says (token t
--> expert t mod E, engine.py `mock_expert_counts`), and decode steps read the experts their batch
-uses (perf/engine_model.py): requests on the same experts decode faster together (ELDR).
+-> expert t mod E, experts.py), and decode steps read the experts their batch uses
+(perf/engine_model.py): requests on the same experts decode faster together (ELDR).
 
-PD legs:
-- prefill (`do_remote_decode`, or any request to `--role prefill`): kind "prefill"; answers after
-  its one step with the transfer params plus `"pd": {"cached_tokens": N}`; its KV stays pinned until
-  the decode reads the transfer from the side port (or after vLLM's 480 s abort timeout, in model
-  time).
-- decode (`do_remote_prefill` / SGLang bootstrap): kind "remote_decode" (the engine model times the
-  KV transfer). It peeks at the prefill's digest on the side port as it starts (push and SGLang
-  first wait for the prefill there); at its first token it checks the digest (409 on a mismatch) and
-  reads the transfer for good in the background, which frees the prefill's KV.
+PD legs (engine.py runs them the same way for both timings):
+- prefill: kind "prefill"; answers after its one step, with the prompt tokens it found cached in
+  its `pd` section; its KV stays pinned until the decode reads the transfer from the side port (or
+  after vLLM's 480 s abort timeout, in model time).
+- remote decode: kind "remote_decode" (the engine model times the KV transfer); a pull starts at
+  once, push and SGLang first wait for the prefill on the side port (side_channel.py).
 - anything else: kind "local".
 A request that can never fit in the KV cache answers 400; a client that leaves aborts its request.
-
-`GET /mock/timings`: for each leg that produced its first token, its prompt digest, its kind, and the
-model times it reached the server and made that token. A replay subtracts these engine times from
-the TTFT its client measured to learn what HTTP, the router and the processes' wake-ups cost.
 """
 
 from __future__ import annotations
@@ -37,87 +30,90 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-from aiohttp import web
-
-from pd_plugins.mock.engine import (
-    MockEngine, _chunk, _completion, _error, mock_expert_pick, output_words, prompt_tokens,
-)
+from pd_plugins.mock.experts import mock_expert_pick
+from pd_plugins.mock.kv_events import KvEventPublisher
+from pd_plugins.mock.timing import Run, Timing, Work
 from pd_plugins.perf.engine_model import EngineInstance, EngineRequest, StepResult
 from pd_plugins.perf.hardware import preset
-from pd_plugins.routers.policy.prefix_index import block_keys
+from pd_plugins.vocab.block_keys import block_keys
 
 PREFILL_KV_TIMEOUT_S = 480.0
 """Model seconds a prefill keeps KV nobody fetched (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT)."""
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
-TIMINGS_KEPT = 100_000
-"""Legs /mock/timings remembers (the oldest go first): a replay's worth, in bounded memory."""
+class ModelledTiming(Timing):
+    times_kv_transfer = True
+    modelled = True
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.driver = ModelDriver(args)
+        self.unread_kv_hold_s = PREFILL_KV_TIMEOUT_S / args.speedup
+
+    def start(self, work: Work, arrived: float | None = None) -> Run:
+        return self.driver.submit(work.prompt_tokens, work.ids, work.output_tokens, work.kind, arrived,
+                                  output_ids=work.output_ids)
+
+    def now(self) -> float:
+        return self.driver.now()
+
+    async def open(self) -> None:
+        self.driver.start()
+
+    async def close(self) -> None:
+        await self.driver.stop()
+
+    def load(self, handling: int) -> tuple[float, float, float]:
+        inst = self.driver.inst
+        return inst.num_waiting, inst.num_running, inst.kv_usage
+
+    def stats(self) -> dict[str, Any]:
+        return self.driver.stats()
 
 
-@dataclass(eq=False)
-class Flight:
+class Flight(Run):
     """One request in the model, as its HTTP handler sees it."""
 
-    req: EngineRequest
-    ids: list[int] | None                 # prompt token ids (None: a text prompt)
-    output_ids: list[int] | None = None   # what it "generates", when the client said so
-    tokens: int = 0                       # output tokens made so far
-    done: bool = False                    # finished, failed or aborted
-    event: asyncio.Event = field(default_factory=asyncio.Event)
+    def __init__(self, driver: ModelDriver, req: EngineRequest, ids: list[int] | None,
+                 output_ids: list[int] | None = None) -> None:
+        self.driver, self.req = driver, req
+        self.ids = ids                    # prompt token ids (None: a text prompt)
+        self.output_ids = output_ids      # what it "generates", when the client said so
+        self.event = asyncio.Event()
+        self._released = False
 
-    async def changed(self) -> None:
+    @property
+    def error(self) -> str | None:
+        return self.req.error
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.req.cached_tokens
+
+    @property
+    def first_token_at(self) -> float | None:
+        return self.req.first_token_at
+
+    async def progress(self) -> None:
         await self.event.wait()
         self.event.clear()
 
     def notify(self) -> None:
         self.event.set()
 
+    def abort(self) -> None:
+        self.driver.abort(self)
+        if self.req.kind == "prefill" and self.req.error is None:  # finished as its client left:
+            self.release()                                        # nobody will pull it
 
-class KvEventPublisher:
-    """vLLM's KV events on a ZMQ PUB socket: frames [topic, seq (8 bytes, big endian),
-    msgpack([ts, [event, ...]])], each event a tagged map as vLLM's msgspec structs encode."""
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.driver.release(self)
 
-    def __init__(self, endpoint: str, topic: str = "") -> None:
-        import zmq
-        self._zmq = zmq
-        self.sock = zmq.Context.instance().socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.topic = topic.encode()
-        self.seq = 0
-        self.pending: list[dict] = []
-        self.sent_events = 0
-        self.encoder = msgspec.msgpack.Encoder()
-
-    def stored(self, hashes: list[int], parent: int | None, token_ids: list[int], block_size: int) -> None:
-        self.pending.append({"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-                             "token_ids": token_ids, "block_size": block_size, "lora_id": None,
-                             "medium": "GPU", "lora_name": None})
-
-    def removed(self, hashes: list[int]) -> None:
-        self.pending.append({"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"})
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        payload = self.encoder.encode([time.time(), self.pending])
-        try:
-            self.sock.send_multipart((self.topic, self.seq.to_bytes(8, "big"), payload),
-                                     flags=self._zmq.NOBLOCK)
-        except self._zmq.Again:
-            pass  # a PUB drops what no subscriber can take, as vLLM's does
-        self.seq += 1
-        self.sent_events += len(self.pending)
-        self.pending = []
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
+    def kv_accepted(self) -> None:
+        self.driver.transfer_tokens += self.req.transfer_tokens
 
 
 class ModelDriver:
@@ -194,7 +190,7 @@ class ModelDriver:
     def _dispatch(self, result: StepResult, stepped: bool) -> None:
         if stepped:  # every running decode made one more token
             for flight in self.decoding:
-                flight.tokens += 1
+                flight.made += 1
                 flight.notify()
         for req in result.failed:
             flight = req.rid
@@ -202,7 +198,7 @@ class ModelDriver:
             flight.notify()
         for req in result.first_tokens:
             flight = req.rid
-            flight.tokens = 1
+            flight.made = 1
             if req.kind != "prefill":
                 self.decoding.add(flight)
             flight.notify()
@@ -210,7 +206,7 @@ class ModelDriver:
             flight = req.rid
             if flight.output_ids and self.events is not None:
                 self._publish_output_blocks(flight)
-            flight.tokens = req.output_tokens
+            flight.made = req.output_tokens
             flight.done = True
             self.decoding.discard(flight)
             flight.notify()
@@ -229,7 +225,7 @@ class ModelDriver:
         model = self.hw.model
         if model.experts and ids:  # MoE: decode steps read the experts this prompt's mix uses
             req.expert_pick = mock_expert_pick(ids, model.layers, model.experts, model.top_k)
-        flight = Flight(req, ids, output_ids=output_ids if out_keys else None)
+        flight = Flight(self, req, ids, output_ids if out_keys else None)
         req.rid = flight
         arrived = self.now() if arrived is None else arrived
         if self.idle and (self._arrived is None or arrived < self._arrived):
@@ -280,15 +276,6 @@ class ModelDriver:
                 start = j
 
     # -- what the router scrapes and tests read ----------------------------------------------
-    def metrics(self) -> str:
-        inst = self.inst
-        return (f"vllm:num_requests_waiting {inst.num_waiting}\n"
-                f"vllm:num_requests_running {inst.num_running}\n"
-                f"vllm:kv_cache_usage_perc {inst.kv_usage:.6f}\n"
-                f"sglang:num_queue_reqs {inst.num_waiting}\n"
-                f"sglang:num_running_reqs {inst.num_running}\n"
-                f"sglang:token_usage {inst.kv_usage:.6f}\n")
-
     def stats(self) -> dict[str, Any]:
         inst = self.inst
         return {"prefill_tokens_computed": inst.prefill_tokens_computed,
@@ -300,187 +287,3 @@ class ModelDriver:
                 "engine_running": inst.num_running, "kv_usage": inst.kv_usage,
                 "evicted_blocks": inst.cache.evicted_blocks,
                 "kv_events_sent": self.events.sent_events if self.events else 0}
-
-
-def token_ids(body: dict[str, Any]) -> list[int] | None:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
-        return prompt
-    return None
-
-
-def mock_output_ids(body: dict[str, Any]) -> list[int] | None:
-    """The replay's `mock_output_ids` (perf.replay.request_body), if well formed."""
-    ids = body.get("mock_output_ids")
-    if isinstance(ids, list) and all(type(t) is int for t in ids):
-        return ids
-    return None
-
-
-class ModelledServing:
-    """The generate handler's modelled half (MockEngine.generate does parsing and faults)."""
-
-    def __init__(self, engine: MockEngine) -> None:
-        self.engine = engine
-        self.driver = ModelDriver(engine.s.args)
-        self.pinned: dict[str, tuple[Flight, asyncio.TimerHandle]] = {}  # transfer key -> prefill leg
-        self.timings: deque[dict[str, Any]] = deque(maxlen=TIMINGS_KEPT)  # /mock/timings
-        self._background: set[asyncio.Task] = set()
-
-    async def start(self, _app: web.Application) -> None:
-        self.driver.start()
-
-    async def stop(self, _app: web.Application) -> None:
-        for task in list(self._background):
-            task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
-        await self.driver.stop()
-
-    def room_read(self, key: str) -> None:
-        """The decode read the transfer under `key`: the prefill's KV is free again."""
-        entry = self.pinned.pop(key, None)
-        if entry is not None:
-            entry[1].cancel()
-            self.driver.release(entry[0])
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _wait(self, flight: Flight, until) -> None:
-        """Wait for the model to move this request until `until(flight)`; abort it if the client
-        goes away (the handler is cancelled)."""
-        try:
-            while not until(flight):
-                await flight.changed()
-        except asyncio.CancelledError:
-            self.driver.abort(flight)
-            raise
-
-    async def generate(self, request: web.Request, body: dict, chat: bool, digest: str, key: str | None,
-                       kv: dict, is_prefill: bool, max_tokens: int, arrived: float) -> web.StreamResponse:
-        e, s = self.engine, self.engine.s
-        ids = token_ids(body)
-        n_prompt = len(ids) if ids is not None else prompt_tokens(body)
-        driver = self.driver
-        if is_prefill:
-            s.stats["prefill_legs"] += 1
-            flight = driver.submit(n_prompt, ids, 1, "prefill", arrived)
-            try:
-                await self._wait(flight, lambda f: f.done)
-            except asyncio.CancelledError:
-                if flight.req.error is None:  # finished as the client left: nobody will pull it
-                    driver.release(flight)
-                raise
-            if flight.req.error is not None:
-                return _error(400, flight.req.error)
-            self._timed(digest, flight.req, arrived)
-            if key is None:
-                driver.release(flight)
-            else:
-                e.register_room(key, digest)
-                timer = asyncio.get_running_loop().call_later(
-                    PREFILL_KV_TIMEOUT_S / driver.speedup, self.room_read, key)
-                self.pinned[key] = (flight, timer)
-            params = e.transfer_params(key)
-            params["pd"] = {"cached_tokens": flight.req.cached_tokens}
-            return web.Response(body=msgspec.json.encode(_completion(
-                chat, s.args.model, output_words(digest, 1), n_prompt, params)), content_type="application/json")
-
-        peek = None
-        if key is not None:
-            s.stats["remote_decodes"] += 1
-            peek = asyncio.create_task(e.fetch_kv(kv, body, key, peek=True))
-            pull = s.args.engine == "vllm" and "remote_block_ids" in kv
-            if not pull:  # push and SGLang: the prefill is still running; its KV lands when done
-                try:
-                    held = await peek
-                except asyncio.CancelledError:
-                    self._spawn(e.fetch_kv(kv, body, key))
-                    raise
-                if held != digest:
-                    s.stats["mismatched_kv"] += 1
-                    self._spawn(e.fetch_kv(kv, body, key))
-                    return _error(409, f"KV under {key} belongs to another prompt")
-            flight = driver.submit(n_prompt, ids, max_tokens, "remote_decode",
-                                   arrived if pull else None, output_ids=mock_output_ids(body))
-        else:
-            s.stats["local"] += 1
-            flight = driver.submit(n_prompt, ids, max_tokens, "local", arrived,
-                                   output_ids=mock_output_ids(body))
-        try:
-            await self._wait(flight, lambda f: f.tokens > 0 or f.done)
-            if peek is not None:
-                held = await peek
-        except asyncio.CancelledError:
-            if peek is not None:
-                peek.cancel()
-                self._spawn(e.fetch_kv(kv, body, key))
-            raise
-        if peek is not None:
-            self._spawn(e.fetch_kv(kv, body, key))  # read it for good: frees the prefill's KV
-            if held != digest:
-                driver.abort(flight)
-                s.stats["mismatched_kv"] += 1
-                return _error(409, f"KV under {key} belongs to another prompt")
-            driver.transfer_tokens += flight.req.transfer_tokens  # KV accepted (it is the prompt's)
-        if flight.req.error is not None:
-            return _error(400, flight.req.error)
-        self._timed(digest, flight.req, arrived)
-        words = output_words(digest, max_tokens)
-        if not body.get("stream"):
-            await self._wait(flight, lambda f: f.done)
-            if flight.req.error is not None:
-                return _error(400, flight.req.error)
-            return web.Response(body=msgspec.json.encode(_completion(chat, s.args.model, words, n_prompt)),
-                                content_type="application/json")
-        return await self._stream(request, body, chat, flight, words, n_prompt)
-
-    def _timed(self, digest: str, req: EngineRequest, arrived: float) -> None:
-        if req.first_token_at is not None:
-            self.timings.append({"prompt": digest, "leg": req.kind, "arrived_s": arrived,
-                                 "first_token_s": req.first_token_at})
-
-    async def _stream(self, request: web.Request, body: dict, chat: bool, flight: Flight,
-                      words: list[str], n_prompt: int) -> web.StreamResponse:
-        s, model = self.engine.s, self.engine.s.args.model
-        encode = msgspec.json.encode
-        out = web.StreamResponse(headers=SSE_HEADERS)
-        await out.prepare(request)
-        s.streaming += 1
-        sent, total = 0, len(words)
-        brk = s.faults.break_stream_after if s.faults.break_stream_after < total else 0
-        try:
-            while True:
-                upto = min(flight.tokens, brk or total)
-                if upto > sent:
-                    await out.write(b"".join(
-                        b"data: " + encode(_chunk(chat, model, words[i], "length" if i == total - 1 else None))
-                        + b"\n\n" for i in range(sent, upto)))
-                    sent = upto
-                if brk and sent >= brk:
-                    self.driver.abort(flight)
-                    request.transport.close()  # an abrupt end, as when the engine dies
-                    return out
-                if flight.done:
-                    break
-                await flight.changed()
-            if sent < total:  # aborted or failed mid-way (cannot happen without an abort)
-                await out.write(b"data: " + encode({"error": {"message": flight.req.error or "aborted",
-                                                              "code": 500}}) + b"\n\n")
-            elif (body.get("stream_options") or {}).get("include_usage"):
-                usage = {**_chunk(chat, model, "", None), "choices": [],
-                         "usage": {"prompt_tokens": n_prompt, "completion_tokens": total,
-                                   "total_tokens": n_prompt + total}}
-                await out.write(b"data: " + encode(usage) + b"\n\n")
-            await out.write(b"data: [DONE]\n\n")
-            await out.write_eof()
-        except ConnectionResetError:  # the client left
-            self.driver.abort(flight)
-        except asyncio.CancelledError:
-            self.driver.abort(flight)
-            raise
-        finally:
-            s.streaming -= 1
-        return out

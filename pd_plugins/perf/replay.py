@@ -10,7 +10,7 @@ counts `speedup` model milliseconds: pick the speedup so that those stay small n
 times (the mocks' `/mock/stats` `max_lag_s` says when they fell behind the model).
 
     result = asyncio.run(replay(router_url, reqs, speedup=20, model="mock", timeout_s=60))
-    stats = asyncio.run(collect_engine_stats(engine_urls))
+    stats = asyncio.run(collect_engine_stats(engine_urls))   # pd_plugins.mock.client
     print(report.summarize(result.outcomes, slo, result.span_s, itl_s=result.itl_s,
                            cached_tokens=stats["cached_tokens"], computed_tokens=stats["computed_tokens"],
                            kv_bytes_moved=stats["kv_bytes_moved"]))
@@ -19,14 +19,12 @@ times (the mocks' `/mock/stats` `max_lag_s` says when they fell behind the model
 from __future__ import annotations
 
 import asyncio
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import aiohttp
 import msgspec
 
-from pd_plugins.mock.engine import prompt_digest
 from pd_plugins.perf.cluster_sim import RequestOutcome
 from pd_plugins.workloads import TraceRequest, prompt_token_ids
 
@@ -42,7 +40,8 @@ class ReplayOutcome(RequestOutcome):
     error: str | None = None          # why it was rejected or failed
     send_lag_s: float = 0.0           # how late (model s) the client sent it after its arrival
     # The model time its legs spent in the engines before their first tokens (modelled mocks'
-    # /mock/timings, attach_engine_times): ttft_s minus this is what HTTP and the router cost.
+    # /mock/timings, mock/client.py attach_engine_times): ttft_s minus this is what HTTP and
+    # the router cost.
     engine_ttft_s: float | None = None
 
 
@@ -77,8 +76,9 @@ def request_body(r: TraceRequest, model: str, mock_outputs: dict[int, list[int]]
     body = {"model": model, "prompt": prompt_token_ids(r), "max_tokens": r.output_tokens,
             "ignore_eos": True, "stream": True, "temperature": 0}
     if mock_outputs and r.request_id in mock_outputs:
-        # A named fake's extension: a real engine's answer is what the next turn resends; a
-        # modelled mock is told those tokens so that it caches the blocks they complete.
+        # A named fake's extension (pd_plugins.mock.protocol): a real engine's answer is what the
+        # next turn resends; a modelled mock is told those tokens so that it caches the blocks
+        # they complete.
         body["mock_output_ids"] = mock_outputs[r.request_id]
     return body
 
@@ -184,62 +184,3 @@ async def send_request(session: aiohttp.ClientSession, endpoint: str, body: byte
     out.itl_s = [(b - a) * speedup for a, b in zip(stamps, stamps[1:])]
     if len(stamps) > 1:
         out.tpot_s = (stamps[-1] - stamps[0]) * speedup / (len(stamps) - 1)
-
-
-ENGINE_COUNTERS = {"cached_tokens": "prompt_tokens_cached", "computed_tokens": "prefill_tokens_computed",
-                   "transfer_tokens": "transfer_tokens", "kv_bytes_moved": "transfer_bytes"}
-
-
-async def collect_engine_stats(urls: Sequence[str], timeout_s: float = 10.0) -> dict:
-    """The modelled mocks' /mock/stats counters, summed: `cached_tokens`, `computed_tokens` and
-    `kv_bytes_moved` (report.summarize's keyword arguments), `transfer_tokens`, and each engine's
-    whole answer under `engines` (an unreachable engine answers {} and counts 0)."""
-    totals: dict = dict.fromkeys(ENGINE_COUNTERS, 0)
-    engines: dict[str, dict] = {}
-    for url, data in zip(urls, await _get_from_each(urls, "/mock/stats", timeout_s)):
-        engines[url] = data = data or {}
-        for name, counter in ENGINE_COUNTERS.items():
-            value = data.get(counter, 0)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                totals[name] += value
-    return {**totals, "engines": engines}
-
-
-async def _get_from_each(urls: Sequence[str], path: str, timeout_s: float) -> list[dict | None]:
-    """GET `path` from every engine at once: each one's JSON answer, or None where it did not
-    answer 200 with JSON."""
-    async def one(session: aiohttp.ClientSession, url: str) -> dict | None:
-        try:
-            async with session.get(url.rstrip("/") + path) as resp:
-                return await resp.json() if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-            return None
-
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-        return await asyncio.gather(*(one(session, u) for u in urls))
-
-
-async def attach_engine_times(outcomes: Sequence[ReplayOutcome], requests: Sequence[TraceRequest],
-                              urls: Sequence[str], timeout_s: float = 30.0) -> int:
-    """Fill each served outcome's `engine_ttft_s` from the modelled mocks' /mock/timings: the sum,
-    over its legs (a prefill leg and the decode leg, or one local leg), of the model time from
-    reaching the engine to its first token. Matched by prompt digest; a prompt with more than one
-    leg of a kind (a retry) is left unmatched. Returns how many outcomes were matched."""
-    answers = await _get_from_each(urls, "/mock/timings", timeout_s)
-    for url, answer in zip(urls, answers):
-        if answer is None:
-            raise RuntimeError(f"{url} gave no /mock/timings (is it a mock with --latency-model?)")
-    legs: dict[str, dict[str, float | None]] = {}
-    for leg in (leg for answer in answers for leg in answer["timings"]):
-        kinds = legs.setdefault(leg["prompt"], {})
-        kinds[leg["leg"]] = None if leg["leg"] in kinds else leg["first_token_s"] - leg["arrived_s"]
-    by_id = {r.request_id: r for r in requests}
-    matched = 0
-    for out in outcomes:
-        if out.status != "ok" or out.request_id not in by_id:
-            continue
-        kinds = legs.get(prompt_digest({"prompt": prompt_token_ids(by_id[out.request_id])}), {})
-        if kinds and None not in kinds.values():
-            out.engine_ttft_s = sum(kinds.values())
-            matched += 1
-    return matched

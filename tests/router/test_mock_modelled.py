@@ -16,7 +16,10 @@ from pd_plugins.perf.engine_model import EngineInstance, EngineRequest
 from pd_plugins.perf.hardware import preset
 from pd_plugins.perf.replay import replay
 from pd_plugins.routers.health import parse_engine_metrics
-from pd_plugins.routers.policy.prefix_index import KvEventSubscriber, PrefixIndex, block_keys
+from pd_plugins.routers.kv_sources.events import KvEventSubscriber
+from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.vocab.block_keys import block_keys
+from pd_plugins.vocab.transfer_params import PdSection, pd_section_of
 from pd_plugins.testing.engine_harness import start_all
 from pd_plugins.testing.processes import free_port
 from pd_plugins.testing.router_harness import MockEngineProcess
@@ -134,7 +137,9 @@ def test_pd_legs_pin_prefill_kv_until_the_decode_reads_it():
             return resp.json()["kv_transfer_params"]
 
         params = prefill_leg(ids)
-        assert params["pd"] == {"cached_tokens": 0}
+        section = pd_section_of(params)  # the router's own reader
+        assert section == PdSection(prompt_tokens=1024, cached_tokens=0, engine_id=params["remote_engine_id"],
+                                    mode="pull", block_size=16)
         assert prefill.stats()["rooms_held"] == 1
         pinned = prefill.stats()["kv_usage"]
         wrong = requests.post(decode.url + "/v1/completions", timeout=10, json={
@@ -142,7 +147,7 @@ def test_pd_legs_pin_prefill_kv_until_the_decode_reads_it():
         assert wrong.status_code == 409
 
         params = prefill_leg(ids)  # the first leg's blocks are cached now
-        assert params["pd"] == {"cached_tokens": 1023}  # all but the last token, as vLLM
+        assert pd_section_of(params).cached_tokens == 1023  # all but the last token, as vLLM
         resp = requests.post(decode.url + "/v1/completions", timeout=10, json={
             "prompt": ids, "max_tokens": 3, "kv_transfer_params": params})
         assert resp.status_code == 200, resp.text

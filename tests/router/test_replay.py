@@ -1,4 +1,5 @@
-"""perf.replay: an open-loop workload through pd-router to engine-model-timed mocks (pull flow)."""
+"""perf.replay: an open-loop workload through pd-router to engine-model-timed mocks (pull flow),
+and what the mocks tell of it (mock.client)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import asyncio
 
 from pd_plugins.perf import report
 from pd_plugins.perf.hardware import preset
-from pd_plugins.perf.replay import attach_engine_times, collect_engine_stats, replay
+from pd_plugins.mock.client import attach_engine_times, collect_engine_stats
+from pd_plugins.perf.replay import replay
 from pd_plugins.workloads import ConversationSpec, first_n, generate_conversations
 from tests.router.conftest import deployment, mocks, wait_until
 
