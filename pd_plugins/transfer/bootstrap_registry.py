@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 import socket
 import threading
@@ -56,6 +55,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from pd_plugins.transfer import peer_auth
+from pd_plugins.transfer.options import host_environment
 from pd_plugins.transfer.peer_auth import PeerAuthError, PeerSecret
 
 MAX_RECORD_BYTES = 2 * 1024 * 1024  # a 128k-page room, fully fragmented (transfer/page_runs.py)
@@ -325,7 +325,7 @@ def is_loopback(host: str) -> bool:
 
 def registry_host(engine_host: str | None) -> str:
     """Where a prefill's registry binds: PD_BOOTSTRAP_HOST, else the engine's --host."""
-    return os.environ.get("PD_BOOTSTRAP_HOST") or engine_host or "127.0.0.1"
+    return host_environment().bootstrap_host or engine_host or "127.0.0.1"
 
 
 def local_address(engine_host: str | None, port: int) -> str:

@@ -122,7 +122,8 @@ def remove_own_kv_segments(directory: str = SHM_DIR) -> None:
 
 
 class LMCacheMPClient:
-    """Lookup / store / retrieve of paged KV against an LMCache MP server."""
+    """Lookup / store / retrieve of paged KV against an LMCache MP server (an LMCacheClient,
+    lmcache_client.py)."""
 
     def __init__(self, url: str, *, layout: str, num_layers: int, block_size: int,
                  chunk_size: int, kv_dtype: torch.dtype, layer_block_shape: tuple[int, ...],

@@ -229,7 +229,8 @@ getattr(threading, "_register_atexit", lambda fn: None)(_close_all_at_exit)
 
 
 class LMCachePool:
-    """Prefix chunks of KV in an LMCache engine: lookup, store and retrieve by token ids."""
+    """Prefix chunks of KV in an LMCache engine: lookup, store and retrieve by token ids
+    (an LMCacheClient, lmcache_client.py)."""
 
     def __init__(self, backend: str, *, layout: str, num_layers: int, block_size: int,
                  chunk_size: int, kv_dtype: torch.dtype, layer_block_shape: tuple[int, ...],

@@ -34,6 +34,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from pd_plugins.transfer.options import host_environment
 from pd_plugins.transfer.private_dir import private_dir
 
 log = logging.getLogger("pd_plugins.peer_auth")
@@ -66,8 +67,9 @@ _cache_lock = threading.Lock()
 
 def load_secret() -> PeerSecret:
     """The secret by the rules in the module doc (cached per configuration)."""
-    config = (os.environ.get("PD_PEER_SECRET_FILE"), os.environ.get("PD_PEER_SECRET"),
-              os.environ.get("PD_PRIVATE_DIR"), os.environ.get("XDG_RUNTIME_DIR"))
+    env = host_environment()
+    config = (env.peer_secret_file, env.peer_secret, env.private_dir,
+              os.environ.get("XDG_RUNTIME_DIR"))
     with _cache_lock:
         if config not in _cache:
             _cache[config] = _load(*config[:2])

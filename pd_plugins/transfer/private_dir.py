@@ -14,13 +14,15 @@ import os
 import stat
 import tempfile
 
+from pd_plugins.transfer.options import host_environment
+
 
 class PrivateDirError(RuntimeError):
     pass
 
 
 def private_dir() -> str:
-    path = os.environ.get("PD_PRIVATE_DIR")
+    path = host_environment().private_dir
     if not path:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
         path = (os.path.join(runtime, "pd-plugins") if runtime and os.path.isdir(runtime)

@@ -6,7 +6,8 @@ the model, and a 448-token prefill of tiny-qwen3-moe took 33.4 ms instead of 14.
 a one-off measurement; docs/connectors.md). At nice 19 the thread still runs whenever the model
 waits. Used by both engines' NIXL adapters around the call that creates their agents.
 
-Engine-agnostic: the standard library only (Linux; elsewhere nothing is changed).
+Engine-agnostic: the standard library and transfer/options.py (Linux; elsewhere nothing is
+changed).
 """
 
 from __future__ import annotations
@@ -16,10 +17,19 @@ import logging
 import os
 from typing import Iterator
 
+from pd_plugins.transfer.options import (
+    TRANSFER_THREADS_NICE,
+    UNSET,
+    NixlOptions,
+    from_env,
+    variable,
+)
+
 logger = logging.getLogger("pd_plugins")
 
-DEFAULT_NICE = 19
-ENV = "PD_TRANSFER_THREADS_NICE"  # engines without a connector config (SGLang): a number, or "none"
+DEFAULT_NICE = TRANSFER_THREADS_NICE
+# engines without a connector config (SGLang): a number, or "none"
+ENV = variable(NixlOptions, "transfer_threads_nice")
 
 
 def thread_ids() -> set[int]:
@@ -31,16 +41,10 @@ def thread_ids() -> set[int]:
 
 
 def nice_from_env(default: int | None = DEFAULT_NICE) -> int | None:
-    """The nice value for transfer threads from PD_TRANSFER_THREADS_NICE ("none": leave them)."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if not value:
-        return default
-    if value in ("none", "null", "off"):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{ENV} must be a nice value (0-19) or 'none', not {value!r}") from None
+    """The nice value for transfer threads from PD_TRANSFER_THREADS_NICE ("none": leave them),
+    `default` when it is unset (NixlOptions in transfer/options.py reads and checks it)."""
+    nice = from_env(NixlOptions, "pd-nixl").transfer_threads_nice
+    return default if nice is UNSET else nice
 
 
 @contextlib.contextmanager

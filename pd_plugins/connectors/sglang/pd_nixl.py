@@ -27,11 +27,12 @@ Over host_kv.py's SGLang contract:
   keeps its pages until MAX_WRITE_S after the claim. A prefill whose lease runs out before a
   target appears expires the room: a decode that comes later fails when it publishes.
 
-SGLang's own NIXL backend is push only and has no lease. Options (environment): PD_NIXL_MODE
-(pull or push; the decode refuses a prefill in the other mode); PD_NIXL_LEASE_S (how long a
-prefill keeps a finished room's pages for the decode, default 30); PD_TRANSFER_THREADS_NICE (the
-nice value of NIXL's threads, default 19: its progress thread polls without pause; "none" leaves
-them alone). UCX on CPU: UCX_NET_DEVICES=lo on one host. Registry calls are signed with the peers'
+SGLang's own NIXL backend is push only and has no lease. Options: `NixlOptions`
+(transfer/options.py, PdNixlConnector's too) from the environment: PD_NIXL_MODE (pull or push;
+the decode refuses a prefill in the other mode), PD_NIXL_LEASE_S (how long a prefill keeps a
+finished room's pages for the decode), PD_TRANSFER_THREADS_NICE (NIXL's progress thread polls
+without pause: 19 on a CPU engine by default; "none" leaves them alone); docs/connectors.md has
+their table. UCX on CPU: UCX_NET_DEVICES=lo on one host. Registry calls are signed with the peers'
 secret (PD_PEER_SECRET_FILE or PD_PEER_SECRET; transfer/peer_auth.py), and a NIXL peer must be the
 agent its record names.
 """
@@ -41,7 +42,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import os
 import time
 import uuid
 
@@ -54,6 +54,7 @@ from pd_plugins.connectors.sglang.host_kv import (
     HostKVReceiver,
     HostKVSender,
     RegistryBootstrapServer,
+    engine_device,
     page_ranges,
 )
 from pd_plugins.transfer import bootstrap_registry
@@ -66,23 +67,16 @@ from pd_plugins.transfer.nixl_rooms import (
     Memory,
     NixlRoomAgent,
 )
+from pd_plugins.transfer.options import NixlOptions, from_env
 from pd_plugins.transfer.page_runs import decode_pages, encode_pages
-from pd_plugins.transfer.transfer_threads import lowered_new_threads, nice_from_env
+from pd_plugins.transfer.transfer_threads import lowered_new_threads
 
 logger = logging.getLogger("pd_plugins.sglang")
 
 BACKEND_NAME = "pd-nixl"
-MODES = ("pull", "push")
 PUSHED = b"PUSHED"  # a WRITE's notification: PUSHED:<room>:<start time>:<metadata row, base64>
 MAX_ARRIVALS = 100_000  # notifications kept for rooms no receiver asked about (yet)
 ABORT_WAIT_S = 2.0  # push: how long an aborted prefill lets its WRITE finish before freeing
-
-
-def mode_from_env() -> str:
-    mode = os.environ.get("PD_NIXL_MODE", "pull").strip().lower()
-    if mode not in MODES:
-        raise ValueError(f"PD_NIXL_MODE must be one of {', '.join(MODES)}, not {mode!r}")
-    return mode
 
 
 class PdNixlKVManager(HostKVManager):
@@ -90,14 +84,16 @@ class PdNixlKVManager(HostKVManager):
     device_kv = True  # NIXL registers CUDA memory (VRAM) and moves it without a host copy
 
     def _open(self) -> None:
-        self.transfer_mode = mode_from_env()
+        options = from_env(NixlOptions, BACKEND_NAME)
+        self.transfer_mode = options.mode
         role = "prefill" if self.mode == DisaggregationMode.PREFILL else "decode"
         # NIXL's progress thread polls without pause: lowest priority (PD_TRANSFER_THREADS_NICE)
-        with lowered_new_threads(nice_from_env(), "pd-nixl (SGLang)"):
+        cpu_engine = engine_device(self.server_args).startswith("cpu")
+        with lowered_new_threads(options.nice_on(cpu_engine), "pd-nixl (SGLang)"):
             self.agent = NixlRoomAgent(
                 f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions(),
                 self.buffers.memory)
-        self.leases = LeaseTable(float(os.environ.get("PD_NIXL_LEASE_S", "30")))
+        self.leases = LeaseTable(options.kv_lease_duration)
         self.arrivals: dict[int, tuple[float, bytes]] = {}  # push, decode: room -> (start, aux)
 
     def _record(self) -> dict:

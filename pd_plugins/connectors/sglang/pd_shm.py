@@ -10,17 +10,12 @@ Over host_kv.py's SGLang contract and the room channel (transfer/shm_rooms.py):
   engine maps the same pool; `poll` copies the pages once the manifest is there, checked by
   generation (and checksum, in a pool with checksums), then ends the prefill's hold.
 
-Options (environment, every engine of a deployment alike): PD_SHM_POOL (path, default
-/dev/shm/pd-sglang-kv), PD_SHM_POOL_GB (size when this engine creates it, default 1),
-PD_SHM_HOLD_S (how long the prefill's pages are held for the decode, default 60),
-PD_SHM_POOL_GROUP (a group that shares the pool file, 0660; default: this user's alone, 0600),
-PD_SHM_REMOVE_WHEN_UNUSED (1: unlink the pool file when the last engine mapping it exits cleanly;
-default 0, `pd-pool remove` frees it).
+Options: `ShmOptions` (transfer/options.py, PdShmConnector's too) from the environment, every
+engine of a deployment alike: PD_SHM_POOL (path), PD_SHM_POOL_GB, PD_SHM_HOLD_S, PD_SHM_POOL_GROUP,
+PD_SHM_REMOVE_WHEN_UNUSED; docs/connectors.md has their table.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
@@ -31,26 +26,27 @@ from pd_plugins.connectors.sglang.host_kv import (
     RegistryBootstrapServer,
     layout_of,
 )
+from pd_plugins.transfer.options import ShmOptions, from_env
 from pd_plugins.transfer.shm_pool import ShmKVPool
 from pd_plugins.transfer.shm_rooms import RoomManifest, RoomReader, RoomTransferError, RoomWriter
 
 BACKEND_NAME = "pd-shm"
+DEFAULT_POOL_PATH = "/dev/shm/pd-sglang-kv"
 
 
 class PdShmKVManager(HostKVManager):
     backend_name = BACKEND_NAME
 
     def _open(self) -> None:
-        path = os.environ.get("PD_SHM_POOL", "/dev/shm/pd-sglang-kv")
-        size = int(float(os.environ.get("PD_SHM_POOL_GB", "1")) * 2**30)
-        self.pool = ShmKVPool(path, slot_bytes=self.buffers.page_bytes,
-                              layout=layout_of(self.kv_args), size_bytes=size,
+        options = from_env(ShmOptions, BACKEND_NAME)
+        self.pool = ShmKVPool(options.pool_path or DEFAULT_POOL_PATH,
+                              slot_bytes=self.buffers.page_bytes,
+                              layout=layout_of(self.kv_args), size_bytes=options.pool_size_bytes,
                               checksums=None,  # on for a DAX device, off for a file
-                              group=os.environ.get("PD_SHM_POOL_GROUP") or None,
-                              remove_when_unused=os.environ.get(
-                                  "PD_SHM_REMOVE_WHEN_UNUSED", "0").lower() in ("1", "true"))
+                              group=options.pool_group,
+                              remove_when_unused=options.remove_when_unused)
         self.scope = f"{self.pool.pool_id}|{self.bootstrap_addr}|{self.rank_key}"
-        self.writer = RoomWriter(self.pool, self.scope, float(os.environ.get("PD_SHM_HOLD_S", "60")))
+        self.writer = RoomWriter(self.pool, self.scope, options.hold_s)
 
     def _record(self) -> dict:
         return {"pool_path": self.pool.path, "pool_id": self.pool.pool_id, "scope": self.scope}

@@ -1,15 +1,29 @@
-"""Reading `kv_connector_extra_config` values the way users write them."""
+"""Connector options from vLLM's `kv_connector_extra_config`, as users write them (JSON or strings).
+
+The option structs, their checks and their table are in transfer/options.py (SGLang's backends
+read the same structs from the environment).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
+
+from pd_plugins.transfer.options import from_extra_config, truthy
+
+__all__ = ["extra_flag", "extra_options", "truthy"]
+
+S = TypeVar("S")
 
 
-def truthy(value: Any) -> bool:
-    """A flag from JSON or a string: false, "false", "0", "no" and "off" are off."""
-    return value if isinstance(value, bool) else str(value).strip().lower() not in (
-        "0", "false", "no", "off", "")
+def extra_options(cls: type[S], kv_transfer_config: Any, who: str) -> S:
+    """`cls` (NixlOptions, ShmOptions, LMCacheOptions) from the config's extra keys."""
+    get = getattr(kv_transfer_config, "get_from_extra_config", None)
+    return from_extra_config(cls, get, who)
 
 
 def extra_flag(kv_transfer_config, name: str, default: bool = False) -> bool:
-    return truthy(kv_transfer_config.get_from_extra_config(name, default))
+    value = kv_transfer_config.get_from_extra_config(name, default)
+    try:
+        return truthy(value)
+    except ValueError as exc:
+        raise ValueError(f"kv_connector_extra_config.{name}: {exc}") from None

@@ -1,7 +1,8 @@
 """PdLMCacheConnector: KV moves through an LMCache pool (CPU, disk, fs://, lm://, redis://, mp://).
 
 Selected with `--kv-transfer-config '{"kv_connector":"PdLMCacheConnector","kv_role":...,
-"kv_connector_extra_config":{"backend":"redis://127.0.0.1:6379"}}'`; options in `LMCacheOptions`.
+"kv_connector_extra_config":{"backend":"redis://127.0.0.1:6379"}}'`; options in `LMCacheOptions`
+(transfer/options.py).
 - a prefill (kv_producer) stores the full chunks of each PD prefill leg's prompt into LMCache
   after computing them and answers with how many tokens it stored;
 - any engine looks each new request's prompt up in LMCache and retrieves the leading chunks it
@@ -16,7 +17,9 @@ share chunks; requests with prompt embeddings bypass the pool (counted). Chunks 
 
 Only backends that engines share can carry PD KV from a prefill to a decode: `fs://` (a directory
 on the host), `lm://`, `redis://` and `mp://` (an LMCache server). `cpu` and `disk://` are each
-engine's own: they serve prefix reuse within one engine (`store: all`), not PD.
+engine's own: they serve prefix reuse within one engine (`store: all`), not PD. `backend` has no
+default: an engine without one refuses to start and says which to pick, rather than run on a pool
+of its own that would move no KV.
 The LMCache side (its engine, our CPU copy of paged KV) is in pd_plugins/transfer/lmcache_pool.py
 and, for `mp://`, pd_plugins/transfer/lmcache_mp.py. The LMCache engine lives in the worker
 process; the scheduler asks it over transfer/lookup_channel.py (an LMCache server, mp://, is
@@ -38,45 +41,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from pd_plugins.connectors.transfer_params import PD_SECTION_KEY, PdSection, asks_remote_decode
 from pd_plugins.connectors.vllm.counter_stats import CounterPromMetrics, CounterStats
 from pd_plugins.connectors.vllm.kv_layout import kv_layout
 from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
+from pd_plugins.connectors.vllm.pool_scheduler import PoolSchedulerSide, Storing
+from pd_plugins.transfer.lmcache_client import LMCacheClient
 from pd_plugins.transfer.lookup_channel import LookupClient, LookupServer, lookup_address
+from pd_plugins.transfer.options import SHARED_LMCACHE_BACKENDS, LMCacheOptions
+from pd_plugins.vocab.transfer_params import STORED_TOKENS_KEY, stored_tokens_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
-
-STORED_TOKENS_KEY = "lmcache_tokens"  # in the prefill's answer: tokens it put into the pool
-STORE_WHAT = ("pd", "all")
-SHARED_BACKENDS = ("fs://", "lm://", "redis://", "mp://")
-
-
-class LMCacheOptions(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
-    """kv_connector_extra_config keys (unknown keys are other connectors' and ignored)."""
-
-    backend: str = "cpu"       # cpu | disk:///dir | fs:///dir | lm://h:p | redis://h:p | mp://h:p
-    chunk_size: int = 0        # tokens per LMCache chunk, a multiple of the block size (0: one block)
-    local_cpu_gb: float = 0.5  # LMCache's CPU tier in this engine (in front of remote backends)
-    timeout_s: float = 5.0     # a backend call that takes longer counts as failed
-    lookup: bool = True        # retrieve prefix chunks found in the pool (any role)
-    store: str = "pd"          # producers store PD prefill legs only, or every request
-
-    def __post_init__(self) -> None:
-        if self.store not in STORE_WHAT:
-            raise ValueError(f"PdLMCacheConnector: store must be one of {STORE_WHAT}, "
-                             f"got {self.store!r}")
-        if self.chunk_size < 0 or self.local_cpu_gb <= 0 or self.timeout_s <= 0:
-            raise ValueError("PdLMCacheConnector: chunk_size must be >= 0, local_cpu_gb and "
-                             "timeout_s positive")
-
 
 LMCACHE_COUNTERS = {
     "stored_tokens": ("vllm:pd_lmcache_stored_tokens", "Prompt tokens whose KV was stored."),
@@ -104,7 +85,7 @@ class PdLMCachePromMetrics(CounterPromMetrics):
 
 def open_pool(options: LMCacheOptions, layout: str, num_layers: int, block_size: int,
               page_elements: int, dtype: torch.dtype, rank: int, world_size: int,
-              instance_id: str):
+              instance_id: str) -> LMCacheClient:
     """The LMCache side for `options.backend`: an LMCache server over ZMQ (mp://) or an
     LMCache engine in this process (every other backend)."""
     chunk = options.chunk_size or block_size
@@ -195,13 +176,15 @@ class PdLMCacheMetadata(KVConnectorMetadata):
 
 
 # -- scheduler side ---------------------------------------------------------------------------------
-class _SchedulerSide:
+class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
+    """Asks the pool for a prompt's leading chunks by its tokens and namespace; a hit is
+    (tokens computed locally, tokens in the pool). Stores a prompt's full chunks once the whole
+    prompt is computed."""
+
+    MODE = "lmcache"
+
     def __init__(self, connector: PdLMCacheConnector) -> None:
-        self.c = connector
-        self._hits: dict[str, tuple[int, int]] = {}  # req id -> (locally computed, pool hit)
-        self._retrieves: list[RetrieveOp] = []
-        self._storing: dict[str, Request] = {}
-        self._cached: dict[str, int] = {}  # req id -> prompt tokens not computed (local + pool)
+        super().__init__(connector)
         self._stored: dict[str, int] = {}  # req id -> prompt tokens sent to the pool
         self._namespaces: dict[str, str | None] = {}  # req id -> pool_namespace
 
@@ -215,83 +198,49 @@ class _SchedulerSide:
                              "pool cannot key: not looked up, not stored", req_id)
         return self._namespaces[req_id]
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
-        c = self.c
-        self._cached[request.request_id] = num_computed_tokens
-        namespace = self._namespace(request)
-        if not c.options.lookup or namespace is None:
-            return 0, False
+    def poolable(self, request: Request) -> bool:
+        return self._namespace(request) is not None
+
+    def find(self, request: Request, num_computed_tokens: int) -> tuple[int, tuple[int, int]]:
         prompt = request.prompt_token_ids or []
-        hit = c.lookup(prompt, namespace) if len(prompt) >= c.chunk_size else 0
-        params = request.kv_transfer_params
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
-            expected = params.get(STORED_TOKENS_KEY)
-            if isinstance(expected, int) and hit < expected:
-                logger.warning("PdLMCacheConnector: request %s: the pool has %d of the %d prompt "
-                               "tokens the prefill stored (evicted, or the backend is down); "
-                               "computing the rest", request.request_id, hit, expected)
-        # vLLM computes at least the last prompt token itself
-        tokens = max(0, min(hit, request.num_tokens - 1) - num_computed_tokens)
-        if tokens:
-            self._hits[request.request_id] = (num_computed_tokens, hit)
-            self._cached[request.request_id] = num_computed_tokens + tokens
-        return tokens, False
+        hit = (self.c.lookup(prompt, self._namespace(request))
+               if len(prompt) >= self.c.chunk_size else 0)
+        return hit, (num_computed_tokens, hit)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
-        c = self.c
-        hit = self._hits.pop(request.request_id, None)
-        if num_external_tokens > 0 and hit is not None:
-            computed, present = hit
-            needed = computed + num_external_tokens
-            end = min(present, -(-needed // c.chunk_size) * c.chunk_size)
-            block_ids = blocks.get_block_ids()[0][:-(-end // c.block_size)]
-            self._retrieves.append(RetrieveOp(
-                request.request_id, list(request.prompt_token_ids[:end]), list(block_ids),
-                skip_tokens=computed, needed_tokens=needed,
-                namespace=self._namespaces.get(request.request_id) or ""))
-        if (c.stores and request.request_id not in self._storing
-                and self._namespace(request) is not None
-                and (c.options.store == "all" or asks_remote_decode(request.kv_transfer_params))):
-            self._storing[request.request_id] = request
+    def prefill_stored(self, params: dict[str, Any]) -> int | None:
+        return stored_tokens_of(params)
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdLMCacheMetadata:
+    def load_op(self, request: Request, blocks: KVCacheBlocks, hit: tuple[int, int],
+                num_external_tokens: int) -> RetrieveOp:
         c = self.c
-        meta = PdLMCacheMetadata(retrieves=self._retrieves)
-        self._retrieves = []
-        for req_id, req in list(self._storing.items()):
-            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            # num_computed_tokens does not yet include this step's tokens
-            if not scheduled or req.num_computed_tokens + scheduled < req.num_prompt_tokens:
-                continue
-            del self._storing[req_id]
-            full = req.num_prompt_tokens // c.chunk_size * c.chunk_size
-            if full:
-                block_ids = c.kv_cache_manager.get_block_ids(req_id)[0]
-                meta.stores.append(StoreOp(req_id, list(req.prompt_token_ids[:full]),
-                                           list(block_ids[:full // c.block_size]),
-                                           self._namespaces.get(req_id) or ""))
-                self._stored[req_id] = full
-        return meta
+        computed, present = hit
+        needed = computed + num_external_tokens
+        end = min(present, -(-needed // c.chunk_size) * c.chunk_size)
+        block_ids = blocks.get_block_ids()[0][:-(-end // c.block_size)]
+        return RetrieveOp(request.request_id, list(request.prompt_token_ids[:end]),
+                          list(block_ids), skip_tokens=computed, needed_tokens=needed,
+                          namespace=self._namespaces.get(request.request_id) or "")
 
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
-        c = self.c
-        self._storing.pop(request.request_id, None)
-        self._hits.pop(request.request_id, None)
-        self._namespaces.pop(request.request_id, None)
-        cached = self._cached.pop(request.request_id, 0)
-        stored = self._stored.pop(request.request_id, 0)
-        if not (c.stores and asks_remote_decode(request.kv_transfer_params)):
+    def store_op(self, storing: Storing, done: int) -> StoreOp | None:
+        c, req = self.c, storing.request
+        full = req.num_prompt_tokens // c.chunk_size * c.chunk_size
+        if done < req.num_prompt_tokens or not full:
             return None
-        section = PdSection(prompt_tokens=request.num_prompt_tokens, cached_tokens=cached,
-                            engine_id=c.engine_id, mode="lmcache", block_size=c.block_size)
-        return {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": c.engine_id, "remote_request_id": request.request_id,
-            STORED_TOKENS_KEY: stored,
-            PD_SECTION_KEY: msgspec.to_builtins(section),
-        }
+        block_ids = c.kv_cache_manager.get_block_ids(req.request_id)[0]
+        self._stored[req.request_id] = full
+        return StoreOp(req.request_id, list(req.prompt_token_ids[:full]),
+                       list(block_ids[:full // c.block_size]),
+                       self._namespaces.get(req.request_id) or "")
+
+    def metadata(self, loads: list[RetrieveOp], stores: list[StoreOp]) -> PdLMCacheMetadata:
+        return PdLMCacheMetadata(retrieves=loads, stores=stores)
+
+    def answer(self, request: Request) -> dict[str, Any]:
+        return {STORED_TOKENS_KEY: self._stored.get(request.request_id, 0)}
+
+    def forget(self, request_id: str) -> None:
+        self._namespaces.pop(request_id, None)
+        self._stored.pop(request_id, None)
 
 
 # -- worker side ------------------------------------------------------------------------------------
@@ -340,18 +289,13 @@ class _WorkerSide(PoolWorkerSide):
 
 class PdLMCacheConnector(SyncPoolConnector):
     STATS = PdLMCacheStats
+    OPTIONS = LMCacheOptions
     PROM_METRICS = PdLMCachePromMetrics
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
-        config = vllm_config.kv_transfer_config
-        self.options = msgspec.convert(config.kv_connector_extra_config or {}, LMCacheOptions)
-        self.kv_cache_config = kv_cache_config
-        self.block_size = vllm_config.cache_config.block_size
         self.chunk_size = self.options.chunk_size or self.block_size
-        self.engine_id = config.engine_id
-        self.stores = config.kv_role in ("kv_producer", "kv_both")
         self.layout = kv_layout(vllm_config, kv_cache_config, "pd-lmcache v1",
                                 "PdLMCacheConnector")
         par = vllm_config.parallel_config
@@ -368,19 +312,21 @@ class PdLMCacheConnector(SyncPoolConnector):
         # (mp://) answers both itself; an LMCache engine inside the worker (every other backend:
         # its CPU tier may hold what the remote does not) is asked over a lookup channel.
         self.lookup_address = None if in_server else lookup_address(self.engine_id, par.rank)
-        self.pool = self.lookups = None
+        self.pool: LMCacheClient | None = None  # worker side
+        self.lookups: LMCacheClient | LookupClient | None = None  # scheduler side
         if role == KVConnectorRole.WORKER:
             self.pool = pool()
         elif in_server:
             self.lookups = pool()
         else:
             self.lookups = LookupClient(lookup_address(self.engine_id, 0), self.options.timeout_s)
-        if self.stores and not self.options.backend.startswith(SHARED_BACKENDS):
+        if self.stores and not self.options.shared:
             logger.warning("PdLMCacheConnector: backend %s is this engine's own: a decode on "
                            "another engine cannot read what this prefill stores (use one of %s)",
-                           self.options.backend, ", ".join(SHARED_BACKENDS))
+                           self.options.backend, ", ".join(SHARED_LMCACHE_BACKENDS))
         logger.info("PdLMCacheConnector (%s, %s): backend %s, chunks of %d tokens",
-                    config.kv_role, role.name, self.options.backend, self.chunk_size)
+                    vllm_config.kv_transfer_config.kv_role, role.name, self.options.backend,
+                    self.chunk_size)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None
         self._worker = _WorkerSide(self) if role == KVConnectorRole.WORKER else None
 

@@ -15,6 +15,7 @@ All transfer machinery (handshake, lease, heartbeat, transfers) is upstream's; t
   (pd_nixl_guards.py);
 - counters for all of it on /metrics (pd_nixl_stats.py).
 Every failed load goes through vLLM's `kv_load_failure_policy` (fail | recompute).
+Upstream's private names are used only through nixl_internals.py, for checked vLLM versions.
 """
 
 from __future__ import annotations
@@ -39,17 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 from vllm.logger import init_logger
 
-from pd_plugins.connectors.transfer_params import (
-    PD_SECTION_KEY,
-    PdSection,
-    TransferMode,
-    lease_check_of,
-    malformed_params_error,
-    remote_prefill_error,
-)
+from pd_plugins.connectors.transfer_params import lease_check_of, malformed_params_error, remote_prefill_error
+from pd_plugins.vocab.engines import TransferMode
+from pd_plugins.vocab.transfer_params import PD_SECTION_KEY, PdSection
 from pd_plugins.connectors.vllm.counter_stats import REJECTED_PARAMS_KEY
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
-from pd_plugins.connectors.vllm.options import extra_flag
+from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
     LeaseVerdicts,
     NotifTap,
@@ -57,11 +53,17 @@ from pd_plugins.connectors.vllm.pd_nixl_guards import (
     PushDeadlines,
     SendHold,
     WriteGate,
+)
+from pd_plugins.connectors.vllm.nixl_internals import (
     holds_blocks,
+    pending_push_registration,
+    require_checked_vllm,
+    sends_in_flight,
 )
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
-from pd_plugins.transfer.transfer_threads import DEFAULT_NICE, lowered_new_threads
+from pd_plugins.transfer.options import NixlOptions
+from pd_plugins.transfer.transfer_threads import lowered_new_threads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,23 +78,17 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-TRANSFER_MODES: tuple[TransferMode, ...] = ("pull", "push")
-DEFAULT_LEASE_S = 30  # upstream's kv_lease_duration default
-# Past the prefill's lease, so no WRITE can still come when the decode gives up on a push.
-PUSH_TIMEOUT_MARGIN_S = 15.0
 # A prefill starts no WRITE later than this before the decode gives up (the WRITE must land in it).
 WRITE_MARGIN_S = 5.0
 
 
+def nixl_options(vllm_config: VllmConfig) -> NixlOptions:
+    """This connector's options (transfer/options.py; SGLang's pd-nixl reads the same)."""
+    return extra_options(NixlOptions, vllm_config.kv_transfer_config, "PdNixlConnector")
+
+
 def transfer_mode_of(vllm_config: VllmConfig) -> TransferMode:
-    config = vllm_config.kv_transfer_config
-    mode = config.get_from_extra_config("mode", "pull") if config is not None else "pull"
-    if mode not in TRANSFER_MODES:
-        raise ValueError(
-            f"PdNixlConnector: kv_connector_extra_config.mode must be one of "
-            f"{', '.join(TRANSFER_MODES)}, got {mode!r}"
-        )
-    return mode
+    return nixl_options(vllm_config).mode
 
 
 class _PdStatsClassMethods:
@@ -113,9 +109,7 @@ def transfer_threads_nice(vllm_config: VllmConfig) -> int | None:
     null leaves the threads alone."""
     from vllm.platforms import current_platform
 
-    nice = vllm_config.kv_transfer_config.get_from_extra_config(
-        "transfer_threads_nice", DEFAULT_NICE if current_platform.is_cpu() else None)
-    return None if nice is None else int(nice)
+    return nixl_options(vllm_config).nice_on(cpu_engine=current_platform.is_cpu())
 
 
 class _PdAdditions(_PdStatsClassMethods):
@@ -126,13 +120,15 @@ class _PdAdditions(_PdStatsClassMethods):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ):
+        require_checked_vllm()  # before upstream's connector, whose internals we use
         # On CPU, upstream's NIXL worker moves the calling thread to the last core of each NUMA
         # node ("reserved for KV transfer"). That thread is the one that runs the model (with one
         # OMP thread per bound core, OMP's master is the main thread), so two engines bound to
         # cores 0 and 1 both computed on core 1, a busy-stepping prefill starving its decode: the
         # concurrent-pull stalls (docs/connectors.md, "Under load"). Keep the engine's own binding.
+        options = nixl_options(vllm_config)
         keep = (role == KVConnectorRole.WORKER and hasattr(os, "sched_getaffinity")
-                and extra_flag(vllm_config.kv_transfer_config, "keep_cpu_affinity", True))
+                and options.keep_cpu_affinity)
         bound = os.sched_getaffinity(0) if keep else None
         nice = transfer_threads_nice(vllm_config) if role == KVConnectorRole.WORKER else None
         with lowered_new_threads(nice, "PdNixlConnector"):  # upstream's NIXL agent starts them
@@ -146,9 +142,8 @@ class _PdAdditions(_PdStatsClassMethods):
         self._recompute_failed_loads = config.kv_load_failure_policy == "recompute"
         self._reads = config.kv_role in ("kv_consumer", "kv_both")   # decode side
         self._serves = config.kv_role in ("kv_producer", "kv_both")  # prefill side
-        lease_s = float(config.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S))
-        self._push_timeout_s = float(config.get_from_extra_config(
-            "push_timeout_s", lease_s + PUSH_TIMEOUT_MARGIN_S))
+        lease_s = options.kv_lease_duration
+        self._push_timeout_s = options.push_timeout
         # Scheduler side.
         self._local_prefix_hits: dict[str, int] = {}  # request id -> tokens hit locally
         self._params_rejected: set[str] = set()  # await allocation, then reported failed
@@ -160,7 +155,7 @@ class _PdAdditions(_PdStatsClassMethods):
         if role == KVConnectorRole.SCHEDULER and self.pd_mode == "pull" and self._serves:
             host = socket.gethostbyname(self.connector_scheduler.side_channel_host)
             self._lease_server = LeaseCheckServer(
-                host, int(config.get_from_extra_config("lease_check_port", 0)))
+                host, options.lease_check_port)
         # Worker side.
         self._notif_tap: NotifTap | None = None
         self._late_read_guard: LateReadGuard | None = None
@@ -259,7 +254,7 @@ class _PdAdditions(_PdStatsClassMethods):
             else:
                 self._push_waits_to_send[request.request_id] = self._push_timeout_s
         result = super().update_state_after_alloc(request, blocks, num_external_tokens)
-        registration = (self.connector_scheduler._push_pending_registrations.get(request.request_id)
+        registration = (pending_push_registration(self.connector_scheduler, request.request_id)
                         if self.pd_mode == "push" else None)
         if registration is not None and self._reads:
             # Tell the prefill when this decode stops waiting, so no WRITE lands after that.
@@ -323,7 +318,7 @@ class _PdAdditions(_PdStatsClassMethods):
         # Push prefill: lease reaping (in upstream's call) and WRITE starts exclude each other.
         with self._write_gate.lock if self._write_gate is not None else contextlib.nullcontext():
             results = super().get_transfer_results(finished_req_ids)
-        meta = self._connector_metadata
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         rejected = getattr(meta, "pd_rejected_recv", None)
         if rejected:
             # vLLM expects failed receives in finished_recving too.
@@ -344,9 +339,7 @@ class _PdAdditions(_PdStatsClassMethods):
         if self._write_gate is not None:
             stats.count("pd_refused_writes", self._write_gate.take_refused())
         if self._send_hold is not None:
-            worker = self.connector_worker
-            with worker._sending_transfers_lock:
-                in_flight = {r for r, handles in worker._sending_transfers.items() if handles}
+            in_flight = sends_in_flight(self.connector_worker)
             stats.count("pd_held_sends", len(self._send_hold.settle(results.finished_sending,
                                                                     in_flight)))
         stats.count("pd_recomputes" if self._recompute_failed_loads else "pd_failed_loads",

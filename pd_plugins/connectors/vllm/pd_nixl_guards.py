@@ -25,6 +25,7 @@ from typing import Any, Callable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.logger import init_logger
 
+from pd_plugins.connectors.vllm.nixl_internals import holds_blocks, lease_end, replace_push_start
 from pd_plugins.transfer.lease_check import VerdictTable
 
 logger = init_logger(__name__)
@@ -44,11 +45,6 @@ class LeaseVerdicts(KVConnectorWorkerMetadata):
     def record_into(self, table: VerdictTable) -> None:
         for request_id, reader, on_time in self.verdicts:
             table.record(request_id, reader, on_time)
-
-
-def holds_blocks(worker: Any, request_id: str) -> bool:
-    """Whether an upstream NIXL worker still holds a prefill request's blocks for a transfer."""
-    return request_id in worker._reqs_to_send or request_id in worker._reqs_to_process
 
 
 class NotifTap:
@@ -162,7 +158,7 @@ WRITE_BY_KEY = "pd_write_by"  # in a push registration: wall-clock time after wh
 
 
 class WriteGate:
-    """Wraps a push worker's WRITE start (`_do_start_push_kv`, run on its writer thread).
+    """Wraps a push worker's WRITE start (run on its writer thread; nixl_internals.py).
 
     A WRITE starts only while the prefill still leases the blocks (its lease deadline, not only
     the reaping, which a stalled engine step can delay) and before the decode's write-by time.
@@ -173,8 +169,7 @@ class WriteGate:
     def __init__(self, worker: Any) -> None:
         self.lock = threading.Lock()
         self._worker = worker
-        self._start_write = worker._do_start_push_kv
-        worker._do_start_push_kv = self._guarded_start
+        self._start_write = replace_push_start(worker, self._guarded_start)
         self._refused = 0
 
     def _guarded_start(self, request_id: str, local_block_ids: Any,
@@ -193,7 +188,7 @@ class WriteGate:
             return "the decode has stopped waiting for it"
         if not holds_blocks(self._worker, request_id):
             return "its blocks were released"
-        lease_ends = self._worker._reqs_to_send.get(request_id)
+        lease_ends = lease_end(self._worker, request_id)
         if lease_ends is not None and time.perf_counter() >= lease_ends:
             return "its lease has run out"
         return None

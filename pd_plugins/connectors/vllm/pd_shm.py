@@ -1,8 +1,8 @@
 """PdShmConnector: KV moves through a shared-memory pool (a /dev/shm file or a CXL DAX device).
 
 Selected with `--kv-transfer-config '{"kv_connector":"PdShmConnector","kv_role":...}'`; options in
-`kv_connector_extra_config` (see `ShmOptions`). Every engine on the host that maps the same pool
-shares it:
+`kv_connector_extra_config` (`ShmOptions`, transfer/options.py). Every engine on the host that
+maps the same pool shares it:
 - a prefill (kv_producer) writes the full blocks of each PD prefill leg into the pool while it
   computes them, skipping blocks the pool already has, and answers with the pool's id and the
   slots it used in `kv_transfer_params`;
@@ -29,7 +29,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -38,20 +37,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from pd_plugins.connectors.transfer_params import PD_SECTION_KEY, PdSection, asks_remote_decode
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.kv_layout import kv_layout
-from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
 from pd_plugins.connectors.vllm.pd_shm_stats import PdShmPromMetrics, PdShmStats
-from pd_plugins.routers.policy.prefix_index import block_keys
+from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
+from pd_plugins.connectors.vllm.pool_scheduler import PoolSchedulerSide, Storing
+from pd_plugins.transfer.options import ShmOptions
 from pd_plugins.transfer.paged_kv import PagedKV
 from pd_plugins.transfer.shm_pool import ShmKVPool, SlotRef, SlotRefs
+from pd_plugins.vocab.block_keys import block_keys
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -59,37 +58,6 @@ logger = init_logger(__name__)
 
 POOL_ID_KEY = "pool_id"
 POOL_SLOTS_KEY = "pool_slots"
-SAVE_MODES = ("layer", "step")
-STORE_WHAT = ("pd", "all")
-
-
-class ShmOptions(msgspec.Struct, forbid_unknown_fields=False, kw_only=True):
-    """kv_connector_extra_config keys (unknown keys are other connectors' and ignored)."""
-
-    pool_path: str | None = None  # default: /dev/shm/pd-kv-<model>-<layout hash>
-    pool_size_gb: float = 2.0     # size when this engine creates the pool file
-    hold_s: float = 30.0          # a prefill's blocks stay at least this long for the decode
-    read_lease_s: float = 30.0    # a reader killed mid-copy pins its slots at most this long
-    save_mode: str = "layer"      # write each layer as computed, or all layers after the step
-    checksums: bool | None = None  # for a pool this engine creates (a pool keeps its own);
-    #                               None: on for a DAX device, off for a file (checksums_by_default)
-    lookup: bool = True           # load prefix blocks found in the pool (any role)
-    store: str = "pd"             # producers store PD prefill legs only, or every request
-    pool_group: str | None = None  # a group that shares the pool (file 0660 in it); None: 0600
-    remove_when_unused: bool = False  # unlink the pool file when the last engine mapping it
-    #                                   read-write closes it (default: keep it, a prefix cache
-    #                                   that outlives restarts; `pd-pool remove` frees it)
-
-    def __post_init__(self) -> None:
-        if self.save_mode not in SAVE_MODES:
-            raise ValueError(f"PdShmConnector: save_mode must be one of {SAVE_MODES}, "
-                             f"got {self.save_mode!r}")
-        if self.store not in STORE_WHAT:
-            raise ValueError(f"PdShmConnector: store must be one of {STORE_WHAT}, "
-                             f"got {self.store!r}")
-        if self.pool_size_gb <= 0 or self.hold_s < 0 or self.read_lease_s <= 0:
-            raise ValueError("PdShmConnector: pool_size_gb and read_lease_s must be positive, "
-                             "hold_s non-negative")
 
 
 def pool_key(block_hash: bytes, rank: int) -> bytes:
@@ -146,108 +114,63 @@ def _slot_hints(params: Any, pool_id: str, first: int, count: int) -> list[SlotR
 
 # -- scheduler side ---------------------------------------------------------------------------------
 @dataclass
-class _Storing:
-    request: Request
-    next_block: int = 0
-    content_keys: list[int] | None = None
+class _ShmStoring(Storing):
+    content_keys: list[int] | None = None  # the prompt's block keys, computed once
 
 
-class _SchedulerSide:
-    def __init__(self, connector: PdShmConnector) -> None:
-        self.c = connector
-        self._hits: dict[str, tuple[int, int]] = {}  # req id -> (first, end) block found
-        self._loads: list[LoadOp] = []
-        self._storing: dict[str, _Storing] = {}
-        self._cached: dict[str, int] = {}  # req id -> prompt tokens not computed (local + pool)
+class _SchedulerSide(PoolSchedulerSide[int]):
+    """Finds a prompt's blocks in the pool by their block hashes; a hit is its first block not
+    computed locally. Stores each step's newly completed blocks."""
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
-                                   ) -> tuple[int, bool]:
-        c = self.c
-        self._cached[request.request_id] = num_computed_tokens
-        if not c.options.lookup:
-            return 0, False
-        bs = c.block_size
+    MODE = "shm"
+
+    def find(self, request: Request, num_computed_tokens: int) -> tuple[int, int]:
+        bs = self.c.block_size
         first = num_computed_tokens // bs
         hashes = request.block_hashes[first:]
-        found = c.pool.count_prefix([pool_key(h, 0) for h in hashes]) if hashes else 0
-        end = first + found
-        params = request.kv_transfer_params
-        if isinstance(params, dict) and params.get("do_remote_prefill"):
-            slots = params.get(POOL_SLOTS_KEY)
-            expected = len(slots) if isinstance(slots, list) else 0  # a client's value, unchecked
-            if end < expected:
-                logger.warning("PdShmConnector: request %s: %d of the prefill's %d blocks are not "
-                               "in the pool (evicted, or another pool); computing them",
-                               request.request_id, expected - end, expected)
-        # vLLM computes at least the last prompt token itself
-        tokens = max(0, min(end * bs, request.num_tokens - 1) - num_computed_tokens)
-        if tokens:
-            self._hits[request.request_id] = (first, end)
-            self._cached[request.request_id] = num_computed_tokens + tokens
-        return tokens, False
+        found = self.c.pool.count_prefix([pool_key(h, 0) for h in hashes]) if hashes else 0
+        return (first + found) * bs, first
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
-        c = self.c
-        hit = self._hits.pop(request.request_id, None)
-        if num_external_tokens > 0 and hit is not None:
-            first, _ = hit
-            count = -(-num_external_tokens // c.block_size)
-            block_ids = blocks.get_block_ids()[0][first:first + count]
-            self._loads.append(LoadOp(
-                request.request_id, list(block_ids),
-                list(request.block_hashes[first:first + count]),
-                _slot_hints(request.kv_transfer_params, c.pool.pool_id, first, count)))
-        if (c.stores and request.request_id not in self._storing
-                and (c.options.store == "all" or asks_remote_decode(request.kv_transfer_params))):
-            self._storing[request.request_id] = _Storing(request)
+    def prefill_stored(self, params: dict[str, Any]) -> int | None:
+        slots = params.get(POOL_SLOTS_KEY)
+        return len(slots) * self.c.block_size if isinstance(slots, list) else None
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdShmMetadata:
-        meta = PdShmMetadata(loads=self._loads)
-        self._loads = []
-        bs = self.c.block_size
-        for req_id, st in list(self._storing.items()):
-            scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if not scheduled:
-                continue
-            req = st.request
-            # num_computed_tokens does not yet include this step's tokens
-            done = min(req.num_computed_tokens + scheduled, req.num_prompt_tokens)
-            full = min(done // bs, len(req.block_hashes))
-            if full > st.next_block:
-                if st.content_keys is None:
-                    st.content_keys = block_keys(req.prompt_token_ids or [], bs)
-                block_ids = self.c.kv_cache_manager.get_block_ids(req_id)[0]
-                meta.stores.append(StoreOp(
-                    req_id, list(block_ids[st.next_block:full]),
-                    list(req.block_hashes[st.next_block:full]),
-                    st.content_keys[st.next_block:full]))
-                st.next_block = full
-            if done >= req.num_prompt_tokens:
-                del self._storing[req_id]
-        return meta
+    def load_op(self, request: Request, blocks: KVCacheBlocks, hit: int,
+                num_external_tokens: int) -> LoadOp:
+        first, count = hit, -(-num_external_tokens // self.c.block_size)
+        block_ids = blocks.get_block_ids()[0][first:first + count]
+        return LoadOp(request.request_id, list(block_ids),
+                      list(request.block_hashes[first:first + count]),
+                      _slot_hints(request.kv_transfer_params, self.c.pool.pool_id, first, count))
 
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
-        c = self.c
-        self._storing.pop(request.request_id, None)
-        self._hits.pop(request.request_id, None)
-        cached = self._cached.pop(request.request_id, 0)
-        if not (c.stores and asks_remote_decode(request.kv_transfer_params)):
+    def begin_store(self, request: Request) -> _ShmStoring:
+        return _ShmStoring(request)
+
+    def store_op(self, storing: _ShmStoring, done: int) -> StoreOp | None:
+        req, bs = storing.request, self.c.block_size
+        full = min(done // bs, len(req.block_hashes))
+        if full <= storing.next_block:
             return None
-        full = request.num_prompt_tokens // c.block_size
-        refs = c.pool.lookup([pool_key(h, 0) for h in request.block_hashes[:full]])
-        section = PdSection(
-            prompt_tokens=request.num_prompt_tokens,
-            cached_tokens=cached,
-            engine_id=c.engine_id, mode="shm", block_size=c.block_size,
-            experts=c.experts.take(request.request_id))
-        return {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": c.engine_id, "remote_request_id": request.request_id,
-            POOL_ID_KEY: c.pool.pool_id,
-            POOL_SLOTS_KEY: [[r.slot, r.seq] if r else None for r in refs],
-            PD_SECTION_KEY: msgspec.to_builtins(section),
-        }
+        if storing.content_keys is None:
+            storing.content_keys = block_keys(req.prompt_token_ids or [], bs)
+        block_ids = self.c.kv_cache_manager.get_block_ids(req.request_id)[0]
+        op = StoreOp(req.request_id, list(block_ids[storing.next_block:full]),
+                     list(req.block_hashes[storing.next_block:full]),
+                     storing.content_keys[storing.next_block:full])
+        storing.next_block = full
+        return op
+
+    def metadata(self, loads: list[LoadOp], stores: list[StoreOp]) -> PdShmMetadata:
+        return PdShmMetadata(loads=loads, stores=stores)
+
+    def answer(self, request: Request) -> dict[str, Any]:
+        full = request.num_prompt_tokens // self.c.block_size
+        refs = self.c.pool.lookup([pool_key(h, 0) for h in request.block_hashes[:full]])
+        return {POOL_ID_KEY: self.c.pool.pool_id,
+                POOL_SLOTS_KEY: [[r.slot, r.seq] if r else None for r in refs]}
+
+    def experts(self, request: Request) -> dict | None:
+        return self.c.experts.take(request.request_id)
 
 
 # -- worker side ------------------------------------------------------------------------------------
@@ -395,30 +318,26 @@ class _WorkerSide(PoolWorkerSide):
 
 class PdShmConnector(SyncPoolConnector):
     STATS = PdShmStats
+    OPTIONS = ShmOptions
     PROM_METRICS = PdShmPromMetrics
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
-        config = vllm_config.kv_transfer_config
-        self.options = msgspec.convert(config.kv_connector_extra_config or {}, ShmOptions)
-        self.kv_cache_config = kv_cache_config
-        self.block_size = vllm_config.cache_config.block_size
-        self.engine_id = config.engine_id
-        self.stores = config.kv_role in ("kv_producer", "kv_both")
         self.rank = vllm_config.parallel_config.rank
         kv = kv_layout(vllm_config, kv_cache_config, "pd-shm v1", "PdShmConnector")
         layout, self.slot_bytes = kv.description, kv.block_bytes
         path = self.options.pool_path or default_pool_path(vllm_config, layout)
         self.pool = ShmKVPool(path, slot_bytes=self.slot_bytes, layout=layout,
-                              size_bytes=int(self.options.pool_size_gb * (1 << 30)),
+                              size_bytes=self.options.pool_size_bytes,
                               checksums=self.options.checksums, group=self.options.pool_group,
                               remove_when_unused=self.options.remove_when_unused)
         if self.options.checksums is not None and self.pool.checksums != self.options.checksums:
             logger.warning("PdShmConnector: pool %s was created with checksums %s; following "
                            "it (every engine of a pool must agree)", path,
                            "on" if self.pool.checksums else "off")
-        logger.info("PdShmConnector (%s, %s): pool %s, %d slots of %d bytes", config.kv_role,
+        logger.info("PdShmConnector (%s, %s): pool %s, %d slots of %d bytes",
+                    vllm_config.kv_transfer_config.kv_role,
                     role.name, path, self.pool.num_slots, self.pool.slot_bytes)
         self.experts = ExpertSignatures(vllm_config, role)
         self._scheduler = _SchedulerSide(self) if role == KVConnectorRole.SCHEDULER else None

@@ -3,14 +3,17 @@ synchronous copies before the forward pass, split into a scheduler-side object (
 to load and store each step, the prefill's answer) and a worker-side object (the copies).
 
 A subclass sets `STATS` and `PROM_METRICS` (its counters, counter_stats.py) and creates
-`self._scheduler` / `self._worker` for its role; vLLM's calls are routed to them here. Its worker
-side derives from `PoolWorkerSide`, which keeps the step's failed loads and counters.
+`self._scheduler` / `self._worker` for its role; vLLM's calls are routed to them here. Its
+scheduler side derives from `PoolSchedulerSide` (pool_scheduler.py: request tracking, the
+last-token rule, what to store, the prefill's answer), its worker side from `PoolWorkerSide`,
+which keeps the step's failed loads and counters.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -19,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from pd_plugins.connectors.transfer_params import malformed_params_error
+from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.counter_stats import (
     REJECTED_PARAMS_KEY,
     CounterPromMetrics,
@@ -26,9 +30,12 @@ from pd_plugins.connectors.vllm.counter_stats import (
 )
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -57,9 +64,20 @@ class PoolWorkerSide:
 class SyncPoolConnector(KVConnectorBase_V1):
     STATS: type[CounterStats] = CounterStats
     PROM_METRICS: type[CounterPromMetrics] = CounterPromMetrics
-    _scheduler: Any = None
+    OPTIONS: type = msgspec.Struct  # the transport's options struct (pd_plugins/transfer/options.py)
+    _scheduler: Any = None  # a PoolSchedulerSide (pool_scheduler.py) in the scheduler process
     _worker: Any = None
     _scheduler_stats: CounterStats | None = None  # scheduler side: not yet on /metrics
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = vllm_config.kv_transfer_config
+        self.kv_cache_config = kv_cache_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = config.engine_id
+        self.stores = config.kv_role in ("kv_producer", "kv_both")  # this engine fills the pool
+        self.options = extra_options(self.OPTIONS, config, type(self).__name__)
 
     @property
     def kv_cache_manager(self):

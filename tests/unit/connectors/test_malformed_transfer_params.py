@@ -104,7 +104,8 @@ def test_pd_shm_serves_malformed_params_locally(tmp_path):
 
 def test_pd_lmcache_serves_malformed_params_locally():
     pytest.importorskip("lmcache")
-    scheduler = make_scheduler("PdLMCacheConnector", "kv_both", {"lookup": False},
+    # `backend` has no default (transfer/options.py): this engine's own `cpu` pool, named
+    scheduler = make_scheduler("PdLMCacheConnector", "kv_both", {"lookup": False, "backend": "cpu"},
                                engine_id="malformed-params-test")
     try:
         _serves_malformed_params_locally(scheduler)

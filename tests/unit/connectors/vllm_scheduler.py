@@ -60,7 +60,7 @@ def make_scheduler(kv_connector: str, kv_role: str, extra: dict[str, Any] | None
 
 
 def make_request(request_id: str, prompt: list[int], extra_args: dict[str, Any] | None = None,
-                 **kwargs: Any):
+                 max_tokens: int = 4, **kwargs: Any):
     """A request as the engine core builds it (vLLM's block hasher, sha256 as by default)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -70,6 +70,24 @@ def make_request(request_id: str, prompt: list[int], extra_args: dict[str, Any] 
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
     return Request(request_id=request_id, prompt_token_ids=list(prompt),
-                   sampling_params=SamplingParams(max_tokens=4, extra_args=extra_args),
+                   sampling_params=SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
                    pooling_params=None,
                    block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn), **kwargs)
+
+
+def sample_one_token(scheduler, output, token: int = 7) -> dict[str, Any]:
+    """What the model runner would report after `output`'s step: one sampled token for each
+    request that computed its whole prompt (vLLM's update_from_output then finishes those at
+    max_tokens). Returns each finished request's outputs by request id."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    req_ids = list(output.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]  # schedule() counted the step's tokens already
+        sampled.append([token] if request.num_computed_tokens >= request.num_prompt_tokens else [])
+    engine_outputs = scheduler.update_from_output(output, ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=sampled))
+    return {out.request_id: out for outs in engine_outputs.values() for out in outs.outputs
+            if out.finish_reason is not None}

@@ -18,6 +18,8 @@ from pd_plugins.transfer.lmcache_mp import (
     SHM_DIR, SHM_PREFIX, LMCacheMPClient, remove_dead_kv_segments,
 )
 
+pytestmark = pytest.mark.processes  # an `lmcache server` and client subprocesses (tests/tiers.py)
+
 LAYERS, BLOCKS, HEADS, BS, HS2 = 3, 32, 2, 16, 16  # vLLM CPU layout [blocks, heads, bs, 2*hs]
 CHUNK = 16
 GEOMETRY = dict(num_layers=LAYERS, block_size=BS, chunk_size=CHUNK, kv_dtype=torch.float32,

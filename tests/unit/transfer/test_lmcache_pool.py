@@ -208,6 +208,7 @@ def shared_backend(name: str, request, tmp_path) -> str:
     return request.getfixturevalue("redis_server").redis_url  # with a /0 database path
 
 
+@pytest.mark.processes  # tests/tiers.py
 @pytest.mark.parametrize("name", ["fs", "lm", pytest.param("redis", marks=REDIS_OK)])
 def test_round_trip_across_processes(name, request, tmp_path):
     backend, src = shared_backend(name, request, tmp_path), kv(3)
@@ -240,6 +241,7 @@ def test_another_layout_never_hits(tmp_path):
             pool.close()
 
 
+@pytest.mark.processes  # tests/tiers.py
 def test_chunk_keys_do_not_depend_on_python_hash_seed():
     """LMCache's keys do, with its default hash (Python's hash()) and even with sha256_cbor: its
     root hash comes from vLLM's NONE_HASH, seeded with the PYTHONHASHSEED string. The pool's
@@ -274,6 +276,7 @@ def test_backend_never_up(scheme, caplog):
         pool.close()
 
 
+@pytest.mark.processes  # tests/tiers.py
 @pytest.mark.parametrize("own_server", ["lm", pytest.param("redis", marks=REDIS_OK)],
                          indirect=True)
 def test_backend_killed(own_server, caplog):
@@ -291,6 +294,7 @@ def test_backend_killed(own_server, caplog):
         pool.close()
 
 
+@pytest.mark.processes  # tests/tiers.py
 @pytest.mark.parametrize("own_server", ["lm"], indirect=True)
 def test_hung_server_costs_one_timeout_then_fails_fast(own_server, caplog):
     """A stopped (not dead) lm server: LMCache blocks on its socket with no timeout."""
@@ -311,6 +315,7 @@ def test_hung_server_costs_one_timeout_then_fails_fast(own_server, caplog):
         pool.close()
 
 
+@pytest.mark.processes  # tests/tiers.py
 @REDIS_OK
 def test_close_with_redis_returns(redis_server):
     """LMCache's own close deadlocks on redis; the pool's must not, nor may process exit."""

@@ -16,6 +16,8 @@ import pytest
 
 from pd_plugins.transfer.shm_pool import ShmKVPool
 
+pytestmark = pytest.mark.processes  # forked engines and pd-pool runs (tests/tiers.py)
+
 SLOT = 4096
 CTX = mp.get_context("fork")
 

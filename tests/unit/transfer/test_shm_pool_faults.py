@@ -15,6 +15,8 @@ import pytest
 
 from pd_plugins.transfer.shm_pool import ShmKVPool, checksum, remove_pool
 
+pytestmark = pytest.mark.processes  # forked writers and readers (tests/tiers.py)
+
 SLOT = 64 * 1024
 NUM_KEYS = 200
 CTX = mp.get_context("fork")

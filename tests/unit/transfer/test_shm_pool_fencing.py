@@ -82,6 +82,7 @@ def start_writer(pool, mid_copy):
     return proc, slot, seq, go, result
 
 
+@pytest.mark.processes  # tests/tiers.py
 def test_a_stalled_writer_whose_slot_was_taken_over_cannot_change_the_new_block(pool):
     proc, slot, seq, go, result = start_writer(pool, mid_copy=False)
     time.sleep(LEASE_S + 0.1)  # its lease runs out while it stalls before copying
@@ -94,6 +95,7 @@ def test_a_stalled_writer_whose_slot_was_taken_over_cannot_change_the_new_block(
     assert np.array_equal(read(pool, 1), block(0x55))  # its late copy never landed
 
 
+@pytest.mark.processes  # tests/tiers.py
 def test_a_writer_copying_past_its_lease_keeps_its_slot(pool):
     """Inside its fence a writer is alive and copying: a reserve that meets its lapsed lease
     renews it instead of handing the slot to someone else."""
@@ -108,6 +110,7 @@ def test_a_writer_copying_past_its_lease_keeps_its_slot(pool):
     assert np.array_equal(read(pool, 1), block(0xAA))
 
 
+@pytest.mark.processes  # tests/tiers.py
 def test_a_writer_killed_inside_its_fence_leaves_a_slot_that_is_reclaimed(pool):
     proc, slot, seq, go, result = start_writer(pool, mid_copy=True)
     proc.kill()  # the kernel drops its fence with it

