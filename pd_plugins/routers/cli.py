@@ -20,16 +20,17 @@ import msgspec
 
 from pd_plugins.routers.config import ConfigError, RouterConfig, config_from_mapping, load_yaml, parse_worker_arg
 from pd_plugins.routers.policy import DEFAULT_POLICY, PRESETS, preset
+from pd_plugins.vocab.engines import ENGINES, TRANSFER_MODES
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pd-router", description="Prefill/decode disaggregation router "
                                 "(OpenAI-compatible) for vLLM and SGLang")
     p.add_argument("--config", help="YAML file with the full configuration (see docs/router.md)")
-    p.add_argument("--engine", choices=["vllm", "sglang"])
+    p.add_argument("--engine", choices=ENGINES)
     p.add_argument("--mode", choices=["gateway", "sidecar"],
                    help="gateway: choose prefill and decode; sidecar: beside one decode server")
-    p.add_argument("--transfer", choices=["pull", "push", "shm", "lmcache"],
+    p.add_argument("--transfer", choices=TRANSFER_MODES,
                    help="vLLM workers' KV transfer: NIXL pull or push, or a shared pool "
                         "(shm, lmcache)")
     p.add_argument("--prefill", action="append", nargs="+", metavar="URL",

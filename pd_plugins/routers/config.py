@@ -13,6 +13,8 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
+from pd_plugins.vocab.engines import Engine, TransferMode
+
 
 class ConfigError(ValueError):
     """A configuration problem, worded for the person who wrote the file or the flags."""
@@ -36,7 +38,7 @@ class WorkerSpec(_Strict):
     # vLLM KV events (ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557) for the prefix_cache scorer.
     kv_events: str | None = None
     # `bind:` endpoints other than loopback or ipc accept events from any host that reaches them
-    # (fake events skew routing): refused unless this is set (prefix_index.check_bind_endpoint).
+    # (fake events skew routing): refused unless this is set (kv_sources/events.py).
     kv_events_bind_any: bool = False
     # The shared KV pool this worker is on; its contents count as cached on the worker for the
     # prefix scorers. PdShmConnector: the pool's path (same host as the router; read directly).
@@ -53,7 +55,7 @@ class WorkerSpec(_Strict):
             raise ValueError(f"worker url {self.url!r} must look like http://host:port")
         self.url = self.url.rstrip("/")
         if self.kv_events and self.kv_events.startswith("bind:"):
-            from pd_plugins.routers.policy.prefix_index import check_bind_endpoint
+            from pd_plugins.routers.kv_sources.events import check_bind_endpoint  # loads ZMQ
 
             check_bind_endpoint(self.kv_events[5:], self.kv_events_bind_any)
 
@@ -137,12 +139,13 @@ class SessionSpec(_Strict):
 
 
 class RouterConfig(_Strict):
-    engine: Literal["vllm", "sglang"] = "vllm"
+    # what the router knows of each engine is in its profile (flows/<engine>.py)
+    engine: Engine = "vllm"
     # gateway: choose both workers. sidecar: run beside one decode server, choose only the prefill.
     mode: Literal["gateway", "sidecar"] = "gateway"
     # vLLM: NIXL pull or push, or a pool (shm: PdShmConnector, lmcache: PdLMCacheConnector; both
     # run the pull flow's two steps)
-    transfer: Literal["pull", "push", "shm", "lmcache"] = "pull"
+    transfer: TransferMode = "pull"
     host: str = "127.0.0.1"
     port: int = 8000
     prefill: list[WorkerSpec] = []
@@ -183,16 +186,8 @@ class RouterConfig(_Strict):
         if self.mode == "sidecar" and len(self.decode) != 1:
             raise ConfigError("mode sidecar runs beside exactly one decode server "
                               f"(got {len(self.decode)} decode workers)")
-        if self.engine == "vllm" and self.transfer == "push":
-            for worker in self.prefill:
-                if worker.engine_id is None or worker.kv_port is None:
-                    raise ConfigError(
-                        f"prefill {worker.url}: vLLM push mode needs engine_id and kv_port "
-                        "(the prefill's kv_transfer_config engine_id and VLLM_NIXL_SIDE_CHANNEL_PORT)")
-        if self.engine == "sglang":
-            for worker in self.prefill:
-                if worker.bootstrap_port is None:
-                    raise ConfigError(f"prefill {worker.url}: SGLang needs bootstrap_port")
+        # what each engine needs of its workers is checked by its profile (flows/<engine>.py)
+        # when the router is built
         for name, value in msgspec.structs.asdict(self.timeouts).items():
             if value <= 0:
                 raise ConfigError(f"timeouts.{name} must be > 0 (got {value})")

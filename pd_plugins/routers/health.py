@@ -1,11 +1,13 @@
 """Background upkeep of the pool: active health checks and engine metrics scrapes.
 
-Health: every `interval_s` each worker (every second, one that is down) gets GET /v1/models (which also tells the router the served
-models and max_model_len) and, with `canary`, a one-token generation, because an engine can answer
+Health: every `interval_s` each worker (every second, one that is down) gets GET /v1/models (which
+also tells the router the served models and max_model_len) and, with `canary`, a one-token
+generation (or the engine's own check: its profile's canary_path), because an engine can answer
 /health while its scheduler is wedged. `failure_threshold` consecutive failures (probes or live
 legs) take a worker out; `success_threshold` consecutive good probes bring it back. A worker that
 has never answered a probe is out from the start.
-Metrics: every `metrics_interval_s`, the engine's /metrics: queue length, running requests, KV usage.
+Metrics: every `metrics_interval_s`, the engine's /metrics: queue length, running requests, KV usage
+(the gauges its profile names).
 """
 
 from __future__ import annotations
@@ -18,24 +20,19 @@ import aiohttp
 import msgspec
 
 from pd_plugins.routers.config import RouterConfig
+from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.workers import Worker, WorkerPool
 
 log = logging.getLogger("pd_router.health")
 
 MAX_METRICS_BYTES = 16 << 20  # vLLM's /metrics is well under 1 MiB
 
-# engine -> (waiting, running, kv usage) metric names
-ENGINE_METRICS = {
-    "vllm": ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"),
-    "sglang": ("sglang:num_queue_reqs", "sglang:num_running_reqs", "sglang:token_usage"),
-}
-
 
 def parse_engine_metrics(text: str, engine: str) -> tuple[float, float, float]:
     """Sum each gauge over its label sets (one per DP rank or model). A line that does not parse,
     or holds a value that is not a finite number >= 0, is skipped: an engine's odd line must not
     freeze or poison the load the policies see."""
-    names = ENGINE_METRICS[engine]
+    names = profile_for(engine).load_metrics
     totals = [0.0, 0.0, 0.0]
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -68,6 +65,7 @@ class PoolUpkeep:
     def __init__(self, config: RouterConfig, pool: WorkerPool, session: aiohttp.ClientSession) -> None:
         self.config, self.pool, self.session = config, pool, session
         self.spec = config.health
+        self.profile = profile_for(config.engine)
         self._tasks: list[asyncio.Task] = []
         self.on_change = lambda: None  # called after each round of checks
         self._bad_metrics: set[str] = set()  # workers whose last scrape was unusable (logged once)
@@ -133,8 +131,8 @@ class PoolUpkeep:
         worker.max_model_len = min(lengths) if lengths else None
         if not self.spec.canary:
             return
-        if self.config.engine == "sglang":
-            async with self.session.get(worker.url + "/health_generate") as resp:
+        if self.profile.canary_path is not None:  # the engine's own generation check
+            async with self.session.get(worker.url + self.profile.canary_path) as resp:
                 resp.raise_for_status()
             return
         body = {"prompt": [1], "max_tokens": 1, "temperature": 0}
@@ -170,7 +168,7 @@ class PoolUpkeep:
                     body += chunk
                     if len(body) > MAX_METRICS_BYTES:
                         raise ValueError(f"/metrics is larger than {MAX_METRICS_BYTES} bytes")
-            load = parse_engine_metrics(body.decode("utf-8", "replace"), self.config.engine)
+            load = parse_engine_metrics(body.decode("utf-8", "replace"), self.profile.name)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
         except Exception as exc:  # noqa: BLE001 - whatever the engine sent, scraping goes on

@@ -11,13 +11,14 @@ from aiohttp import web
 from pd_plugins.routers.admin import AdminApi
 from pd_plugins.routers.client_auth import api_key_middleware, load_api_keys, tls_context
 from pd_plugins.routers.config import RouterConfig, WorkerSpec
-from pd_plugins.routers.flows import flow_for
+from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.health import PoolUpkeep
+from pd_plugins.routers.kv_sources.events import KvEventSubscriber
+from pd_plugins.routers.kv_sources.pools import PoolView, pool_view
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import PolicyContext, Scheduler
 from pd_plugins.routers.policy.latency_model import LatencyModels
-from pd_plugins.routers.policy.pool_index import LEARNED_POOL_PREFIX, LearnedPoolView, PoolPrefixView
-from pd_plugins.routers.policy.prefix_index import KvEventSubscriber, PrefixIndex
+from pd_plugins.routers.policy.prefix_index import PrefixIndex
 from pd_plugins.routers.proxy import Proxy, error_response
 from pd_plugins.routers.request import BadRequest, parse_request
 from pd_plugins.routers.tokenizer import load_tokenizer
@@ -36,13 +37,15 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        self.profile = profile_for(config.engine)
+        self.profile.check_workers(config)
         self.pool = WorkerPool()
         self.prefix_index = PrefixIndex()
         self.latency = LatencyModels(config.latency)
         self.ctx = PolicyContext(self.pool, self.prefix_index, self.latency, config.block_size)
         fixed = config.decode[0].url if config.mode == "sidecar" else None
         self.scheduler = Scheduler(config.policy, self.ctx, fixed_decode_url=fixed,
-                                   local_prefill=config.engine != "sglang")
+                                   local_prefill=self.profile.decode_prefills_locally)
         self.sessions = SessionTable(config.sessions) if self.scheduler.uses_sessions else None
         self.sharing: SessionSharing | None = None  # made in startup (needs the event loop)
         if config.sessions.redis_url is not None:
@@ -57,7 +60,7 @@ class Router:
         self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
         self._subscribers: dict[str, asyncio.Task] = {}
         # kv_pool value -> its view
-        self._pool_views: dict[str, PoolPrefixView | LearnedPoolView] = {}
+        self._pool_views: dict[str, PoolView] = {}
         for spec in config.prefill:  # each takes requests once a health probe passed
             self.pool.add(spec, "prefill", probe_first=True)
         for spec in config.decode:
@@ -77,7 +80,7 @@ class Router:
     async def startup(self, app: web.Application) -> None:
         self.session = new_session(self.config.timeouts.connect_s)
         self.pools = Pools(self.config.timeouts.connect_s)
-        flow = flow_for(self.config.engine, self.config.transfer, self.config.push_head_start_s)
+        flow = self.profile.flow(self.config.transfer, self.config.push_head_start_s)
         spec = self.config.sessions
         if spec.redis_url is not None and self.sessions is not None:
             store = RedisSessionStore(spec.redis_url, spec.redis_prefix, spec.redis_timeout_s)
@@ -117,12 +120,10 @@ class Router:
 
     def _subscribe(self, worker: Worker) -> None:
         if worker.spec.kv_pool:
-            path = worker.spec.kv_pool
-            view = self._pool_views.get(path)
+            name = worker.spec.kv_pool
+            view = self._pool_views.get(name)
             if view is None:
-                view = self._pool_views[path] = (
-                    LearnedPoolView(path) if path.startswith(LEARNED_POOL_PREFIX)
-                    else PoolPrefixView(path, group=worker.spec.kv_pool_group))
+                view = self._pool_views[name] = pool_view(name, worker.spec.kv_pool_group)
             self.prefix_index.attach_pool(worker.url, view)
         if worker.spec.kv_events and worker.url not in self._subscribers:
             sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events,

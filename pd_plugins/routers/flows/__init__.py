@@ -2,20 +2,19 @@
 
 A flow's `prepare` runs whatever must come before the decode leg and returns the decode body plus
 the prefill leg if it still runs alongside (vLLM push, SGLang). The proxy then opens the decode leg
-and relays its answer.
+and relays its answer. Each engine's module also registers its profile (profile.py): its flows,
+load metrics, health canary, whether its decode can prefill, and the worker options it needs.
 """
 
+from pd_plugins.routers.flows import sglang, vllm
 from pd_plugins.routers.flows.base import Attempt, PdFlow, PrefillLeg
-from pd_plugins.routers.flows.sglang import SglangFlow
-from pd_plugins.routers.flows.vllm import VllmPullFlow, VllmPushFlow
+from pd_plugins.routers.flows.profile import EngineProfile
+
+PROFILES: dict[str, EngineProfile] = {p.name: p for p in (vllm.PROFILE, sglang.PROFILE)}
 
 
-def flow_for(engine: str, transfer: str, push_head_start_s: float = 0.1) -> PdFlow:
-    if engine == "sglang":
-        return SglangFlow()
-    # the pools (PdShmConnector, PdLMCacheConnector) have the pull flow's two steps: prefill,
-    # then decode with its params
-    return VllmPushFlow(push_head_start_s) if transfer == "push" else VllmPullFlow()
+def profile_for(engine: str) -> EngineProfile:
+    return PROFILES[engine]
 
 
-__all__ = ["Attempt", "PdFlow", "PrefillLeg", "flow_for"]
+__all__ = ["Attempt", "EngineProfile", "PdFlow", "PrefillLeg", "PROFILES", "profile_for"]

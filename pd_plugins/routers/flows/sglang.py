@@ -11,7 +11,10 @@ import asyncio
 import random
 import zlib
 
-from pd_plugins.routers.flows.base import Attempt, PrefillLeg
+from pd_plugins.routers.config import WorkerSpec
+from pd_plugins.routers.flows.base import Attempt, PdFlow, PrefillLeg
+from pd_plugins.routers.flows.profile import EngineProfile
+from pd_plugins.vocab.engines import LOAD_METRICS, TransferMode
 
 ROOM_BITS = 63
 
@@ -35,3 +38,19 @@ class SglangFlow:
         tied = {**body, "bootstrap_host": spec.host, "bootstrap_port": spec.bootstrap_port,
                 "bootstrap_room": bootstrap_room(spec.dp_size, attempt.request.info.session_id)}
         return tied, asyncio.create_task(prefill_leg(attempt, {**tied, "stream": False}))
+
+
+def sglang_flow(transfer: TransferMode, push_head_start_s: float) -> PdFlow:
+    return SglangFlow()  # the engines move the KV themselves, whatever the transport
+
+
+def prefill_problem(worker: WorkerSpec, transfer: TransferMode) -> str | None:
+    return "SGLang needs bootstrap_port" if worker.bootstrap_port is None else None
+
+
+PROFILE = EngineProfile(
+    name="sglang", make_flow=sglang_flow, load_metrics=LOAD_METRICS["sglang"],
+    # a decode in disaggregation mode cannot prefill: deciders are skipped, and no usable prefill
+    # worker is a 503
+    decode_prefills_locally=False, prefill_problem=prefill_problem,
+    canary_path="/health_generate")  # SGLang's own check that its scheduler still generates

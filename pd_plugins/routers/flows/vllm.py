@@ -4,7 +4,8 @@ pull: prefill leg (max_tokens=1, do_remote_decode) first; its kv_transfer_params
       decode leg, which reads the KV from the prefill.
 push: both legs together. The decode leg names the prefill's engine id and side channel up front and
       registers its blocks; the prefill writes into them. The decode leg goes `head_start_s` first:
-      a prefill that finishes before any decode registered keeps its engine stepping (engines.md).
+      a prefill that finishes before any decode registered keeps its engine stepping and, on a
+      loaded machine, starves the NIXL handshake (docs/connectors.md, "Request flow").
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pd_plugins.routers.flows.base import Attempt, PrefillLeg, one_token_body
+from pd_plugins.routers.config import WorkerSpec
+from pd_plugins.routers.flows.base import Attempt, PdFlow, PrefillLeg, one_token_body
+from pd_plugins.routers.flows.profile import EngineProfile
 from pd_plugins.routers.upstream import WorkerFailed
-
-PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False}
+from pd_plugins.vocab.engines import LOAD_METRICS, TransferMode
+from pd_plugins.vocab.transfer_params import prefill_flags
 
 
 def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     leg = one_token_body(body)
-    leg["kv_transfer_params"] = dict(PREFILL_FLAGS)
+    leg["kv_transfer_params"] = prefill_flags()
     return leg
 
 
@@ -60,3 +63,20 @@ class VllmPushFlow:
             return await prefill_leg(attempt, vllm_prefill_body(body))
 
         return {**body, "kv_transfer_params": params}, asyncio.create_task(delayed_prefill())
+
+
+def vllm_flow(transfer: TransferMode, push_head_start_s: float) -> PdFlow:
+    # the pools (PdShmConnector, PdLMCacheConnector) have the pull flow's two steps: prefill,
+    # then decode with its params
+    return VllmPushFlow(push_head_start_s) if transfer == "push" else VllmPullFlow()
+
+
+def prefill_problem(worker: WorkerSpec, transfer: TransferMode) -> str | None:
+    if transfer == "push" and (worker.engine_id is None or worker.kv_port is None):
+        return ("vLLM push mode needs engine_id and kv_port (the prefill's kv_transfer_config "
+                "engine_id and VLLM_NIXL_SIDE_CHANNEL_PORT)")
+    return None
+
+
+PROFILE = EngineProfile(name="vllm", make_flow=vllm_flow, load_metrics=LOAD_METRICS["vllm"],
+                        decode_prefills_locally=True, prefill_problem=prefill_problem)

@@ -23,6 +23,12 @@ from pd_plugins.routers.policy.base import Params, PolicyContext, RequestInfo, p
 from pd_plugins.routers.policy.ttft import TtftEstimator
 
 
+def pinned_later_turn(request: RequestInfo, decode) -> bool:
+    """A conversation's turn 2+ headed for the decode worker it is pinned to: where
+    `append_prefill` decides (the `default` preset's other deciders leave it alone)."""
+    return request.turn > 0 and request.pinned_decode == decode.url
+
+
 class SessionPinParams(Params):
     min_resident_share: float = 0.5
 
@@ -62,7 +68,7 @@ class AppendPrefillDecider:
         self.estimator = TtftEstimator(ctx)
 
     def disaggregate(self, request: RequestInfo, decode, prefills: list) -> tuple[bool, str]:
-        if request.turn == 0 or request.pinned_decode != decode.url:
+        if not pinned_later_turn(request, decode):
             return True, "not a later turn on its pinned worker"
         uncached = self.estimator.uncached_tokens(request, decode)
         p = self.params

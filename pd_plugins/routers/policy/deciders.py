@@ -4,16 +4,24 @@
   `min_uncached_tokens` of the prompt; a short or mostly cached prompt is cheaper to prefill there.
 - prefill_load (TokenScale's convertible decoders): when the prefill pool is saturated, the decode
   worker prefills locally if its own estimate beats the best prefill worker's by `margin`.
+
+Both take `skip_pinned_turns`: a conversation's later turn on its pinned decode worker is then left
+to `append_prefill` (conversation.py), which weighs the stall of the decodes running there; these
+rules, tuned on single-turn traffic, would otherwise overrule its choice to go through PD.
 """
 
 from __future__ import annotations
 
 from pd_plugins.routers.policy.base import Params, PolicyContext, RequestInfo, parse_params, register
+from pd_plugins.routers.policy.conversation import pinned_later_turn
 from pd_plugins.routers.policy.ttft import TtftEstimator
+
+LEFT_TO_APPEND = "a later turn on its pinned worker: append_prefill's call"
 
 
 class UncachedLengthParams(Params):
     min_uncached_tokens: int = 16
+    skip_pinned_turns: bool = False
 
 
 class UncachedLengthDecider:
@@ -23,6 +31,8 @@ class UncachedLengthDecider:
         self.params, self.ctx = params, ctx
 
     def disaggregate(self, request: RequestInfo, decode, prefills: list) -> tuple[bool, str]:
+        if self.params.skip_pinned_turns and pinned_later_turn(request, decode):
+            return True, LEFT_TO_APPEND
         cached = self.ctx.prefix_index.matched_blocks(decode.url, request.block_keys) * self.ctx.block_size
         uncached = max(0, request.prompt_tokens - cached)
         if uncached < self.params.min_uncached_tokens:
@@ -34,6 +44,7 @@ class PrefillLoadParams(Params):
     margin: float = 1.5             # local prefill must be this many times faster
     min_prefill_queue: int = 2      # only when every prefill worker has this many queued
     max_decode_kv_usage: float = 1.0  # and the decode worker's KV cache (scraped) is below this
+    skip_pinned_turns: bool = False
 
 
 class PrefillLoadDecider:
@@ -45,6 +56,8 @@ class PrefillLoadDecider:
         self.ctx = ctx
 
     def disaggregate(self, request: RequestInfo, decode, prefills: list) -> tuple[bool, str]:
+        if self.params.skip_pinned_turns and pinned_later_turn(request, decode):
+            return True, LEFT_TO_APPEND
         if not prefills or min(w.in_flight for w in prefills) < self.params.min_prefill_queue:
             return True, "prefill pool not saturated"
         if decode.kv_usage >= self.params.max_decode_kv_usage:

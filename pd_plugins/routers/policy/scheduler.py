@@ -65,6 +65,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "deciders": [{"name": "append_prefill"}],
         "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
     },
+    # The router's default: `goodput` on single-turn traffic, `multi_turn` on conversations.
+    # `goodput` sends a chat's later turns wherever scoring says (turn-2+ TTFT p95 about twice
+    # `multi_turn`'s on bench/multi_turn.py's conversations in the simulator);
+    # `multi_turn` gives up `goodput`'s local prefill of short prompts and convertible decoders.
+    # Here a request outside a conversation passes the pin and the append decider untouched and
+    # is routed exactly as under `goodput`; a later turn on its pinned worker is `append_prefill`'s
+    # call alone, as under `multi_turn`. One difference from `multi_turn`: saturation is filtered
+    # before the pin, so a conversation leaves a worker whose queue or KV cache is full instead of
+    # piling more turns (and their appends) onto it: with the pin first, this stack lost a quarter
+    # of `goodput`'s goodput on the Mooncake trace (`bench/routing_sim.py --quick`), where prefix
+    # detection makes most requests later turns. docs/benchmarks.md compares the three.
+    "default": {
+        "prefill": {"filters": [{"name": "not_saturated"}], "scorers": [{"name": "ttft"}]},
+        "decode": {"filters": [{"name": "not_saturated"}, {"name": "session_pin"}],
+                   "scorers": [{"name": "least_loaded"}, {"name": "prefix_cache", "weight": 2},
+                               {"name": "kv_usage"}]},
+        "deciders": [{"name": "append_prefill"},
+                     {"name": "uncached_length",
+                      "params": {"min_uncached_tokens": 1024, "skip_pinned_turns": True}},
+                     {"name": "prefill_load",
+                      "params": {"max_decode_kv_usage": 0.7, "skip_pinned_turns": True}}],
+        "admission": {"name": "slo", "params": {"ttft_slo_ms": 1500, "decode_kv_limit": 0.9}},
+    },
     # Ours for MoE models (ELDR, arXiv 2607.00466): among the decode workers not much busier
     # than the least loaded, those whose running requests use the prompt's experts (within
     # tau = 0.1 of the best match), least loaded first. Without the load band, affinity piles a
@@ -112,7 +135,7 @@ PRESETS["vllm_session_affinity"] = {
 }
 # NVIDIA Dynamo 1.6's KV router is the kv_cost preset (policy/kv_cost.py cites the formula).
 PRESETS["dynamo"] = PRESETS["kv_cost"]
-DEFAULT_POLICY = "prefix_cache"
+DEFAULT_POLICY = "default"
 
 # The benchmark harness's peers, and where each one's prefix knowledge comes from: "events" = the
 # engines' KV events (exact), "routed" = the router's own record of the prompts it routed
@@ -126,7 +149,8 @@ PREFIX_SOURCE: dict[str, str] = {
     "round_robin": "routed", "vllm_kv_aware": "events", "sglang_cache_aware": "routed",
     "dynamo": "events", "llm_d": "routed", "mooncake": "events", "vllm_session_affinity": "events",
 }
-OUR_PRESETS = ("prefix_cache", "ttft_slo", "goodput", "multi_turn")  # ours read KV events when workers publish them
+# ours read KV events when workers publish them
+OUR_PRESETS = ("prefix_cache", "ttft_slo", "goodput", "multi_turn", "default")
 
 
 def preset(name: str) -> PolicySpec:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import AsyncIterator
+
+from aiohttp import web
+
 from pd_plugins.routers.config import LatencySpec, WorkerSpec
 from pd_plugins.routers.policy.base import PolicyContext, RequestInfo
 from pd_plugins.routers.policy.latency_model import LatencyModels
-from pd_plugins.routers.policy.prefix_index import PrefixIndex, block_keys
+from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.vocab.block_keys import block_keys
 from pd_plugins.routers.workers import WorkerPool
 
 BLOCK = 4
@@ -22,3 +28,20 @@ def context(prefills: int = 2, decodes: int = 2, **latency) -> PolicyContext:
 
 def request(tokens: list[int], **kw) -> RequestInfo:
     return RequestInfo(prompt_tokens=len(tokens), block_keys=block_keys(tokens, BLOCK), **kw)
+
+
+@contextlib.asynccontextmanager
+async def loopback_server(handlers: dict) -> AsyncIterator[int]:
+    """A real aiohttp server on 127.0.0.1 while the block runs ({path: handler}, any method);
+    yields its port."""
+    app = web.Application()
+    for path, handler in handlers.items():
+        app.router.add_route("*", path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield site._server.sockets[0].getsockname()[1]
+    finally:
+        await runner.cleanup()

@@ -12,6 +12,7 @@ from pd_plugins.routers.config import HealthSpec, RouterConfig, WorkerSpec
 from pd_plugins.routers.health import PoolUpkeep, parse_engine_metrics
 from pd_plugins.routers.upstream import new_session
 from pd_plugins.routers.workers import WorkerPool
+from tests.unit.routers.helpers import loopback_server
 
 
 @pytest.mark.parametrize("text", [
@@ -58,31 +59,25 @@ def test_scrape_loop_survives_every_bad_answer_and_updates_load_after():
             served.append(body)
             return web.Response(body=body, content_type="text/plain")
 
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
-        pool = WorkerPool()
-        worker = pool.add(WorkerSpec(url=f"http://127.0.0.1:{port}"), "decode")
-        config = RouterConfig(decode=[worker.spec], health=HealthSpec(metrics_interval_s=0.01))
-        session = new_session(1.0)
-        upkeep = PoolUpkeep(config, pool, session)
-        task = asyncio.create_task(upkeep._metrics_loop())
-        try:
-            for _ in range(500):
-                if worker.engine_waiting == 4.0 or task.done():
-                    break
-                await asyncio.sleep(0.01)
-            assert not task.done(), task.exception()
-            assert len(served) > len(BAD_ANSWERS)  # every bad answer was scraped, then the good one
-            assert (worker.engine_waiting, worker.engine_running, worker.kv_usage) == (4.0, 3.0, 0.5)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await session.close()
-            await runner.cleanup()
+        async with loopback_server({"/metrics": metrics}) as port:
+            pool = WorkerPool()
+            worker = pool.add(WorkerSpec(url=f"http://127.0.0.1:{port}"), "decode")
+            config = RouterConfig(decode=[worker.spec], health=HealthSpec(metrics_interval_s=0.01))
+            session = new_session(1.0)
+            upkeep = PoolUpkeep(config, pool, session)
+            task = asyncio.create_task(upkeep._metrics_loop())
+            try:
+                for _ in range(500):
+                    if worker.engine_waiting == 4.0 or task.done():
+                        break
+                    await asyncio.sleep(0.01)
+                assert not task.done(), task.exception()
+                assert len(served) > len(BAD_ANSWERS)  # every bad answer, then the good one
+                assert (worker.engine_waiting, worker.engine_running,
+                        worker.kv_usage) == (4.0, 3.0, 0.5)
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await session.close()
 
     asyncio.run(scenario())

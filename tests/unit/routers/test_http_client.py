@@ -7,17 +7,7 @@ import pytest
 from aiohttp import web
 
 from pd_plugins.routers.http_client import MAX_BUFFERED, Upstream, UpstreamError, UpstreamTimeout
-
-
-async def serve(handlers):
-    app = web.Application()
-    for path, handler in handlers.items():
-        app.router.add_route("*", path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+from tests.unit.routers.helpers import loopback_server
 
 
 async def echo(request):
@@ -50,14 +40,13 @@ async def stall_after_first(request):
 
 def run(scenario):
     async def main():
-        runner, port = await serve({"/echo": echo, "/stream": stream, "/slow": slow,
-                                    "/stall": stall_after_first})
-        upstream = Upstream("127.0.0.1", port)
-        try:
-            await scenario(upstream)
-        finally:
-            await upstream.close()
-            await runner.cleanup()
+        handlers = {"/echo": echo, "/stream": stream, "/slow": slow, "/stall": stall_after_first}
+        async with loopback_server(handlers) as port:
+            upstream = Upstream("127.0.0.1", port)
+            try:
+                await scenario(upstream)
+            finally:
+                await upstream.close()
     asyncio.run(main())
 
 
@@ -142,21 +131,20 @@ def test_an_unread_body_is_bounded_and_read_whole_later():
         return out
 
     async def main():
-        runner, port = await serve({"/huge": huge})
-        up = Upstream("127.0.0.1", port)
-        try:
-            resp = await up.request("GET", "/huge", timeout=30)
-            await asyncio.sleep(0.5)  # the reader is behind: the client stops reading the socket
-            conn = resp._conn
-            assert conn.paused and conn.buffered <= MAX_BUFFERED + (1 << 18)
-            pieces = []
-            while chunk := await resp.next_chunk():
-                pieces.append(chunk)
-            assert b"".join(pieces) == big
-            resp.release()
-            again = await up.request("GET", "/huge", timeout=30)
-            assert await again.read() == big  # read() takes a paused body whole too
-        finally:
-            await up.close()
-            await runner.cleanup()
+        async with loopback_server({"/huge": huge}) as port:
+            up = Upstream("127.0.0.1", port)
+            try:
+                resp = await up.request("GET", "/huge", timeout=30)
+                await asyncio.sleep(0.5)  # the reader is behind: the client stops reading
+                conn = resp._conn
+                assert conn.paused and conn.buffered <= MAX_BUFFERED + (1 << 18)
+                pieces = []
+                while chunk := await resp.next_chunk():
+                    pieces.append(chunk)
+                assert b"".join(pieces) == big
+                resp.release()
+                again = await up.request("GET", "/huge", timeout=30)
+                assert await again.read() == big  # read() takes a paused body whole too
+            finally:
+                await up.close()
     asyncio.run(main())

@@ -7,7 +7,7 @@ With PdShmConnector, engines on one host (or one CXL rack) share a KV pool
 (pd_plugins/transfer/shm_pool.py). A block in the pool is as good as cached on every worker that
 maps it, so the pool's contents count toward each such worker's prefix match, and which decode
 worker a prefill's KV "lives near" stops mattering. The connector stores the router's own block
-key (prefix_index.block_keys) beside each block; the router maps the pool read-only (O_RDONLY,
+key (vocab/block_keys.py) beside each block; the router maps the pool read-only (O_RDONLY,
 PROT_READ) and reads those keys, refreshed at most every `refresh_s` (a routing hint, read
 without the pool's lock). A pool that cannot be read (not made yet, untrusted, truncated,
 corrupt) is an unknown pool: it matches nothing and the router keeps serving; a pool file that
@@ -27,6 +27,13 @@ from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool
 log = logging.getLogger("pd_router.pool_index")
 
 LEARNED_POOL_PREFIX = "lmcache:"  # kv_pool=lmcache:<name>: an LMCache pool, learned from answers
+
+
+def pool_view(kv_pool: str, group: str | int | None = None) -> PoolPrefixView | LearnedPoolView:
+    """The view of a worker's `kv_pool` option: an LMCache pool's name, or a shm pool's path."""
+    if kv_pool.startswith(LEARNED_POOL_PREFIX):
+        return LearnedPoolView(kv_pool)
+    return PoolPrefixView(kv_pool, group=group)
 
 
 class PoolPrefixView:
@@ -114,3 +121,6 @@ class LearnedPoolView:
 
     def close(self) -> None:
         self._keys.clear()
+
+
+PoolView = PoolPrefixView | LearnedPoolView

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from pd_plugins.routers.config import WorkerSpec
+from pd_plugins.routers.kv_sources.pools import LearnedPoolView, PoolPrefixView, pool_view
 from pd_plugins.routers.policy.deciders import UncachedLengthDecider, UncachedLengthParams
-from pd_plugins.routers.policy.pool_index import LearnedPoolView, PoolPrefixView
 from pd_plugins.routers.policy.prefix import PrefixCacheScorer
 from pd_plugins.transfer.shm_pool import ShmKVPool, remove_pool
 from tests.unit.routers.helpers import BLOCK, context, request
@@ -103,6 +103,13 @@ def test_learned_pool_counts_what_prefills_reported_storing():
     # a worker not on the pool learns nothing from it
     ctx.prefix_index.forget_worker(decodes[0].url)
     assert ctx.prefix_index.matched_blocks(decodes[0].url, info.block_keys) == 0
+
+
+def test_the_worker_option_names_the_kind_of_pool(tmp_path):
+    learned = pool_view("lmcache:redis-1")
+    assert isinstance(learned, LearnedPoolView) and learned.name == "lmcache:redis-1"
+    shm = pool_view(str(tmp_path / "pool"), group=1234)
+    assert isinstance(shm, PoolPrefixView) and (shm.path, shm.group) == (str(tmp_path / "pool"), 1234)
 
 
 def test_learned_pool_is_bounded_oldest_first():

@@ -1,0 +1,231 @@
+"""A vLLM worker's KV events (`--kv-events-config`), fed into the router's prefix index.
+
+BlockStored events carry the tokens of each block, so the router computes its own block keys
+(vocab/block_keys.py) and remembers which engine hash is which key; BlockRemoved (engine hashes
+only) and AllBlocksCleared take them out again. The engine's hashes are never trusted as keys: the
+router does not depend on the engine's hash algorithm or seed.
+
+Events come from the network: a malformed one is counted and skipped (`EventRejected`), never
+fatal to the subscriber, and the router binds an events socket on loopback (or a private ipc
+path) unless the operator opts in to another address.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.vocab.block_keys import ROOT_KEY, block_keys
+
+log = logging.getLogger("pd_router.prefix_index")
+
+MAX_BATCH_BYTES = 16 << 20  # a bigger KV event batch is dropped by ZMQ (vLLM's are far smaller)
+REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often for bad batches
+
+
+class EventRejected(ValueError):
+    """A KV event the index cannot use (wrong shape or types); the batch's others still apply."""
+
+
+class EventApplier:
+    """Applies one worker's vLLM KV events (as decoded from the wire) to the prefix index."""
+
+    def __init__(self, index: PrefixIndex, worker_url: str) -> None:
+        self.index, self.worker_url = index, worker_url
+        # engine block hash -> the router's key; oldest first, bounded like the keys they map to
+        self.engine_keys: OrderedDict[object, int] = OrderedDict()
+
+    def apply(self, event: Any) -> None:
+        """Apply one event; `EventRejected` if malformed, with the index unchanged."""
+        if not isinstance(event, dict):
+            raise EventRejected(f"an event must be a map, got {type(event).__name__}")
+        kind = event.get("type")
+        if kind == "BlockStored":
+            self._stored(event)
+        elif kind == "BlockRemoved":
+            hashes = _engine_hashes(event.get("block_hashes"))
+            keys = [self.engine_keys.pop(engine_hash, None) for engine_hash in hashes]
+            self.index.remove_keys(self.worker_url, [key for key in keys if key is not None])
+        elif kind == "AllBlocksCleared":
+            self.index.forget_blocks(self.worker_url)
+            self.engine_keys.clear()
+        # other event types (vLLM adds some) carry nothing the index uses
+
+    def _stored(self, event: dict) -> None:
+        size, tokens = event.get("block_size"), event.get("token_ids")
+        hashes = _engine_hashes(event.get("block_hashes"))
+        if not (isinstance(size, int) and not isinstance(size, bool) and size > 0):
+            raise EventRejected(f"BlockStored.block_size must be a positive integer, "
+                                f"got {size!r:.40}")
+        if not (isinstance(tokens, list) and len(tokens) >= len(hashes) * size
+                and set(map(type, tokens)) <= {int}):  # in C: events come on the request loop
+            raise EventRejected("BlockStored.token_ids must be a list of integers covering "
+                                "every block")
+        parent_hash = event.get("parent_block_hash")
+        if parent_hash is not None:
+            _engine_hashes([parent_hash])
+        parent = ROOT_KEY if parent_hash is None else self.engine_keys.get(parent_hash)
+        if parent is None:  # parent evicted or never seen: these blocks are unreachable
+            return
+        keys = block_keys(tokens[:len(hashes) * size], size, parent)
+        for engine_hash, key in zip(hashes, keys):
+            self.engine_keys[engine_hash] = key
+            self.engine_keys.move_to_end(engine_hash)
+        while len(self.engine_keys) > self.index.capacity_blocks:
+            self.engine_keys.popitem(last=False)
+        self.index.hold(self.worker_url, keys)
+
+
+def _engine_hashes(value: Any) -> list:
+    """An event's engine block hashes: vLLM sends ints or bytes (ExternalBlockHash)."""
+    if not (isinstance(value, list)
+            and all(isinstance(h, (int, bytes)) and not isinstance(h, bool) for h in value)):
+        raise EventRejected("block_hashes must be a list of integers or bytes")
+    return value
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind_endpoint(endpoint: str, allow_any_host: bool) -> None:
+    """Refuse to listen for KV events where another host could publish fake ones, unless the
+    operator said so: tcp binds on loopback only, ipc (made private after the bind), inproc."""
+    scheme, _, path = endpoint.partition("://")
+    if scheme == "ipc" and path.startswith("@") and not allow_any_host:
+        raise ValueError(f"kv_events bind:{endpoint}: an abstract ipc socket has no permissions "
+                         "(any local user could publish to it); use a path in a private directory")
+    if scheme in ("ipc", "inproc"):
+        return
+    if scheme != "tcp":
+        raise ValueError(f"kv_events bind:{endpoint}: only tcp://, ipc:// or inproc:// "
+                         "can be bound")
+    host = urlsplit(endpoint).hostname or ""
+    if not _is_loopback(host) and not allow_any_host:
+        raise ValueError(
+            f"kv_events bind:{endpoint} would accept KV events from any host that reaches "
+            f"{host or '*'}; bind a loopback address (or an ipc:// path), or set the worker "
+            "option kv_events_bind_any=true to accept them from the network")
+
+
+def _bind_privately(sock: zmq.Socket, endpoint: str) -> None:
+    """Bind; an ipc socket file is made accessible to this user only (umask during the bind,
+    so no other user can connect before the chmod)."""
+    if not endpoint.startswith("ipc://"):
+        sock.bind(endpoint)
+        return
+    old = os.umask(0o177)
+    try:
+        sock.bind(endpoint)
+    finally:
+        os.umask(old)
+    os.chmod(endpoint[len("ipc://"):], 0o600)
+
+
+class KvEventSubscriber:
+    """Feeds one worker's vLLM KV events (ZMQ SUB) into the index until cancelled.
+
+    vLLM binds its PUB socket only for wildcard (`tcp://*:5557`) or ipc endpoints and connects to
+    any other. So `endpoint` is either where the engine binds (the router connects), or
+    `bind:tcp://127.0.0.1:5557`: the router binds there and the engine's config names that address.
+    """
+
+    def __init__(self, index: PrefixIndex, worker_url: str, endpoint: str, topic: str = "",
+                 allow_any_host: bool = False) -> None:
+        self.index, self.worker_url, self.endpoint, self.topic = index, worker_url, endpoint, topic
+        if endpoint.startswith("bind:"):
+            check_bind_endpoint(endpoint[5:], allow_any_host)  # at configuration time
+        self.events = EventApplier(index, worker_url)
+        self.events_applied = 0
+        self.events_rejected = 0   # malformed events skipped (their batch's others applied)
+        self.batches_rejected = 0  # undecodable batches skipped whole
+        self.last_seq = -1
+        self._last_reject_log = float("-inf")
+
+    async def run(self) -> None:
+        ctx = zmq.asyncio.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        try:
+            if self.endpoint.startswith("bind:"):
+                _bind_privately(sock, self.endpoint[5:])  # the engine connects to us
+            else:
+                sock.connect(self.endpoint)  # the engine binds (`tcp://*:PORT` in its config)
+        except BaseException as exc:
+            log.error("cannot subscribe to KV events of %s at %s: %s", self.worker_url,
+                      self.endpoint, exc)
+            sock.close(linger=0)
+            raise
+        self.index.exact_workers.add(self.worker_url)
+        log.info("subscribed to KV events of %s at %s", self.worker_url, self.endpoint)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    self.handle(frames)
+                except Exception:  # a bug here must not end the subscription either
+                    self.batches_rejected += 1
+                    log.exception("KV events of %s: a batch could not be applied", self.worker_url)
+        finally:
+            self.index.exact_workers.discard(self.worker_url)
+            sock.close(linger=0)
+
+    def handle(self, frames: list[bytes]) -> None:
+        """One multipart message from the PUB socket: [topic, seq, msgpack batch]. Anything
+        malformed is counted and skipped; nothing here raises."""
+        if len(frames) != 3:
+            self._rejected_batch(f"{len(frames)} frames, expected 3")
+            return
+        _topic, seq_bytes, payload = frames
+        seq = int.from_bytes(seq_bytes[:8], "big")
+        if self.last_seq >= 0 and seq != self.last_seq + 1:
+            log.warning("KV events of %s: missed %d batches", self.worker_url,
+                        seq - self.last_seq - 1)
+        self.last_seq = seq
+        try:
+            batch = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError as exc:
+            self._rejected_batch(f"undecodable: {exc}")
+            return
+        # vLLM's EventBatch is array-like: [ts, events, data_parallel_rank?]
+        if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
+            self._rejected_batch("not an event batch ([ts, [events...], ...])")
+            return
+        rejected = None
+        for event in batch[1]:
+            try:
+                self.events.apply(event)
+                self.events_applied += 1
+            except EventRejected as exc:
+                self.events_rejected += 1
+                rejected = exc
+        if rejected is not None:
+            self._log_rejection(f"skipped malformed events (last: {rejected})")
+
+    def _rejected_batch(self, why: str) -> None:
+        self.batches_rejected += 1
+        self._log_rejection(f"skipped a KV event batch: {why}")
+
+    def _log_rejection(self, message: str) -> None:
+        now = time.monotonic()  # a hostile or broken publisher must not flood the log
+        if now - self._last_reject_log >= REJECT_LOG_INTERVAL_S:
+            self._last_reject_log = now
+            log.warning("KV events of %s: %s (%d batches, %d events rejected so far)",
+                        self.worker_url, message, self.batches_rejected, self.events_rejected)

@@ -1,0 +1,137 @@
+"""pd-router's default policy (`default`): `goodput` on single-turn traffic, `multi_turn` on a
+conversation's later turns, and the default of both the CLI and a YAML file without `policy:`."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_plugins.routers.cli import build_parser, config_from_args
+from pd_plugins.routers.config import SessionSpec
+from pd_plugins.routers.policy import DEFAULT_POLICY, preset
+from pd_plugins.routers.policy.base import build
+from pd_plugins.routers.policy.scheduler import Scheduler
+from pd_plugins.routers.sessions import SessionTable
+from tests.unit.routers.helpers import context, request
+
+HISTORY = list(range(100, 140))  # turn 1: 40 tokens, 10 blocks of 4
+
+
+def test_default_is_the_default_preset_of_cli_and_yaml(tmp_path):
+    assert DEFAULT_POLICY == "default"
+    cli = config_from_args(build_parser().parse_args(["--decode", "http://127.0.0.1:8200"]))
+    assert cli.policy == preset("default")
+    path = tmp_path / "router.yaml"
+    path.write_text('decode: [{url: "http://127.0.0.1:8200"}]\n')
+    yaml = config_from_args(build_parser().parse_args(["--config", str(path)]))
+    assert yaml.policy == preset("default")
+    assert build_parser()._option_string_actions["--policy"].help.endswith("(default default)")
+    scheduler = Scheduler(preset("default"), context())
+    assert scheduler.uses_sessions and scheduler.uses_prefix_index
+
+
+def _state(ctx, case: str) -> None:
+    prefills, decodes = ctx.pool.by_role("prefill"), ctx.pool.by_role("decode")
+    if case == "prefill pool saturated":  # prefill_load converts a decode worker
+        for w in prefills:
+            w.in_flight, w.in_flight_prefill_tokens = 6, 60_000
+    elif case == "decode saturated":
+        decodes[0].engine_waiting = 100
+    elif case == "decode kv full":
+        decodes[0].kv_usage, decodes[1].kv_usage = 0.95, 0.5
+        for w in prefills:
+            w.in_flight, w.in_flight_prefill_tokens = 6, 60_000
+
+
+@pytest.mark.parametrize("case", ["idle", "prefill pool saturated", "decode saturated", "decode kv full"])
+@pytest.mark.parametrize("tokens", [40, 900, 3000])
+def test_single_turn_requests_are_routed_as_goodput_routes_them(case, tokens):
+    decisions = {}
+    for name in ("goodput", "default"):
+        ctx = context(prefill_base_s=0.01, prefill_per_token_s=0.0005)
+        _state(ctx, case)
+        scheduler, table = Scheduler(preset(name), ctx), SessionTable(SessionSpec())
+        out = []
+        for i in range(4):  # distinct prompts: no conversation to detect
+            req = request([10_000 * (i + 1) + t for t in range(tokens)])
+            table.resolve(req)
+            assert req.turn == 0 and req.pinned_decode is None
+            d = scheduler.schedule(req)
+            table.record(req, d.decode.url)
+            out.append((d.decode.url, d.prefill.url if d.prefill else None, d.reasons))
+        decisions[name] = out
+    assert decisions["default"] == decisions["goodput"]
+    if tokens == 40:  # goodput's short-prompt rule: prefilled on the decode worker
+        assert all(prefill is None for _, prefill, _ in decisions["default"])
+
+
+def _conversation(name: str, append_tokens: int, pinned_load: int, **latency):
+    """Turn 1, then turn 2 (`append_tokens` new tokens) with the pinned decode worker running
+    `pinned_load` requests and the other one idle: turn 2's decision under preset `name`."""
+    ctx = context(prefill_base_s=0.01, prefill_per_token_s=0.001, **latency)
+    scheduler, table = Scheduler(preset(name), ctx), SessionTable(SessionSpec())
+    first = request(HISTORY, session_id="c1")
+    table.resolve(first)
+    d1 = scheduler.schedule(first)
+    table.record(first, d1.decode.url)
+    ctx.prefix_index.record_routed(d1.decode.url, first.block_keys)
+    for w in ctx.pool.by_role("decode"):
+        w.in_flight = pinned_load if w is d1.decode else 0  # least_loaded alone would move it
+    second = request(HISTORY + list(range(5000, 5000 + append_tokens)), session_id="c1")
+    table.resolve(second)
+    assert second.turn == 1 and second.pinned_decode == d1.decode.url
+    return d1, scheduler.schedule(second)
+
+
+def test_a_later_turn_is_pinned_and_appended_as_under_multi_turn():
+    for name in ("multi_turn", "default"):
+        d1, d2 = _conversation(name, append_tokens=8, pinned_load=3)
+        assert d2.decode is d1.decode and d2.prefill is None, name
+        assert any("append-prefill: 8 new tokens" in r for r in d2.reasons), name
+
+
+def test_append_prefill_alone_decides_a_pinned_turn():
+    # 700 new tokens on a pinned worker running 40 decodes, prefill pool idle: append_prefill
+    # weighs the stall and sends the turn through PD; goodput's uncached_length (local under 1024
+    # tokens) would keep it on the decode worker, and does, without skip_pinned_turns.
+    outcomes = {}
+    for name in ("multi_turn", "default"):
+        d1, d2 = _conversation(name, append_tokens=700, pinned_load=40)
+        assert d2.decode is d1.decode, name
+        outcomes[name] = (d2.prefill is None, [r.split(":")[0] for r in d2.reasons])
+    assert outcomes["default"] == outcomes["multi_turn"] == (False, ["decode", "prefill"])
+
+
+def test_a_conversation_leaves_a_saturated_pinned_worker():
+    """The one planned difference from multi_turn: saturation is filtered before the pin."""
+    for name, stays in (("multi_turn", True), ("default", False)):
+        ctx = context(decodes=2)
+        scheduler, table = Scheduler(preset(name), ctx), SessionTable(SessionSpec())
+        first = request(HISTORY, session_id="c1")
+        table.resolve(first)
+        pinned = scheduler.schedule(first).decode
+        table.record(first, pinned.url)
+        ctx.prefix_index.record_routed(pinned.url, first.block_keys)
+        pinned.engine_waiting = 100  # over not_saturated's max_waiting
+        second = request(HISTORY + [7, 8], session_id="c1")
+        table.resolve(second)
+        assert (scheduler.schedule(second).decode is pinned) is stays, name
+
+
+@pytest.mark.parametrize("decider, params", [
+    ("uncached_length", {"min_uncached_tokens": 1024}),
+    ("prefill_load", {"min_prefill_queue": 0, "margin": 0.0}),
+])
+def test_skip_pinned_turns_leaves_a_pinned_turn_to_append_prefill(decider, params):
+    ctx = context(prefill_base_s=0.01, prefill_per_token_s=0.001)
+    d0, d1 = ctx.pool.by_role("decode")
+    prefills = ctx.pool.by_role("prefill")
+    turn = request(HISTORY + [1, 2, 3, 4], session_id="c1", turn=1, pinned_decode=d0.url)
+    plain = build("decider", decider, params, ctx)
+    skipping = build("decider", decider, {**params, "skip_pinned_turns": True}, ctx)
+    assert plain.disaggregate(turn, d0, prefills)[0] is False  # short, or convertible: local
+    go, why = skipping.disaggregate(turn, d0, prefills)
+    assert go is True and "append_prefill" in why
+    # elsewhere than its pinned worker, or a first turn: the decider's own rule again
+    assert skipping.disaggregate(turn, d1, prefills) == plain.disaggregate(turn, d1, prefills)
+    first = request(HISTORY, session_id="c1")
+    assert skipping.disaggregate(first, d0, prefills) == plain.disaggregate(first, d0, prefills)

@@ -1,0 +1,210 @@
+"""vLLM's KV events into the prefix index: vLLM's own event structs, applied directly and over a
+real ZMQ socket; malformed events and hostile bind addresses are refused."""
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from pd_plugins.routers.kv_sources.events import EventApplier, KvEventSubscriber
+from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.testing.processes import free_port
+from pd_plugins.vocab.block_keys import block_keys
+
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+W = "http://w"
+
+
+def stored(hashes, parent, tokens, size=4):
+    return kv_events.BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
+                                 block_size=size, lora_id=None, medium="GPU", lora_name=None)
+
+
+def as_wire(event) -> dict:
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(event))
+
+
+def test_events_map_engine_hashes_onto_router_keys():
+    index = PrefixIndex()
+    events = EventApplier(index, W)
+    tokens = list(range(12))
+    events.apply(as_wire(stored([11, 12], None, tokens[:8])))
+    events.apply(as_wire(stored([13], 12, tokens[8:12])))  # chained on engine hash 12
+    keys = block_keys(tokens, 4)
+    assert index.matched_blocks(W, keys) == 3
+    events.apply(as_wire(kv_events.BlockRemoved(block_hashes=[12], medium="GPU")))
+    assert index.matched_blocks(W, keys) == 1
+    events.apply(as_wire(kv_events.AllBlocksCleared()))
+    assert index.matched_blocks(W, keys) == 0
+    assert not events.engine_keys
+
+
+def test_subscriber_reads_vllm_wire_format_over_zmq():
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    index = PrefixIndex()
+    tokens = list(range(40, 56))
+    encoder = msgspec.msgpack.Encoder()
+
+    async def scenario() -> int:
+        sub = KvEventSubscriber(index, W, f"tcp://127.0.0.1:{port}")
+        task = asyncio.create_task(sub.run())
+        deadline = time.monotonic() + 10
+        seq = 0
+        while index.matched_blocks(W, block_keys(tokens, 4)) < 4 and time.monotonic() < deadline:
+            batch = kv_events.KVEventBatch(ts=time.time(), events=[stored([1, 2, 3, 4], None, tokens)])
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), encoder.encode(batch)))
+            seq += 1
+            await asyncio.sleep(0.05)  # a SUB misses what is sent before it has connected
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return sub.events_applied
+
+    try:
+        applied = asyncio.run(scenario())
+    finally:
+        pub.close(linger=0)
+    assert applied >= 1
+    assert index.matched_blocks(W, block_keys(tokens, 4)) == 4
+
+
+def test_exact_mode_is_bounded_by_capacity_too():
+    """An engine that stores and never removes (or lies) cannot grow the router past capacity."""
+    index = PrefixIndex(capacity_blocks=50)
+    events = EventApplier(index, W)
+    tokens = list(range(4 * 1000))
+    parent = None
+    for i in range(1000):  # one block per event, chained as vLLM sends them
+        events.apply(as_wire(stored([i + 1], parent, tokens[4 * i:4 * i + 4])))
+        parent = i + 1
+    assert index.held_blocks(W) == 50
+    assert len(events.engine_keys) == 50
+    # what was stored last is still known; a new prompt's first block is too
+    fresh = list(range(9000, 9004))
+    events.apply(as_wire(stored([5000], None, fresh)))
+    assert index.matched_blocks(W, block_keys(fresh, 4)) == 1
+    assert index.held_blocks(W) == 50
+
+
+@pytest.mark.parametrize("event, words", [
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": "abcd",
+      "block_size": 4}, "token_ids"),
+    ({"type": "BlockStored", "block_hashes": [[1]], "parent_block_hash": None,
+      "token_ids": [1, 2, 3, 4], "block_size": 4}, "block_hashes"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+      "token_ids": [1, 2, 3, 4], "block_size": "4"}, "block_size"),
+    ({"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+      "token_ids": [1, 2, 3, 4], "block_size": 4}, "token_ids"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": [7],
+      "token_ids": [1, 2, 3, 4], "block_size": 4}, "block_hashes"),
+    ({"type": "BlockRemoved", "block_hashes": 3}, "block_hashes"),
+    (17, "map"),
+])
+def test_malformed_events_are_refused_without_touching_the_index(event, words):
+    from pd_plugins.routers.kv_sources.events import EventRejected
+
+    index = PrefixIndex()
+    events = EventApplier(index, W)
+    events.apply(as_wire(stored([11], None, [5, 6, 7, 8])))
+    with pytest.raises(EventRejected, match=words):
+        events.apply(event)
+    assert index.matched_blocks(W, block_keys([5, 6, 7, 8], 4)) == 1
+
+
+def test_subscriber_survives_garbage_and_applies_the_next_good_batch():
+    """A real PUB socket sends every kind of garbage, then a good batch: the subscriber task
+    is still running, counted what it skipped, and the index holds the good batch."""
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    index = PrefixIndex()
+    tokens = list(range(60, 68))
+    encoder = msgspec.msgpack.Encoder()
+    bad_event = {"type": "BlockStored", "block_hashes": [[1]], "parent_block_hash": None,
+                 "token_ids": [1, 2, 3, 4], "block_size": 4}
+    garbage = [
+        [b"", (0).to_bytes(8, "big"), b"\xc1 not msgpack"],
+        [b"", (1).to_bytes(8, "big"), encoder.encode(5)],             # not a batch
+        [b"", (2).to_bytes(8, "big"), encoder.encode([1.0, 5])],      # events not a list
+        [b"", (3).to_bytes(8, "big"), encoder.encode([1.0, [bad_event, "x", None]])],
+        [b"only one frame"],
+    ]
+
+    async def scenario(sub: KvEventSubscriber) -> bool:
+        task = asyncio.create_task(sub.run())
+        deadline = time.monotonic() + 10
+        seq = 4
+        while index.matched_blocks(W, block_keys(tokens, 4)) < 2 and time.monotonic() < deadline:
+            for frames in garbage:
+                pub.send_multipart(frames)
+            good = kv_events.KVEventBatch(ts=time.time(), events=[stored([21, 22], None, tokens)])
+            pub.send_multipart((b"", seq.to_bytes(8, "big"), encoder.encode(good)))
+            seq += 1
+            await asyncio.sleep(0.05)  # a SUB misses what is sent before it has connected
+        alive = not task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return alive
+
+    sub = KvEventSubscriber(index, W, f"tcp://127.0.0.1:{port}")
+    try:
+        alive = asyncio.run(scenario(sub))
+    finally:
+        pub.close(linger=0)
+    assert alive
+    assert index.matched_blocks(W, block_keys(tokens, 4)) == 2
+    assert sub.batches_rejected >= 4 and sub.events_rejected >= 3
+
+
+@pytest.mark.parametrize("endpoint, allowed", [
+    ("tcp://127.0.0.1:5557", True), ("tcp://localhost:5557", True), ("tcp://[::1]:5557", True),
+    ("tcp://0.0.0.0:5557", False), ("tcp://*:5557", False), ("tcp://10.1.2.3:5557", False),
+    ("ipc:///run/pd/events.sock", True), ("ipc://@events", False), ("udp://127.0.0.1:5557", False),
+])
+def test_bind_endpoints_other_than_loopback_need_an_explicit_opt_in(endpoint, allowed):
+    from pd_plugins.routers.config import WorkerSpec
+    from pd_plugins.routers.kv_sources.events import check_bind_endpoint
+
+    spec = {"url": "http://10.0.0.1:8100", "kv_events": f"bind:{endpoint}"}
+    if allowed:
+        check_bind_endpoint(endpoint, allow_any_host=False)
+        msgspec.convert(spec, WorkerSpec)
+    else:
+        with pytest.raises(ValueError, match="kv_events bind:"):
+            check_bind_endpoint(endpoint, allow_any_host=False)
+        with pytest.raises(msgspec.ValidationError, match="kv_events bind:"):
+            msgspec.convert(spec, WorkerSpec)
+    if endpoint.startswith("tcp://") and not allowed:
+        msgspec.convert({**spec, "kv_events_bind_any": True}, WorkerSpec)  # the operator's call
+
+
+def test_worker_flag_opts_in_with_true():
+    from pd_plugins.routers.config import parse_worker_arg
+
+    spec = parse_worker_arg(["http://h:1", "kv_events=bind:tcp://0.0.0.0:5557",
+                             "kv_events_bind_any=true"])
+    assert spec["kv_events_bind_any"] is True
+
+
+def test_ipc_bind_makes_the_socket_private(tmp_path):
+    import os
+    import stat
+
+    path = tmp_path / "events.sock"
+    os.chmod(tmp_path, 0o755)
+
+    async def scenario() -> int:
+        sub = KvEventSubscriber(PrefixIndex(), W, f"bind:ipc://{path}")
+        task = asyncio.create_task(sub.run())
+        deadline = time.monotonic() + 5
+        while not path.exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return mode
+
+    assert asyncio.run(scenario()) & 0o077 == 0
