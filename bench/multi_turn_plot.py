@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"vllm_kv_aware": "#7f7f7f", "vllm_session_affinity": "#1f77b4", "multi_turn": "black",
-          "multi_turn_chunked": "#d62728"}
+          "multi_turn_chunked": "#d62728", "default": "#2ca02c"}
 
 
 def main(results_path: str, out_dir: str) -> None:

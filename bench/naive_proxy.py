@@ -1,6 +1,6 @@
 """The simplest aiohttp PD proxy (vLLM pull flow): a reference row for bench/router_overhead.py.
 
-    python bench/naive_proxy.py PREFILL_URL DECODE_URL PORT
+    .venv/bin/python -m bench.naive_proxy PREFILL_URL DECODE_URL PORT
 
 No policy, metrics, timeouts, validation or failover: prefill with max_tokens 1 and
 do_remote_decode, then decode with the prefill's kv_transfer_params, and relay the answer. It shows
@@ -9,25 +9,31 @@ what aiohttp's client and server cost on the machine, the floor under any aiohtt
 
 from __future__ import annotations
 
-import sys
+import argparse
 import uuid
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from pd_plugins.vocab.transfer_params import prefill_flags
+
 _encode, _decode = msgspec.json.Encoder().encode, msgspec.json.Decoder().decode
-PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 def main() -> None:
-    prefill, decode, port = sys.argv[1].rstrip("/"), sys.argv[2].rstrip("/"), int(sys.argv[3])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("prefill_url")
+    ap.add_argument("decode_url")
+    ap.add_argument("port", type=int)
+    args = ap.parse_args()
+    prefill, decode, port = args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), args.port
     session: aiohttp.ClientSession | None = None
 
     async def generate(request: web.Request) -> web.Response:
         body = _decode(await request.read())
         headers = {"Content-Type": "application/json", "X-Request-Id": uuid.uuid4().hex}
-        leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_FLAGS}
+        leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": prefill_flags()}
         async with session.post(prefill + request.path, data=_encode(leg), headers=headers) as resp:
             answer = _decode(await resp.read())
         leg = {**body, "kv_transfer_params": answer["kv_transfer_params"]}

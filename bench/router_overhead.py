@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Router overhead: pd-router against vllm-router and sglang-router on mock engines.
 
-    .venv/bin/python bench/router_overhead.py            # full run, about 8-10 minutes
-    .venv/bin/python bench/router_overhead.py --quick    # smoke run, about a minute
+    .venv/bin/python -m bench.router_overhead            # full run, about 8-10 minutes
+    .venv/bin/python -m bench.router_overhead --quick    # smoke run, about a minute
 
 Mock prefill and decode engines (pd-mock-engine, zero delays) and the load generator share core 1;
 each router runs alone on core 0. For every target and concurrency the closed-loop load generator
@@ -38,19 +38,15 @@ from pathlib import Path
 import aiohttp
 import requests
 
-import common  # noqa: E402  (bench/common.py)
+from bench import common
+from bench.common import DOC, IMG, PEERS_PY, PEERS_VENV, PLOT_REQ, ROOT
+from pd_plugins.perf.report import percentile
 from pd_plugins.testing.processes import ManagedProcess, free_port
 from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess, pinned
 
-ROOT = Path(__file__).resolve().parents[1]
-PEERS_VENV = ROOT / "bench" / ".venv-peers"
-PEERS_PY = PEERS_VENV / "bin" / "python"
 PEER_PINS = {"vllm-router": "vllm-router==0.1.17", "sglang-router": "sglang-router==0.3.2"}
-PLOT_REQ = "matplotlib>=3.7"
-DOC = ROOT / "docs" / "benchmarks.md"
-IMG_DIR = ROOT / "docs" / "img"
-RESULTS_DIR = ROOT / "bench" / "results" / "router_overhead"
-START, END = "<!-- router-overhead:start -->", "<!-- router-overhead:end -->"
+RESULTS_DIR = common.RESULTS / "router_overhead"
+SECTION = "router-overhead"  # its markers in docs/benchmarks.md (common.write_section)
 
 ROUTER_CPU, LOAD_CPU = "0", "1"
 CONCURRENCY = (1, 16, 64)
@@ -123,7 +119,8 @@ class NaiveProxyProcess(ManagedProcess):
 
     def command(self) -> list[str]:
         assert self.prefill is not None and self.decode is not None
-        return pinned([sys.executable, str(ROOT / "bench" / "naive_proxy.py"), self.prefill.url,
+        # Same cwd and environment as this process, so `bench` imports here as it did for us.
+        return pinned([sys.executable, "-m", "bench.naive_proxy", self.prefill.url,
                        self.decode.url, str(self.port)], self.cpu)
 
 
@@ -249,27 +246,18 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
     n = len(latencies)
-    latencies.sort()
     elapsed = win.end - win.start
     return {
         "n": n, "sent": sent, "errors": len(errors), "error_samples": sorted(set(errors))[:5],
         "rps": n / elapsed,
-        "p50_ms": quantile(latencies, 0.50) * 1e3 if n else None,
-        "p99_ms": quantile(latencies, 0.99) * 1e3 if n else None,
+        "p50_ms": percentile(latencies, 50) * 1e3 if n else None,
+        "p99_ms": percentile(latencies, 99) * 1e3 if n else None,
         "cpu_us": (cpu1 - cpu0) / n * 1e6 if (pid and n) else None,
         "cpu_s": cpu1 - cpu0 if pid else None,
         "window_s": elapsed,
         # The router's core busy with anything but the router: other load on the machine.
         "foreign_pct": max(0.0, (core1 - core0) - (cpu1 - cpu0)) / elapsed * 100,
     }
-
-
-def quantile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
 # -- summary --------------------------------------------------------------------------------
@@ -324,7 +312,7 @@ def ratio(a: dict | None, b: dict | None) -> str:
 
 
 def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
-    lines = [START, "## Router overhead", "",
+    lines = [f"<!-- {SECTION}:start -->", "## Router overhead", "",
              "What a PD router costs per request: pd-router against the Rust routers that ship with vLLM "
              "(`vllm-router`) and SGLang (`sglang-router`), all on the same mock engines "
              "(`pd-mock-engine`, zero prefill and decode time, non-streaming, a ~60-token prompt, "
@@ -333,7 +321,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "hour so that only request work is counted. A reference row, `bench/naive_proxy.py`, is "
              "the least an aiohttp PD proxy can do (prefill, then decode, relay; no policy, metrics, "
              "timeouts or failover): the floor under any aiohttp-based router on this machine.", "",
-             f"Rerun: `make bench-router` (or `.venv/bin/python bench/router_overhead.py [--quick] "
+             f"Rerun: `make bench-router` (or `.venv/bin/python -m bench.router_overhead [--quick] "
              f"[--repeats N]`). This run: `{meta['command']}`, {meta['date']}, "
              f"{meta['runtime_s'] / 60:.1f} min.", "",
              f"- Machine: {meta['machine']}.",
@@ -391,7 +379,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
     if errors:
         lines += ["", "Errors seen:", ""]
         lines += [f"- {label} at {c}: {'; '.join(samples)}" for label, c, samples in errors]
-    lines.append(END)
+    lines.append(f"<!-- {SECTION}:end -->")
     return "\n".join(lines) + "\n"
 
 
@@ -431,10 +419,6 @@ def noise_note(meta: dict) -> str:
     if not s:
         return "an unknown share"
     return f"a median {s['median']:.1f}% (max {s['max']:.0f}%)"
-
-
-def write_section(text: str) -> None:
-    common.write_section("router-overhead", text)
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -478,9 +462,9 @@ def start_checked(procs: list[ManagedProcess], timeout: float = 60.0) -> list[st
 def publish(results: Path, meta: dict, target_info: list[dict], summary: dict, can_plot: bool) -> None:
     """Plots into docs/img/ and the section of docs/benchmarks.md, from one run's numbers."""
     if can_plot:
-        IMG_DIR.mkdir(parents=True, exist_ok=True)
+        IMG.mkdir(parents=True, exist_ok=True)
         res = subprocess.run([str(PEERS_PY), str(ROOT / "bench" / "router_overhead_plot.py"),
-                              str(results), str(IMG_DIR)], capture_output=True, text=True)
+                              str(results), str(IMG)], capture_output=True, text=True)
         meta["plots"] = res.returncode == 0
         if res.returncode != 0:
             meta["plot_problem"] = "plotting failed"
@@ -488,7 +472,7 @@ def publish(results: Path, meta: dict, target_info: list[dict], summary: dict, c
         else:
             print(res.stdout.strip(), flush=True)
     section = markdown(meta, target_info, summary)
-    write_section(section)
+    common.write_section(SECTION, section)
     print(f"wrote {DOC.relative_to(ROOT)}", flush=True)
     print(section, flush=True)
 
@@ -621,7 +605,7 @@ def main() -> int:
 
     summary = summarize([t for t in targets if not t.broken], runs)
     meta = {
-        "command": " ".join(["bench/router_overhead.py", *sys.argv[1:]]),
+        "command": " ".join(["python -m bench.router_overhead", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": common.machine(), "versions": versions(peers), "repeats": repeats,
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),

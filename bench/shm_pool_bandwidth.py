@@ -1,9 +1,9 @@
 """Shared-memory KV pool bandwidth: how fast `ShmKVPool` (pd_plugins/transfer/shm_pool.py) moves KV
 blocks into and out of its region, against a plain memcpy of the same bytes in the same run.
 
-    .venv/bin/python bench/shm_pool_bandwidth.py            # ~6 minutes
-    .venv/bin/python bench/shm_pool_bandwidth.py --quick    # a smoke run of a few seconds
-    .venv/bin/python bench/shm_pool_bandwidth.py --render   # docs and plot from the saved JSON
+    .venv/bin/python -m bench.shm_pool_bandwidth            # ~6 minutes
+    .venv/bin/python -m bench.shm_pool_bandwidth --quick    # a smoke run of a few seconds
+    .venv/bin/python -m bench.shm_pool_bandwidth --render   # docs and plot from the saved JSON
 
 Why: the pool is PdShmConnector's transport (a prefill writes KV blocks into it, a decode copies
 them out), so its header work (a file lock per call), its per-batch Python and its checksums must
@@ -68,11 +68,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numba
 import numpy as np
 
-import common  # bench/common.py
-import numba
-
+from bench import common
 from pd_plugins.transfer.shm_pool import (
     MADV_POPULATE_WRITE, ShmKVPool, checksum, copy_runs, pool_geometry, remove_pool)
 
@@ -743,7 +742,7 @@ def markdown(results: dict) -> str:
         "KV blocks in and out of its shared-memory region, against a plain memcpy of the same "
         "bytes in the same run. Target: pool write and read, with and without checksums, at 90% "
         "of memcpy or more for blocks of 64 KiB and up.", "",
-        "Rerun: `.venv/bin/python bench/shm_pool_bandwidth.py` (`--quick` for a smoke run of a "
+        "Rerun: `.venv/bin/python -m bench.shm_pool_bandwidth` (`--quick` for a smoke run of a "
         f"few seconds). This run: `bench/shm_pool_bandwidth.py{quick}`, {meta['date']}, "
         f"{meta['wall_min']:.1f} min.", "",
         f"- Machine: {meta['machine']}. Python {meta['python']}, numpy {meta['numpy']}.",

@@ -1,8 +1,8 @@
 """Do the two instruments agree? The same Mooncake slice through the cluster simulator and through
 the real pd-router in front of latency-modelled mock engines (HTTP on loopback, accelerated clock).
 
-    .venv/bin/python bench/sim_vs_replay.py            # 200 requests, 3 replays: ~3 minutes
-    .venv/bin/python bench/sim_vs_replay.py --quick    # 60 requests, 1 replay
+    .venv/bin/python -m bench.sim_vs_replay            # 200 requests, 3 replays: ~3 minutes
+    .venv/bin/python -m bench.sim_vs_replay --quick    # 60 requests, 1 replay
 
 Each policy runs once in the simulator (deterministic) and `--repeats` times over HTTP (this
 machine is noisy: the table gives the median and the range). Writes bench/results/sim_vs_replay.json
@@ -24,10 +24,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-import common  # noqa: E402  (bench/common.py)
+from bench import common
+from pd_plugins.mock.client import collect_engine_stats
 from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
-from pd_plugins.perf.replay import collect_engine_stats, replay
+from pd_plugins.perf.replay import replay
 from pd_plugins.perf.report import Slo, summarize
 from pd_plugins.testing.router_harness import modelled_deployment
 from pd_plugins.workloads import first_n, load_trace, scale_time, spread_bursts

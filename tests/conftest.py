@@ -5,6 +5,8 @@ import pytest
 
 from pd_plugins.testing.engine_harness import LIVE_SERVERS
 
+pytest_plugins = ["tests.tiers", "pytester"]  # the two test tiers; pytester checks them
+
 
 def _stop_servers_and_exit(signum, frame):
     """A killed test run (CI timeout, Ctrl-C twice) still stops the servers it started."""

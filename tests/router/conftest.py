@@ -29,9 +29,13 @@ def mocks(engine: str = "vllm", prefills: int = 1, decodes: int = 1, push: bool 
 @contextlib.contextmanager
 def deployment(prefills: list, decodes: list, *router_args: str, config: dict | None = None,
                env: dict | None = None) -> Iterator[RouterProcess]:
+    # These tests need short prompts disaggregated (prefix_cache: from 16 uncached tokens); the
+    # router's default policy prefills prompts under 1024 tokens on the decode worker.
+    named = "--policy" in router_args or "policy" in (config or {})
+    policy = () if named else ("--policy", "prefix_cache")
     router = RouterProcess("router", prefill=[p.worker_arg() for p in prefills],
                            decode=[d.worker_arg() for d in decodes],
-                           args=("--log-format", "text", *router_args),
+                           args=("--log-format", "text", *policy, *router_args),
                            config={"health": FAST_HEALTH, **(config or {})}, env=env or {})
     everything = [*prefills, *decodes]
     try:

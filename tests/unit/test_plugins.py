@@ -55,6 +55,7 @@ def test_launcher_reports_the_cpu_build():
         engine_version("no-such-distribution-xyz")
 
 
+@pytest.mark.processes  # tests/tiers.py
 def test_pd_vllm_runs_the_vllm_cli():
     out = subprocess.run([sys.executable, "-m", "pd_plugins.launcher", "--version"],
                          capture_output=True, text=True, timeout=600)  # importing vLLM on a loaded 2-core CI box

@@ -6,7 +6,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+import pytest
+
 from pd_plugins.testing.processes import ManagedProcess
+
+pytestmark = pytest.mark.processes  # starts a process group and py-spy (tests/tiers.py)
 
 
 @dataclass
