@@ -17,17 +17,10 @@ import logging
 import os
 from typing import Iterator
 
-from pd_plugins.transfer.options import (
-    TRANSFER_THREADS_NICE,
-    UNSET,
-    NixlOptions,
-    from_env,
-    variable,
-)
+from pd_plugins.transfer.options import NixlOptions, variable
 
 logger = logging.getLogger("pd_plugins")
 
-DEFAULT_NICE = TRANSFER_THREADS_NICE
 # engines without a connector config (SGLang): a number, or "none"
 ENV = variable(NixlOptions, "transfer_threads_nice")
 
@@ -38,13 +31,6 @@ def thread_ids() -> set[int]:
         return {int(t) for t in os.listdir("/proc/self/task")}
     except OSError:
         return set()
-
-
-def nice_from_env(default: int | None = DEFAULT_NICE) -> int | None:
-    """The nice value for transfer threads from PD_TRANSFER_THREADS_NICE ("none": leave them),
-    `default` when it is unset (NixlOptions in transfer/options.py reads and checks it)."""
-    nice = from_env(NixlOptions, "pd-nixl").transfer_threads_nice
-    return default if nice is UNSET else nice
 
 
 @contextlib.contextmanager

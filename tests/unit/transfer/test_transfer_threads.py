@@ -8,7 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from pd_plugins.connectors.vllm.pd_nixl import transfer_threads_nice
-from pd_plugins.transfer.transfer_threads import ENV, lowered_new_threads, nice_from_env
+from pd_plugins.transfer.options import NixlOptions, from_env
+from pd_plugins.transfer.transfer_threads import ENV, lowered_new_threads
+
+
+def nice_from_env(cpu_engine: bool = True):
+    """What SGLang's pd-nixl reads: NixlOptions from the environment, its CPU-engine default."""
+    return from_env(NixlOptions, "pd-nixl").nice_on(cpu_engine)
 
 
 def nice_of_thread_started_in(nice):
