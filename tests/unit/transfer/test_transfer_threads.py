@@ -52,6 +52,7 @@ def test_vllm_option_defaults_to_19_on_cpu_and_null_disables():
 def test_environment_option_for_sglang(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert nice_from_env() == 19
+    assert nice_from_env(cpu_engine=False) is None  # a GPU engine's threads are left alone (as vLLM's)
     monkeypatch.setenv(ENV, "none")
     assert nice_from_env() is None
     monkeypatch.setenv(ENV, "5")
