@@ -25,13 +25,13 @@ from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.flows.base import one_token_body
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
-from pd_plugins.vocab.expert_signature import ExpertSignature
-from pd_plugins.vocab.transfer_params import pd_section_of, stored_tokens_of
 from pd_plugins.routers.request import ClientRequest
 from pd_plugins.routers.session_store import SessionSharing
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
+from pd_plugins.vocab.expert_signature import ExpertSignature
+from pd_plugins.vocab.transfer_params import pd_section_of, stored_tokens_of
 
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode

@@ -15,7 +15,7 @@ from pd_plugins.vocab.engines import Engine, LoadMetricNames, TransferMode
 class EngineProfile:
     name: Engine
     # the PD flow for a transfer mode, given the push head start (vLLM push: decode leg first)
-    make_flow: Callable[[TransferMode, float], PdFlow]
+    flow: Callable[[TransferMode, float], PdFlow]
     load_metrics: LoadMetricNames   # the /metrics gauges health.py scrapes for a worker's load
     # whether a decode worker can serve a request alone (deciders, local prefill fallback)
     decode_prefills_locally: bool
@@ -23,9 +23,6 @@ class EngineProfile:
     prefill_problem: Callable[[WorkerSpec, TransferMode], str | None]
     # the health canary: GET this path, or None for a one-token generation on /v1/completions
     canary_path: str | None = None
-
-    def flow(self, transfer: TransferMode, push_head_start_s: float) -> PdFlow:
-        return self.make_flow(transfer, push_head_start_s)
 
     def check_workers(self, config: RouterConfig) -> None:
         """Refuse, at startup, a configuration whose workers this engine cannot run."""

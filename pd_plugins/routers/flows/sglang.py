@@ -49,7 +49,7 @@ def prefill_problem(worker: WorkerSpec, transfer: TransferMode) -> str | None:
 
 
 PROFILE = EngineProfile(
-    name="sglang", make_flow=sglang_flow, load_metrics=LOAD_METRICS["sglang"],
+    name="sglang", flow=sglang_flow, load_metrics=LOAD_METRICS["sglang"],
     # a decode in disaggregation mode cannot prefill: deciders are skipped, and no usable prefill
     # worker is a 503
     decode_prefills_locally=False, prefill_problem=prefill_problem,

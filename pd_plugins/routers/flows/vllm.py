@@ -78,5 +78,5 @@ def prefill_problem(worker: WorkerSpec, transfer: TransferMode) -> str | None:
     return None
 
 
-PROFILE = EngineProfile(name="vllm", make_flow=vllm_flow, load_metrics=LOAD_METRICS["vllm"],
+PROFILE = EngineProfile(name="vllm", flow=vllm_flow, load_metrics=LOAD_METRICS["vllm"],
                         decode_prefills_locally=True, prefill_problem=prefill_problem)
