@@ -80,6 +80,25 @@ def wait_for(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
+def usage_at_rest(server) -> float:
+    """The engine's KV usage once nothing is held for a reader.
+
+    The gauge is only as fresh as the engine's last step, and blocks an earlier test's request held
+    for its reader may be freed after it: a direct one-token request makes the engine step and
+    publish again. Two probes in a row that read the same usage mean it has settled."""
+    last = None
+    for attempt in range(10):
+        resp = requests.post(server.url + "/v1/completions", timeout=60,
+                             json=completion_body(token_prompt(8, seed=6100 + attempt), 1))
+        assert resp.status_code == 200, resp.text
+        usage = metric(server, "vllm:kv_cache_usage_perc")
+        if usage == last:
+            return usage
+        last = usage
+        time.sleep(0.2)
+    raise AssertionError(f"{server.name}'s KV usage did not settle: last read {last}")
+
+
 def serves_normally(pd, router) -> None:
     assert pd.prefill.alive() and pd.decode.alive()
     resp = requests.post(router.url + "/v1/completions", json=completion_body(PROMPT, 8),
@@ -104,7 +123,7 @@ def test_transfer_params_smuggled_in_vllm_xargs(routed, case):
 
 def test_disconnect_while_the_decode_leg_queues_frees_the_prefill_kv_at_once(routed):
     pd, router = routed
-    baseline = metric(pd.prefill, "vllm:kv_cache_usage_perc")
+    baseline = usage_at_rest(pd.prefill)
     served = metric(pd.prefill, "vllm:request_success_total")
     # The decode's one slot is taken: a routed request's decode leg waits in its queue.
     blocker = requests.post(pd.decode.url + "/v1/completions", stream=True, timeout=120, json={
@@ -124,7 +143,9 @@ def test_disconnect_while_the_decode_leg_queues_frees_the_prefill_kv_at_once(rou
         freed_after = wait_for(
             lambda: metric(pd.prefill, "vllm:kv_cache_usage_perc") <= baseline, LEASE_S,
             "the prefill to free the blocks")
-        assert metric(pd.decode, "vllm:num_requests_waiting") == 0
+        # the decode aborted the queued leg (its gauge is as fresh as its last step)
+        wait_for(lambda: metric(pd.decode, "vllm:num_requests_waiting") == 0, FREED_WITHIN_S,
+                 "the decode to drop the queued leg")
         assert blocker.raw is not None and not blocker.raw.closed  # still generating
     finally:
         if client is not None:
