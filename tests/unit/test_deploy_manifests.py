@@ -1,0 +1,426 @@
+"""deploy/ (docs/deploy.md): every Kustomize overlay renders with `kubectl kustomize`, every object
+it renders is valid against the Kubernetes schemas (offline, strict: an unknown field fails), and
+the manifests agree with our own programs: pd-router accepts the router's arguments and
+configuration, vLLM's parser accepts the engines' arguments, each kv-transfer-config names a
+connector we register with options it knows, and labels, annotations, ports and block sizes match
+what discovery and the router expect.
+
+No cluster runs here: nothing is applied. kubectl (1.27 or later, for kustomize v5) comes from the
+machine or .ci/run's install; without it these tests skip, except under CI=true, where they fail.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pd_plugins.connectors.registry import VLLM_CONNECTORS
+from pd_plugins.testing.tiny_models import ensure_tiny_model
+from pd_plugins.transfer import options
+
+pytestmark = pytest.mark.processes  # spawns kubectl, pd-router --check-config and vLLM's parser
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if (p / "kustomization.yaml").is_file())
+# Kubernetes release whose schemas the output must satisfy: the oldest we document (native
+# preStop `sleep` needs 1.30; docs/deploy.md).
+K8S_VERSION = "1.31"
+ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+@functools.cache
+def kubectl_problem() -> tuple[str, str | None]:
+    """(path, why it cannot render deploy/ or None). Components and `labels` need kustomize v5
+    (kubectl 1.27 or later); Debian 12's kubernetes-client is 1.20, with kustomize v2."""
+    path = shutil.which("kubectl")
+    if path is None:
+        return "", "kubectl is not installed (Debian: kubernetes-client; .ci/run installs it)"
+    done = subprocess.run([path, "version", "--client", "-o", "json"], capture_output=True,
+                          text=True, timeout=60)
+    try:
+        kustomize = json.loads(done.stdout).get("kustomizeVersion", "")
+    except json.JSONDecodeError:
+        kustomize = ""
+    major = re.match(r"v(\d+)", kustomize)
+    if major is None or int(major.group(1)) < 5:
+        return path, (f"{path}'s built-in kustomize ({kustomize or 'version unknown'}) is older "
+                      "than v5: install kubectl 1.27 or later")
+    return path, None
+
+
+def kubectl() -> str:
+    path, problem = kubectl_problem()
+    if problem is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI cannot check deploy/: {problem}")
+        pytest.skip(problem)
+    return path
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    done = subprocess.run([kubectl(), "kustomize", str(directory)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, f"kubectl kustomize {directory} failed:\n{done.stderr}"
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+@functools.cache
+def rendered(overlay: str) -> tuple[dict[str, Any], ...]:
+    return tuple(render(DEPLOY / "overlays" / overlay))
+
+
+def schema_errors(objects: list[dict[str, Any]] | tuple[dict[str, Any], ...]) -> list[str]:
+    errors = []
+    for obj in objects:
+        name = f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = ".".join(str(p) for p in exc.absolute_path) or "(top)"
+            errors.append(f"{name}: {where}: {exc.message}")
+        except kubernetes_validate.SchemaNotFoundError as exc:
+            errors.append(f"{name}: {exc.message}")
+    return errors
+
+
+def of_kind(objects, kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def named(objects, kind: str, name: str) -> dict[str, Any]:
+    (obj,) = [o for o in of_kind(objects, kind) if o["metadata"]["name"] == name]
+    return obj
+
+
+def engines(objects) -> list[dict[str, Any]]:
+    return [d for d in of_kind(objects, "Deployment")
+            if "pd.role" in d["spec"]["template"]["metadata"].get("labels", {})]
+
+
+def container(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return found
+
+
+def expand(text: str, variables: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: defined names are replaced, `$$` escapes, others stay."""
+    return re.sub(r"\$\$|" + VAR_REF.pattern,
+                  lambda m: "$" if m.group(0) == "$$" else variables.get(m.group(1), m.group(0)),
+                  text)
+
+
+def environment(c: dict[str, Any]) -> dict[str, str]:
+    """A container's variables as Kubernetes builds them: a value sees only the variables above
+    it; downward-API and Secret values become placeholders."""
+    variables: dict[str, str] = {}
+    for entry in c.get("env", []):
+        if "value" in entry:
+            variables[entry["name"]] = expand(entry["value"], variables)
+        else:
+            source = entry["valueFrom"]
+            ref = source.get("fieldRef", {}).get("fieldPath") or next(iter(source))
+            variables[entry["name"]] = f"<{ref}>"
+    return variables
+
+
+def expanded_args(c: dict[str, Any]) -> list[str]:
+    variables = environment(c)
+    return [expand(arg, variables) for arg in c.get("args", [])]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+# ---- rendering and schemas ------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_is_valid_kubernetes(overlay: str) -> None:
+    objects = rendered(overlay)
+    kinds = {obj["kind"] for obj in objects}
+    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+            "PodDisruptionBudget", "NetworkPolicy"} <= kinds
+    assert schema_errors(objects) == []
+    assert not of_kind(objects, "Secret"), "secrets are created by hand, never rendered (docs/deploy.md)"
+
+
+def copy_of_deploy(tmp_path: Path) -> Path:
+    shutil.copytree(DEPLOY, tmp_path / "deploy")
+    return tmp_path / "deploy"
+
+
+@pytest.mark.parametrize("component", ["push", "shm"])
+def test_transfer_components_compose_with_the_gpu_overlay(tmp_path: Path, component: str) -> None:
+    deploy = copy_of_deploy(tmp_path)
+    combined = deploy / "overlays" / f"gpu-{component}"
+    combined.mkdir()
+    (combined / "kustomization.yaml").write_text(textwrap.dedent(f"""\
+        apiVersion: kustomize.config.k8s.io/v1beta1
+        kind: Kustomization
+        resources: [../gpu]
+        components: [../../components/{component}]
+        """))
+    objects = render(combined)
+    assert schema_errors(objects) == []
+    for engine in engines(objects):
+        vllm = container(engine, "vllm")
+        assert environment(vllm)["PD_KV_BUFFER_DEVICE"] == "cuda"
+        assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert environment(container(named(objects, "Deployment", "pd-router"), "router"))[
+        "PD_TRANSFER"] == component
+    assert_references_resolve(objects)
+    assert_connectors_match_router(objects)
+
+
+@pytest.mark.parametrize("file, good, bad, expected", [
+    # a misspelled field in a base manifest
+    ("base/router.yaml", "readinessProbe:", "readinesProbe:", "readinesProbe"),
+    # a misspelled field in a component's patch (kustomize merges it in without complaint)
+    ("components/cpu/engines.yaml", "resources:", "resouces:", "resouces"),
+    # a value of the wrong type
+    ("base/router.yaml", "replicas: 2", "replicas: two", "two"),
+])
+def test_a_wrong_field_fails_validation(tmp_path: Path, file: str, good: str, bad: str,
+                                        expected: str) -> None:
+    deploy = copy_of_deploy(tmp_path)
+    path = deploy / file
+    text = path.read_text()
+    assert good in text
+    path.write_text(text.replace(good, bad, 1))
+    errors = schema_errors(render(deploy / "overlays" / "cpu"))
+    assert errors and any(expected in error for error in errors), errors
+
+
+# ---- our own invariants ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_has_probes_resources_and_a_pinned_image(overlay: str) -> None:
+    for deployment in of_kind(rendered(overlay), "Deployment"):
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            where = f"{deployment['metadata']['name']}/{c['name']}"
+            assert "readinessProbe" in c and "livenessProbe" in c, where
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), where
+            assert "memory" in c["resources"]["limits"], where
+            assert ":" in c["image"] and not c["image"].endswith(":latest"), where
+        for c in deployment["spec"]["template"]["spec"].get("initContainers", []):
+            where = f"{deployment['metadata']['name']}/{c['name']} (init)"
+            assert {"cpu", "memory"} <= set(c["resources"]["requests"]), where
+            assert "memory" in c["resources"]["limits"], where
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_variable_reference_resolves(overlay: str) -> None:
+    """A $(VAR) that Kubernetes cannot resolve stays in the text, e.g. an env value naming a
+    variable defined below it (strategic-merge patches move the entries they touch to the front)."""
+    assert_references_resolve(rendered(overlay))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_selectors_select_something(overlay: str) -> None:
+    objects = rendered(overlay)
+    pod_labels = [d["spec"]["template"]["metadata"]["labels"] for d in of_kind(objects, "Deployment")]
+
+    def matches(selector: dict[str, str]) -> int:
+        return sum(all(labels.get(k) == v for k, v in selector.items()) for labels in pod_labels)
+
+    for deployment in of_kind(objects, "Deployment"):
+        assert matches(deployment["spec"]["selector"]["matchLabels"]) == 1, deployment["metadata"]
+    for service in of_kind(objects, "Service"):
+        assert matches(service["spec"]["selector"]) >= 1, service["metadata"]["name"]
+    for budget in of_kind(objects, "PodDisruptionBudget"):
+        assert matches(budget["spec"]["selector"]["matchLabels"]) >= 1, budget["metadata"]["name"]
+    for policy in of_kind(objects, "NetworkPolicy"):
+        assert matches(policy["spec"]["podSelector"]["matchLabels"]) >= 1, policy["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_discovery_labels_annotations_and_rbac(overlay: str) -> None:
+    objects = rendered(overlay)
+    router = named(objects, "Deployment", "pd-router")
+    args = expanded_args(container(router, "router"))
+    assert flag(args, "--discovery") == "kubernetes"
+    selector = dict(pair.split("=", 1) for pair in flag(args, "--k8s-selector").split(","))
+    roles = set()
+    for engine in engines(objects):
+        template = engine["spec"]["template"]["metadata"]
+        labels, notes = template["labels"], template["annotations"]
+        vllm = container(engine, "vllm")
+        env, vllm_args = environment(vllm), expanded_args(vllm)
+        assert all(labels.get(k) == v for k, v in selector.items()), engine["metadata"]["name"]
+        roles.add(labels["pd.role"])
+        # discovery's default model label: the model's name with [^A-Za-z0-9._-] as '-'
+        served = flag(vllm_args, "--served-model-name")
+        assert labels["pd.model"] == re.sub(r"[^A-Za-z0-9._-]", "-", served)
+        ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+        assert int(notes["pd-plugins.io/http-port"]) == ports["http"] == int(flag(vllm_args, "--port"))
+        assert int(notes["pd-plugins.io/kv-port"]) == int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["nixl"]
+        events = json.loads(flag(vllm_args, "--kv-events-config"))
+        assert events["endpoint"].endswith(f":{notes['pd-plugins.io/kv-events-port']}")
+        assert int(notes["pd-plugins.io/kv-events-port"]) == ports["kv-events"]
+        assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == ports["http"]
+    assert roles == {"prefill", "decode"}
+    # with `models:`, each model's pods are those with its label; without, every engine pod
+    (volume,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    config = yaml.safe_load(named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["router.yaml"])
+    pod_models = {e["spec"]["template"]["metadata"]["labels"]["pd.model"] for e in engines(objects)}
+    if "models" in config:
+        assert {m.get("discovery_label") or re.sub(r"[^A-Za-z0-9._-]", "-", m["name"])
+                for m in config["models"]} == pod_models
+    else:
+        assert len(pod_models) == 1
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert not all(router_labels.get(k) == v for k, v in selector.items()), "selector picks routers"
+    assert router["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    # RBAC: the router's account may only read pods
+    account = router["spec"]["template"]["spec"]["serviceAccountName"]
+    (binding,) = [b for b in of_kind(objects, "RoleBinding")
+                  if any(s["kind"] == "ServiceAccount" and s["name"] == account for s in b["subjects"])]
+    role = named(objects, "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+
+def engine_options(kv_config: dict[str, Any]) -> Any:
+    """The connector's own options struct from kv_connector_extra_config; every key must be one
+    of its options (a misspelled one would be ignored by the engine)."""
+    cls = {"PdNixlConnector": options.NixlOptions, "PdShmConnector": options.ShmOptions,
+           "PdLMCacheConnector": options.LMCacheOptions}[kv_config["kv_connector"]]
+    extra = kv_config.get("kv_connector_extra_config", {})
+    known = {f.name for f in options.fields(cls)}
+    assert set(extra) <= known, f"unknown options {set(extra) - known}"
+    return options.from_extra_config(cls, lambda key, default: extra.get(key, default), "test")
+
+
+def assert_connectors_match_router(objects) -> None:
+    transfer = flag(expanded_args(container(named(objects, "Deployment", "pd-router"), "router")),
+                    "--transfer")
+    for engine in engines(objects):
+        role = engine["spec"]["template"]["metadata"]["labels"]["pd.role"]
+        kv_config = json.loads(flag(expanded_args(container(engine, "vllm")), "--kv-transfer-config"))
+        assert kv_config["kv_connector"] in {spec.name for spec in VLLM_CONNECTORS}
+        assert kv_config["kv_role"] == ROLES[role]
+        opts = engine_options(kv_config)
+        if transfer in ("pull", "push"):
+            assert kv_config["kv_connector"] == "PdNixlConnector" and opts.mode == transfer
+        else:
+            assert transfer == "shm" and kv_config["kv_connector"] == "PdShmConnector"
+        if transfer == "push" and role == "prefill":
+            # the router names it in the decode leg; discovery takes it from the pod's name
+            assert kv_config["engine_id"] == "<metadata.name>"
+
+
+def assert_references_resolve(objects) -> None:
+    for deployment in of_kind(objects, "Deployment"):
+        for c in deployment["spec"]["template"]["spec"]["containers"]:
+            where = f"{deployment['metadata']['name']}/{c['name']}"
+            left = [ref for text in [*environment(c).values(), *expanded_args(c)]
+                    for ref in VAR_REF.findall(text)]
+            assert left == [], f"{where}: unresolved $(...) references {left}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_name_our_connectors_consistently_with_the_router(overlay: str) -> None:
+    assert_connectors_match_router(rendered(overlay))
+
+
+ROUTER_CHECK_ENV = {"PD_ROUTER_ADMIN_TOKEN": "test-admin-token", "PD_ROUTER_API_KEYS": "test-key"}
+
+
+def local_paths(text: str) -> str:
+    """The pods' model paths as this machine has them: the cpu image's /models/<tiny model> is
+    the locally built model; the gpu overlay's /tokenizer/tokenizer.json (Qwen's, fetched when
+    the pod starts) gets tiny-llama's as a stand-in, since only its loading is checked here."""
+    text = re.sub(r"/models/([a-z0-9-]+)", lambda m: str(ensure_tiny_model(m.group(1))), text)
+    return text.replace("/tokenizer/tokenizer.json", str(ensure_tiny_model("tiny-llama")))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pd_router_accepts_the_arguments_and_configuration(overlay: str, tmp_path: Path) -> None:
+    """The router's container command, with its mounted ConfigMap, through `--check-config`."""
+    objects = rendered(overlay)
+    router = named(objects, "Deployment", "pd-router")
+    c = container(router, "router")
+    assert c["command"] == ["pd-router"]
+    (volume,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    config = named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["router.yaml"]
+    (tmp_path / "router.yaml").write_text(local_paths(config))
+    args = [local_paths(arg) for arg in expanded_args(c)]
+    args[args.index("--config") + 1] = str(tmp_path / "router.yaml")
+    # A kubeconfig that points nowhere: checking the configuration must not need a cluster.
+    (tmp_path / "kubeconfig").write_text(textwrap.dedent("""\
+        apiVersion: v1
+        kind: Config
+        clusters: [{name: none, cluster: {server: "https://127.0.0.1:9"}}]
+        users: [{name: none, user: {token: none}}]
+        contexts: [{name: none, context: {cluster: none, user: none, namespace: pd-plugins}}]
+        current-context: none
+        """))
+    env = {**os.environ, **ROUTER_CHECK_ENV, "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    done = subprocess.run([sys.executable, "-m", "pd_plugins.routers", *args, "--check-config"],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert done.returncode == 0, f"pd-router {' '.join(args)}:\n{done.stderr}{done.stdout}"
+    assert "configuration OK" in done.stdout
+
+
+# vLLM's own `serve` parser (as `pd-vllm serve` builds it) over every engine's arguments, in one
+# process (importing vLLM takes a while): unknown flags, bad values and a bad --config file fail.
+VLLM_PARSE = """
+import json, sys
+from pd_plugins.launcher import install_version_shim
+install_version_shim()
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+results = []
+for args in json.load(open(sys.argv[1])):
+    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve", exit_on_error=False))
+    try:
+        parsed = parser.parse_args(args)
+        validate_parsed_serve_args(parsed)
+        results.append({"block_size": parsed.block_size,
+                        "kv_connector": parsed.kv_transfer_config.kv_connector})
+    except (Exception, SystemExit) as exc:
+        results.append({"error": f"{type(exc).__name__}: {exc}"})
+print(json.dumps(results))
+"""
+
+
+def test_vllm_accepts_every_engines_arguments(tmp_path: Path) -> None:
+    cases, argv = [], []
+    for overlay in OVERLAYS:
+        objects = rendered(overlay)
+        router_args = expanded_args(container(named(objects, "Deployment", "pd-router"), "router"))
+        for engine in engines(objects):
+            vllm = container(engine, "vllm")
+            assert vllm["command"] == ["pd-vllm"]
+            args = expanded_args(vllm)
+            assert args[0] == "serve"
+            (volume,) = [v for v in engine["spec"]["template"]["spec"]["volumes"]
+                         if v["name"] == "engine-args"]
+            file = tmp_path / f"{overlay}-{engine['metadata']['name']}.yaml"
+            file.write_text(named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["vllm.yaml"])
+            args[args.index("--config") + 1] = str(file)
+            argv.append(["--model", args[1], *args[2:]])
+            cases.append((overlay, engine["metadata"]["name"], int(flag(router_args, "--block-size"))))
+    (tmp_path / "argv.json").write_text(json.dumps(argv))
+    done = subprocess.run([sys.executable, "-c", VLLM_PARSE, str(tmp_path / "argv.json")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for (overlay, name, router_block_size), result in zip(cases, results, strict=True):
+        assert "error" not in result, f"{overlay} {name}: {result['error']}"
+        # the router's prefix index keys blocks as the engines do
+        assert result["block_size"] == router_block_size, f"{overlay} {name}"
