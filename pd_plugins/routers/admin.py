@@ -8,7 +8,8 @@ import logging
 import msgspec
 from aiohttp import web
 
-from pd_plugins.routers.config import WorkerSpec
+from pd_plugins.routers.config import ConfigError, WorkerConflict, WorkerSpec
+from pd_plugins.routers.model_group import ModelNotFound
 from pd_plugins.routers.proxy import error_response
 
 log = logging.getLogger("pd_router.admin")
@@ -17,6 +18,9 @@ log = logging.getLogger("pd_router.admin")
 class WorkerChange(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     worker: WorkerSpec
+    # the model the worker serves: needed to add one when the router serves several; when
+    # removing, None finds the worker in whichever model has it
+    model: str | None = None
 
 
 class AdminApi:
@@ -48,7 +52,7 @@ class AdminApi:
     async def list_workers(self, request: web.Request) -> web.Response:
         if (denied := self._denied(request)) is not None:
             return denied
-        return web.json_response({"workers": self.router.pool.snapshot()})
+        return web.json_response({"workers": self.router.snapshot()})
 
     async def _change(self, request: web.Request) -> WorkerChange | web.Response:
         if (denied := self._denied(request)) is not None:
@@ -65,18 +69,32 @@ class AdminApi:
         change = await self._change(request)
         if isinstance(change, web.Response):
             return change
-        worker = await self.router.add_worker(change.worker, change.role)
-        log.info("admin: added %s worker %s (healthy=%s)", change.role, worker.url, worker.healthy)
-        return web.json_response({"added": worker.url, "role": change.role, "healthy": worker.healthy})
+        try:
+            worker = await self.router.add_worker(change.worker, change.role, change.model)
+        except ModelNotFound as missing:
+            return error_response(missing.status, str(missing), "model")
+        except WorkerConflict as conflict:  # already a worker of another model
+            return error_response(409, str(conflict), "worker")
+        except ConfigError as bad:  # e.g. a push-mode prefill without its NIXL side channel
+            return error_response(400, str(bad), "worker")
+        log.info("admin: added %s worker %s%s (healthy=%s)", change.role, worker.url,
+                 f" of model {worker.model}" if worker.model else "", worker.healthy)
+        return web.json_response({"added": worker.url, "role": change.role, "healthy": worker.healthy,
+                                  **({"model": worker.model} if worker.model else {})})
 
     async def remove_worker(self, request: web.Request) -> web.Response:
         change = await self._change(request)
         if isinstance(change, web.Response):
             return change
-        worker = self.router.remove_worker(change.worker.url, change.role)
+        try:
+            worker = self.router.remove_worker(change.worker.url, change.role, change.model)
+        except ModelNotFound as missing:
+            return error_response(missing.status, str(missing), "model")
         if worker is None:
-            return error_response(404, f"no {change.role} worker {change.worker.url}")
+            of = f" of model {change.model}" if change.model else ""
+            return error_response(404, f"no {change.role} worker {change.worker.url}{of}")
         log.info("admin: removed %s worker %s (%d requests still finishing)", change.role,
                  worker.url, worker.in_flight)
         return web.json_response({"removed": worker.url, "role": change.role,
-                                  "finishing": worker.in_flight})
+                                  "finishing": worker.in_flight,
+                                  **({"model": worker.model} if worker.model else {})})

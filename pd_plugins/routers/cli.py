@@ -5,6 +5,12 @@
 
 Worker flags take options after the URL: `--prefill URL engine_id=p0 kv_port=5600` (vLLM push) or
 `--prefill URL 8998` (SGLang bootstrap port, as sglang-router spells it).
+
+Several models: `--model NAME [KEY=VALUE ...]` starts a model, and the --prefill/--decode flags
+after it (up to the next --model) are its workers:
+
+    pd-router --model Qwen/Qwen2.5-0.5B-Instruct --prefill http://p0:8000 --decode http://d0:8000 \
+              --model meta-llama/Llama-3.2-1B policy=least_loaded --decode http://d1:8000
 """
 
 from __future__ import annotations
@@ -18,9 +24,20 @@ from typing import Any
 
 import msgspec
 
-from pd_plugins.routers.config import ConfigError, RouterConfig, config_from_mapping, load_yaml, parse_worker_arg
+from pd_plugins.routers.config import (
+    ConfigError, RouterConfig, config_from_mapping, load_yaml, parse_model_arg, parse_worker_arg,
+)
 from pd_plugins.routers.policy import DEFAULT_POLICY, PRESETS, preset
 from pd_plugins.vocab.engines import ENGINES, TRANSFER_MODES
+
+
+class _InOrder(argparse.Action):
+    """An appending flag that also records its place among --model/--prefill/--decode, so that a
+    worker flag belongs to the --model before it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest) or []), values])
+        namespace.worker_flags = [*namespace.worker_flags, (self.dest, values)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,9 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transfer", choices=TRANSFER_MODES,
                    help="vLLM workers' KV transfer: NIXL pull or push, or a shared pool "
                         "(shm, lmcache)")
-    p.add_argument("--prefill", action="append", nargs="+", metavar="URL",
+    p.set_defaults(worker_flags=[])
+    p.add_argument("--model", action=_InOrder, nargs="+", metavar="NAME",
+                   help="start a model: NAME [policy=PRESET transfer=MODE block_size=N "
+                        "tokenizer=PATH discovery_label=LABEL]; the --prefill/--decode flags after "
+                        "it are its workers (repeat for more models; replaces `models:` of --config)")
+    p.add_argument("--prefill", action=_InOrder, nargs="+", metavar="URL",
                    help="a prefill worker: URL [KEY=VALUE ...] (repeat the flag for more)")
-    p.add_argument("--decode", action="append", nargs="+", metavar="URL",
+    p.add_argument("--decode", action=_InOrder, nargs="+", metavar="URL",
                    help="a decode worker: URL [KEY=VALUE ...] (repeat the flag for more)")
     p.add_argument("--policy", help=f"a named policy stack: {', '.join(PRESETS)} "
                                     f"(default {DEFAULT_POLICY})")
@@ -53,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", help="client API keys, one per line: /v1/* then need "
                                           "'Authorization: Bearer KEY' (also PD_ROUTER_API_KEYS, "
                                           "comma-separated)")
+    p.add_argument("--discovery", choices=["kubernetes"],
+                   help="find workers while serving: kubernetes (pods by label; docs/router.md)")
+    p.add_argument("--k8s-namespace", help="namespace of the engine pods (default: the router "
+                                           "pod's own in a cluster, else the kubeconfig's)")
+    p.add_argument("--k8s-selector", help="label selector of the engine pods "
+                                          "(default app.kubernetes.io/part-of=pd-plugins)")
+    p.add_argument("--kubeconfig", help="kubeconfig file (default: the in-cluster service "
+                                        "account, else $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
@@ -68,12 +98,25 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         value = getattr(args, key)
         if value is not None:
             data[key] = value
-    for role in ("prefill", "decode"):
-        if getattr(args, role):
-            data[role] = [parse_worker_arg(values) for values in getattr(args, role)]
+    if args.model:
+        data["models"] = models_from_flags(args.worker_flags)
+    else:
+        for role in ("prefill", "decode"):
+            if getattr(args, role):
+                data[role] = [parse_worker_arg(values) for values in getattr(args, role)]
+    discovery = {key: value for key, value in (("kind", args.discovery), ("namespace", args.k8s_namespace),
+                 ("selector", args.k8s_selector), ("kubeconfig", args.kubeconfig)) if value is not None}
+    if discovery:
+        if not args.discovery and not data.get("discovery"):
+            raise ConfigError("--k8s-namespace, --k8s-selector and --kubeconfig need "
+                              "--discovery kubernetes (or `discovery:` in the YAML)")
+        data["discovery"] = {**(data.get("discovery") or {}), **discovery}
     policy = args.policy or data.get("policy", DEFAULT_POLICY)
     if isinstance(policy, str):
         data["policy"] = msgspec.to_builtins(preset(policy))
+    for model in data.get("models") or []:  # a model's policy may name a preset too
+        if isinstance(model, dict) and isinstance(model.get("policy"), str):
+            model["policy"] = msgspec.to_builtins(preset(model["policy"]))
     data.setdefault("admin_token", args.admin_token or os.environ.get("PD_ROUTER_ADMIN_TOKEN"))
     if args.admin_token:
         data["admin_token"] = args.admin_token
@@ -84,6 +127,20 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     from pd_plugins.routers.server import Router
     Router(config)  # builds every policy piece: unknown names and bad params fail here
     return config
+
+
+def models_from_flags(flags: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
+    """--model, --prefill and --decode in the order given: each worker joins the model before it."""
+    models: list[dict[str, Any]] = []
+    for dest, values in flags:
+        if dest == "model":
+            models.append(parse_model_arg(values))
+        elif not models:
+            raise ConfigError(f"--{dest} {values[0]} comes before the first --model: with --model, "
+                              "each --prefill/--decode follows the model it serves")
+        else:
+            models[-1].setdefault(dest, []).append(parse_worker_arg(values))
+    return models
 
 
 class JsonFormatter(logging.Formatter):
@@ -114,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         sys.exit(f"pd-router: {exc}")
     if args.check_config:
-        print(f"pd-router: configuration OK ({len(config.prefill)} prefill, {len(config.decode)} decode)")
+        print("pd-router: configuration OK (" + "; ".join(
+            f"{m.name + ': ' if m.name else ''}{len(m.prefill)} prefill, {len(m.decode)} decode"
+            for m in config.model_groups()) + ")")
         return
     setup_logging(config.log_level, args.log_format)
     try:

@@ -6,6 +6,7 @@ error that names the bad key and where it is (`... at $.timeouts.prefil_s`).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -18,6 +19,10 @@ from pd_plugins.vocab.engines import Engine, TransferMode
 
 class ConfigError(ValueError):
     """A configuration problem, worded for the person who wrote the file or the flags."""
+
+
+class WorkerConflict(ConfigError):
+    """A worker added while serving (admin API, discovery) is already another model's."""
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -131,11 +136,61 @@ class SessionSpec(_Strict):
     ttl_s: float = 3600.0            # a conversation idle this long is forgotten
     max_sessions: int = 100_000      # past this, the least recently used are forgotten
     detect: bool = True              # find a session without an id from its prompt's prefix chain
-    # Share the pins of named sessions between router replicas through Redis
-    # (routers/session_store.py), e.g. redis://127.0.0.1:6379/0; None: this router's table only.
+    # Share session pins, in-flight loads and learned prefixes between router replicas through
+    # Redis (routers/replica_sync.py), e.g. redis://127.0.0.1:6379/0; None: this router alone.
     redis_url: str | None = None
-    redis_prefix: str = "pd-router:session:"
-    redis_timeout_s: float = 0.25    # per Redis command; past it the local table decides
+    redis_prefix: str = "pd-router:session:"  # the stream's key is this + "replicas"
+    redis_timeout_s: float = 0.25    # per Redis command (never on a request's path)
+    sync_interval_s: float = 0.05    # local changes go out in batches this often
+    peer_load_ttl_s: float = 2.0     # a replica not heard from this long counts no load
+    redis_stream_len: int = 2000     # batches Redis keeps (what a starting replica catches up on)
+
+
+MAX_MODEL_NAME = 256
+_LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def default_discovery_label(model: str) -> str:
+    """The `pd.model` pod label value of a model: its name with every character a Kubernetes label
+    value cannot hold replaced by '-' (Qwen/Qwen2.5-0.5B-Instruct -> Qwen-Qwen2.5-0.5B-Instruct)."""
+    return _LABEL_UNSAFE.sub("-", model)
+
+
+class ModelSpec(_Strict):
+    """One model behind the router: its own workers and, where set, its own policy (SLOs are the
+    policy's admission piece), transfer mode, block size and tokenizer; None: the top level's."""
+
+    name: str                        # the `model` requests name (and the route header shows)
+    prefill: list[WorkerSpec] = []
+    decode: list[WorkerSpec] = []
+    policy: PolicySpec | None = None
+    transfer: TransferMode | None = None
+    block_size: int | None = None
+    tokenizer: str | None = None
+    # Kubernetes discovery: the pods' `pd.model` label value (None: default_discovery_label)
+    discovery_label: str | None = None
+
+    @property
+    def pod_label(self) -> str:
+        return self.discovery_label or default_discovery_label(self.name)
+
+    def resolved(self, top: RouterConfig) -> ModelSpec:
+        """This model with every unset option taken from the top level."""
+        return msgspec.structs.replace(
+            self, policy=self.policy or top.policy, transfer=self.transfer or top.transfer,
+            block_size=self.block_size or top.block_size, tokenizer=self.tokenizer or top.tokenizer)
+
+
+class DiscoverySpec(_Strict):
+    """Workers found by an orchestrator while serving (routers/discovery/, docs/router.md)."""
+
+    kind: Literal["kubernetes"] = "kubernetes"
+    namespace: str | None = None     # None: the pod's own in a cluster, else the kubeconfig's
+    selector: str = "app.kubernetes.io/part-of=pd-plugins"  # label selector of the engine pods
+    kubeconfig: str | None = None    # None: in-cluster service account, else $KUBECONFIG
+    max_pods: int = 1000             # worker pods held at most; more are ignored (logged)
+    watch_timeout_s: int = 300       # each watch's timeoutSeconds, then it resumes
+    retry_max_s: float = 10.0        # longest wait between retries while the API is unusable
 
 
 class RouterConfig(_Strict):
@@ -156,8 +211,9 @@ class RouterConfig(_Strict):
     health: HealthSpec = msgspec.field(default_factory=HealthSpec)
     latency: LatencySpec = msgspec.field(default_factory=LatencySpec)
     sessions: SessionSpec = msgspec.field(default_factory=SessionSpec)
-    # Served model names; empty: learned from the workers' /v1/models.
-    models: list[str] = []
+    # Several models, each with its own workers (ModelSpec); empty: the top-level prefill and
+    # decode serve whatever names they list in /v1/models.
+    models: list[ModelSpec] = []
     # Optional tokenizer (a local path) so text prompts get exact token-block keys.
     tokenizer: str | None = None
     block_size: int = 16             # token block size of the prefix index (match the engines)
@@ -179,10 +235,66 @@ class RouterConfig(_Strict):
     api_key_file: str | None = None
     metrics_need_api_key: bool = False  # /metrics behind the same keys (/health, /ready stay open)
     log_level: str = "info"
+    discovery: DiscoverySpec | None = None  # None: only the configured workers (and admin API)
+
+    def workers_discovered(self) -> bool:
+        """Whether workers arrive after startup (Kubernetes discovery), so that the router may
+        start with no decode worker at all, or a model with none."""
+        return getattr(self, "discovery", None) is not None
+
+    def model_groups(self) -> list[ModelSpec]:
+        """The models to serve, every option resolved: the `models:` entries, or without them one
+        unnamed model ("") made of the top-level workers."""
+        if self.models:
+            return [model.resolved(self) for model in self.models]
+        return [ModelSpec(name="", prefill=self.prefill, decode=self.decode, policy=self.policy,
+                          transfer=self.transfer, block_size=self.block_size,
+                          tokenizer=self.tokenizer)]
+
+    def _validate_models(self) -> None:
+        if self.prefill or self.decode:
+            raise ConfigError("with `models:` every worker belongs to a model: move the top-level "
+                              "prefill/decode workers into a model's entry (flags: put --prefill "
+                              "and --decode after the --model they serve)")
+        if self.mode == "sidecar":
+            raise ConfigError("mode sidecar runs beside one decode server of one model: it "
+                              "cannot serve `models:`")
+        names: set[str] = set()
+        owner: dict[tuple[str, str], str] = {}
+        for model in self.models:
+            name = model.name
+            if not (0 < len(name) <= MAX_MODEL_NAME and name.isascii() and name.isprintable()
+                    and " " not in name and "," not in name):
+                raise ConfigError(f"model name {name!r}: 1 to {MAX_MODEL_NAME} printable ASCII "
+                                  "characters without spaces or commas")
+            if name in names:
+                raise ConfigError(f"model {name!r} is listed twice")
+            names.add(name)
+            if not model.decode and not self.workers_discovered():
+                raise ConfigError(f"model {name!r} has no decode worker (give one, or configure "
+                                  "discovery to find them)")
+            if model.block_size is not None and model.block_size <= 0:
+                raise ConfigError(f"model {name!r}: block_size must be > 0 (got {model.block_size})")
+            for role in ("prefill", "decode"):
+                for worker in getattr(model, role):
+                    other = owner.setdefault((role, worker.url), name)
+                    if other != name:
+                        raise ConfigError(f"{role} worker {worker.url} is in models {other!r} and "
+                                          f"{name!r}: a worker serves one model (adapters of it "
+                                          "included)")
 
     def validate(self) -> RouterConfig:
-        if not self.decode:
+        if self.models:
+            self._validate_models()
+        elif not self.decode and not self.workers_discovered():
             raise ConfigError("no decode worker: give --decode URL (or `decode:` in the YAML)")
+        if self.discovery is not None:
+            if self.mode == "sidecar":
+                raise ConfigError("mode sidecar runs beside one fixed decode server: no discovery")
+            if self.discovery.max_pods < 1 or self.discovery.watch_timeout_s < 1 \
+                    or self.discovery.retry_max_s <= 0:
+                raise ConfigError("discovery: max_pods and watch_timeout_s must be >= 1, "
+                                  "retry_max_s > 0")
         if self.mode == "sidecar" and len(self.decode) != 1:
             raise ConfigError("mode sidecar runs beside exactly one decode server "
                               f"(got {len(self.decode)} decode workers)")
@@ -201,6 +313,12 @@ class RouterConfig(_Strict):
                                   f"(got {self.sessions.redis_url!r})")
             if self.sessions.redis_timeout_s <= 0:
                 raise ConfigError("sessions.redis_timeout_s must be > 0")
+            if not 0.005 <= self.sessions.sync_interval_s <= 10:
+                raise ConfigError("sessions.sync_interval_s must be within 0.005 and 10 s")
+            if self.sessions.peer_load_ttl_s <= 2 * self.sessions.sync_interval_s:
+                raise ConfigError("sessions.peer_load_ttl_s must exceed twice sync_interval_s")
+            if not 10 <= self.sessions.redis_stream_len <= 1_000_000:
+                raise ConfigError("sessions.redis_stream_len must be within 10 and 1000000")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -247,4 +365,17 @@ def parse_worker_arg(values: list[str]) -> dict[str, Any]:
             raise ConfigError(f"worker option {item!r} after {url}: expected KEY=VALUE")
         spec[key] = (int(value) if value.isdigit()
                      else value.lower() == "true" if key in _BOOL_WORKER_OPTIONS else value)
+    return spec
+
+
+def parse_model_arg(values: list[str]) -> dict[str, Any]:
+    """`NAME [KEY=VALUE ...]` from one --model flag (policy=PRESET, transfer=, block_size=,
+    tokenizer=, discovery_label=); the --prefill/--decode flags after it are its workers."""
+    name, *rest = values
+    spec: dict[str, Any] = {"name": name}
+    for item in rest:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"model option {item!r} after --model {name}: expected KEY=VALUE")
+        spec[key] = int(value) if value.isdigit() else value
     return spec

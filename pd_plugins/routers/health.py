@@ -15,17 +15,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Iterable
 
 import aiohttp
 import msgspec
 
 from pd_plugins.routers.config import RouterConfig
 from pd_plugins.routers.flows import profile_for
-from pd_plugins.routers.workers import Worker, WorkerPool
+from pd_plugins.routers.workers import Worker
 
 log = logging.getLogger("pd_router.health")
 
 MAX_METRICS_BYTES = 16 << 20  # vLLM's /metrics is well under 1 MiB
+MAX_MODELS_PER_WORKER = 1024  # names (base model and adapters) kept from one /v1/models
 
 
 def parse_engine_metrics(text: str, engine: str) -> tuple[float, float, float]:
@@ -62,7 +64,11 @@ def _sample_value(rest: str) -> float | None:
 
 
 class PoolUpkeep:
-    def __init__(self, config: RouterConfig, pool: WorkerPool, session: aiohttp.ClientSession) -> None:
+    """`pool`: the workers to keep, iterated afresh each round (a WorkerPool, or every model's
+    workers together: server.py)."""
+
+    def __init__(self, config: RouterConfig, pool: Iterable[Worker],
+                 session: aiohttp.ClientSession) -> None:
         self.config, self.pool, self.session = config, pool, session
         self.spec = config.health
         self.profile = profile_for(config.engine)
@@ -125,8 +131,12 @@ class PoolUpkeep:
         async with self.session.get(worker.url + "/v1/models") as resp:
             resp.raise_for_status()
             listing = msgspec.json.decode(await resp.read())
-        models = [m for m in listing.get("data", []) if isinstance(m, dict) and "id" in m]
+        models = [m for m in listing.get("data", []) if isinstance(m, dict)
+                  and isinstance(m.get("id"), str)][:MAX_MODELS_PER_WORKER]
         worker.models = tuple(m["id"] for m in models)
+        # vLLM lists each LoRA adapter with its base model as `parent` (the base: parent null)
+        worker.adapter_parents = {m["id"]: m["parent"] for m in models
+                                  if isinstance(m.get("parent"), str) and m["parent"] != m["id"]}
         lengths = [m["max_model_len"] for m in models if isinstance(m.get("max_model_len"), int)]
         worker.max_model_len = min(lengths) if lengths else None
         if not self.spec.canary:

@@ -11,7 +11,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class RouterMetrics:
-    def __init__(self, pool, sessions=None) -> None:
+    """`pool`: every worker (iterated at each scrape); `sessions`: a session table, or a list of
+    them (one per model); `by_model`: worker gauges carry a `model` label (several models)."""
+
+    def __init__(self, pool, sessions=None, by_model: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pd_router_requests", "Requests by PD decision and outcome",
@@ -33,9 +36,10 @@ class RouterMetrics:
                                    "how (disconnect, write_timeout)", ["stage", "how"], registry=r)
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
-        r.register(_PoolCollector(pool))
-        if sessions is not None:
-            r.register(_SessionCollector(sessions))
+        r.register(_PoolCollector(pool, by_model))
+        tables = [t for t in (sessions if isinstance(sessions, list) else [sessions]) if t is not None]
+        if tables:
+            r.register(_SessionCollector(tables))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -44,31 +48,39 @@ class RouterMetrics:
 class _PoolCollector:
     """Per-worker gauges, read from the pool at scrape time (nothing to update per request)."""
 
-    def __init__(self, pool) -> None:
-        self.pool = pool
+    def __init__(self, pool, by_model: bool = False) -> None:
+        self.pool, self.by_model = pool, by_model
 
     def collect(self):
+        labels = ["role", "url", "model"] if self.by_model else ["role", "url"]
         in_flight = GaugeMetricFamily("pd_router_worker_in_flight", "Requests in flight per worker",
-                                      labels=["role", "url"])
+                                      labels=labels)
         healthy = GaugeMetricFamily("pd_router_worker_healthy", "1 if the worker takes requests",
-                                    labels=["role", "url"])
+                                    labels=labels)
         for w in self.pool:
-            in_flight.add_metric([w.role, w.url], w.in_flight)
-            healthy.add_metric([w.role, w.url], 1.0 if w.usable else 0.0)
+            values = [w.role, w.url, w.model] if self.by_model else [w.role, w.url]
+            in_flight.add_metric(values, w.in_flight)
+            healthy.add_metric(values, 1.0 if w.usable else 0.0)
         yield in_flight
         yield healthy
 
 
 class _SessionCollector:
-    """The session table's size and its pin counters (routers/sessions.py)."""
+    """The session tables' size and their pin counters (routers/sessions.py), summed over the
+    models' tables."""
 
-    def __init__(self, sessions) -> None:
-        self.sessions = sessions
+    def __init__(self, tables) -> None:
+        self.tables = tables
 
     def collect(self):
-        yield GaugeMetricFamily("pd_router_sessions", "Conversations tracked now", value=len(self.sessions))
+        yield GaugeMetricFamily("pd_router_sessions", "Conversations tracked now",
+                                value=sum(len(t) for t in self.tables))
         events = CounterMetricFamily("pd_router_session_events", "Pins, re-pins, expiries, evictions "
                                      "and automatic detections of conversations", labels=["event"])
-        for event, count in self.sessions.counts.items():
+        totals: dict[str, float] = {}
+        for table in self.tables:
+            for event, count in table.counts.items():
+                totals[event] = totals.get(event, 0) + count
+        for event, count in totals.items():
             events.add_metric([event], count)
         yield events

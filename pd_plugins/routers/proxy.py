@@ -26,7 +26,7 @@ from pd_plugins.routers.flows.base import one_token_body
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
 from pd_plugins.routers.request import ClientRequest
-from pd_plugins.routers.session_store import SessionSharing
+from pd_plugins.routers.replica_channels import ReplicaShare
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
@@ -57,9 +57,13 @@ def error_response(status: int, message: str, param: str | None = None,
 class Proxy:
     def __init__(self, config: RouterConfig, scheduler: Scheduler, ctx: PolicyContext,
                  flow: PdFlow, metrics: RouterMetrics, pools: Pools,
-                 sessions: SessionTable | None = None, sharing: SessionSharing | None = None) -> None:
+                 sessions: SessionTable | None = None, sharing: ReplicaShare | None = None,
+                 model: str = "") -> None:
         self.config, self.scheduler, self.ctx = config, scheduler, ctx
-        self.sessions, self.sharing = sessions, sharing  # sharing: pins shared through Redis
+        # the model group this proxy serves, first in x-pd-route ("": the one unnamed group)
+        self._model_tag = f"model={model}, " if model else ""
+        # sharing: what the other router replicas learn of each served turn (replica_sync.py)
+        self.sessions, self.sharing = sessions, sharing
         self.flow, self.metrics, self.pools = flow, metrics, pools
         self.timeouts = config.timeouts
         self.record_prefixes = scheduler.uses_prefix_index
@@ -73,8 +77,6 @@ class Proxy:
     async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
         started = time.monotonic()
         if self.sessions is not None:
-            if self.sharing is not None and request.info.session_id is not None:
-                await self.sharing.pull(request.info)  # another replica's newer pin
             self.sessions.resolve(request.info)  # its session, turn and pinned decode worker
         rejection = self.scheduler.admit(request.info)
         if rejection is not None:
@@ -425,23 +427,27 @@ class Proxy:
         self._ok[_decision_label(attempt.decision)].inc()
         accounting.request_succeeded(self.ctx, attempt.decision.decode, attempt.request.info,
                                      self.record_prefixes)
+        session_id = ""
         if self.sessions is not None:
             session_id = self.sessions.record(attempt.request.info, attempt.decision.decode.url)
-            if self.sharing is not None:
-                self.sharing.push(session_id)  # in the background; never fails the request
+        if self.sharing is not None:  # queued for the next batch: nothing waits on Redis
+            prefill = attempt.decision.prefill
+            self.sharing.served(session_id, attempt.request.info, attempt.decision.decode.url,
+                                prefill.url if prefill is not None else None)
 
     def _route_header(self, decision: Decision, history: list[str], info: RequestInfo) -> str:
         """`route_header`: minimal tells a client only what happened to its request (no worker
         URLs, scores or session ids, which map the deployment for anyone who can send one)."""
         if self.config.route_header != "full":
             retried = f", retried={len(history)}" if history else ""
-            return f"route={_decision_label(decision)}{retried}"
+            return f"{self._model_tag}route={_decision_label(decision)}{retried}"
         prefill = decision.prefill.url if decision.prefill else "local"
         session = (f", session={info.session_id}, turn={info.turn + 1}"
                    if info.session_id and self.sessions is not None else "")
         why = "; ".join(decision.reasons)
         retried = f"; retried after {len(history)} failure(s)" if history else ""
-        return _ascii(f"prefill={prefill}, decode={decision.decode.url}{session}, why={why}{retried}")
+        return _ascii(f"{self._model_tag}prefill={prefill}, decode={decision.decode.url}{session}, "
+                      f"why={why}{retried}")
 
 
 def _decision_label(decision: Decision) -> str:

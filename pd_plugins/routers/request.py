@@ -15,12 +15,12 @@ blocks it does not own, nor hand an engine a malformed one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Protocol
 
 import msgspec
 
 from pd_plugins.routers.policy.base import RequestInfo
-from pd_plugins.vocab.block_keys import block_keys, text_block_keys
+from pd_plugins.vocab.block_keys import adapter_root, block_keys, text_block_keys
 
 TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params", "bootstrap_host", "bootstrap_port",
                    "bootstrap_room", "bootstrap_pair_key", "disagg_prefill_dp_rank",
@@ -46,11 +46,21 @@ class BadRequest(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+class ModelTarget(Protocol):
+    """Where a request's `model` leads (server.py's model groups): that model's limits."""
+
+    max_model_len: int | None
+    key_block_size: int | None
+    tokenize: Tokenize | None
+    adapter_parents: dict[str, str]  # LoRA adapter -> its base model, from the workers
+
+
 @dataclass
 class ClientRequest:
     kind: Kind
     body: dict[str, Any]
     info: RequestInfo
+    target: Any = None  # the ModelTarget select_model chose (None without select_model)
 
     @property
     def stream(self) -> bool:
@@ -66,7 +76,11 @@ _decoder = msgspec.json.Decoder()
 
 def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[str],
                   max_model_len: int | None, block_size: int | None, strip_transfer_fields: bool,
-                  tokenize: Tokenize | None = None) -> ClientRequest:
+                  tokenize: Tokenize | None = None,
+                  select_model: Callable[[str | None], ModelTarget] | None = None) -> ClientRequest:
+    """`select_model`, when given, maps the request's `model` to its target (raising BadRequest
+    for a model not served) and replaces `served_models`, `max_model_len`, `block_size` and
+    `tokenize`."""
     try:
         body = _decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # e.g. 1e999: out of range
@@ -88,7 +102,11 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", param="model")
-    if model is not None and served_models and model not in served_models:
+    target = None
+    if select_model is not None:
+        target = select_model(model)
+        max_model_len, block_size, tokenize = target.max_model_len, target.key_block_size, target.tokenize
+    elif model is not None and served_models and model not in served_models:
         raise BadRequest(404, f"model {model!r} is not served here; available: "
                               f"{', '.join(sorted(served_models))}", param="model")
 
@@ -108,24 +126,27 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
             raise BadRequest(400, f"'{limit_key}' = {max_tokens} does not fit the model's "
                                   f"context of {max_model_len} tokens", param=limit_key)
 
+    # a LoRA adapter's prompt blocks are keyed apart from the base model's and other adapters'
+    adapter = model if target is not None and model in target.adapter_parents else None
+    root = adapter_root(adapter)
     tokens, text = (_completion_prompt(body) if kind == "completion" else _chat_prompt(body))
     exact = tokens is not None or (tokenize is not None and kind == "completion")
     if tokens is None and tokenize is not None:
         tokens = tokenize(text)  # chat: the rendered messages, a close estimate of the template
     if tokens is not None:
         prompt_tokens = len(tokens)
-        keys = block_keys(tokens, block_size) if block_size else []
+        keys = block_keys(tokens, block_size, root) if block_size else []
     else:
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
-        keys = text_block_keys(text, block_size, CHARS_PER_TOKEN) if block_size else []
+        keys = text_block_keys(text, block_size, CHARS_PER_TOKEN, root) if block_size else []
     if exact and max_model_len is not None and prompt_tokens + (max_tokens or 1) > max_model_len:
         raise BadRequest(400, f"prompt of {prompt_tokens} tokens plus {max_tokens or 1} to generate "
                               f"exceeds the model's context of {max_model_len} tokens", param="prompt")
 
     session = _session_id(headers, body)
     info = RequestInfo(prompt_tokens=prompt_tokens, block_keys=keys, max_tokens=max_tokens,
-                       stream=stream, session_id=session, exact_tokens=exact)
-    return ClientRequest(kind, body, info)
+                       stream=stream, session_id=session, exact_tokens=exact, adapter=adapter)
+    return ClientRequest(kind, body, info, target)
 
 
 def _short(value: Any) -> str:

@@ -2,199 +2,258 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from typing import Iterator
 
 import aiohttp
 from aiohttp import web
 
 from pd_plugins.routers.admin import AdminApi
 from pd_plugins.routers.client_auth import api_key_middleware, load_api_keys, tls_context
-from pd_plugins.routers.config import RouterConfig, WorkerSpec
+from pd_plugins.routers.config import RouterConfig, WorkerConflict, WorkerSpec
+from pd_plugins.routers.discovery import kubernetes_watcher, plan_kubernetes
 from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.health import PoolUpkeep
-from pd_plugins.routers.kv_sources.events import KvEventSubscriber
-from pd_plugins.routers.kv_sources.pools import PoolView, pool_view
+from pd_plugins.routers.kv_sources.pools import PoolView
 from pd_plugins.routers.metrics import RouterMetrics
-from pd_plugins.routers.policy import PolicyContext, Scheduler
-from pd_plugins.routers.policy.latency_model import LatencyModels
-from pd_plugins.routers.policy.prefix_index import PrefixIndex
-from pd_plugins.routers.proxy import Proxy, error_response
-from pd_plugins.routers.request import BadRequest, parse_request
+from pd_plugins.routers.replica_channels import LoadChannel
+from pd_plugins.routers.replica_sync import RedisLog, ReplicaSync, replica_sync_for
+from pd_plugins.routers.model_group import ModelGroup, ModelNotFound
+from pd_plugins.routers.policy import Scheduler
+from pd_plugins.routers.proxy import error_response
+from pd_plugins.routers.request import BadRequest, Tokenize, parse_request
 from pd_plugins.routers.tokenizer import load_tokenizer
-from pd_plugins.routers.session_store import RedisSessionStore, SessionSharing
-from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.upstream import Pools, new_session
-from pd_plugins.routers.workers import Worker, WorkerPool
+from pd_plugins.routers.workers import Worker
 
 log = logging.getLogger("pd_router")
 
 ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
+MAX_LISTED_NAMES = 50  # model names an error message lists (adapters can be many)
+
+
+class _AllWorkers:
+    """Every model's workers, iterated afresh (health upkeep and /metrics walk them all)."""
+
+    def __init__(self, groups: dict[str, ModelGroup]) -> None:
+        self.groups = groups
+
+    def __iter__(self) -> Iterator[Worker]:
+        return (w for group in list(self.groups.values()) for w in group.pool)
+
+
 class Router:
-    """Owns the pool, the scheduler and the upkeep tasks; builds the aiohttp app."""
+    """Owns the model groups, the health upkeep and the HTTP clients; builds the aiohttp app."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.profile = profile_for(config.engine)
-        self.profile.check_workers(config)
-        self.pool = WorkerPool()
-        self.prefix_index = PrefixIndex()
-        self.latency = LatencyModels(config.latency)
-        self.ctx = PolicyContext(self.pool, self.prefix_index, self.latency, config.block_size)
-        fixed = config.decode[0].url if config.mode == "sidecar" else None
-        self.scheduler = Scheduler(config.policy, self.ctx, fixed_decode_url=fixed,
-                                   local_prefill=self.profile.decode_prefills_locally)
-        self.sessions = SessionTable(config.sessions) if self.scheduler.uses_sessions else None
-        self.sharing: SessionSharing | None = None  # made in startup (needs the event loop)
+        tokenizers: dict[str, Tokenize] = {}  # one load per path, shared by the models
+
+        def tokenizer(path: str) -> Tokenize:
+            if path not in tokenizers:
+                tokenizers[path] = load_tokenizer(path)
+            return tokenizers[path]
+
+        self.groups: dict[str, ModelGroup] = {}
+        for spec in config.model_groups():
+            self.groups[spec.name] = ModelGroup(config, spec, self.profile, tokenizer)
+        self.named = bool(config.models)  # False: one unnamed group, served names all learned
         if config.sessions.redis_url is not None:
-            if self.sessions is None:
-                log.warning("sessions.redis_url is set but the policy tracks no sessions "
-                            "(no session_pin / append_prefill): Redis unused")
-            else:
-                RedisSessionStore.check_installed()
-                for event in ("store_error", "store_adopted"):  # on /metrics from the start
-                    self.sessions.counts.setdefault(event, 0)
-        self.metrics = RouterMetrics(self.pool, self.sessions)
-        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer else None
-        self._subscribers: dict[str, asyncio.Task] = {}
-        # kv_pool value -> its view
-        self._pool_views: dict[str, PoolView] = {}
-        for spec in config.prefill:  # each takes requests once a health probe passed
-            self.pool.add(spec, "prefill", probe_first=True)
-        for spec in config.decode:
-            self.pool.add(spec, "decode", probe_first=True)
+            RedisLog.check_installed()
+        self.sync: ReplicaSync | None = None  # replicas sharing state through Redis (startup)
+        self.workers = _AllWorkers(self.groups)
+        self.metrics = RouterMetrics(self.workers, [g.sessions for g in self.groups.values()],
+                                     by_model=self.named)
         self.session: aiohttp.ClientSession | None = None
-        self._models: set[str] = set()
-        self._max_model_len: int | None = None
-        self._key_block_size = config.block_size if self.scheduler.uses_prefix_index else None
-        self.proxy: Proxy | None = None
+        self._pool_views: dict[str, PoolView] = {}  # kv_pool value -> its view
+        # request `model` -> its group, rebuilt when workers change (a lookup per request)
+        self._by_name: dict[str, ModelGroup] = {}
+        self._known = ""  # the served names, for error messages
+        self._conflicts: set[str] = set()  # names two models claim (logged once)
         self.upkeep: PoolUpkeep | None = None
         self.admin = AdminApi(self, config.admin_token)
         # the edge: both read here, so --check-config and startup fail on a bad key file or cert
         self.api_keys = load_api_keys(config)
         self.tls = tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
+        # Kubernetes discovery: checked here (selector, kubeconfig), watching from startup
+        self.discovery_plan = plan_kubernetes(config.discovery) if config.discovery else None
+        self.discovery = None
+        self.refresh_served()
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of a router that serves one model (tests, --check-config)."""
+        return self._only_group().scheduler
+
+    def _only_group(self) -> ModelGroup:
+        if len(self.groups) != 1:
+            raise ModelNotFound(f"this router serves several models ({self._known}): name one", 400)
+        return next(iter(self.groups.values()))
 
     # -- lifecycle --------------------------------------------------------------------------
     async def startup(self, app: web.Application) -> None:
         self.session = new_session(self.config.timeouts.connect_s)
         self.pools = Pools(self.config.timeouts.connect_s)
-        flow = self.profile.flow(self.config.transfer, self.config.push_head_start_s)
-        spec = self.config.sessions
-        if spec.redis_url is not None and self.sessions is not None:
-            store = RedisSessionStore(spec.redis_url, spec.redis_prefix, spec.redis_timeout_s)
-            index = self.prefix_index if self.scheduler.uses_prefix_index else None
-            self.sharing = SessionSharing(self.sessions, store, spec, index, self.config.block_size)
-            await self.sharing.start()
-        self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, self.metrics, self.pools,
-                           self.sessions, self.sharing)
-        self.upkeep = PoolUpkeep(self.config, self.pool, self.session)
-        for worker in self.pool:
-            self._subscribe(worker)
+        if self.config.sessions.redis_url is not None:
+            self.sync = replica_sync_for(self.config.sessions)
+            self.sync.add(LoadChannel(lambda: self.workers, self.config.sessions.peer_load_ttl_s))
+            self.metrics.registry.register(self.sync.collector())
+        for group in self.groups.values():
+            await group.start(self.metrics, self.pools, self._pool_views, self.sync)
+        if self.sync is not None:
+            await self.sync.start()  # in the background: no request waits on Redis
+        self.upkeep = PoolUpkeep(self.config, self.workers, self.session)
         await self.upkeep.check_all()  # know health and models before the first request
         self.refresh_served()
         self.upkeep.on_change = self.refresh_served
         self.upkeep.start()
-        log.info("pd-router ready on %s://%s:%d: %d prefill, %d decode (%s, %s)%s",
-                 "https" if self.tls else "http", self.config.host, self.config.port,
-                 len(self.pool.by_role("prefill")), len(self.pool.by_role("decode")),
+        if self.discovery_plan is not None:  # pd.model label -> model; unnamed: every pod
+            models = {g.spec.pod_label: g.name for g in self.groups.values()} if self.named else None
+            self.discovery = kubernetes_watcher(self, self.discovery_plan, models)
+            self.metrics.registry.register(self.discovery.collector())
+            self.discovery.start()
+            log.info("kubernetes discovery: watching %s", self.discovery_plan.describe())
+        counts = ", ".join(f"{g.name or 'model'}: {len(g.pool.by_role('prefill'))} prefill, "
+                           f"{len(g.pool.by_role('decode'))} decode" for g in self.groups.values())
+        log.info("pd-router ready on %s://%s:%d: %s (%s, %s)%s",
+                 "https" if self.tls else "http", self.config.host, self.config.port, counts,
                  self.config.engine, self.config.mode,
                  f"; {len(self.api_keys)} API key(s)" if self.api_keys else "")
 
     async def cleanup(self, app: web.Application) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self.upkeep:
             await self.upkeep.stop()
-        if self.proxy is not None:
-            await self.proxy.aclose()
+        for group in self.groups.values():
+            await group.stop()
+        if self.sync is not None:
+            await self.sync.aclose()
         for view in self._pool_views.values():
             view.close()
-        for task in self._subscribers.values():
-            task.cancel()
-        await asyncio.gather(*self._subscribers.values(), return_exceptions=True)
         if self.session:
             await self.session.close()
             await self.pools.close()
-        if self.sharing is not None:
-            await self.sharing.aclose()
 
-    def _subscribe(self, worker: Worker) -> None:
-        if worker.spec.kv_pool:
-            name = worker.spec.kv_pool
-            view = self._pool_views.get(name)
-            if view is None:
-                view = self._pool_views[name] = pool_view(name, worker.spec.kv_pool_group)
-            self.prefix_index.attach_pool(worker.url, view)
-        if worker.spec.kv_events and worker.url not in self._subscribers:
-            sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events,
-                                    allow_any_host=worker.spec.kv_events_bind_any)
-            self._subscribers[worker.url] = asyncio.create_task(sub.run())
+    # -- workers (admin API, discovery) -----------------------------------------------------
+    def group_for(self, model: str | None) -> ModelGroup:
+        """The group a caller means: `model` by its configured or served name; None (or "")
+        with a single group: that one. ModelNotFound otherwise."""
+        if model:
+            group = self.groups.get(model) or self._by_name.get(model)
+            if group is not None:
+                return group
+            if not self.named and model in self.groups[""].served:
+                return self.groups[""]
+            raise ModelNotFound(f"model {model!r} is not served here; available: {self._known}")
+        return self._only_group()
 
-    async def add_worker(self, spec: WorkerSpec, role: str) -> Worker:
-        # Not routable until its probe passes: a worker that accepts connections but never
-        # answers would otherwise hold requests for as long as the probe waits.
-        worker = self.pool.add(spec, role, probe_first=True)
-        self._subscribe(worker)
+    async def add_worker(self, spec: WorkerSpec, role: str, model: str | None = None) -> Worker:
+        group = self.group_for(model)
+        for other in self.groups.values():
+            if other is not group and other.pool.get(spec.url, role) is not None:
+                raise WorkerConflict(f"{role} worker {spec.url} already serves model {other.name!r}")
+        worker = group.add(spec, role)
+        group.subscribe(worker, self._pool_views)
         if self.upkeep and not worker.probing:
             await self.upkeep.check(worker)
         self.refresh_served()
         return worker
 
-    def remove_worker(self, url: str, role: str) -> Worker | None:
-        worker = self.pool.remove(url, role)
-        if worker is not None:
-            task = self._subscribers.pop(worker.url, None)
-            if task:
-                task.cancel()
-            self.prefix_index.forget_worker(worker.url)
-            if self.sessions is not None and role == "decode":
-                self.sessions.forget_worker(worker.url)
-            self.refresh_served()
-        return worker
+    def remove_worker(self, url: str, role: str, model: str | None = None) -> Worker | None:
+        """Drain a worker (requests it holds finish); `model` None: whichever model has it."""
+        groups = [self.group_for(model)] if model else list(self.groups.values())
+        for group in groups:
+            worker = group.remove(url, role)
+            if worker is not None:
+                self.refresh_served()
+                return worker
+        return None
 
     # -- serving ----------------------------------------------------------------------------
     def refresh_served(self) -> None:
-        """Served models and context length, recomputed when workers change (not per request)."""
-        if self.config.models:
-            self._models = set(self.config.models)
-        else:
-            self._models = {m for w in self.pool if w.usable for m in w.models}
-        lengths = [w.max_model_len for w in self.pool if w.usable and w.max_model_len]
-        self._max_model_len = min(lengths) if lengths else None
+        """Each group's served names and context length, and the name -> group table, recomputed
+        when workers change (not per request). A configured name always leads to its own model;
+        a name two models' workers both list goes to the first in the config (logged once)."""
+        by_name: dict[str, ModelGroup] = {name: g for name, g in self.groups.items() if name}
+        for group in self.groups.values():
+            group.refresh()
+            for name in group.served:
+                owner = by_name.setdefault(name, group)
+                if owner is not group and name not in self._conflicts:
+                    self._conflicts.add(name)
+                    log.warning("model name %r is listed by workers of %r and %r: requests for it "
+                                "go to %r", name, owner.name, group.name, owner.name)
+        self._by_name = by_name
+        names = sorted(by_name)
+        more = len(names) - MAX_LISTED_NAMES
+        self._known = ", ".join(names[:MAX_LISTED_NAMES]) + (f" and {more} more" if more > 0 else "")
+
+    def select_model(self, model: str | None) -> ModelGroup:
+        """The group of a request's `model` (parse_request's select_model)."""
+        if model is not None:
+            group = self._by_name.get(model)
+            if group is not None:
+                return group
+        if not self.named:  # one unnamed group: any model while its workers have listed none
+            if model is None or not self._by_name:
+                return self.groups[""]
+        elif model is None:
+            if len(self.groups) == 1:
+                return next(iter(self.groups.values()))
+            raise BadRequest(400, f"'model' is required: this router serves several models "
+                                  f"({self._known})", param="model")
+        raise BadRequest(404, f"model {model!r} is not served here; available: {self._known}",
+                         param="model")
 
     async def generate(self, http: web.Request) -> web.StreamResponse:
         path = http.path
         try:
             raw = await http.read()
             request = parse_request(
-                raw, ENDPOINTS[path], http.headers, served_models=self._models,
-                max_model_len=self._max_model_len, block_size=self._key_block_size,
-                strip_transfer_fields=self.config.client_transfer_fields == "strip",
-                tokenize=self.tokenizer)
+                raw, ENDPOINTS[path], http.headers, served_models=set(), max_model_len=None,
+                block_size=None, strip_transfer_fields=self.config.client_transfer_fields == "strip",
+                select_model=self.select_model)
         except BadRequest as bad:
             self.metrics.rejections.labels("bad_request").inc()
             return error_response(bad.status, bad.message, bad.param)
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejections.labels("too_large").inc()
             return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes")
-        return await self.proxy.serve(http, request, path)
+        return await request.target.proxy.serve(http, request, path)
 
     async def models(self, http: web.Request) -> web.Response:
-        data = [{"id": m, "object": "model", "owned_by": "pd-router", "max_model_len": self._max_model_len}
-                for m in sorted(self._models)]
+        data = []
+        for name, group in sorted(self._by_name.items()):
+            entry = {"id": name, "object": "model", "owned_by": "pd-router",
+                     "max_model_len": group.max_model_len}
+            parent = group.adapter_parents.get(name)
+            if parent is not None:
+                entry["parent"] = parent
+            data.append(entry)
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, http: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
     async def ready(self, http: web.Request) -> web.Response:
-        """Counts for every probe; the workers (URLs, load) only with the admin token."""
-        decodes = len(self.pool.usable("decode"))
-        prefills = len(self.pool.usable("prefill"))
-        body = {"ready": decodes > 0, "usable_decode": decodes, "usable_prefill": prefills}
+        """Counts for every probe (per model too, with several); the workers (URLs, load) only
+        with the admin token. Ready while some model has a usable decode worker."""
+        counts = {name: group.usable_counts() for name, group in self.groups.items()}
+        decodes = sum(c["usable_decode"] for c in counts.values())
+        prefills = sum(c["usable_prefill"] for c in counts.values())
+        body: dict = {"ready": decodes > 0, "usable_decode": decodes, "usable_prefill": prefills}
+        if self.named:
+            body["models"] = {name: {"ready": c["usable_decode"] > 0, **c} for name, c in counts.items()}
         if self.admin.allows(http):
-            body["workers"] = self.pool.snapshot()
+            body["workers"] = self.snapshot()
         return web.json_response(body, status=200 if decodes > 0 else 503)
+
+    def snapshot(self) -> list[dict]:
+        return [entry for group in self.groups.values() for entry in group.pool.snapshot()]
 
     async def prometheus(self, http: web.Request) -> web.Response:
         return web.Response(body=self.metrics.exposition(),

@@ -29,7 +29,8 @@ class Session:
     turns: int = 0                  # turns served so far
     resident_tokens: int = 0        # prompt tokens of its last turn, cached on decode_url
     last_use: float = 0.0
-    auto: bool = False              # found by prefix detection (`auto-N`): local to this router
+    auto: bool = False              # found by prefix detection (`auto-N`), not named by the client
+    chain_key: int | None = None    # its last turn's last prompt block key (detection's chain)
 
 
 class SessionTable:
@@ -39,6 +40,9 @@ class SessionTable:
         # last prompt block key of a served turn -> its session (automatic detection)
         self._chains: OrderedDict[int, str] = OrderedDict()
         self._auto_ids = itertools.count(1)
+        # Replicas sharing sessions (routers/replica_channels.py) each set their own, so that
+        # automatic ids never collide between them.
+        self.auto_prefix = "auto-"
         self.counts = {"pinned": 0, "repinned": 0, "expired": 0, "evicted": 0, "detected": 0}
 
     def __len__(self) -> int:
@@ -78,7 +82,7 @@ class SessionTable:
         if session_id is None:
             if not self.spec.detect or not info.block_keys:
                 return ""
-            session_id = info.session_id = f"auto-{next(self._auto_ids)}"
+            session_id = info.session_id = f"{self.auto_prefix}{next(self._auto_ids)}"
             session = self._sessions.pop(session_id, None) or Session(None, auto=True)
         else:
             session = self._sessions.pop(session_id, None) or Session(None)
@@ -88,20 +92,29 @@ class SessionTable:
         session.resident_tokens, session.last_use = info.prompt_tokens, now
         self._sessions[session_id] = session  # most recently used
         self._bound()
-        if self.spec.detect and info.block_keys:
-            self._chains[info.block_keys[-1]] = session_id
-            self._chains.move_to_end(info.block_keys[-1])
-            while len(self._chains) > 4 * self.spec.max_sessions:
-                self._chains.popitem(last=False)
+        if info.block_keys:
+            session.chain_key = info.block_keys[-1]
+            self._chain(session.chain_key, session_id)
         return session_id
 
     def adopt(self, session_id: str, session: Session) -> None:
-        """Take a session another router replica recorded (routers/session_store.py): it replaces
-        this table's entry, as the most recently used."""
+        """Take a session another router replica recorded (routers/replica_channels.py): it
+        replaces this table's entry, as the most recently used, and its chain key lets prefix
+        detection find it here too."""
         self._sessions.pop(session_id, None)
         session.last_use = self.clock()
         self._sessions[session_id] = session
         self._bound()
+        if session.chain_key is not None:
+            self._chain(session.chain_key, session_id)
+
+    def _chain(self, key: int, session_id: str) -> None:
+        if not self.spec.detect:
+            return
+        self._chains[key] = session_id
+        self._chains.move_to_end(key)
+        while len(self._chains) > 4 * self.spec.max_sessions:
+            self._chains.popitem(last=False)
 
     def count(self, event: str) -> None:
         self.counts[event] = self.counts.get(event, 0) + 1

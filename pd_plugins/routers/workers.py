@@ -36,7 +36,9 @@ class Worker:
     engine_running: float = 0.0     # scraped: requests running in the engine
     kv_usage: float = 0.0           # scraped: KV cache usage, 0..1
     last_scrape: float = 0.0
-    models: tuple[str, ...] = ()    # from its /v1/models
+    models: tuple[str, ...] = ()    # from its /v1/models: the base model and its adapters
+    adapter_parents: dict[str, str] = field(default_factory=dict)  # adapter id -> base (`parent`)
+    model: str = ""                 # the model group it serves ("": the one unnamed group)
     max_model_len: int | None = None
     ordinal: int = field(default_factory=itertools.count().__next__)
     # decode: expert histograms of the MoE requests running here (ELDR, expert_locality.py)
@@ -73,7 +75,11 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self) -> None:
+    """One model's workers (`model`: its name, "" for the unnamed group of a config without
+    `models:`)."""
+
+    def __init__(self, model: str = "") -> None:
+        self.model = model
         self._workers: dict[tuple[Role, str], Worker] = {}
 
     def add(self, spec: WorkerSpec, role: Role, probe_first: bool = False) -> Worker:
@@ -85,7 +91,7 @@ class WorkerPool:
         if existing is not None:
             existing.draining = False
             return existing
-        worker = Worker(spec, role, healthy=not probe_first)
+        worker = Worker(spec, role, healthy=not probe_first, model=self.model)
         self._workers[key] = worker
         return worker
 
@@ -110,8 +116,9 @@ class WorkerPool:
 
     def snapshot(self) -> list[dict]:
         now = time.monotonic()
+        model = {"model": self.model} if self.model else {}
         return [{
-            "url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight,
+            **model, "url": w.url, "role": w.role, "healthy": w.healthy, "in_flight": w.in_flight,
             "in_flight_prefill_tokens": w.in_flight_prefill_tokens,
             "in_flight_tokens": w.in_flight_tokens,
             "engine_waiting": w.engine_waiting, "engine_running": w.engine_running,

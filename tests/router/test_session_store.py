@@ -1,275 +1,215 @@
-"""Conversation pins shared between pd-router replicas through a real redis-server
-(`sessions.redis_url`, routers/session_store.py); skipped where redis-server is not installed.
+"""Two real pd-router processes in front of pd-mock-engine processes, sharing one real
+redis-server (`sessions.redis_url`, routers/replica_sync.py): they agree on conversation pins
+(named and auto-detected), on prefixes one of them learned, and on the load of the workers; when
+Redis is killed, requests go on without waiting, and sharing resumes when it is back. Skipped where
+redis-server is not installed. The sync itself, in process: tests/router/test_replica_sync.py.
 
-The first tests need no Redis: SessionSharing over an in-memory store (adoption rules, failures).
+Router B lists the workers in the opposite order: between idle workers each router takes its
+first, so B follows A's choice only because Redis told it (each test checks that control).
+Prompts are token ids: their block keys are the same in every process (text prompts without a
+tokenizer are hashed per process).
 """
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import logging
 import re
+import threading
+import time
 
 import pytest
 import requests
 
-from pd_plugins.routers.config import SessionSpec
 from pd_plugins.routers.policy import PRESETS
-from pd_plugins.routers.policy.base import RequestInfo
-from pd_plugins.routers.policy.prefix_index import PrefixIndex
-from pd_plugins.routers.session_store import RedisSessionStore, SessionSharing
-from pd_plugins.routers.sessions import Session, SessionTable
 from pd_plugins.testing.engine_harness import start_all
-from pd_plugins.testing.kv_servers import REDIS_SERVER, RedisServer
+from pd_plugins.testing.kv_servers import REDIS_SERVER
 from pd_plugins.testing.router_harness import RouterProcess
-from tests.router.conftest import FAST_HEALTH, LONG_PROMPT, mocks, wait_until
+from tests.router.conftest import FAST_HEALTH, mocks, wait_until
+from tests.router.test_replica_sync import redis_server  # noqa: F401 - the fixture
 
-needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed "
-                                 "(apt-get install redis-server): Redis session tests skipped")
-
-
-# -- SessionSharing without Redis ---------------------------------------------------------------
-class MemoryStore:
-    url = "memory://"
-
-    def __init__(self) -> None:
-        self.data: dict[str, Session] = {}
-        self.down = False
-        self.calls = 0
-
-    async def load(self, session_id):
-        self.calls += 1
-        if self.down:
-            raise ConnectionError("refused")
-        return self.data.get(session_id)
-
-    async def save(self, session_id, session, ttl_s):
-        self.calls += 1
-        if self.down:
-            raise ConnectionError("refused")
-        self.data[session_id] = session
-
-    async def ping(self):
-        if self.down:
-            raise ConnectionError("refused")
-
-    async def aclose(self):
-        pass
-
-
-def info(session_id=None, keys=(1, 2, 3, 4), tokens=64) -> RequestInfo:
-    return RequestInfo(session_id=session_id, block_keys=list(keys), prompt_tokens=tokens)
-
-
-def test_sharing_adopts_only_newer_sessions_and_keeps_auto_ids_local():
-    async def run():
-        clock = [0.0]
-        table = SessionTable(SessionSpec(), clock=lambda: clock[0])
-        store, index = MemoryStore(), PrefixIndex()
-        sharing = SessionSharing(table, store, SessionSpec(), index, block_size=16,
-                                 clock=lambda: clock[0])
-        # Another replica served two turns of "c1" on decode B (32 tokens resident).
-        store.data["c1"] = Session("http://b", turns=2, resident_tokens=32)
-        request = info("c1")
-        await sharing.pull(request)
-        table.resolve(request)
-        assert (request.turn, request.pinned_decode, request.resident_tokens) == (2, "http://b", 32)
-        assert index.matched_blocks("http://b", [1, 2, 3, 4]) == 2  # its previous prompt
-        assert table.counts["store_adopted"] == 1
-        # This router serves turn 3: pushed in the background.
-        table.record(request, "http://b")
-        sharing.push("c1")
-        await asyncio.sleep(0)
-        await asyncio.gather(*sharing._saves)
-        assert store.data["c1"].turns == 3
-        # An older copy in Redis (a save that lost a race) does not replace the local entry.
-        store.data["c1"] = Session("http://a", turns=1, resident_tokens=16)
-        await sharing.pull(info("c1"))
-        assert table.get("c1").decode_url == "http://b" and table.counts["store_adopted"] == 1
-        # A session found by prefix detection stays local.
-        auto = info(None, keys=(7, 8))
-        table.resolve(auto)
-        auto_id = table.record(auto, "http://a")
-        assert auto_id.startswith("auto-")
-        sharing.push(auto_id)
-        assert not sharing._saves and auto_id not in store.data
-        await sharing.aclose()
-    asyncio.run(run())
-
-
-def test_sharing_survives_a_dead_store(caplog):
-    async def run():
-        clock = [100.0]
-        table = SessionTable(SessionSpec(), clock=lambda: clock[0])
-        store = MemoryStore()
-        store.down = True
-        sharing = SessionSharing(table, store, SessionSpec(), retry_after_s=2.0,
-                                 clock=lambda: clock[0])
-        with caplog.at_level(logging.WARNING, logger="pd_router.sessions"):
-            await sharing.start()
-            request = info("c1")
-            await sharing.pull(request)  # within the back-off: not even tried
-            table.resolve(request)
-            assert request.turn == 0
-            assert table.counts["store_error"] == 1 and store.calls == 0
-            clock[0] += 3  # past the back-off: tried again, fails again, not logged again
-            await sharing.pull(info("c1"))
-            assert table.counts["store_error"] == 2 and store.calls == 1
-        assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
-        # Back up: the next push reaches it.
-        store.down, clock[0] = False, clock[0] + 3
-        table.record(info("c1"), "http://a")
-        sharing.push("c1")
-        await asyncio.gather(*sharing._saves)
-        assert store.data["c1"].decode_url == "http://a"
-        await sharing.aclose()
-    asyncio.run(run())
-
-
-@pytest.fixture
-def redis_server():
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (apt-get install redis-server): "
-                    "Redis session tests skipped")
-    pytest.importorskip("redis", reason="redis-py is not installed (pip install 'pd-plugins[redis]')")
-    server = RedisServer()
-    try:
-        server.start().wait_healthy()
-        yield server
-    finally:
-        server.stop(grace=5)
-
-
-def test_store_round_trip_with_ttl(redis_server):
-    async def run():
-        store = RedisSessionStore(redis_server.redis_url, prefix="test:")
-        try:
-            assert await store.load("conv-1") is None
-            await store.save("conv-1", Session("http://decode-1", turns=3, resident_tokens=120), 90.5)
-            loaded = await store.load("conv-1")
-            assert (loaded.decode_url, loaded.turns, loaded.resident_tokens) == ("http://decode-1", 3, 120)
-        finally:
-            await store.aclose()
-    asyncio.run(run())
-    client = redis_server.client()
-    assert 85 <= client.ttl("test:conv-1") <= 91  # EXPIRE = ttl_s (rounded up to whole seconds)
-    assert client.exists("conv-1") == 0           # every key carries the prefix
-    client.close()
-
-
-def _route(resp: requests.Response) -> tuple[str, str, int]:
-    """(decode url, session id, turn) from x-pd-route."""
-    header = resp.headers["x-pd-route"]
-    decode = re.search(r"decode=([^,]+),", header).group(1)
-    match = re.search(r"session=([^,]+), turn=(\d+)", header)
-    assert match, header
-    return decode, match.group(1), int(match.group(2))
-
-
-def _turn(router, session: str, prompt: str):
-    return requests.post(router.url + "/v1/completions", headers={"x-session-id": session},
-                         json={"model": "mock", "prompt": prompt, "max_tokens": 4}, timeout=30)
-
-
-def _store_errors(router) -> float:
-    match = re.search(r'^pd_router_session_events_total\{event="store_error"\} (\S+)$',
-                      router.metrics(), re.M)
-    assert match, "no store_error counter on /metrics"
-    return float(match.group(1))
-
+pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed "
+                                "(apt-get install redis-server): replica tests skipped")
 
 # The multi_turn preset without its TTFT-SLO admission, and health checks that tolerate a busy
 # machine: on a loaded 2-core box, 429s and workers marked down are not what these tests are about.
-POLICY = {**copy.deepcopy(PRESETS["multi_turn"]), "admission": None}
+MULTI_TURN = {**copy.deepcopy(PRESETS["multi_turn"]), "admission": None}
 HEALTH = {**FAST_HEALTH, "interval_s": 1.0, "timeout_s": 10, "failure_threshold": 5}
+LOAD_BOUND_S = 0.5  # A's in-flight count shows on B within this (50 ms batches + Redis + polling)
 
 
-def _routers(prefills, decodes, redis_url, count=2):
-    """Router B lists the decode workers in the opposite order: between idle workers each router
-    takes its first, so B follows a pin only because Redis told it."""
+def _routers(prefills, decodes, redis_url, policy=MULTI_TURN):
     sessions = {"redis_url": redis_url, "redis_prefix": "it:", "redis_timeout_s": 0.5}
-    return [RouterProcess(f"router-{name}", prefill=[p.worker_arg() for p in prefills],
+    return [RouterProcess(f"router-{name}", prefill=[p.worker_arg() for p in prefills[::step]],
                           decode=[d.worker_arg() for d in decodes[::step]], args=("--log-format", "text"),
-                          config={"health": HEALTH, "policy": POLICY, "sessions": sessions,
+                          config={"health": HEALTH, "policy": policy, "sessions": sessions,
                                   "route_header": "full"})
-            for name, step in zip("ab"[:count], (1, -1))]
+            for name, step in (("a", 1), ("b", -1))]
 
 
-@needs_redis
-def test_two_routers_agree_on_pins(redis_server):
+def _route(resp: requests.Response) -> dict:
+    header = resp.headers["x-pd-route"]
+    out = {"prefill": re.search(r"prefill=([^,]+),", header).group(1),
+           "decode": re.search(r"decode=([^,]+),", header).group(1)}
+    match = re.search(r"session=([^,]+), turn=(\d+)", header)
+    if match:
+        out["session"], out["turn"] = match.group(1), int(match.group(2))
+    return out
+
+
+def _post(router, prompt: list[int], session: str | None = None, max_tokens: int = 4, stream=False):
+    headers = {"x-session-id": session} if session else {}
+    resp = requests.post(router.url + "/v1/completions", headers=headers, stream=stream, timeout=30,
+                         json={"model": "mock", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def _counter(router, name: str, event: str) -> float:
+    match = re.search(rf'^{name}\{{event="{event}"\}} (\S+)$', router.metrics(), re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def _gauge(router, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", router.metrics(), re.M)
+    return float(match.group(1)) if match else -1.0
+
+
+def _started(procs):
+    start_all([p for p in procs if "router" not in p.name], timeout=60)
+    start_all([p for p in procs if "router" in p.name], timeout=60)
+    a, b = (p for p in procs if "router" in p.name)
+    wait_until(lambda: _gauge(a, "pd_router_replica_sync_up") == 1 and _gauge(b, "pd_router_replica_sync_up") == 1,
+               15, "both replicas syncing")
+    return a, b
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 1 for i in range(n)]
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named", "auto-detected"])
+def test_alternating_turns_stay_on_the_pinned_decode(redis_server, named):  # noqa: F811
     prefills, decodes = mocks(prefills=1, decodes=2)
     routers = _routers(prefills, decodes, redis_server.redis_url)
-    client = redis_server.client()
+    procs = [*prefills, *decodes, *routers]
     try:
-        start_all([*prefills, *decodes], timeout=60)
-        start_all(routers, timeout=60)
-        a, b = routers
+        a, b = _started(procs)
         # Control: left to itself, B puts a new conversation on the other decode worker than A.
-        control = [_route(_turn(r, f"control-{r.name}", f"control {r.name}: " + LONG_PROMPT))[0]
-                   for r in routers]
+        control = [_route(_post(r, _tokens(100 + i, 96)))["decode"] for i, r in enumerate(routers)]
         assert control[0] != control[1], control
-        for n in range(6):
-            session, prompt = f"conv-{n}", f"conversation {n}: " + LONG_PROMPT
-            one = _turn(a, session, prompt)
-            assert one.status_code == 200, one.text
-            decode, sid, turn = _route(one)
-            assert (sid, turn) == (session, 1)
-            wait_until(lambda: client.exists(f"it:{session}"), 10, "the pin in Redis")  # async save
-            # Turn 2 through the other router: same decode worker, and it knows the turn.
-            prompt += one.json()["choices"][0]["text"] + " and then? " + LONG_PROMPT[:80]
-            two = _turn(b, session, prompt)
-            assert two.status_code == 200, two.text
-            assert _route(two) == (decode, session, 2), two.headers["x-pd-route"]
-            # ... where its history is cached: append-prefill runs the new tokens there (it does
-            # so only for a later turn on the pinned worker).
-            assert two.headers["x-pd-route"].startswith("prefill=local,"), two.headers["x-pd-route"]
-            wait_until(lambda: b"\"turns\":2" in (client.get(f"it:{session}") or b""), 10, "turn 2 saved")
-            # Turn 3 back through the first router, which adopts router B's newer copy.
-            prompt += two.json()["choices"][0]["text"] + " more? " + LONG_PROMPT[:40]
-            three = _turn(a, session, prompt)
-            assert three.status_code == 200, three.text
-            assert _route(three) == (decode, session, 3), three.headers["x-pd-route"]
-        metrics_b = b.metrics()
-        assert re.search(r'event="store_adopted"\} 6\.0', metrics_b), metrics_b
-        assert _store_errors(a) == 0 and _store_errors(b) == 0
-        assert 0 < client.ttl("it:conv-0") <= 3600
+        for n in range(4):
+            prompt = _tokens(n, 96)
+            session = f"conv-{n}" if named else None
+            pinned, sid = None, None
+            for turn in range(1, 5):  # turns alternate: A, B, A, B
+                router = routers[(turn - 1) % 2]
+                route = _route(_post(router, prompt, session))
+                if turn == 1:
+                    pinned = route["decode"]
+                    if not named:  # the first turn of an unnamed conversation has no session yet
+                        assert "session" not in route or route["session"].startswith("auto-")
+                else:
+                    assert route["decode"] == pinned, (turn, route)
+                    assert route["turn"] == turn, (turn, route)
+                    sid = sid or route["session"]
+                    assert route["session"] == sid
+                    assert named or sid.startswith("auto-")
+                    # the pinned decode holds the history: the new turn is appended there
+                    assert route["prefill"] == "local", route
+                prompt = prompt + _tokens(1000 + 10 * n + turn, 40)
+                time.sleep(0.3)  # a user's think time; the pin crosses in ~50-100 ms
+        assert _counter(b, "pd_router_session_events_total", "replica_adopted") >= 4
+        assert _counter(a, "pd_router_replica_sync_events_total", "error") == 0
     finally:
-        client.close()
-        for proc in [*routers, *prefills, *decodes]:
+        for proc in reversed(procs):
             proc.stop(grace=5)
 
 
-@needs_redis
-def test_serving_survives_redis_going_away(redis_server):
-    prefills, decodes = mocks(prefills=1, decodes=2)
-    (router,) = _routers(prefills, decodes, redis_server.redis_url, count=1)
+def test_a_prefix_learned_by_a_steers_b(redis_server):  # noqa: F811
+    prefills, decodes = mocks(prefills=2, decodes=1)
+    routers = _routers(prefills, decodes, redis_server.redis_url, policy="prefix_cache")
+    procs = [*prefills, *decodes, *routers]
     try:
-        start_all([*prefills, *decodes], timeout=60)
-        start_all([router], timeout=60)
-        first = _turn(router, "before", "before the outage: " + LONG_PROMPT)
-        assert first.status_code == 200 and _store_errors(router) == 0
-        redis_server.stop(grace=5)
-        for n in range(8):  # named sessions, each turn twice: the local table still pins
-            prompt = f"outage {n}: " + LONG_PROMPT
-            one = _turn(router, f"down-{n}", prompt)
-            assert one.status_code == 200, (one.text, requests.get(router.url + "/ready").text,
-                                            router.log_tail())
-            two = _turn(router, f"down-{n}", prompt + one.json()["choices"][0]["text"] + " next")
-            assert two.status_code == 200, two.text
-            assert _route(two)[::2] == (_route(one)[0], 2), (one.headers, two.headers)
-        assert _store_errors(router) >= 1
-        # Redis back on the same port: within the 2 s back-off the pins flow again.
-        redis_server.start().wait_healthy()
-        client = redis_server.client()
-        try:
-            def saved() -> bool:
-                resp = _turn(router, "after", "after the outage: " + LONG_PROMPT)
-                assert resp.status_code == 200, resp.text
-                return bool(client.exists("it:after"))
-            wait_until(saved, 15, "a pin saved after Redis came back")
-        finally:
-            client.close()
+        a, b = _started(procs)
+        control = [_route(_post(r, _tokens(200 + i, 160)))["prefill"] for i, r in enumerate(routers)]
+        assert control[0] != control[1], control
+        shared = _tokens(7, 160)
+        learned = _route(_post(a, shared))["prefill"]
+        time.sleep(0.3)
+        # Same 160-token prefix, new tail, through B: the prefill A cached it on.
+        assert _route(_post(b, shared + _tokens(8, 48)))["prefill"] == learned
     finally:
-        for proc in [router, *prefills, *decodes]:
+        for proc in reversed(procs):
+            proc.stop(grace=5)
+
+
+def test_the_load_of_a_reaches_b_within_the_bound(redis_server):  # noqa: F811
+    prefills, decodes = mocks(prefills=1, decodes=2, decode_args=("--tpot-ms", "50"))
+    routers = _routers(prefills, decodes, redis_server.redis_url, policy="least_loaded")
+    procs = [*prefills, *decodes, *routers]
+    try:
+        a, b = _started(procs)
+        gauge = re.compile(r'^pd_router_worker_in_flight\{role="decode",url="([^"]+)"\} (\S+)$', re.M)
+
+        def b_in_flight() -> dict[str, float]:
+            return {url: float(v) for url, v in gauge.findall(b.metrics())}
+
+        assert sum(b_in_flight().values()) == 0
+        resp = _post(a, _tokens(3, 32), max_tokens=60, stream=True)  # ~3 s of tokens
+        sent = time.monotonic()
+        decode = _route(resp)["decode"]
+        reader = threading.Thread(target=lambda: resp.content and None)
+        reader.start()
+        wait_until(lambda: b_in_flight().get(decode) == 1, 5, "A's request on B's view")
+        took = time.monotonic() - sent
+        assert took < LOAD_BOUND_S, f"A's load took {took:.3f} s to reach B"
+        # B, choosing by load, now sends its own request to the other decode worker.
+        assert _route(_post(b, _tokens(4, 32)))["decode"] != decode
+        reader.join(30)
+        resp.close()
+        wait_until(lambda: b_in_flight().get(decode) == 0, 5, "A's request gone from B's view")
+    finally:
+        for proc in reversed(procs):
+            proc.stop(grace=5)
+
+
+def test_redis_killed_mid_run_requests_never_wait(redis_server):  # noqa: F811
+    prefills, decodes = mocks(prefills=1, decodes=2)
+    routers = _routers(prefills, decodes, redis_server.redis_url)
+    procs = [*prefills, *decodes, *routers]
+    try:
+        a, b = _started(procs)
+        latencies: dict[str, list[float]] = {"before": [], "outage": []}
+
+        def serve(phase: str, count: int, offset: int) -> None:
+            for n in range(count):
+                prompt = _tokens(offset + n, 96)
+                for turn, router in enumerate(routers):  # each conversation: A then B
+                    started = time.monotonic()
+                    _post(router, prompt)
+                    latencies[phase].append(time.monotonic() - started)
+                    prompt = prompt + _tokens(offset + n + 5000, 32)
+
+        serve("before", 6, 0)
+        redis_server.proc.kill()  # SIGKILL: connections die mid-flight
+        redis_server.proc.wait(10)
+        serve("outage", 15, 100)
+        assert _counter(a, "pd_router_replica_sync_events_total", "error") >= 1
+        assert _gauge(a, "pd_router_replica_sync_up") == 0
+        # No request waited on Redis: the slowest in the outage is about as fast as before it
+        # (one Redis command's timeout is 0.5 s here, the old per-request read would show it).
+        slowest, typical = max(latencies["outage"]), sorted(latencies["before"])[len(latencies["before"]) // 2]
+        assert slowest < max(0.4, 4 * typical), (slowest, typical, latencies)
+        # Redis back on the same port: sharing resumes (within the 1 s retry).
+        redis_server.start().wait_healthy()
+        wait_until(lambda: _gauge(a, "pd_router_replica_sync_up") == 1 and _gauge(b, "pd_router_replica_sync_up") == 1,
+                   15, "both replicas syncing again")
+        adopted = _counter(b, "pd_router_session_events_total", "replica_adopted")
+        prompt = _tokens(999, 96)
+        first = _route(_post(a, prompt, "after"))
+        wait_until(lambda: _counter(b, "pd_router_session_events_total", "replica_adopted") > adopted,
+                   5, "B adopting A's pin after the outage")
+        assert _route(_post(b, prompt + _tokens(998, 32), "after"))["decode"] == first["decode"]
+    finally:
+        for proc in reversed(procs):
             proc.stop(grace=5)

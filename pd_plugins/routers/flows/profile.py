@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from pd_plugins.routers.config import ConfigError, RouterConfig, WorkerSpec
+from pd_plugins.routers.config import WorkerSpec
 from pd_plugins.routers.flows.base import PdFlow
 from pd_plugins.vocab.engines import Engine, LoadMetricNames, TransferMode
 
@@ -23,10 +23,3 @@ class EngineProfile:
     prefill_problem: Callable[[WorkerSpec, TransferMode], str | None]
     # the health canary: GET this path, or None for a one-token generation on /v1/completions
     canary_path: str | None = None
-
-    def check_workers(self, config: RouterConfig) -> None:
-        """Refuse, at startup, a configuration whose workers this engine cannot run."""
-        for worker in config.prefill:
-            problem = self.prefill_problem(worker, config.transfer)
-            if problem is not None:
-                raise ConfigError(f"prefill {worker.url}: {problem}")

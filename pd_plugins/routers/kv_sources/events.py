@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from pd_plugins.routers.policy.prefix_index import PrefixIndex
-from pd_plugins.vocab.block_keys import ROOT_KEY, block_keys
+from pd_plugins.vocab.block_keys import adapter_root, block_keys
 
 log = logging.getLogger("pd_router.prefix_index")
 
@@ -74,7 +74,10 @@ class EventApplier:
         parent_hash = event.get("parent_block_hash")
         if parent_hash is not None:
             _engine_hashes([parent_hash])
-        parent = ROOT_KEY if parent_hash is None else self.engine_keys.get(parent_hash)
+        adapter = event.get("lora_name")  # a prompt under a LoRA adapter chains from its own root
+        if adapter is not None and not isinstance(adapter, str):
+            raise EventRejected("BlockStored.lora_name must be a string or null")
+        parent = adapter_root(adapter) if parent_hash is None else self.engine_keys.get(parent_hash)
         if parent is None:  # parent evicted or never seen: these blocks are unreachable
             return
         keys = block_keys(tokens[:len(hashes) * size], size, parent)

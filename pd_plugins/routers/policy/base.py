@@ -31,6 +31,7 @@ class RequestInfo:
     stream: bool = False
     session_id: str | None = None
     exact_tokens: bool = True
+    adapter: str | None = None      # the LoRA adapter the request names (its block keys salted)
     # Filled in by the session table (routers/sessions.py) when sessions are tracked:
     turn: int = 0                   # turns of this conversation served before this one
     pinned_decode: str | None = None  # the decode worker that holds the conversation's KV

@@ -3,10 +3,14 @@
 prefill_s(uncached) = a + b * uncached   fitted online from every prefill leg the router runs;
 decode_step_s(batch) = a + b * batch      fitted online from streamed TPOT and the decode's load.
 Both forget old samples exponentially, so they follow a machine whose speed drifts. Until enough
-samples arrive they use the configured priors.
+samples arrive they use the configured priors. Router replicas feed each other's samples in
+(routers/replica_channels.py, LatencyChannel): each measures only the legs it runs, and alone it
+would stay on the priors twice as long.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from pd_plugins.routers.config import LatencySpec
 
@@ -19,8 +23,16 @@ class OnlineLinearFit:
         self.decay, self.min_samples = decay, min_samples
         self.n = 0
         self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.on_sample: Callable[[float, float], None] | None = None  # told of each own sample
 
     def observe(self, x: float, y: float) -> None:
+        """A sample this router measured."""
+        self.learn(x, y)
+        if self.on_sample is not None:
+            self.on_sample(x, y)
+
+    def learn(self, x: float, y: float) -> None:
+        """Fold a sample in (this router's, or another replica's)."""
         d = self.decay
         self._w = self._w * d + 1.0
         self._x = self._x * d + x

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from pd_plugins.routers.config import ConfigError, PolicySpec, ProfileSpec
+from pd_plugins.routers.policy.adapters import serving_adapter
 from pd_plugins.routers.policy.base import (
     Choice, Decision, PolicyContext, Rejection, RequestInfo, build,
 )
@@ -216,7 +217,8 @@ class Scheduler:
         return self.admission.admit(request) if self.admission else None
 
     def choose_decode(self, request: RequestInfo, exclude: set) -> Choice | None:
-        candidates = [w for w in self.ctx.pool.usable("decode") if w not in exclude]
+        candidates = serving_adapter(request, [w for w in self.ctx.pool.usable("decode")
+                                               if w not in exclude])
         if self.fixed_decode_url is not None:
             candidates = [w for w in candidates if w.url == self.fixed_decode_url]
             return Choice(candidates[0], "sidecar") if candidates else None
@@ -225,7 +227,10 @@ class Scheduler:
     def choose_prefill(self, request: RequestInfo, decode_choice: Choice,
                        exclude: set) -> tuple[Choice | None, str]:
         """The prefill worker, or None with the reason the decode worker prefills locally."""
-        candidates = [w for w in self.ctx.pool.usable("prefill") if w not in exclude]
+        usable = [w for w in self.ctx.pool.usable("prefill") if w not in exclude]
+        candidates = serving_adapter(request, usable)
+        if usable and not candidates and self.local_prefill:
+            return None, f"no prefill worker serves adapter {request.adapter!r}"
         for name, decider in self.deciders if self.local_prefill else ():
             go, why = decider.disaggregate(request, decode_choice.worker, candidates)
             if not go:

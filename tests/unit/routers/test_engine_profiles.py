@@ -52,13 +52,36 @@ def test_the_command_line_takes_every_transfer_mode(transfer):
     ("sglang", "pull", {"bootstrap_port": 8998}, None),
 ])
 def test_startup_checks_what_each_engine_needs_of_a_prefill(engine, transfer, worker, problem):
+    from pd_plugins.routers.server import Router
+
     prefill = WorkerSpec(url="http://127.0.0.1:8100", **worker)
     config = RouterConfig(engine=engine, transfer=transfer, prefill=[prefill], decode=[DECODE])
     if problem is None:
-        profile_for(engine).check_workers(config)
+        Router(config)
     else:
         with pytest.raises(ConfigError, match=f"prefill http://127.0.0.1:8100: {problem}"):
-            profile_for(engine).check_workers(config)
+            Router(config)
+
+
+@pytest.mark.parametrize("engine, transfer, worker, problem", [
+    ("vllm", "push", {"engine_id": "p0"}, "vLLM push mode needs engine_id and kv_port"),
+    ("sglang", "pull", {}, "SGLang needs bootstrap_port"),
+    ("vllm", "push", {"engine_id": "p0", "kv_port": 5600}, None),
+])
+def test_a_prefill_added_while_serving_is_checked_too(engine, transfer, worker, problem):
+    """The admin API and Kubernetes discovery add workers through Router.add_worker."""
+    import asyncio
+
+    from pd_plugins.routers.server import Router
+
+    router = Router(RouterConfig(engine=engine, transfer=transfer, decode=[DECODE]))
+    prefill = WorkerSpec(url="http://127.0.0.1:8100", **worker)
+    if problem is None:
+        assert asyncio.run(router.add_worker(prefill, "prefill")).url == prefill.url
+    else:
+        with pytest.raises(ConfigError, match=problem):
+            asyncio.run(router.add_worker(prefill, "prefill"))
+        assert router.groups[""].pool.get(prefill.url, "prefill") is None
 
 
 def test_router_takes_local_prefill_from_the_profile():

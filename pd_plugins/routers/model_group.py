@@ -1,0 +1,156 @@
+"""One model behind the router: its workers, what they hold, its policy, sessions and proxy.
+
+A router serves one ModelGroup per `models:` entry (or one unnamed group, "", for a config
+without `models:`). Groups share nothing but the router's HTTP clients, metrics and health upkeep:
+each model's workers, prefix index and latency models are its own, so one model's load or cache
+never counts for another. `served` are the names a request's `model` may give to reach the
+group: its configured name plus whatever its usable workers list in /v1/models (LoRA adapters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from pd_plugins.routers.config import ConfigError, ModelSpec, RouterConfig, WorkerSpec
+from pd_plugins.routers.flows.profile import EngineProfile
+from pd_plugins.routers.kv_sources.events import KvEventSubscriber
+from pd_plugins.routers.kv_sources.pools import PoolView, pool_view
+from pd_plugins.routers.metrics import RouterMetrics
+from pd_plugins.routers.policy import PolicyContext, Scheduler
+from pd_plugins.routers.policy.latency_model import LatencyModels
+from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.routers.proxy import Proxy
+from pd_plugins.routers.request import Tokenize
+from pd_plugins.routers.replica_channels import LatencyChannel, PinChannel, PrefixChannel, ReplicaShare
+from pd_plugins.routers.replica_sync import ReplicaSync
+from pd_plugins.routers.sessions import SessionTable
+from pd_plugins.routers.upstream import Pools
+from pd_plugins.routers.workers import Role, Worker, WorkerPool
+
+log = logging.getLogger("pd_router")
+
+
+class ModelNotFound(ConfigError):
+    """A model a caller named (admin API, discovery) that the router does not serve, or none
+    named where several are served; `status`: the HTTP answer (404 unknown, 400 missing)."""
+
+    def __init__(self, message: str, status: int = 404) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ModelGroup:
+    def __init__(self, config: RouterConfig, spec: ModelSpec, profile: EngineProfile,
+                 tokenizer: Callable[[str], Tokenize]) -> None:
+        """`spec`: resolved (config.model_groups()); `tokenizer`: loads one by path (shared)."""
+        self.config, self.spec, self.name, self.profile = config, spec, spec.name, profile
+        for worker in spec.prefill:
+            self.check(worker, "prefill")
+        self.pool = WorkerPool(spec.name)
+        self.prefix_index = PrefixIndex()
+        self.latency = LatencyModels(config.latency)
+        self.ctx = PolicyContext(self.pool, self.prefix_index, self.latency, spec.block_size)
+        fixed = spec.decode[0].url if config.mode == "sidecar" else None
+        self.scheduler = Scheduler(spec.policy, self.ctx, fixed_decode_url=fixed,
+                                   local_prefill=profile.decode_prefills_locally)
+        self.sessions = SessionTable(config.sessions) if self.scheduler.uses_sessions else None
+        self.sharing: ReplicaShare | None = None  # with other router replicas (start)
+        self.tokenize = tokenizer(spec.tokenizer) if spec.tokenizer else None
+        # ModelTarget (request.py): what parse_request needs of the model a request named
+        self.key_block_size = spec.block_size if self.scheduler.uses_prefix_index else None
+        self.max_model_len: int | None = None
+        self.served: frozenset[str] = frozenset([spec.name] if spec.name else [])
+        self.adapter_parents: dict[str, str] = {}
+        self.proxy: Proxy | None = None
+        self._subscribers: dict[str, asyncio.Task] = {}
+        for worker_spec in spec.prefill:  # each takes requests once a health probe passed
+            self.pool.add(worker_spec, "prefill", probe_first=True)
+        for worker_spec in spec.decode:
+            self.pool.add(worker_spec, "decode", probe_first=True)
+
+    # -- lifecycle (the router's event loop) -------------------------------------------------
+    async def start(self, metrics: RouterMetrics, pools: Pools, views: dict[str, PoolView],
+                    sync: ReplicaSync | None = None) -> None:
+        flow = self.profile.flow(self.spec.transfer, self.config.push_head_start_s)
+        if sync is not None:
+            # each model's channels apart: one conversation id may exist in two models
+            pins = (sync.add(PinChannel(self.sessions, sync.replica_id, self.name))
+                    if self.sessions is not None else None)
+            prefixes = (sync.add(PrefixChannel(self.prefix_index, self.name))
+                        if self.scheduler.uses_prefix_index else None)
+            sync.add(LatencyChannel(self.latency, self.name))
+            self.sharing = ReplicaShare(pins, prefixes)
+        self.proxy = Proxy(self.config, self.scheduler, self.ctx, flow, metrics, pools,
+                           self.sessions, self.sharing, model=self.name)
+        for worker in self.pool:
+            self.subscribe(worker, views)
+
+    async def stop(self) -> None:
+        if self.proxy is not None:
+            await self.proxy.aclose()
+        for task in self._subscribers.values():
+            task.cancel()
+        await asyncio.gather(*self._subscribers.values(), return_exceptions=True)
+
+    # -- workers --------------------------------------------------------------------------------
+    def subscribe(self, worker: Worker, views: dict[str, PoolView]) -> None:
+        """What the worker holds, into this model's prefix index: its shared pool, its KV events."""
+        if worker.spec.kv_pool:
+            name = worker.spec.kv_pool
+            view = views.get(name)
+            if view is None:
+                view = views[name] = pool_view(name, worker.spec.kv_pool_group)
+            self.prefix_index.attach_pool(worker.url, view)
+        if worker.spec.kv_events and worker.url not in self._subscribers:
+            sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events,
+                                    allow_any_host=worker.spec.kv_events_bind_any)
+            self._subscribers[worker.url] = asyncio.create_task(sub.run())
+
+    def check(self, spec: WorkerSpec, role: Role) -> None:
+        """Refuse a worker this engine cannot run in this model's transfer mode (at startup, and
+        for workers added while serving: admin API, discovery). flows/<engine>.py says what."""
+        problem = self.profile.prefill_problem(spec, self.spec.transfer) if role == "prefill" else None
+        if problem is not None:
+            where = f"model {self.name!r}: " if self.name else ""
+            raise ConfigError(f"{where}{role} {spec.url}: {problem}")
+
+    def add(self, spec: WorkerSpec, role: Role) -> Worker:
+        self.check(spec, role)
+        # Not routable until its probe passes: a worker that accepts connections but never
+        # answers would otherwise hold requests for as long as the probe waits.
+        return self.pool.add(spec, role, probe_first=True)
+
+    def remove(self, url: str, role: Role) -> Worker | None:
+        """Stop routing to the worker (requests it holds finish) and forget what it held."""
+        worker = self.pool.remove(url, role)
+        if worker is not None:
+            task = self._subscribers.pop(worker.url, None)
+            if task:
+                task.cancel()
+            self.prefix_index.forget_worker(worker.url)
+            if self.sessions is not None and role == "decode":
+                self.sessions.forget_worker(worker.url)
+        return worker
+
+    # -- what it serves ---------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Served names, adapters and context length from the usable workers (when they change)."""
+        usable = [w for w in self.pool if w.usable]
+        names = {m for w in usable for m in w.models}
+        if self.name:
+            names.add(self.name)
+        # an adapter stays known while the workers that listed it are down, so a request for it
+        # gets 503 (the scheduler finds no usable worker with it), not 404
+        self.adapter_parents = {a: p for w in self.pool for a, p in w.adapter_parents.items()}
+        self.served = frozenset(names | self.adapter_parents.keys())
+        lengths = [w.max_model_len for w in usable if w.max_model_len]
+        self.max_model_len = min(lengths) if lengths else None
+
+    def usable_counts(self) -> dict[str, int]:
+        return {"usable_decode": len(self.pool.usable("decode")),
+                "usable_prefill": len(self.pool.usable("prefill"))}
+
+    def __repr__(self) -> str:
+        return f"ModelGroup({self.name or '<unnamed>'})"

@@ -1,0 +1,307 @@
+"""What router replicas tell each other, through one Redis stream, without a request ever waiting.
+
+Several pd-router replicas behind one load balancer each route from their own state; this module
+keeps that state in step. Each kind of state is a channel (routers/replica_channels.py: session
+pins, worker loads, learned prefix locations): requests only update and read the local tables,
+and a channel remembers what changed. Two background tasks do the rest:
+
+- the publisher, every `interval_s` (50 ms by default), takes each channel's changes and appends
+  them as one entry to a Redis stream (XADD, MAXLEN ~ `stream_len`, so Redis keeps a bounded
+  window; the key expires when no replica writes for `ttl_s`);
+- the reader blocks on XREAD for the entries of the other replicas and hands each channel its
+  part. A replica that starts, or comes back after an outage, first reads the stream's window
+  (pins and prefixes; loads only from live entries).
+
+So what one replica learns reaches the others within about `interval_s` plus a Redis round trip.
+Redis is never on a request's path: when it fails (refused, timed out: every command is bounded
+by `timeout_s`), the sync counts an error (`pd_router_replica_sync_events{event="error"}`, and
+`pd_router_replica_sync_up` 0), logs at most once a minute, keeps routing from local state (peer
+loads expire after `load_ttl_s`), keeps the changes to publish (bounded), and retries every
+`retry_after_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from typing import Callable, Protocol
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pd_plugins.routers.config import ConfigError
+
+log = logging.getLogger("pd_router.replicas")
+PEER_FORGET_S = 60.0  # a replica not heard from this long is no longer listed
+
+
+class Channel(Protocol):
+    """One kind of shared state."""
+
+    name: str                       # unique among a sync's channels (e.g. "pins:<model>")
+    live_only: bool                 # True: ignore the stream's old entries (loads)
+
+    def take(self, now: float) -> list | None:
+        """The local changes to publish now, or None (nothing new)."""
+
+    def put_back(self, items: list) -> None:
+        """Publishing `items` failed: keep them for the next try (bounded)."""
+
+    def apply(self, origin: str, items: list, now: float) -> None:
+        """Another replica's changes."""
+
+    def tick(self, now: float) -> None:
+        """Called after every publish round (e.g. expire what peers said too long ago)."""
+
+
+class _Entry(msgspec.Struct, array_like=True):
+    origin: str                     # the replica that wrote it
+    channels: dict[str, list]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Entry).decode
+
+
+class RedisLog:
+    """The transport: one Redis stream (redis-py's asyncio client). Errors propagate."""
+
+    FIELD = b"e"
+
+    def __init__(self, url: str, key: str, timeout_s: float, stream_len: int, ttl_s: float) -> None:
+        self.check_installed()
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.url, self.key, self.stream_len = url, key, stream_len
+        self.ttl_ms = max(1000, int(ttl_s * 1000))
+        self.timeout_s = timeout_s
+        # One retry without backoff: enough to replace a pooled connection that a Redis restart
+        # closed, without multiplying the wait when Redis is down. Two clients: the reader's
+        # blocking XREAD must not hold up the publisher.
+        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
+        self._writer = aioredis.from_url(url, **options)
+        self._reader = aioredis.from_url(url, **{**options, "socket_timeout": timeout_s + 1.0})
+
+    @staticmethod
+    def check_installed() -> None:
+        try:
+            import redis.asyncio  # noqa: F401
+        except ImportError:
+            raise ConfigError("sessions.redis_url needs the redis package (redis-py): "
+                              "pip install 'pd-plugins[redis]'") from None
+
+    async def append(self, payload: bytes) -> None:
+        async with self._writer.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.key, {self.FIELD: payload}, maxlen=self.stream_len, approximate=True)
+            pipe.pexpire(self.key, self.ttl_ms)
+            await pipe.execute()
+
+    async def last_id(self) -> str:
+        """The newest entry's id ("0-0" for an empty or missing stream)."""
+        newest = await self._writer.xrevrange(self.key, count=1)
+        return newest[0][0].decode() if newest else "0-0"
+
+    async def read(self, after: str, block_ms: int, count: int = 200) -> list[tuple[str, bytes]]:
+        answer = await self._reader.xread({self.key: after}, count=count, block=block_ms)
+        return [(entry_id.decode(), fields.get(self.FIELD, b""))
+                for _, entries in answer or () for entry_id, fields in entries]
+
+    async def aclose(self) -> None:
+        for client in (self._writer, self._reader):
+            try:
+                await client.aclose()
+            except Exception:  # noqa: BLE001 - closing a dead connection
+                pass
+
+
+def _id(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+class ReplicaSync:
+    """This replica's channels kept in step with the other replicas' through a RedisLog."""
+
+    def __init__(self, log_: RedisLog, replica_id: str | None = None, interval_s: float = 0.05,
+                 retry_after_s: float = 1.0, log_every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.log, self.channels = log_, {}
+        self.replica_id = replica_id or uuid.uuid4().hex[:8]
+        self.interval_s, self.retry_after_s, self.log_every_s = interval_s, retry_after_s, log_every_s
+        self.clock = clock
+        self.timeout_s = log_.timeout_s
+        self.counts = {"published": 0, "applied": 0, "error": 0, "unreadable": 0}
+        self.up = False
+        self.peers: dict[str, float] = {}  # replica id -> when an entry of it was last applied
+        self._last_id = "0-0"
+        self._live_from: tuple[int, int] | None = None  # entries up to this id are history
+        self._logged_at = -math.inf
+        self._tasks: list[asyncio.Task] = []
+
+    def add(self, channel: Channel) -> Channel:
+        if channel.name in self.channels:
+            raise ConfigError(f"replica sync: two channels named {channel.name!r}")
+        self.channels[channel.name] = channel
+        return channel
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the background tasks; never waits for Redis longer than a few timeouts."""
+        self._tasks = [asyncio.create_task(self._publisher(), name="replica-sync-publish"),
+                       asyncio.create_task(self._reader(), name="replica-sync-read")]
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:  # the last changes, briefly
+            await asyncio.wait_for(self._publish_once(), self.timeout_s)
+        except Exception:  # noqa: BLE001
+            pass
+        await self.log.aclose()
+
+    # -- publishing -------------------------------------------------------------------------
+    async def _publisher(self) -> None:
+        retry_at = -math.inf
+        while True:
+            await asyncio.sleep(self.interval_s)
+            now = self.clock()
+            for channel in self.channels.values():
+                channel.tick(now)  # peers' loads expire even while Redis is down
+            for peer in [p for p, t in self.peers.items() if now - t > PEER_FORGET_S]:
+                del self.peers[peer]  # replicas that left (each start takes a new id)
+            if now < retry_at:
+                continue
+            try:
+                await asyncio.wait_for(self._publish_once(), self.timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any Redis trouble: local state only
+                self._failed(exc)
+                retry_at = now + self.retry_after_s
+
+    async def _publish_once(self) -> None:
+        now = self.clock()
+        batch: dict[str, list] = {}
+        for name, channel in self.channels.items():
+            items = channel.take(now)
+            if items is not None:
+                batch[name] = items
+        if not batch:
+            return
+        try:
+            await self.log.append(_encode(_Entry(self.replica_id, batch)))
+        except BaseException:
+            for name, items in batch.items():
+                self.channels[name].put_back(items)
+            raise
+        self.counts["published"] += 1
+        self._succeeded()
+
+    # -- reading ----------------------------------------------------------------------------
+    async def _reader(self) -> None:
+        block_ms = max(1, int(self.interval_s * 2000))
+        while True:
+            try:
+                if self._live_from is None:  # at start and after an outage: where history ends
+                    self._live_from = _id(await asyncio.wait_for(self.log.last_id(), self.timeout_s))
+                entries = await asyncio.wait_for(self.log.read(self._last_id, block_ms),
+                                                 self.timeout_s + block_ms / 1000)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc)
+                self._live_from = None
+                await asyncio.sleep(self.retry_after_s)
+                continue
+            self._succeeded()
+            for entry_id, payload in entries:
+                self._last_id = entry_id
+                self._apply(entry_id, payload)
+
+    def _apply(self, entry_id: str, payload: bytes) -> None:
+        try:
+            entry = _decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.counts["unreadable"] += 1
+            return
+        if entry.origin == self.replica_id:
+            return
+        now = self.clock()
+        live = self._live_from is None or _id(entry_id) > self._live_from
+        if live:
+            self.peers[entry.origin] = now
+        for name, items in entry.channels.items():
+            channel = self.channels.get(name)  # a channel this replica lacks: not its concern
+            if channel is None or (channel.live_only and not live):
+                continue
+            try:
+                channel.apply(entry.origin, items, now)
+            except (TypeError, ValueError, IndexError) as exc:  # a replica of another version
+                self.counts["unreadable"] += 1
+                log.debug("replica %s: unreadable %s entry: %s", entry.origin, name, exc)
+        self.counts["applied"] += 1
+
+    # -- failures ---------------------------------------------------------------------------
+    def _failed(self, exc: BaseException) -> None:
+        now = self.clock()
+        self.counts["error"] += 1
+        self.up = False
+        if now - self._logged_at >= self.log_every_s:
+            self._logged_at = now
+            reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
+            log.warning("replica sync through Redis %s failed (%s); routing from this router's own "
+                        "state (%d errors so far; logged at most once a minute)",
+                        redacted(self.log.url), reason, self.counts["error"])
+
+    def _succeeded(self) -> None:
+        if not self.up:
+            self.up = True
+            log.info("replica sync through Redis %s up (replica %s)", redacted(self.log.url), self.replica_id)
+
+    def collector(self) -> "SyncCollector":
+        return SyncCollector(self)
+
+
+class SyncCollector:
+    """/metrics: the sync's counters, whether Redis answers, and how many peers spoke lately."""
+
+    def __init__(self, sync: ReplicaSync) -> None:
+        self.sync = sync
+
+    def collect(self):
+        sync = self.sync
+        events = CounterMetricFamily("pd_router_replica_sync_events", "Replica sync: entries "
+                                     "published and applied, Redis errors, unreadable entries",
+                                     labels=["event"])
+        for event, count in sync.counts.items():
+            events.add_metric([event], count)
+        yield events
+        yield GaugeMetricFamily("pd_router_replica_sync_up", "1 while the last Redis command of "
+                                "the replica sync succeeded", value=1.0 if sync.up else 0.0)
+        recent = sum(1 for t in sync.peers.values() if sync.clock() - t < 10.0)
+        yield GaugeMetricFamily("pd_router_replica_peers", "Other replicas heard from in the "
+                                "last 10 s", value=recent)
+
+
+def redacted(url: str) -> str:
+    """The URL without a password (redis://user:secret@host -> redis://user:***@host)."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
+
+
+
+def replica_sync_for(spec) -> ReplicaSync:
+    """The sync a router's `sessions` section asks for (redis_url set); channels are added by
+    the router (loads) and its model groups (pins, prefixes)."""
+    return ReplicaSync(RedisLog(spec.redis_url, spec.redis_prefix + "replicas", spec.redis_timeout_s,
+                                spec.redis_stream_len, spec.ttl_s),
+                       interval_s=spec.sync_interval_s)
