@@ -79,12 +79,13 @@ class VllmServer(ManagedProcess):
     extra_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     side_channel_port: int = field(default_factory=free_port)
+    served_model_name: str = "tiny"
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "pd_plugins.launcher", "serve", str(self.model),
                "--host", "127.0.0.1", "--port", str(self.port),
-               "--served-model-name", "tiny", *COMMON_SERVER_ARGS, *DEVICE_SERVER_ARGS[DEVICE],
-               *self.extra_args]
+               "--served-model-name", self.served_model_name, *COMMON_SERVER_ARGS,
+               *DEVICE_SERVER_ARGS[DEVICE], *self.extra_args]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
         return cmd

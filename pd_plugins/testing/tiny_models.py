@@ -169,18 +169,7 @@ def ensure_tiny_model(name: str) -> Path:
     target = cache_root() / f"{name}-{recipe_hash(name)}"
     if (target / "config.json").exists() and (target / "tokenizer.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        build_model(name, staging)
-        try:
-            staging.rename(target)  # atomic: a concurrent builder's copy wins, ours is dropped
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return _build_cached(target, lambda staging: build_model(name, staging))
 
 
 def greedy_diversity(model_dir: Path, prompt: str, new_tokens: int = 32) -> int:
@@ -196,6 +185,86 @@ def greedy_diversity(model_dir: Path, prompt: str, new_tokens: int = 32) -> int:
     return len(set(out[0, ids.shape[1] :].tolist()))
 
 
+# LoRA adapters on the tiny models: name -> (base model, seed). Rank 8 on q_proj and v_proj with
+# random non-zero A and B (a trained adapter starts with B = 0, which would change nothing), so
+# each adapter's greedy output differs from the base model's and from the other adapter's.
+LORA_RANK = 8
+LORA_TARGETS = ("q_proj", "v_proj")
+ADAPTER_RECIPES: dict[str, tuple[str, int]] = {
+    "tiny-lora-a": ("tiny-llama", 1),
+    "tiny-lora-b": ("tiny-llama", 2),
+}
+
+
+def adapter_hash(name: str) -> str:
+    base, seed = ADAPTER_RECIPES[name]
+    recipe = {"v": RECIPE_VERSION, "base": recipe_hash(base), "seed": seed, "rank": LORA_RANK,
+              "targets": LORA_TARGETS}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def lora_shapes(base_config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(out, in) of each target projection, from the base model's config."""
+    hidden = base_config["hidden_size"]
+    head_dim = base_config.get("head_dim") or hidden // base_config["num_attention_heads"]
+    return {"q_proj": (base_config["num_attention_heads"] * head_dim, hidden),
+            "v_proj": (base_config["num_key_value_heads"] * head_dim, hidden)}
+
+
+def build_adapter(name: str, base_dir: Path, out_dir: Path) -> None:
+    """A PEFT-format LoRA adapter (adapter_config.json + adapter_model.safetensors), no peft needed."""
+    import torch
+    from safetensors.torch import save_file
+
+    _, seed = ADAPTER_RECIPES[name]
+    base_config = json.loads((base_dir / "config.json").read_text())
+    shapes = lora_shapes(base_config)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(base_config["num_hidden_layers"]):
+        for module in LORA_TARGETS:
+            out_features, in_features = shapes[module]
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = torch.randn(LORA_RANK, in_features, generator=generator)
+            b = torch.randn(out_features, LORA_RANK, generator=generator)
+            tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"] = 0.2 * a, 0.2 * b
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": 2 * LORA_RANK,
+              "lora_dropout": 0.0, "target_modules": list(LORA_TARGETS), "bias": "none",
+              "base_model_name_or_path": str(base_dir), "fan_in_fan_out": False,
+              "inference_mode": True}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+def _build_cached(target: Path, build) -> Path:
+    """Build into a staging folder beside `target` and rename it into place (safe across processes)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        build(staging)
+        try:
+            staging.rename(target)  # atomic: a concurrent builder's copy wins, ours is dropped
+        except OSError:
+            if not target.exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def ensure_tiny_adapter(name: str) -> Path:
+    """Path of the cached LoRA adapter `name` (building its base model and it first if needed)."""
+    if name not in ADAPTER_RECIPES:
+        raise KeyError(f"unknown tiny adapter {name!r}; known: {', '.join(ADAPTER_RECIPES)}")
+    base_dir = ensure_tiny_model(ADAPTER_RECIPES[name][0])
+    target = cache_root() / f"{name}-{adapter_hash(name)}"
+    if (target / "adapter_config.json").exists():
+        return target
+    return _build_cached(target, lambda staging: build_adapter(name, base_dir, staging))
+
+
 if __name__ == "__main__":
     for model_name in MODEL_RECIPES:
         print(model_name, ensure_tiny_model(model_name))
+    for adapter_name in ADAPTER_RECIPES:
+        print(adapter_name, ensure_tiny_adapter(adapter_name))
