@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: bootstrap demo test test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm clean
+.PHONY: bootstrap demo test test-full test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -14,6 +14,11 @@ demo: bootstrap
 # Both test tiers (tests/tiers.py): everything but the GPU lane.
 test: bootstrap
 	$(PYTEST) --durations=25 tests
+
+# The whole e2e matrix: also the cells CI leaves out because another cell proves the same behaviour
+# (tests/e2e/deployments.py FULL_MATRIX); a few minutes longer than `make test`.
+test-full: bootstrap
+	PD_TEST_FULL=1 $(PYTEST) --durations=25 tests
 
 # The fast tier, for everyday work: every test that starts no process (no servers, no
 # subprocesses), 1 to 2 minutes on 2 cores. The `processes` tier (tests/router, tests/e2e,

@@ -143,6 +143,9 @@ class PdConfig:
 # keep_cpu_affinity). PD_TEST_PUSH=0 / PD_TEST_CONCURRENT_PULL=0 still switch them off.
 PUSH_ENABLED = os.environ.get("PD_TEST_PUSH", "1") == "1"
 CONCURRENT_PULL_ENABLED = os.environ.get("PD_TEST_CONCURRENT_PULL", "1") == "1"
+# The whole matrix (`make test-full`): cells that repeat a behaviour another cell already proves in
+# CI (same connector and mode on another model) run only here, to keep CI under its time budget.
+FULL_MATRIX = os.environ.get("PD_TEST_FULL", "0") == "1"
 
 
 def skip_concurrent_pull_if_off(config: PdConfig) -> None:
@@ -150,11 +153,15 @@ def skip_concurrent_pull_if_off(config: PdConfig) -> None:
         pytest.skip("concurrent pull switched off (PD_TEST_CONCURRENT_PULL=0)")
 
 
-def pd_param(config: PdConfig):
-    """A PdConfig as a pytest parameter, skipped when push mode is switched off (PUSH_ENABLED)."""
-    skip = pytest.mark.skipif(config.mode == "push" and not PUSH_ENABLED,
-                              reason="push e2e switched off (PD_TEST_PUSH=0)")
-    return pytest.param(config, marks=skip, id=config.id)
+def pd_param(config: PdConfig, full_matrix_only: bool = False):
+    """A PdConfig as a pytest parameter, skipped when push mode is switched off (PUSH_ENABLED);
+    `full_matrix_only`: a cell that runs only in the full matrix (FULL_MATRIX)."""
+    marks = [pytest.mark.skipif(config.mode == "push" and not PUSH_ENABLED,
+                                reason="push e2e switched off (PD_TEST_PUSH=0)")]
+    if full_matrix_only:
+        marks.append(pytest.mark.skipif(not FULL_MATRIX, reason="full matrix only: "
+                                        "PD_TEST_FULL=1 (make test-full)"))
+    return pytest.param(config, marks=marks, id=config.id)
 
 
 @dataclass
