@@ -27,6 +27,7 @@ import pytest
 import yaml
 
 from pd_plugins.connectors.registry import VLLM_CONNECTORS
+from pd_plugins.routers.config import ModelSpec, default_discovery_label, is_label_value
 from pd_plugins.testing.tiny_models import ensure_tiny_model
 from pd_plugins.transfer import options
 
@@ -262,9 +263,10 @@ def test_discovery_labels_annotations_and_rbac(overlay: str) -> None:
         env, vllm_args = environment(vllm), expanded_args(vllm)
         assert all(labels.get(k) == v for k, v in selector.items()), engine["metadata"]["name"]
         roles.add(labels["pd.role"])
-        # discovery's default model label: the model's name with [^A-Za-z0-9._-] as '-'
+        # discovery's default model label (the router's own rule), a valid label value
         served = flag(vllm_args, "--served-model-name")
-        assert labels["pd.model"] == re.sub(r"[^A-Za-z0-9._-]", "-", served)
+        assert labels["pd.model"] == default_discovery_label(served)
+        assert is_label_value(labels["pd.model"])
         ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
         assert int(notes["pd-plugins.io/http-port"]) == ports["http"] == int(flag(vllm_args, "--port"))
         assert int(notes["pd-plugins.io/kv-port"]) == int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["nixl"]
@@ -278,7 +280,7 @@ def test_discovery_labels_annotations_and_rbac(overlay: str) -> None:
     config = yaml.safe_load(named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["router.yaml"])
     pod_models = {e["spec"]["template"]["metadata"]["labels"]["pd.model"] for e in engines(objects)}
     if "models" in config:
-        assert {m.get("discovery_label") or re.sub(r"[^A-Za-z0-9._-]", "-", m["name"])
+        assert {ModelSpec(name=m["name"], discovery_label=m.get("discovery_label")).pod_label
                 for m in config["models"]} == pod_models
     else:
         assert len(pod_models) == 1

@@ -1,0 +1,339 @@
+"""Router replicas that agree: two pd-router replicas, each taking half of the traffic (the replay
+client is the round-robin load balancer: request i goes to replica i mod 2), sharing pins, loads,
+learned prefixes and latency samples through Redis (routers/replica_sync.py), against one router
+taking all of it.
+Same latency-modelled mocks (2P+2D, KV events to every router), same requests, open loop.
+
+    .venv/bin/python -m bench.replicas            # 3 repeats of each setup: ~25 minutes
+    .venv/bin/python -m bench.replicas --quick    # 1 repeat, fewer requests: ~6 minutes
+
+Workloads: the Mooncake conversation trace (first requests, 3 s bursts spread, 0.6x its rate,
+512-token blocks, clock speedup 2) and generated multi-turn conversations (bench/multi_turn.py's,
+16-token blocks, real time; no session ids sent: the routers detect conversations from their
+prefixes, so a conversation's turns alternate between the replicas unnamed). Setups: one router;
+two replicas sharing through Redis; two replicas sharing nothing (the control: what sharing buys);
+and for the multi-turn workload plain PD (`vllm_kv_aware`, one router), the baseline of the
+turn-2+ TTFT reduction. Reports goodput (requests within the SLO per model second of the trace's
+span), TTFT and turn-2+ TTFT, median and range over the repeats. Writes bench/results/replicas.json,
+docs/img/replicas.png and the "Router replicas" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import aiohttp
+import msgspec
+from tqdm import tqdm
+
+from bench import common
+from bench.multi_turn import replay_requests as conversation_requests
+from pd_plugins.mock.client import collect_engine_stats
+from pd_plugins.perf.replay import ReplayOutcome, ReplayResult, next_turn_outputs, request_body, send_request
+from pd_plugins.perf.report import Slo, percentile, summarize
+from pd_plugins.routers.policy.scheduler import DEFAULT_POLICY
+from pd_plugins.testing.kv_servers import REDIS_SERVER, RedisServer
+from pd_plugins.testing.processes import free_port
+from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
+from pd_plugins.workloads import first_n, load_trace, scale_time, spread_bursts
+
+HARDWARE = "llama-3.1-8b@h100"
+CLUSTER = (2, 2)
+SCRAPE_S = 0.25
+BASELINE = "vllm_kv_aware"
+# name -> (routers, shared through Redis, policy)
+SETUPS = {"one router": (1, False, DEFAULT_POLICY),
+          "two replicas, shared": (2, True, DEFAULT_POLICY),
+          "two replicas, not shared": (2, False, DEFAULT_POLICY),
+          "plain PD, one router": (1, False, BASELINE)}
+WORKLOADS = {
+    # block tokens, clock speedup, SLO, setups
+    "mooncake": dict(block=512, speedup=2.0, slo=Slo(ttft_s=5.0, tpot_s=0.05), send_outputs=False,
+                     setups=("one router", "two replicas, shared", "two replicas, not shared")),
+    "multi_turn": dict(block=16, speedup=1.0, slo=Slo(ttft_s=2.0, tpot_s=0.05), send_outputs=True,
+                       setups=tuple(SETUPS)),
+}
+TARGET = 0.95  # the issue: two replicas reach >= 95% of one router's goodput and TTFT reduction
+RESULTS = common.RESULTS / "replicas.json"
+
+
+def workload_requests(name: str, quick: bool):
+    if name == "mooncake":
+        n = 80 if quick else 200
+        return scale_time(first_n(spread_bursts(load_trace("mooncake_conv"), 3.0), n), 0.6)
+    return conversation_requests(30 if quick else 80, 60 if quick else 160)
+
+
+@contextlib.contextmanager
+def deployment(block: int, speedup: float, policy: str, routers: int, shared: bool,
+               log_dir: Path) -> Iterator[tuple[list[RouterProcess], list[MockEngineProcess]]]:
+    """Modelled mocks publishing KV events to every router; `routers` pd-routers in front of them,
+    sharing through a fresh redis-server when `shared`."""
+    modelled = ("--latency-model", HARDWARE, "--speedup", str(speedup), "--block-size", str(block),
+                "--max-model-len", "200000")
+    engines, workers = [], {"prefill": [], "decode": []}
+    for role, count in zip(("prefill", "decode"), CLUSTER):
+        for i in range(count):
+            events = f"tcp://127.0.0.1:{free_port()}"
+            engines.append(MockEngineProcess(f"{role}{i}", role=role, log_dir=log_dir,
+                                             args=(*modelled, "--kv-events", events)))
+            workers[role].append([*engines[-1].worker_arg(), f"kv_events={events}"])
+    redis = RedisServer(log_dir=log_dir) if shared else None
+    config = {"block_size": block, "health": {"interval_s": 5.0, "metrics_interval_s": SCRAPE_S}}
+    if redis is not None:
+        config["sessions"] = {"redis_url": redis.redis_url, "redis_prefix": "bench:"}
+    fleet = [RouterProcess(f"router{i}", prefill=workers["prefill"], decode=workers["decode"],
+                           args=("--policy", policy, "--log-level", "warning"), log_dir=log_dir,
+                           config=config) for i in range(routers)]
+    try:
+        if redis is not None:
+            redis.start().wait_healthy()
+        for proc in engines:
+            proc.start()
+        for proc in engines:
+            proc.wait_healthy(60)
+        for proc in fleet:
+            proc.start()
+        for proc in fleet:
+            proc.wait_healthy(60)
+        yield fleet, engines
+    finally:
+        for proc in [*fleet, *engines, *([redis] if redis else [])]:
+            proc.stop(grace=5)
+
+
+async def balanced_replay(urls: Sequence[str], requests, speedup: float, timeout_s: float,
+                          mock_outputs: bool, progress=None) -> ReplayResult:
+    """pd_plugins.perf.replay.replay with a round-robin load balancer in front: request i is sent
+    to urls[i % len(urls)] (the turns of one conversation alternate between the replicas)."""
+    loop = asyncio.get_running_loop()
+    outputs = next_turn_outputs(requests) if mock_outputs else False
+    endpoints = [u.rstrip("/") + "/v1/completions" for u in urls]
+    bodies = [msgspec.json.encode(request_body(r, "mock", outputs)) for r in requests]
+    outcomes: list[ReplayOutcome] = []
+    connector = aiohttp.TCPConnector(limit=10_000, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)) as session:
+        start = loop.time()
+        last_end = start
+
+        async def one(i: int, req, body: bytes) -> None:
+            nonlocal last_end
+            due = start + req.arrival_s / speedup
+            if due > loop.time():
+                await asyncio.sleep(due - loop.time())
+            out = ReplayOutcome(req.request_id, req.arrival_s, req.input_tokens, req.output_tokens,
+                                session_id=req.session_id, turn=req.turn)
+            sent = loop.time()
+            out.send_lag_s = max(0.0, sent - due) * speedup
+            try:
+                await asyncio.wait_for(send_request(session, endpoints[i % len(endpoints)], body, out,
+                                                    sent, speedup, loop), timeout_s)
+            except asyncio.TimeoutError:
+                out.status, out.error = "failed", f"no complete answer within {timeout_s:g} s (wall)"
+            except Exception as exc:  # noqa: BLE001 - this request failed
+                out.status, out.error = "failed", f"{type(exc).__name__}: {exc}"
+            last_end = max(last_end, loop.time())
+            outcomes.append(out)
+            if progress is not None:
+                progress(len(outcomes))
+
+        await asyncio.gather(*(one(i, r, b) for i, (r, b) in enumerate(zip(requests, bodies))))
+    outcomes.sort(key=lambda o: o.request_id)
+    wall = last_end - start
+    return ReplayResult(outcomes, wall * speedup, wall, speedup)
+
+
+def _counter(metrics: str, name: str, label: str) -> float:
+    match = re.search(rf'^{name}\{{event="{label}"\}} (\S+)$', metrics, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def run_once(workload: str, setup: str, requests, log_dir: Path) -> dict:
+    w = WORKLOADS[workload]
+    routers, shared, policy = SETUPS[setup]
+    with deployment(w["block"], w["speedup"], policy, routers, shared, log_dir) as (fleet, engines):
+        with tqdm(total=len(requests), desc=f"  {workload}, {setup}", unit="req", leave=False) as bar:
+            result = asyncio.run(balanced_replay([r.url for r in fleet], requests, w["speedup"], 600,
+                                                 w["send_outputs"], lambda done: bar.update(done - bar.n)))
+        stats = asyncio.run(collect_engine_stats([e.url for e in engines]))
+        texts = [r.metrics() for r in fleet]
+    out = summarize(result.outcomes, w["slo"], result.span_s, itl_s=result.itl_s,
+                    cached_tokens=stats["cached_tokens"], computed_tokens=stats["computed_tokens"],
+                    kv_bytes_moved=stats["kv_bytes_moved"])
+    ok = [o for o in result.outcomes if o.status == "ok"]
+    later = [o.ttft_s for o in ok if o.turn > 0]
+    met = sum(1 for o in ok if w["slo"].met(o.ttft_s, o.tpot_s))
+    out.update(goodput_rps=met / result.span_s if result.span_s else 0.0,
+               ttft2_p50=percentile(later, 50), ttft2_p95=percentile(later, 95),
+               later_turns=len(later), appended=sum(1 for o in ok if o.turn > 0 and not o.disaggregated),
+               adopted=sum(_counter(t, "pd_router_session_events_total", "replica_adopted") for t in texts),
+               sync_errors=sum(_counter(t, "pd_router_replica_sync_events_total", "error") for t in texts),
+               max_engine_lag_s=max(s.get("max_lag_s", 0) for s in stats["engines"].values()))
+    return out
+
+
+def spread(runs: list[dict], key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    vals = [r[key] * scale for r in runs if r.get(key) is not None]
+    if not vals:
+        return "-"
+    med = statistics.median(vals)
+    return f"{fmt.format(med)} ({fmt.format(min(vals))}-{fmt.format(max(vals))})"
+
+
+def med(runs: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def verdicts(results: dict) -> list[str]:
+    out = []
+    for workload, by_setup in results["runs"].items():
+        one, two = by_setup.get("one router"), by_setup.get("two replicas, shared")
+        if not one or not two:
+            continue
+        ratio = med(two, "goodput_rps") / med(one, "goodput_rps") if med(one, "goodput_rps") else None
+        line = f"{workload}: two shared replicas reach {ratio:.0%} of one router's goodput" if ratio is not None \
+            else f"{workload}: goodput 0 for one router"
+        met = ratio is not None and ratio >= TARGET
+        base = by_setup.get("plain PD, one router")
+        if base and med(base, "ttft2_p50"):
+            cut_one = 1 - med(one, "ttft2_p50") / med(base, "ttft2_p50")
+            cut_two = 1 - med(two, "ttft2_p50") / med(base, "ttft2_p50")
+            kept = cut_two / cut_one if cut_one > 0 else None
+            line += (f"; turn-2+ TTFT p50 cut against plain PD: one router {cut_one:.0%}, two shared "
+                     f"replicas {cut_two:.0%}" + (f" ({kept:.0%} of it)" if kept is not None else ""))
+            met = met and kept is not None and kept >= TARGET
+        unshared = by_setup.get("two replicas, not shared")
+        if unshared and med(unshared, "ttft2_p50") and med(two, "ttft2_p50"):
+            line += (f"; without sharing, turn-2+ TTFT p50 {med(unshared, 'ttft2_p50') * 1e3:.0f} ms "
+                     f"against {med(two, 'ttft2_p50') * 1e3:.0f} ms shared")
+        out.append(f"{line}: target {'met' if met else 'missed'}.")
+    return out
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = ["<!-- replicas:start -->", "## Router replicas", "",
+             f"Written by `bench/replicas.py{' --quick' if meta['quick'] else ''}` on {meta['date']} "
+             f"({meta['machine']}), {meta['wall_min']:.1f} min, {meta['repeats']} repeat(s) of each setup.", "",
+             f"{CLUSTER[0]}P+{CLUSTER[1]}D `pd-mock-engine --latency-model {HARDWARE}` (KV events to every "
+             "router), replayed open loop through a round-robin load balancer in the replay client "
+             "(request i to replica i mod 2: a conversation's turns alternate between the replicas, "
+             f"and no session ids are sent, so the routers detect conversations from their prefixes). "
+             f"Policy `{DEFAULT_POLICY}` (pd-router's default); plain PD is `{BASELINE}`. \"Shared\": "
+             "pins, in-flight loads, learned prefixes and latency samples through one Redis "
+             "(routers/replica_sync.py, "
+             "50 ms batches); \"not shared\": the same two replicas without Redis, the control. "
+             f"Mooncake: the first {meta['requests']['mooncake']} requests of its conversation trace at "
+             "0.6x rate, 512-token blocks, clock speedup 2, SLO TTFT 5 s / TPOT 50 ms. Multi-turn: the "
+             f"first {meta['requests']['multi_turn']} turns of bench/multi_turn.py's conversations, "
+             "16-token blocks, real time, SLO TTFT 2 s / TPOT 50 ms. Goodput: requests within the SLO "
+             "per model second of the replay's span (one rate, not a sweep). Cells: median (min-max) "
+             "over the repeats; times in model seconds.", "",
+             "| workload | setup | goodput (req/s) | TTFT p50 (s) | TTFT p90 (s) | turn-2+ TTFT p50 (ms) "
+             "| turn-2+ TTFT p95 (ms) | appended turns | rejected | pins adopted | Redis errors |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for workload, by_setup in results["runs"].items():
+        for setup, runs in by_setup.items():
+            ttft50 = [r["ttft_s"]["p50"] for r in runs]
+            ttft90 = [r["ttft_s"]["p90"] for r in runs]
+            lines.append(
+                f"| {workload} | {setup} | {spread(runs, 'goodput_rps')} | "
+                f"{statistics.median(ttft50):.3f} ({min(ttft50):.3f}-{max(ttft50):.3f}) | "
+                f"{statistics.median(ttft90):.3f} ({min(ttft90):.3f}-{max(ttft90):.3f}) | "
+                f"{spread(runs, 'ttft2_p50', 1e3, '{:.0f}')} | {spread(runs, 'ttft2_p95', 1e3, '{:.0f}')} | "
+                f"{spread(runs, 'appended', 1, '{:.0f}')}/{runs[0]['later_turns']} | "
+                f"{spread(runs, 'rejected', 1, '{:.0f}')}/{runs[0]['requests']} | "
+                f"{spread(runs, 'adopted', 1, '{:.0f}')} | {spread(runs, 'sync_errors', 1, '{:.0f}')} |")
+    lines += [""] + [f"- {v}" for v in verdicts(results)]
+    lines += ["", "Reading it. Mooncake: what decides goodput here is the `slo` admission, which "
+              "estimates TTFT from the learned latency fit (policy/latency_model.py). Until a fit has 8 "
+              "prefill samples it uses the prior (0.2 ms per token: every prompt over ~7k tokens "
+              "\"misses\" the 1.5 s target), and a rejected request teaches it nothing. Replicas that "
+              "each learned only from their own legs stayed on the prior twice as long: in the first "
+              "measurement (one `--quick` run) they rejected 18 of 80 requests against one router's 6 "
+              "and reached 83% of its goodput. Replicas now share their latency samples too "
+              "(replica_channels.py, LatencyChannel), so each fits all the legs and they reject the "
+              "same requests as one router; the unshared control still shows the old gap.",
+              "",
+              "Multi-turn: the replicas route almost as one router does (76 of 80 later turns appended "
+              "on their conversation's decode worker against 78, the same cache hit rate), yet their "
+              "turn-2+ TTFT is 5-6 ms higher than one router's in every repeat, Redis or not, so the "
+              "target (95% of one router's TTFT cut) is missed. The extra time is the router's own "
+              "(client TTFT less the mocks' engine time: about 4 ms for one router, 5 ms for two "
+              "replicas without Redis, 7 ms with it, in one `--quick` run), not the engines'. Its cause "
+              "is not pinned down: one router with an idle second router hearing the same KV events "
+              "was inconclusive (two `--quick` pairs: -2 ms and +6 ms at p50 on a busy machine). Redis sharing itself costs each replica about 1.5-2.5 s of CPU per "
+              "100-second run (redis-py without hiredis; a batch every 50 ms while loads change). "
+              "With TTFTs of 20-40 ms these milliseconds are tens of percent of the ratio."]
+    lags = [r["max_engine_lag_s"] for by in results["runs"].values() for runs in by.values() for r in runs]
+    lines += ["", f"Largest lag of a mock behind its model clock: {max(lags):.3f} s. This machine "
+              "(2 cores) was shared with other test runs while this ran: single runs move by tens of "
+              "percent, so compare the ranges, not only the medians. Two replicas are two more "
+              "processes on the same 2 cores as the mocks, so their own overhead is in the numbers.",
+              "", "![router replicas](img/replicas.png)", "", "<!-- replicas:end -->"]
+    return "\n".join(lines) + "\n"
+
+
+def render() -> int:
+    results = json.loads(RESULTS.read_text())
+    common.write_section("replicas", markdown(results))
+    py = common.plot_python()
+    if py is not None:
+        subprocess.run([str(py), str(common.ROOT / "bench" / "replicas_plot.py"), str(RESULTS),
+                        str(common.IMG)], check=True)
+    print("wrote docs/benchmarks.md and docs/img/replicas.png")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--render", action="store_true", help="only redo the section from the last results")
+    args = parser.parse_args()
+    if args.render:
+        return render()
+    if REDIS_SERVER is None:
+        print("redis-server is not installed (apt-get install redis-server)", file=sys.stderr)
+        return 2
+    repeats = args.repeats or (1 if args.quick else 3)
+    started = time.monotonic()
+    names = [w for w in args.workloads.split(",") if w]
+    requests = {w: workload_requests(w, args.quick) for w in names}
+    results = {"meta": {"date": dt.date.today().isoformat(), "machine": common.machine(),
+                        "quick": args.quick, "repeats": repeats,
+                        "requests": {w: len(r) for w, r in requests.items()}},
+               "runs": {w: {s: [] for s in WORKLOADS[w]["setups"]} for w in names}}
+    with tempfile.TemporaryDirectory(prefix="replicas-") as log_dir:
+        for i in range(repeats):  # setups interleaved, so that machine noise hits each alike
+            for w in names:
+                for setup in WORKLOADS[w]["setups"]:
+                    r = run_once(w, setup, requests[w], Path(log_dir))
+                    results["runs"][w][setup].append(r)
+                    print(f"[{i + 1}/{repeats}] {w}, {setup}: goodput {r['goodput_rps']:.2f} req/s, TTFT p50 "
+                          f"{r['ttft_s']['p50']:.3f} s, turn-2+ p50 "
+                          f"{(r['ttft2_p50'] or 0) * 1e3:.0f} ms, adopted {r['adopted']:.0f}, "
+                          f"failed {r['failed']}, rejected {r['rejected']}", flush=True)
+    results["meta"]["wall_min"] = (time.monotonic() - started) / 60
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results))
+    return render()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
