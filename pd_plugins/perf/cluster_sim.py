@@ -12,6 +12,13 @@ usage by a scrape every `scrape_interval_s`; prefix residency either from KV eve
 instances' cache stores and evictions, at once) or from its own routing history (`routed`).
 All instances cache at the trace's prefix-block size (512 tokens), the granularity its hashes
 have. Deterministic: the same inputs and seed give the same result.
+
+Role changes over time (live planning): instances can move between the prefill and decode pools,
+at set times (`SimConfig.role_changes`) or as a controller decides from each window's traffic
+(`SimConfig.role_controller`, called every `control_interval_s`). A move is what the router's
+`POST /admin/workers/role` does: the worker stops taking new requests of its old role, finishes
+what it holds (every request routed to it, a decode chosen while its prefill runs included), then
+joins the other pool with its KV cache as it was (the engine is kv_both: no restart).
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from pd_plugins.workloads.experts import ExpertMixes
 from pd_plugins.workloads.trace import HASH_BLOCK_SIZE
 
 PrefixSource = Literal["events", "routed"]
+Role = Literal["prefill", "decode"]
 
 
 @dataclass(slots=True)
@@ -52,8 +60,10 @@ class RequestOutcome:
     tpot_s: float | None = None      # mean time per output token after the first
     e2e_s: float | None = None
     disaggregated: bool = True
-    prefill: int | None = None       # instance indices
+    prefill: int | None = None       # instance indices (within the role the instance began in)
     decode: int | None = None
+    prefill_url: str | None = None   # the instances by name: unambiguous once roles change
+    decode_url: str | None = None
     cached_tokens: int = 0           # prompt tokens the computing instance had cached
     transfer_tokens: int = 0         # tokens of KV moved prefill -> decode
     prefill_leg_s: float | None = None   # where the TTFT went: the prefill engine's share ...
@@ -85,6 +95,44 @@ class SimConfig:
     # (`TraceRequest.block_tokens`; run() refuses requests hashed at another size)
     block_tokens: int = HASH_BLOCK_SIZE
     seed: int = 0
+    # live role changes: moves at set times, and/or a controller called every control interval
+    # with that window's traffic, returning the split it wants (None: keep the current one)
+    role_changes: tuple[RoleChange, ...] = ()
+    role_controller: Callable[[TrafficWindow], tuple[int, int] | None] | None = None
+    control_interval_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class RoleChange:
+    """Move the instance first named `url` (e.g. "http://sim-decode-3") to role `to` at `at_s`."""
+
+    at_s: float
+    url: str
+    to: Role
+
+
+@dataclass(frozen=True)
+class TrafficWindow:
+    """What a controller sees at `end_s`: the requests that arrived in [start_s, end_s), those
+    that ended in it, and the split with moves in progress counted at their destination."""
+
+    start_s: float
+    end_s: float
+    arrivals: list[TraceRequest]
+    ended: list[RequestOutcome]
+    prefill: int
+    decode: int
+    moving: int
+
+
+@dataclass(slots=True)
+class RoleMove:
+    url: str
+    from_role: Role
+    to: Role
+    asked_at_s: float
+    drained: int                    # requests it still held when asked
+    done_at_s: float | None = None  # when it began serving its new role (None: still draining)
 
 
 @dataclass
@@ -96,6 +144,9 @@ class SimResult:
     prompt_tokens_cached: int
     kv_bytes_moved: float
     instance_busy_s: dict[str, float] = field(default_factory=dict)
+    role_moves: list[RoleMove] = field(default_factory=list)
+    # (time, prefill, decode) each time the serving split changed, from (0, initial split)
+    split_log: list[tuple[float, int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -113,6 +164,8 @@ class _Flight:
 
 def latency_priors(hw: Hardware) -> LatencySpec:
     """The priors an operator would configure for this hardware (the router refits them online)."""
+    if hasattr(hw, "latency_priors"):  # a router's calibration (perf/calibration.py): its fit
+        return hw.latency_priors()
     per_token = hw.prefill_s(2048) - hw.prefill_s(1024)
     return LatencySpec(prefill_base_s=max(0.0, hw.prefill_s(1024) - 1024 * per_token / 1024),
                        prefill_per_token_s=per_token / 1024,
@@ -157,6 +210,15 @@ class ClusterSim:
         self.sessions = (SessionTable(c.sessions, clock=lambda: self._now)
                          if self.scheduler.uses_sessions else None)
         self._output_keys: dict[int, tuple[int, ...]] = {}
+        # live role changes: requests routed to each worker and not ended yet (a decode chosen
+        # while its prefill runs counts), the moves in progress, what each window saw
+        self._held: dict = {}
+        self._moving: dict = {}  # old worker -> its RoleMove, while it drains
+        self.role_moves: list[RoleMove] = []
+        self.split_log = [(0.0, c.prefill_instances, c.decode_instances)]
+        self._window_arrivals: list[TraceRequest] = []
+        self._window_ended: list[RequestOutcome] = []
+        self._window_start = 0.0
 
     # -- the event loop ----------------------------------------------------------------------
     def _at(self, t: float, action: Callable, *args) -> None:
@@ -175,6 +237,10 @@ class ClusterSim:
             self._at(r.arrival_s, self._arrive, r)
         if self.config.scrape_interval_s > 0:
             self._at(0.0, self._scrape)
+        for change in self.config.role_changes:
+            self._at(change.at_s, self._role_change, change)
+        if self.config.role_controller is not None:
+            self._at(self.config.control_interval_s, self._control)
         outcomes: list[RequestOutcome] = []
         self._outcomes, self._progress = outcomes, progress
         now = 0.0
@@ -187,7 +253,7 @@ class ClusterSim:
         return SimResult(self.config, outcomes, now,
                          sum(i.prefill_tokens_computed for i in insts),
                          sum(i.prompt_tokens_cached for i in insts), self.kv_bytes_moved,
-                         {i.name: i.busy_s for i in insts})
+                         {i.name: i.busy_s for i in insts}, self.role_moves, self.split_log)
 
     def _kick(self, inst: EngineInstance, now: float) -> None:
         if inst.in_step:
@@ -203,8 +269,81 @@ class ClusterSim:
             worker.kv_usage = inst.kv_usage
         self._at(now + self.config.scrape_interval_s, self._scrape)
 
+    # -- role changes ------------------------------------------------------------------------
+    def _split(self) -> tuple[int, int]:
+        """(prefill, decode) with moves in progress counted at their destination."""
+        counts = {"prefill": 0, "decode": 0}
+        for worker in self.pool:
+            move = self._moving.get(worker)
+            counts[move.to if move else worker.role] += 1
+        return counts["prefill"], counts["decode"]
+
+    def _role_change(self, now: float, change: RoleChange) -> None:
+        inst = next((i for i in self.workers if i.name == change.url), None)
+        if inst is None:
+            raise ValueError(f"role change for unknown instance {change.url}")
+        self._move(now, self.workers[inst], change.to)
+
+    def _move(self, now: float, worker, to: Role) -> bool:
+        """Start moving `worker` to `to`; refused (False), as the router answers 409, when it
+        already serves that role or is moving, or when it is the last of its pool."""
+        if worker.role == to or worker in self._moving:
+            return False
+        if sum(1 for w in self.pool.by_role(worker.role) if w not in self._moving) <= 1:
+            return False
+        move = RoleMove(worker.url, worker.role, to, now, self._held.get(worker, 0))
+        self._moving[worker] = move
+        self.role_moves.append(move)
+        worker.draining = True  # the scheduler no longer picks it for its old role
+        self._drained(now, worker)
+        return True
+
+    def _hold(self, now: float, worker, n: int) -> None:
+        self._held[worker] = self._held.get(worker, 0) + n
+        if n < 0:
+            self._drained(now, worker)
+
+    def _drained(self, now: float, worker) -> None:
+        """Once a moving worker holds nothing of its old role: serve the new one."""
+        move = self._moving.get(worker)
+        if move is None or self._held.get(worker, 0) > 0:
+            return
+        del self._moving[worker]
+        inst = self.instances[worker]  # the old Worker keeps mapping here: late KV releases
+        self.pool.remove(worker.url, worker.role)
+        new = self.pool.add(WorkerSpec(url=worker.url), move.to)
+        new.ever_up = True
+        new.engine_waiting, new.engine_running, new.kv_usage = (
+            worker.engine_waiting, worker.engine_running, worker.kv_usage)
+        self.workers[inst] = new
+        self.instances[new] = inst
+        c = self.config
+        inst.max_batched_tokens = (c.decode_max_batched_tokens or c.max_batched_tokens
+                                   if move.to == "decode" else c.max_batched_tokens)
+        move.done_at_s = now
+        self.split_log.append((now, *self._split()))
+
+    def _control(self, now: float) -> None:
+        prefill, decode = self._split()
+        window = TrafficWindow(self._window_start, now, self._window_arrivals, self._window_ended,
+                               prefill, decode, len(self._moving))
+        self._window_arrivals, self._window_ended, self._window_start = [], [], now
+        want = self.config.role_controller(window)
+        if want is not None:
+            to_prefill = max(1, min(prefill + decode - 1, want[0])) - prefill
+            source: Role = "decode" if to_prefill > 0 else "prefill"
+            for _ in range(abs(to_prefill)):
+                # the one holding the least work of its old role drains soonest
+                idle = sorted((w for w in self.pool.by_role(source) if w not in self._moving),
+                              key=lambda w: (self._held.get(w, 0), w.url))
+                if not idle or not self._move(now, idle[0], "prefill" if to_prefill > 0 else "decode"):
+                    break
+        self._at(now + self.config.control_interval_s, self._control)
+
     # -- a request's life --------------------------------------------------------------------
     def _arrive(self, now: float, r: TraceRequest) -> None:
+        if self.config.role_controller is not None:
+            self._window_arrivals.append(r)
         info = RequestInfo(prompt_tokens=r.input_tokens, block_keys=list(r.full_block_hashes()),
                            max_tokens=r.output_tokens, session_id=r.session_id)
         outcome = RequestOutcome(r.request_id, r.arrival_s, r.input_tokens, r.output_tokens,
@@ -221,6 +360,8 @@ class ClusterSim:
             return
         flight.decision = decision
         outcome.decode = self.instances[decision.decode].index
+        outcome.decode_url = decision.decode.url
+        self._hold(now, decision.decode, 1)
         if decision.prefill is None:
             outcome.disaggregated = False
             flight.decode_charge = accounting.decode_started(decision.decode, info)
@@ -228,6 +369,8 @@ class ClusterSim:
             self._submit(flight, decision.decode, "local", r.output_tokens, now + self.config.leg_network_s)
             return
         outcome.prefill = self.instances[decision.prefill].index
+        outcome.prefill_url = decision.prefill.url
+        self._hold(now, decision.prefill, 1)
         flight.charge = accounting.prefill_started(self.ctx, decision.prefill, info)
         flight.prefill_sent_at = now
         flight.prefill_leg = self._submit(flight, decision.prefill, "prefill", 1,
@@ -275,10 +418,15 @@ class ClusterSim:
         if mixes is not None and self.scheduler.uses_expert_signatures:
             # the prefill's answer carries the prompt's expert signature: choose the decode again
             info.expert_histogram = mixes.histogram(flight.trace.request_id, info.prompt_tokens)
+            before = flight.decision.decode
             flight.decision = self.scheduler.rebind_decode(info, flight.decision)
+            self._hold(now, flight.decision.decode, 1)
+            self._hold(now, before, -1)
             flight.outcome.decode = self.instances[flight.decision.decode].index
+            flight.outcome.decode_url = flight.decision.decode.url
         decode = flight.decision.decode
         flight.decode_charge = accounting.decode_started(decode, info)
+        self._hold(now, worker, -1)
         # The answer travels back to the router, the decode leg out to the decode engine.
         self._submit(flight, decode, "remote_decode", flight.trace.output_tokens,
                      now + 2 * self.config.leg_network_s)
@@ -309,6 +457,7 @@ class ClusterSim:
         accounting.request_succeeded(self.ctx, decode, flight.info, self.record_prefixes)
         if self.sessions is not None:
             self.sessions.record(flight.info, decode.url)
+        self._hold(now, decode, -1)
         self._end(flight, "ok")
 
     def _leg_failed(self, now: float, inst: EngineInstance, req: EngineRequest) -> None:
@@ -324,11 +473,16 @@ class ClusterSim:
             prefill_inst = self.instances[flight.decision.prefill]
             prefill_inst.release(flight.prefill_leg)
             self._kick(prefill_inst, now)
+        if req.kind == "prefill":
+            self._hold(now, worker, -1)
+        self._hold(now, flight.decision.decode, -1)
         self._end(flight, "failed")
 
     def _end(self, flight: _Flight, status: str) -> None:
         flight.outcome.status = status
         self._outcomes.append(flight.outcome)
+        if self.config.role_controller is not None:
+            self._window_ended.append(flight.outcome)
         if self._progress is not None:
             self._progress(len(self._outcomes))
 

@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import web
 
 from pd_plugins.routers.config import ConfigError, WorkerConflict, WorkerSpec
-from pd_plugins.routers.model_group import ModelNotFound
+from pd_plugins.routers.model_group import ModelNotFound, MoveRefused
 from pd_plugins.routers.proxy import error_response
 
 log = logging.getLogger("pd_router.admin")
@@ -23,6 +23,16 @@ class WorkerChange(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
 
 
+class RoleChange(msgspec.Struct, forbid_unknown_fields=True):
+    url: str
+    to: str
+    model: str | None = None      # None: whichever model has the worker
+    drain_timeout_s: float = 60.0  # the longest the move waits for requests of the old role
+
+
+MAX_DRAIN_TIMEOUT_S = 3600.0
+
+
 class AdminApi:
     def __init__(self, router, token: str | None) -> None:
         self.router, self.token = router, token
@@ -30,7 +40,9 @@ class AdminApi:
     def routes(self) -> list[web.RouteDef]:
         return [web.get("/admin/workers", self.list_workers),
                 web.post("/admin/workers", self.add_worker),
-                web.delete("/admin/workers", self.remove_worker)]
+                web.delete("/admin/workers", self.remove_worker),
+                web.post("/admin/workers/role", self.move_worker),
+                web.get("/admin/calibration", self.calibration)]
 
     def allows(self, request: web.Request) -> bool:
         """The request carries the admin token (for details elsewhere, e.g. /ready's workers)."""
@@ -53,6 +65,13 @@ class AdminApi:
         if (denied := self._denied(request)) is not None:
             return denied
         return web.json_response({"workers": self.router.snapshot()})
+
+    async def calibration(self, request: web.Request) -> web.Response:
+        """Each model's fitted latency lines (perf/calibration.py loads them for the simulator)."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        return web.json_response({"models": {name: calibration_of(group)
+                                             for name, group in self.router.groups.items()}})
 
     async def _change(self, request: web.Request) -> WorkerChange | web.Response:
         if (denied := self._denied(request)) is not None:
@@ -98,3 +117,52 @@ class AdminApi:
         return web.json_response({"removed": worker.url, "role": change.role,
                                   "finishing": worker.in_flight,
                                   **({"model": worker.model} if worker.model else {})})
+
+    async def move_worker(self, request: web.Request) -> web.Response:
+        """Move a kv_both worker between the prefill and decode pools (docs/router.md, "Role
+        changes"); answers once it serves its new role (after the drain)."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            change = msgspec.json.decode(await request.read(), type=RoleChange)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return error_response(400, f"expected {{\"url\": ..., \"to\": \"prefill\"|\"decode\"}}: "
+                                       f"{exc}")
+        if change.to not in ("prefill", "decode"):
+            return error_response(400, f"to must be prefill or decode (got {change.to!r})", "to")
+        if not 0 <= change.drain_timeout_s <= MAX_DRAIN_TIMEOUT_S:
+            return error_response(400, f"drain_timeout_s must be within 0..{MAX_DRAIN_TIMEOUT_S:.0f}",
+                                  "drain_timeout_s")
+        try:
+            move = await self.router.move_worker(change.url, change.to, change.model,
+                                                 change.drain_timeout_s)
+        except ModelNotFound as missing:
+            return error_response(missing.status, str(missing), "model")
+        except MoveRefused as refused:
+            return error_response(refused.status, str(refused), "url")
+        worker = move.worker
+        log.info("admin: moved worker %s from %s to %s (%d drained, %d still running)",
+                 worker.url, move.old, move.to, move.drained, move.still_running)
+        return web.json_response({"moved": worker.url, "from": move.old, "to": move.to,
+                                  "drained": move.drained, "still_running": move.still_running,
+                                  **({"model": worker.model} if worker.model else {})})
+
+
+def calibration_of(group) -> dict:
+    """A model group's latency models as fitted so far: the lines, the transfer priors, and how
+    many samples each line has (below `min_samples` a line is still its configured prior)."""
+    latency = group.latency
+    prefill_a, prefill_b = latency.prefill.coefficients
+    decode_a, decode_b = latency.decode_step.coefficients
+    first = group.proxy.decode_first if group.proxy is not None else None
+    first_a, first_b = first.coefficients if first is not None else (0.0, 0.0)
+    return {"prefill_base_s": prefill_a, "prefill_per_token_s": prefill_b,
+            "decode_step_base_s": decode_a, "decode_step_per_request_s": decode_b,
+            "kv_bytes_per_token": latency.priors.kv_bytes_per_token,
+            "link_bytes_per_s": latency.priors.link_bytes_per_s,
+            # pull flow, decode leg to first token = base + per_token * tokens it pulled
+            "decode_first_base_s": first_a, "decode_first_per_token_s": first_b,
+            "block_size": group.ctx.block_size,
+            "samples": {"prefill": latency.prefill.n, "decode_step": latency.decode_step.n,
+                        "decode_first": first.n if first is not None else 0,
+                        "min_samples": latency.prefill.min_samples}}

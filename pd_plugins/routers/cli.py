@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                                           "(default app.kubernetes.io/part-of=pd-plugins)")
     p.add_argument("--kubeconfig", help="kubeconfig file (default: the in-cluster service "
                                         "account, else $KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--traffic-record", metavar="PATH",
+                   help="write what the router routes to PATH, one JSON line per request (no prompt "
+                        "text; rotated; the YAML's traffic_record sets the limits)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
@@ -104,6 +107,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         for role in ("prefill", "decode"):
             if getattr(args, role):
                 data[role] = [parse_worker_arg(values) for values in getattr(args, role)]
+    if args.traffic_record:
+        data["traffic_record"] = {**(data.get("traffic_record") or {}), "path": args.traffic_record}
     discovery = {key: value for key, value in (("kind", args.discovery), ("namespace", args.k8s_namespace),
                  ("selector", args.k8s_selector), ("kubeconfig", args.kubeconfig)) if value is not None}
     if discovery:

@@ -53,6 +53,9 @@ class WorkerSpec(_Strict):
     # The group a PdShmConnector pool is shared with (the engines' `pool_group`): the router then
     # reads a pool file of that group (mode 0660) made by another user; default: its own, 0600.
     kv_pool_group: str | int | None = None
+    # The engine can serve either leg (vLLM kv_role kv_both): the router may move it between its
+    # prefill and decode pools while serving (POST /admin/workers/role, a pd.role label change).
+    kv_both: bool = False
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -136,8 +139,8 @@ class SessionSpec(_Strict):
     ttl_s: float = 3600.0            # a conversation idle this long is forgotten
     max_sessions: int = 100_000      # past this, the least recently used are forgotten
     detect: bool = True              # find a session without an id from its prompt's prefix chain
-    # Share session pins, in-flight loads and learned prefixes between router replicas through
-    # Redis (routers/replica_sync.py), e.g. redis://127.0.0.1:6379/0; None: this router alone.
+    # Share session pins, in-flight loads, learned prefixes and latency samples between router
+    # replicas through Redis (routers/replica_sync.py), e.g. redis://127.0.0.1:6379/0; None: alone.
     redis_url: str | None = None
     redis_prefix: str = "pd-router:session:"  # the stream's key is this + "replicas"
     redis_timeout_s: float = 0.25    # per Redis command (never on a request's path)
@@ -148,12 +151,20 @@ class SessionSpec(_Strict):
 
 MAX_MODEL_NAME = 256
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+MAX_LABEL_VALUE = 63
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
 def default_discovery_label(model: str) -> str:
     """The `pd.model` pod label value of a model: its name with every character a Kubernetes label
     value cannot hold replaced by '-' (Qwen/Qwen2.5-0.5B-Instruct -> Qwen-Qwen2.5-0.5B-Instruct)."""
     return _LABEL_UNSAFE.sub("-", model)
+
+
+def is_label_value(value: str) -> bool:
+    """A non-empty Kubernetes label value: at most 63 characters, [A-Za-z0-9] at both ends,
+    [-A-Za-z0-9_.] between (a pod cannot carry any other, so no pod would ever match)."""
+    return len(value) <= MAX_LABEL_VALUE and _LABEL_VALUE.fullmatch(value) is not None
 
 
 class ModelSpec(_Strict):
@@ -175,10 +186,23 @@ class ModelSpec(_Strict):
         return self.discovery_label or default_discovery_label(self.name)
 
     def resolved(self, top: RouterConfig) -> ModelSpec:
-        """This model with every unset option taken from the top level."""
+        """This model with every unset option taken from the top level, except the tokenizer: one
+        model's vocabulary would give another wrong block keys and prompt lengths (and wrong 400s
+        for its context), so a model without its own counts text prompts' tokens by estimate."""
         return msgspec.structs.replace(
             self, policy=self.policy or top.policy, transfer=self.transfer or top.transfer,
-            block_size=self.block_size or top.block_size, tokenizer=self.tokenizer or top.tokenizer)
+            block_size=self.block_size or top.block_size)
+
+
+class TrafficRecordSpec(_Strict):
+    """What pd-router routes, one JSON line per request (routers/traffic_record.py): arrival,
+    tokens, the prompt's prefix block keys, decision and latencies; never prompt text."""
+
+    path: str                        # created 0600: it reveals traffic shape and block keys
+    max_bytes: int = 64 * 1024 * 1024  # rotate past this size
+    backups: int = 3                 # rotated files kept (path.1 .. path.N); 0: none
+    max_block_keys: int = 256        # prefix block keys kept per request
+    queue_size: int = 10_000         # records waiting for the writer; more are dropped (counted)
 
 
 class DiscoverySpec(_Strict):
@@ -188,7 +212,7 @@ class DiscoverySpec(_Strict):
     namespace: str | None = None     # None: the pod's own in a cluster, else the kubeconfig's
     selector: str = "app.kubernetes.io/part-of=pd-plugins"  # label selector of the engine pods
     kubeconfig: str | None = None    # None: in-cluster service account, else $KUBECONFIG
-    max_pods: int = 1000             # worker pods held at most; more are ignored (logged)
+    max_pods: int = 1000             # worker pods held at most; more wait for room (logged)
     watch_timeout_s: int = 300       # each watch's timeoutSeconds, then it resumes
     retry_max_s: float = 10.0        # longest wait between retries while the API is unusable
 
@@ -236,6 +260,7 @@ class RouterConfig(_Strict):
     metrics_need_api_key: bool = False  # /metrics behind the same keys (/health, /ready stay open)
     log_level: str = "info"
     discovery: DiscoverySpec | None = None  # None: only the configured workers (and admin API)
+    traffic_record: TrafficRecordSpec | None = None  # None: nothing recorded
 
     def workers_discovered(self) -> bool:
         """Whether workers arrive after startup (Kubernetes discovery), so that the router may
@@ -260,7 +285,9 @@ class RouterConfig(_Strict):
             raise ConfigError("mode sidecar runs beside one decode server of one model: it "
                               "cannot serve `models:`")
         names: set[str] = set()
-        owner: dict[tuple[str, str], str] = {}
+        owner: dict[str, str] = {}       # worker URL -> its model
+        pool_owner: dict[str, str] = {}  # kv_pool -> its model
+        label_owner: dict[str, str] = {}  # pod label -> its model
         for model in self.models:
             name = model.name
             if not (0 < len(name) <= MAX_MODEL_NAME and name.isascii() and name.isprintable()
@@ -275,13 +302,31 @@ class RouterConfig(_Strict):
                                   "discovery to find them)")
             if model.block_size is not None and model.block_size <= 0:
                 raise ConfigError(f"model {name!r}: block_size must be > 0 (got {model.block_size})")
+            if self.workers_discovered():  # the label only matters to discovery
+                label = model.pod_label
+                if not is_label_value(label):
+                    raise ConfigError(
+                        f"model {name!r}: its pod label {label!r} is no Kubernetes label value "
+                        f"(1 to {MAX_LABEL_VALUE} characters, [A-Za-z0-9] at both ends, "
+                        "[-A-Za-z0-9_.] between): set `discovery_label` for it")
+                other = label_owner.setdefault(label, name)
+                if other != name:
+                    raise ConfigError(f"models {other!r} and {name!r} both have the pod label "
+                                      f"{label!r}: set `discovery_label` for one of them")
             for role in ("prefill", "decode"):
                 for worker in getattr(model, role):
-                    other = owner.setdefault((role, worker.url), name)
+                    other = owner.setdefault(worker.url, name)
                     if other != name:
-                        raise ConfigError(f"{role} worker {worker.url} is in models {other!r} and "
-                                          f"{name!r}: a worker serves one model (adapters of it "
-                                          "included)")
+                        raise ConfigError(f"worker {worker.url} is in models {other!r} and "
+                                          f"{name!r}: an engine serves one model (adapters of it "
+                                          "included), in either role")
+                    pool = worker.kv_pool
+                    other = pool_owner.setdefault(pool, name) if pool else name
+                    if other != name:
+                        raise ConfigError(
+                            f"kv_pool {pool!r} is in models {other!r} and {name!r}: a pool holds "
+                            "one model's KV (the router would count one model's blocks as "
+                            "cached for the other): give each model its own pool")
 
     def validate(self) -> RouterConfig:
         if self.models:
@@ -321,6 +366,13 @@ class RouterConfig(_Strict):
                 raise ConfigError("sessions.redis_stream_len must be within 10 and 1000000")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
+        record = self.traffic_record
+        if record is not None and not (record.path and record.max_bytes >= 4096
+                                       and 0 <= record.backups <= 100
+                                       and 0 <= record.max_block_keys <= 100_000
+                                       and 1 <= record.queue_size <= 1_000_000):
+            raise ConfigError("traffic_record: path required, max_bytes >= 4096, backups 0..100, "
+                              "max_block_keys 0..100000, queue_size 1..1000000")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
         if self.metrics_need_api_key and not (self.api_keys or self.api_key_file):
@@ -330,6 +382,12 @@ class RouterConfig(_Strict):
 
 
 def config_from_mapping(data: dict[str, Any], source: str = "config") -> RouterConfig:
+    models = data.get("models")
+    if isinstance(models, list) and any(isinstance(model, str) for model in models):
+        raise ConfigError(
+            f"{source}: `models:` is no longer a list of served names: each entry is a model with "
+            "its own workers, `models: [{name: ..., prefill: [...], decode: [...]}]`; to serve "
+            "whatever names the top-level workers list, omit `models:`")
     try:
         config = msgspec.convert(data, RouterConfig)
     except msgspec.ValidationError as exc:
@@ -349,7 +407,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
-_BOOL_WORKER_OPTIONS = ("kv_events_bind_any",)
+_BOOL_WORKER_OPTIONS = ("kv_events_bind_any", "kv_both")
 
 
 def parse_worker_arg(values: list[str]) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """One model behind the router: its workers, what they hold, its policy, sessions and proxy.
 
 A router serves one ModelGroup per `models:` entry (or one unnamed group, "", for a config
-without `models:`). Groups share nothing but the router's HTTP clients, metrics and health upkeep:
-each model's workers, prefix index and latency models are its own, so one model's load or cache
-never counts for another. `served` are the names a request's `model` may give to reach the
+without `models:`). Groups share the router's HTTP clients, metrics, health upkeep and the views of
+shared KV pools (keyed by kv_pool; the config refuses one pool in two models): each model's
+workers, prefix index and latency models are its own, so one model's load or cache never counts
+for another. `served` are the names a request's `model` may give to reach the
 group: its configured name plus whatever its usable workers list in /v1/models (LoRA adapters).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Callable
 
 from pd_plugins.routers.config import ConfigError, ModelSpec, RouterConfig, WorkerSpec
@@ -32,13 +34,34 @@ from pd_plugins.routers.workers import Role, Worker, WorkerPool
 log = logging.getLogger("pd_router")
 
 
-class ModelNotFound(ConfigError):
+class ModelNotFound(LookupError):
     """A model a caller named (admin API, discovery) that the router does not serve, or none
-    named where several are served; `status`: the HTTP answer (404 unknown, 400 missing)."""
+    named where several are served (a lookup, not a configuration problem); `status`: the HTTP
+    answer (404 unknown, 400 missing)."""
 
     def __init__(self, message: str, status: int = 404) -> None:
         super().__init__(message)
         self.status = status
+
+
+class MoveRefused(ConfigError):
+    """A role change the router will not make; `status`: 404 unknown worker, 409 otherwise."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RoleMove:
+    worker: Worker
+    old: Role
+    to: Role
+    drained: int        # requests of the old role that finished while the move waited
+    still_running: int  # past drain_timeout_s: requests of the old role still running there
+
+
+DRAIN_POLL_S = 0.05  # how often a move looks at the worker's in-flight count
 
 
 class ModelGroup:
@@ -59,7 +82,9 @@ class ModelGroup:
         self.sharing: ReplicaShare | None = None  # with other router replicas (start)
         self.tokenize = tokenizer(spec.tokenizer) if spec.tokenizer else None
         # ModelTarget (request.py): what parse_request needs of the model a request named
-        self.key_block_size = spec.block_size if self.scheduler.uses_prefix_index else None
+        # (also when recording traffic: the record keeps them, for the simulator and the planner)
+        self.key_block_size = (spec.block_size if self.scheduler.uses_prefix_index
+                               or config.traffic_record else None)
         self.max_model_len: int | None = None
         self.served: frozenset[str] = frozenset([spec.name] if spec.name else [])
         self.adapter_parents: dict[str, str] = {}
@@ -133,6 +158,58 @@ class ModelGroup:
             if self.sessions is not None and role == "decode":
                 self.sessions.forget_worker(worker.url)
         return worker
+
+    async def move_worker(self, url: str, to: Role, drain_timeout_s: float,
+                          spec: WorkerSpec | None = None) -> RoleMove:
+        """Move a kv_both worker to the other pool: it takes no new requests of its old role at
+        once, the router waits (at most `drain_timeout_s`) for the ones it holds, then it serves
+        `to`. The same Worker moves, so its health, probes and load carry over (one engine).
+        `spec`: its spec from now on (discovery: the pod as relabelled). MoveRefused if it cannot.
+
+        What it holds stays in the prefix index: the engine's cache does not change with the
+        router's view of its role, and a prefill that becomes a decode (or back) still skips
+        the cached blocks. Sessions pinned to a decode that becomes a prefill re-pin on their next
+        turn; the prefix scorer then still sends their prefill to the engine holding them."""
+        old: Role = "decode" if to == "prefill" else "prefill"
+        worker = self.pool.get(url, old)
+        if worker is None:
+            if self.pool.get(url, to) is not None:
+                raise MoveRefused(f"{url} is already a {to} worker", 409)
+            raise MoveRefused(f"no worker {url}" + (f" of model {self.name}" if self.name else ""), 404)
+        spec = spec or worker.spec
+        if worker.moving_to is not None:
+            raise MoveRefused(f"{url} is already moving to {worker.moving_to}", 409)
+        if not spec.kv_both:
+            raise MoveRefused(f"{url} is not declared kv_both (the worker option kv_both=true: "
+                              f"an engine started with kv_role kv_both)", 409)
+        if self.config.mode == "sidecar":
+            raise MoveRefused("a sidecar router's decode is fixed: no role changes", 409)
+        if not self.profile.decode_prefills_locally:  # SGLang: a disaggregation mode per process
+            raise MoveRefused(f"{self.profile.name} workers cannot change role while running", 409)
+        try:
+            self.check(spec, to)
+        except ConfigError as problem:
+            raise MoveRefused(str(problem), 409) from None
+        worker.moving_to, worker.draining = to, True  # no new requests of the old role from now
+        try:
+            holding = worker.in_flight
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + drain_timeout_s
+            while worker.in_flight > 0 and loop.time() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+            if self.pool.get(url, old) is not worker:
+                raise MoveRefused(f"{url} was removed while moving", 409)
+            still_running = max(0, worker.in_flight)
+            self.pool.move(worker, to)
+            worker.spec = spec
+            if old == "decode" and self.sessions is not None:
+                self.sessions.forget_worker(url)
+            return RoleMove(worker, old, to, max(0, holding - still_running), still_running)
+        finally:
+            if worker.moving_to == to:  # moved, refused or cancelled: serving one role again
+                worker.moving_to = None
+                if self.pool.get(url, worker.role) is worker:
+                    worker.draining = False
 
     # -- what it serves ---------------------------------------------------------------------------
     def refresh(self) -> None:

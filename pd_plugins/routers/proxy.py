@@ -25,9 +25,12 @@ from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.flows.base import one_token_body
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
+from pd_plugins.routers.policy.base import uncached_tokens
+from pd_plugins.routers.policy.latency_model import OnlineLinearFit
 from pd_plugins.routers.request import ClientRequest
 from pd_plugins.routers.replica_channels import ReplicaShare
 from pd_plugins.routers.sessions import SessionTable
+from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
 from pd_plugins.vocab.expert_signature import ExpertSignature
@@ -37,6 +40,7 @@ log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 STAGE_KEY = "pd_stage"  # on the aiohttp request: prefill | decode | answer, for client_gone
+MEASURED_KEY = "pd_measured"  # on the aiohttp request: what the traffic record gets (Measured)
 
 
 class ClientTooSlow(Exception):
@@ -62,6 +66,13 @@ class Proxy:
         self.config, self.scheduler, self.ctx = config, scheduler, ctx
         # the model group this proxy serves, first in x-pd-route ("": the one unnamed group)
         self._model_tag = f"model={model}, " if model else ""
+        self.model = model
+        self.recorder: TrafficRecorder | None = None  # set by the router (traffic_record)
+        # pull flow: decode leg sent -> first token, over the prompt tokens the decode lacks: the
+        # KV transfer, the first step and the leg's own cost (GET /admin/calibration exports it)
+        latency = config.latency
+        self.decode_first = OnlineLinearFit(0.0, latency.kv_bytes_per_token / latency.link_bytes_per_s
+                                            if latency.link_bytes_per_s > 0 else 0.0)
         # sharing: what the other router replicas learn of each served turn (replica_sync.py)
         self.sessions, self.sharing = sessions, sharing
         self.flow, self.metrics, self.pools = flow, metrics, pools
@@ -75,11 +86,27 @@ class Proxy:
 
     # -- the request ----------------------------------------------------------------------
     async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
+        if self.recorder is None:
+            return await self._serve(http, request, path)
+        measured = http[MEASURED_KEY] = Measured(time.time())
+        status = 499  # the client left (the handler was cancelled)
+        try:
+            response = await self._serve(http, request, path)
+            status = response.status
+            return response
+        finally:  # queued for the record's writer thread: no I/O, no encoding here
+            self.recorder.record(self.model or request.model or "", request.info,
+                                 self.ctx.block_size, measured, status,
+                                 request.info.turn if self.sessions is not None else None)
+
+    async def _serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
         started = time.monotonic()
         if self.sessions is not None:
             self.sessions.resolve(request.info)  # its session, turn and pinned decode worker
         rejection = self.scheduler.admit(request.info)
         if rejection is not None:
+            if (measured := http.get(MEASURED_KEY)) is not None:
+                measured.decision = "rejected"
             self.metrics.rejections.labels("slo").inc()
             self.metrics.requests.labels("rejected", "rejected").inc()
             headers = {"Retry-After": str(int(rejection.retry_after_s))} if rejection.retry_after_s else None
@@ -167,6 +194,10 @@ class Proxy:
                    history: list[str]) -> web.StreamResponse:
         decision, info = attempt.decision, attempt.request.info
         http[STAGE_KEY] = "prefill"
+        measured = http.get(MEASURED_KEY)
+        if measured is not None:  # the workers of the last attempt, even if it fails
+            measured.prefill = decision.prefill.url if decision.prefill else None
+            measured.decode = decision.decode.url
         decode_body, prefill_task = await self._prepare(attempt)
         http[STAGE_KEY] = "decode"
         if prefill_task is None and info.expert_histogram is not None:
@@ -178,6 +209,8 @@ class Proxy:
         # A local prefill queues on the decode worker until its first token: policies see it there.
         local_uncached = (accounting.local_prefill_started(self.ctx, decode, info)
                           if decision.prefill is None else 0)
+        sequential = decision.prefill is not None and prefill_task is None and info.stream
+        pulled = uncached_tokens(self.ctx, decode, info) if sequential else 0
         decode_started = time.monotonic()
         decode_sent = asyncio.Event()  # set once the decode leg's request is on its way
         try:
@@ -211,11 +244,17 @@ class Proxy:
                 local_uncached = 0
             if prefill_task is not None:  # finishes on its own; nothing waits for it now
                 prefill_task.add_done_callback(_consume)
+            if sequential:
+                self.decode_first.observe(pulled, time.monotonic() - decode_started)
             decode.record_success()
             header = self._route_header(decision, history, info)
             http[STAGE_KEY] = "answer"
+            if measured is not None:
+                measured.decision, measured.decode = _decision_label(decision), decision.decode.url
             if not info.stream:
                 self._finish(attempt, started, decode_started)
+                if measured is not None:
+                    measured.e2e_s, measured.answer = time.monotonic() - started, payload
                 return await self._send_whole(http, payload, {"Content-Type": "application/json",
                                                               "x-pd-route": header})
             return await self._relay_stream(http, attempt, resp, payload, header, started, decode_started)
@@ -353,6 +392,7 @@ class Proxy:
                 await self._to_client(http, out, chunk)
                 deadline += time.monotonic() - last_at
         except ClientTooSlow:
+            _measured_end(http, _decision_label(attempt.decision), 499)
             self._client_too_slow(http, attempt)
             return out  # releasing resp closes the leg and aborts the decode
         except UpstreamError as exc:
@@ -362,6 +402,7 @@ class Proxy:
             worker.record_failure(self.config.health.failure_threshold)
             log.warning("request %s: decode %s failed mid-stream: %s", attempt.request_id, worker.url, message)
             self.metrics.requests.labels(_decision_label(attempt.decision), "error").inc()
+            _measured_end(http, "failed", 502)
             shown = f": {message}" if self.config.route_header == "full" else ""
             await _write_quietly(out, b"data: " + error_body(502, f"decode worker failed mid-stream"
                                                                   f"{shown}") + b"\n\n",
@@ -369,6 +410,7 @@ class Proxy:
             return out
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             # the client left; releasing resp closes the leg and aborts the decode
+            _measured_end(http, _decision_label(attempt.decision), 499)
             self.metrics.client_gone.labels("answer", "disconnect").inc()
             self.metrics.requests.labels(_decision_label(attempt.decision), "client_gone").inc()
             return out
@@ -381,6 +423,10 @@ class Proxy:
             self.metrics.tpot.observe(tpot)
             accounting.decode_observed(self.ctx, attempt.decision.decode, tpot)
         self._finish(attempt, started, decode_started)
+        if (measured := http.get(MEASURED_KEY)) is not None:
+            measured.ttft_s, measured.e2e_s = first_at - started, last_at - started
+            measured.tpot_s = (last_at - first_at) / (tokens - 1) if tokens > 1 else None
+            measured.output_tokens = tokens
         await _write_quietly(out, None, self.timeouts.client_write_s)
         return out
 
@@ -448,6 +494,12 @@ class Proxy:
         retried = f"; retried after {len(history)} failure(s)" if history else ""
         return _ascii(f"{self._model_tag}prefill={prefill}, decode={decision.decode.url}{session}, "
                       f"why={why}{retried}")
+
+
+def _measured_end(http: web.Request, decision: str, status: int) -> None:
+    """A request whose answer began but did not end well: what its record says."""
+    if (measured := http.get(MEASURED_KEY)) is not None:
+        measured.decision, measured.status = decision, status
 
 
 def _decision_label(decision: Decision) -> str:

@@ -60,7 +60,7 @@ class ClientRequest:
     kind: Kind
     body: dict[str, Any]
     info: RequestInfo
-    target: Any = None  # the ModelTarget select_model chose (None without select_model)
+    target: Any = None  # the ModelTarget select_model chose
 
     @property
     def stream(self) -> bool:
@@ -74,13 +74,12 @@ class ClientRequest:
 _decoder = msgspec.json.Decoder()
 
 
-def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[str],
-                  max_model_len: int | None, block_size: int | None, strip_transfer_fields: bool,
-                  tokenize: Tokenize | None = None,
-                  select_model: Callable[[str | None], ModelTarget] | None = None) -> ClientRequest:
-    """`select_model`, when given, maps the request's `model` to its target (raising BadRequest
-    for a model not served) and replaces `served_models`, `max_model_len`, `block_size` and
-    `tokenize`."""
+def parse_request(raw: bytes, kind: Kind, headers: Any, *,
+                  select_model: Callable[[str | None], ModelTarget],
+                  strip_transfer_fields: bool) -> ClientRequest:
+    """`select_model` maps the request's `model` to its target (server.py: its model group),
+    raising BadRequest for a model not served; the target's context length, block size and
+    tokenizer then check and key the prompt."""
     try:
         body = _decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # e.g. 1e999: out of range
@@ -102,13 +101,8 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", param="model")
-    target = None
-    if select_model is not None:
-        target = select_model(model)
-        max_model_len, block_size, tokenize = target.max_model_len, target.key_block_size, target.tokenize
-    elif model is not None and served_models and model not in served_models:
-        raise BadRequest(404, f"model {model!r} is not served here; available: "
-                              f"{', '.join(sorted(served_models))}", param="model")
+    target = select_model(model)
+    max_model_len, block_size, tokenize = target.max_model_len, target.key_block_size, target.tokenize
 
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -127,7 +121,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *, served_models: set[st
                                   f"context of {max_model_len} tokens", param=limit_key)
 
     # a LoRA adapter's prompt blocks are keyed apart from the base model's and other adapters'
-    adapter = model if target is not None and model in target.adapter_parents else None
+    adapter = model if model in target.adapter_parents else None
     root = adapter_root(adapter)
     tokens, text = (_completion_prompt(body) if kind == "completion" else _chat_prompt(body))
     exact = tokens is not None or (tokenize is not None and kind == "completion")

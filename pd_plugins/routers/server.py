@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Iterator
 
@@ -18,11 +19,11 @@ from pd_plugins.routers.kv_sources.pools import PoolView
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.replica_channels import LoadChannel
 from pd_plugins.routers.replica_sync import RedisLog, ReplicaSync, replica_sync_for
-from pd_plugins.routers.model_group import ModelGroup, ModelNotFound
-from pd_plugins.routers.policy import Scheduler
+from pd_plugins.routers.model_group import ModelGroup, ModelNotFound, MoveRefused, RoleMove
 from pd_plugins.routers.proxy import error_response
 from pd_plugins.routers.request import BadRequest, Tokenize, parse_request
 from pd_plugins.routers.tokenizer import load_tokenizer
+from pd_plugins.routers.traffic_record import TrafficRecorder
 from pd_plugins.routers.upstream import Pools, new_session
 from pd_plugins.routers.workers import Worker
 
@@ -61,6 +62,10 @@ class Router:
         for spec in config.model_groups():
             self.groups[spec.name] = ModelGroup(config, spec, self.profile, tokenizer)
         self.named = bool(config.models)  # False: one unnamed group, served names all learned
+        untokenized = [m.name for m in config.models if not m.tokenizer]
+        if config.tokenizer and untokenized:  # another model's vocabulary would key them wrong
+            log.warning("the top-level tokenizer is not used by models: model(s) %s have none of "
+                        "their own (text prompts' tokens are estimated)", ", ".join(untokenized))
         if config.sessions.redis_url is not None:
             RedisLog.check_installed()
         self.sync: ReplicaSync | None = None  # replicas sharing state through Redis (startup)
@@ -81,12 +86,9 @@ class Router:
         # Kubernetes discovery: checked here (selector, kubeconfig), watching from startup
         self.discovery_plan = plan_kubernetes(config.discovery) if config.discovery else None
         self.discovery = None
+        # what it routes, one JSON line per request (opt-in; routers/traffic_record.py)
+        self.recorder = TrafficRecorder(config.traffic_record) if config.traffic_record else None
         self.refresh_served()
-
-    @property
-    def scheduler(self) -> Scheduler:
-        """The scheduler of a router that serves one model (tests, --check-config)."""
-        return self._only_group().scheduler
 
     def _only_group(self) -> ModelGroup:
         if len(self.groups) != 1:
@@ -101,8 +103,12 @@ class Router:
             self.sync = replica_sync_for(self.config.sessions)
             self.sync.add(LoadChannel(lambda: self.workers, self.config.sessions.peer_load_ttl_s))
             self.metrics.registry.register(self.sync.collector())
+        if self.recorder is not None:
+            self.recorder.start()
+            self.metrics.registry.register(self.recorder.collector())
         for group in self.groups.values():
             await group.start(self.metrics, self.pools, self._pool_views, self.sync)
+            group.proxy.recorder = self.recorder
         if self.sync is not None:
             await self.sync.start()  # in the background: no request waits on Redis
         self.upkeep = PoolUpkeep(self.config, self.workers, self.session)
@@ -132,6 +138,8 @@ class Router:
             await group.stop()
         if self.sync is not None:
             await self.sync.aclose()
+        if self.recorder is not None:  # writes what is queued (a thread: the loop keeps going)
+            await asyncio.to_thread(self.recorder.close)
         for view in self._pool_views.values():
             view.close()
         if self.session:
@@ -153,9 +161,15 @@ class Router:
 
     async def add_worker(self, spec: WorkerSpec, role: str, model: str | None = None) -> Worker:
         group = self.group_for(model)
-        for other in self.groups.values():
-            if other is not group and other.pool.get(spec.url, role) is not None:
-                raise WorkerConflict(f"{role} worker {spec.url} already serves model {other.name!r}")
+        for other in self.groups.values():  # the rules _validate_models applies at startup
+            if other is group:
+                continue
+            if other.pool.get(spec.url, "prefill") or other.pool.get(spec.url, "decode"):
+                raise WorkerConflict(f"worker {spec.url} already serves model {other.name!r} "
+                                     "(an engine serves one model)")
+            if spec.kv_pool and any(w.spec.kv_pool == spec.kv_pool for w in other.pool):
+                raise WorkerConflict(f"kv_pool {spec.kv_pool!r} already holds model "
+                                     f"{other.name!r}'s KV: give each model its own pool")
         worker = group.add(spec, role)
         group.subscribe(worker, self._pool_views)
         if self.upkeep and not worker.probing:
@@ -172,6 +186,23 @@ class Router:
                 self.refresh_served()
                 return worker
         return None
+
+    async def move_worker(self, url: str, to: str, model: str | None = None,
+                          drain_timeout_s: float = 60.0, spec: WorkerSpec | None = None) -> RoleMove:
+        """Move a kv_both worker between its model's prefill and decode pools, draining its
+        requests of the old role first (ModelGroup.move_worker); `model` None: whichever has it."""
+        url = url.rstrip("/")
+        if model:
+            group = self.group_for(model)
+        else:
+            group = next((g for g in self.groups.values()
+                          if g.pool.get(url, "prefill") or g.pool.get(url, "decode")), None)
+            if group is None:
+                raise MoveRefused(f"no worker {url}", 404)
+        try:
+            return await group.move_worker(url, to, drain_timeout_s, spec)
+        finally:
+            self.refresh_served()
 
     # -- serving ----------------------------------------------------------------------------
     def refresh_served(self) -> None:
@@ -214,9 +245,8 @@ class Router:
         try:
             raw = await http.read()
             request = parse_request(
-                raw, ENDPOINTS[path], http.headers, served_models=set(), max_model_len=None,
-                block_size=None, strip_transfer_fields=self.config.client_transfer_fields == "strip",
-                select_model=self.select_model)
+                raw, ENDPOINTS[path], http.headers, select_model=self.select_model,
+                strip_transfer_fields=self.config.client_transfer_fields == "strip")
         except BadRequest as bad:
             self.metrics.rejections.labels("bad_request").inc()
             return error_response(bad.status, bad.message, bad.param)

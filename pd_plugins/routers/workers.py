@@ -23,7 +23,8 @@ class Worker:
     spec: WorkerSpec
     role: Role
     healthy: bool = True
-    draining: bool = False          # removed through the admin API, finishing what it holds
+    draining: bool = False          # removed, or leaving its role: finishing what it holds
+    moving_to: Role | None = None   # a role change in progress (model_group.move_worker)
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     last_probe: float = 0.0         # monotonic time of the last health probe
@@ -89,7 +90,8 @@ class WorkerPool:
         key = (role, spec.url)
         existing = self._workers.get(key)
         if existing is not None:
-            existing.draining = False
+            if existing.moving_to is None:  # a worker leaving this role stays out of it
+                existing.draining = False
             return existing
         worker = Worker(spec, role, healthy=not probe_first, model=self.model)
         self._workers[key] = worker
@@ -101,6 +103,12 @@ class WorkerPool:
         if worker is not None:
             worker.draining = True
         return worker
+
+    def move(self, worker: Worker, to: Role) -> None:
+        """The same worker (health, load, what it holds) now in the other pool."""
+        del self._workers[(worker.role, worker.url)]
+        worker.role = to
+        self._workers[(to, worker.url)] = worker
 
     def get(self, url: str, role: Role) -> Worker | None:
         return self._workers.get((role, url.rstrip("/")))
@@ -124,4 +132,5 @@ class WorkerPool:
             "engine_waiting": w.engine_waiting, "engine_running": w.engine_running,
             "kv_usage": w.kv_usage,
             "metrics_age_s": round(now - w.last_scrape, 1) if w.last_scrape else None,
+            "kv_both": w.spec.kv_both, "moving_to": w.moving_to,
         } for w in self]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pd_plugins.routers.config import DiscoverySpec
+from pd_plugins.routers.config import ConfigError, DiscoverySpec
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,17 @@ class KubernetesPlan:
                 f"{self.target.server} ({self.target.source})")
 
 
+def check_installed() -> None:
+    try:
+        import lightkube  # noqa: F401
+        import lightkube.models  # noqa: F401
+    except ImportError:
+        raise ConfigError("discovery kind kubernetes needs the lightkube packages: "
+                          "pip install 'pd-plugins[kubernetes]'") from None
+
+
 def plan_kubernetes(spec: DiscoverySpec) -> KubernetesPlan:
+    check_installed()
     # imported here, not at the top: a router without discovery never loads the client library
     from pd_plugins.routers.discovery.kube_config import select_kube_config
     from pd_plugins.routers.discovery.selector import parse_label_selector

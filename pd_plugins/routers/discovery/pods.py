@@ -29,6 +29,11 @@ class PodWorker:
     def key(self) -> tuple[str, str, str | None]:
         return (self.spec.url, self.role, self.model)
 
+    def role_change_of(self, other: PodWorker | None) -> bool:
+        """The same engine (address, model) relabelled to the other role."""
+        return other is not None and self.role != other.role and self.model == other.model \
+            and self.spec.url == other.spec.url
+
     def same_as(self, other: PodWorker | None) -> bool:
         return other is not None and self.role == other.role and self.model == other.model \
             and self.spec == other.spec
@@ -88,7 +93,9 @@ def pod_worker(pod, models: dict[str, str] | None) -> PodWorker | None:
             engine_id=notes.get(ANNOTATION_PREFIX + "engine-id")
             or (pod.metadata.name if role == "prefill" else None),
             bootstrap_port=_port(notes, "bootstrap-port"),
-            kv_events=f"tcp://{host}:{kv_events_port}" if kv_events_port else None)
+            kv_events=f"tcp://{host}:{kv_events_port}" if kv_events_port else None,
+            # started with kv_role kv_both: a pd.role change moves it (drained), no restart
+            kv_both=notes.get(ANNOTATION_PREFIX + "kv-both", "").strip().lower() == "true")
     except ValueError as exc:  # WorkerSpec's own checks
         raise NotAWorker(str(exc)) from None
     return PodWorker(role, model, spec)

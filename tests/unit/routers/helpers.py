@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -11,6 +12,7 @@ from pd_plugins.routers.config import LatencySpec, WorkerSpec
 from pd_plugins.routers.policy.base import PolicyContext, RequestInfo
 from pd_plugins.routers.policy.latency_model import LatencyModels
 from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.routers.request import BadRequest
 from pd_plugins.vocab.block_keys import block_keys
 from pd_plugins.routers.workers import WorkerPool
 
@@ -45,3 +47,24 @@ async def loopback_server(handlers: dict) -> AsyncIterator[int]:
         yield site._server.sockets[0].getsockname()[1]
     finally:
         await runner.cleanup()
+
+
+@dataclass
+class Target:
+    """A model as parse_request sees it (request.ModelTarget; the router's is a ModelGroup)."""
+
+    max_model_len: int | None = 512
+    key_block_size: int | None = BLOCK
+    tokenize: Callable[[str], list[int]] | None = None
+    adapter_parents: dict[str, str] = field(default_factory=dict)
+
+
+def serving(target: Target, *names: str) -> Callable[[str | None], Target]:
+    """parse_request's select_model for one model: `target` for any of `names` (none: any name),
+    404 for another, like Router.select_model."""
+    def select(model: str | None) -> Target:
+        if model is not None and names and model not in names:
+            raise BadRequest(404, f"model {model!r} is not served here; available: "
+                                  f"{', '.join(sorted(names))}", param="model")
+        return target
+    return select

@@ -89,8 +89,8 @@ def test_router_takes_local_prefill_from_the_profile():
 
     sglang = RouterConfig(engine="sglang", decode=[DECODE],
                           prefill=[WorkerSpec(url="http://127.0.0.1:8100", bootstrap_port=8998)])
-    assert Router(sglang).scheduler.local_prefill is False
-    assert Router(RouterConfig(decode=[DECODE])).scheduler.local_prefill is True
+    assert Router(sglang).groups[""].scheduler.local_prefill is False
+    assert Router(RouterConfig(decode=[DECODE])).groups[""].scheduler.local_prefill is True
     with pytest.raises(ConfigError, match="SGLang needs bootstrap_port"):
         Router(RouterConfig(engine="sglang", decode=[DECODE],
                             prefill=[WorkerSpec(url="http://127.0.0.1:8100")]))

@@ -349,10 +349,11 @@ def test_bounds_and_ignored_pods_log_once(api, caplog):
         await until(lambda: len(rec.workers) == 3, what="max_pods workers")
         for i in range(3):
             api.update_pod("odd", lambda p: p["metadata"]["labels"].update(n=str(i)))
-        api.delete_pod("p0")  # room for one more: the next event or list fills it
-        api.add_pod(make_pod("late", "decode", "127.0.4.1"))
-        await until(lambda: "http://127.0.4.1:8000" in rec.urls(), what="the late pod")
-        assert len(rec.workers) == 3 and len(watcher.pods) == 3
+        (waiting,) = {f"http://127.0.2.{i}:8000" for i in range(4)} - rec.urls()
+        api.delete_pod(sorted(rec.urls())[0].replace("http://127.0.2.", "p").split(":")[0])
+        # room for one more: the pod that waited joins, with no event of its own
+        await until(lambda: waiting in rec.urls(), what="the waiting pod")
+        assert len(rec.workers) == 3 and len(watcher.pods) == 3 and not watcher._waiting
 
     with caplog.at_level(logging.INFO, logger="pd_router.discovery"):
         run(api, scenario, max_pods=3)
@@ -459,3 +460,33 @@ def test_router_puts_pods_into_models_by_label(api):
         assert router.discovery._task.done()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_pods_past_max_pods_wait_and_join_when_room_frees(api):
+    """Pods past max_pods are kept (at most max_pods of them) and added as held ones go, with no
+    event of their own; ones past that bound too come back by a re-list once room frees."""
+    for i in range(3):
+        api.add_pod(make_pod(f"p{i}", "decode", f"127.0.5.{i}"))
+
+    async def scenario(watcher, rec):
+        await until(lambda: len(rec.workers) == 1 and watcher.synced.is_set(), what="max_pods")
+        await until(lambda: api.count("watch") == 1, what="the first watch")
+        assert len(watcher._waiting) == 1 and watcher._dropped  # one waits, one did not fit
+        everyone = {f"http://127.0.5.{i}:8000" for i in range(3)}
+        seen = set(rec.urls())
+        for _ in range(2):  # each deletion frees the room another takes
+            (held,) = rec.urls()
+            api.delete_pod(f"p{held.split('.')[-1].split(':')[0]}")
+            await until(lambda: len(rec.urls()) == 1 and rec.urls() != {held}, what="the next pod")
+            seen |= rec.urls()
+        assert seen == everyone
+        assert watcher.counts["lists"] == 2  # the dropped pod came back by the one re-list
+
+    run(api, scenario, max_pods=1)
+
+
+def test_without_the_kubernetes_extra_discovery_is_a_config_error(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "lightkube", None)  # `import lightkube` now fails
+    with pytest.raises(ConfigError, match=r"pip install 'pd-plugins\[kubernetes\]'"):
+        plan_kubernetes(DiscoverySpec())

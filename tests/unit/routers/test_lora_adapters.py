@@ -32,8 +32,7 @@ class Target:
 
 def parse(model: str, prompt=PROMPT):
     body = msgspec.json.encode({"model": model, "prompt": prompt, "max_tokens": 4})
-    return parse_request(body, "completion", {}, served_models=set(), max_model_len=None,
-                         block_size=None, strip_transfer_fields=False,
+    return parse_request(body, "completion", {}, strip_transfer_fields=False,
                          select_model=lambda name: Target()).info
 
 
@@ -143,8 +142,7 @@ def test_router_maps_an_adapter_to_its_models_group_and_keeps_it_while_its_worke
 
     def info(model):
         body = msgspec.json.encode({"model": model, "prompt": PROMPT, "max_tokens": 4})
-        return parse_request(body, "completion", {}, served_models=set(), max_model_len=None,
-                             block_size=None, strip_transfer_fields=False,
+        return parse_request(body, "completion", {}, strip_transfer_fields=False,
                              select_model=router.select_model)
 
     request = info("lora-a")

@@ -7,7 +7,8 @@ import pytest
 
 from pd_plugins.routers.cli import build_parser, config_from_args
 from pd_plugins.routers.config import (
-    ConfigError, ModelSpec, RouterConfig, WorkerSpec, config_from_mapping, default_discovery_label,
+    ConfigError, ModelSpec, RouterConfig, WorkerConflict, WorkerSpec, config_from_mapping,
+    default_discovery_label, is_label_value,
 )
 from pd_plugins.routers.model_group import ModelNotFound
 from pd_plugins.routers.request import BadRequest
@@ -197,3 +198,101 @@ def test_adding_a_worker_to_a_model():
         asyncio.run(router.add_worker(WorkerSpec(url=P2), "prefill", model="m1"))
     with pytest.raises(ModelNotFound):
         asyncio.run(router.add_worker(WorkerSpec(url="http://127.0.0.1:9"), "decode"))
+
+
+# -- refused at startup: what would silently mix two models --------------------------------------
+
+DISCOVERY = {"kind": "kubernetes"}
+
+
+def test_pod_labels_must_be_distinct_label_values_with_discovery():
+    def models(*entries):
+        return config_from_mapping({"discovery": DISCOVERY, "models": list(entries)})
+
+    with pytest.raises(ConfigError, match="'org/m' and 'org-m' both have the pod label 'org-m'.*"
+                                          "discovery_label"):
+        models({"name": "org/m"}, {"name": "org-m"})
+    long_name = "org/" + "x" * 70
+    with pytest.raises(ConfigError, match="no Kubernetes label value.*set `discovery_label`"):
+        models({"name": long_name})
+    for bad in ("-m", "m.", "_x"):  # what the default slug can still produce
+        with pytest.raises(ConfigError, match="no Kubernetes label value"):
+            models({"name": bad})
+    with pytest.raises(ConfigError, match="no Kubernetes label value"):
+        models({"name": "m", "discovery_label": "bad/label"})
+    # discovery_label settles both
+    ok = models({"name": "org/m"}, {"name": "org-m", "discovery_label": "m2"},
+                {"name": long_name, "discovery_label": "long"})
+    assert [m.pod_label for m in ok.models] == ["org-m", "m2", "long"]
+    # without discovery the label is unused: any valid model name stands
+    plain = config_from_mapping({"models": [{"name": long_name, "decode": [{"url": D1}]},
+                                            {"name": "-m", "decode": [{"url": D2}]}]})
+    assert [m.name for m in plain.models] == [long_name, "-m"]
+
+
+def test_label_rule_matches_kubernetes():
+    assert is_label_value("Qwen-Qwen2.5-0.5B-Instruct") and is_label_value("a") and is_label_value("x" * 63)
+    for bad in ("", "x" * 64, "-a", "a-", "_a", "a.", "a/b", "a b", "é"):
+        assert not is_label_value(bad), bad
+
+
+def test_models_do_not_inherit_the_top_level_tokenizer(tmp_path):
+    cfg = config_from_mapping({"tokenizer": str(tmp_path), "block_size": 32, "models": [
+        {"name": "m1", "decode": [{"url": D1}]},
+        {"name": "m2", "decode": [{"url": D2}], "tokenizer": "/models/m2"}]})
+    r1, r2 = cfg.model_groups()
+    assert r1.tokenizer is None and r1.block_size == 32  # the block size still comes down
+    assert r2.tokenizer == "/models/m2"
+    # without models: the one unnamed model takes the top-level tokenizer, as before
+    (only,) = config_from_mapping({"tokenizer": "/t", "decode": [{"url": D1}]}).model_groups()
+    assert only.tokenizer == "/t"
+
+
+def test_the_old_list_of_served_names_is_refused_clearly():
+    with pytest.raises(ConfigError, match=r"no longer a list of served names.*models: \[\{name: "
+                                          r"\.\.\., prefill: \[\.\.\.\], decode: \[\.\.\.\]\}\].*"
+                                          "omit `models:`"):
+        config_from_mapping({"decode": [{"url": D1}], "models": ["m1", "m2"]})
+
+
+def test_one_engine_or_kv_pool_in_two_models_is_refused():
+    with pytest.raises(ConfigError, match=f"worker {P1} is in models 'm1' and 'm2'.*either role"):
+        config_from_mapping({"models": [
+            {"name": "m1", "prefill": [{"url": P1}], "decode": [{"url": D1}]},
+            {"name": "m2", "decode": [{"url": P1}]}]})
+    with pytest.raises(ConfigError, match="kv_pool 'lmcache:pool' is in models 'm1' and 'm2'"):
+        config_from_mapping({"models": [
+            {"name": "m1", "decode": [{"url": D1, "kv_pool": "lmcache:pool"}]},
+            {"name": "m2", "decode": [{"url": D2, "kv_pool": "lmcache:pool"}]}]})
+    # one pool within a model is what pools are for
+    config_from_mapping({"models": [{"name": "m1", "prefill": [{"url": P1, "kv_pool": "lmcache:a"}],
+                                     "decode": [{"url": D1, "kv_pool": "lmcache:a"}]}]})
+
+
+def test_workers_added_while_serving_follow_the_same_rules():
+    router = Router(config_from_mapping({"models": [
+        {"name": "m1", "decode": [{"url": D1, "kv_pool": "lmcache:m1"}]},
+        {"name": "m2", "decode": [{"url": D2}]}]}))
+    with pytest.raises(WorkerConflict, match=f"worker {D1} already serves model 'm1'"):
+        asyncio.run(router.add_worker(WorkerSpec(url=D1), "prefill", model="m2"))  # other role
+    with pytest.raises(WorkerConflict, match="kv_pool 'lmcache:m1' already holds model 'm1'"):
+        asyncio.run(router.add_worker(WorkerSpec(url=P2, kv_pool="lmcache:m1"), "prefill", model="m2"))
+    asyncio.run(router.add_worker(WorkerSpec(url=P1, kv_pool="lmcache:m1"), "prefill", model="m1"))
+    assert router.groups["m1"].pool.get(P1, "prefill") is not None
+
+
+def test_model_not_found_is_a_lookup_not_a_config_error():
+    router = Router(two_models())
+    with pytest.raises(ModelNotFound) as missing:
+        router.group_for("nope")
+    assert isinstance(missing.value, LookupError) and not isinstance(missing.value, ConfigError)
+
+
+def test_an_unused_top_level_tokenizer_is_logged(caplog, monkeypatch):
+    cfg = config_from_mapping({"tokenizer": "/t", "models": [
+        {"name": "m1", "decode": [{"url": D1}], "tokenizer": "/t1"},
+        {"name": "m2", "decode": [{"url": D2}]}]})
+    monkeypatch.setattr("pd_plugins.routers.server.load_tokenizer", lambda path: len)  # no file
+    router = Router(cfg)
+    assert router.groups["m1"].tokenize is not None and router.groups["m2"].tokenize is None
+    assert "model(s) m2 have none of their own" in caplog.text

@@ -3,14 +3,15 @@ import pytest
 
 from pd_plugins.vocab.block_keys import block_keys
 from pd_plugins.routers.request import BadRequest, parse_request
+from tests.unit.routers.helpers import Target, serving
 
 MODELS = {"tiny"}
 
 
 def parse(body, kind="completion", strip=False, headers=None, max_model_len=512, raw=None):
     data = raw if raw is not None else msgspec.json.encode(body)
-    return parse_request(data, kind, headers or {}, served_models=MODELS, max_model_len=max_model_len,
-                         block_size=4, strip_transfer_fields=strip)
+    return parse_request(data, kind, headers or {}, strip_transfer_fields=strip,
+                         select_model=serving(Target(max_model_len, key_block_size=4), *MODELS))
 
 
 def refused(body, status=400, **kw) -> str:

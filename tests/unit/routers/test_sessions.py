@@ -11,7 +11,7 @@ from pd_plugins.vocab.block_keys import block_keys
 from pd_plugins.routers.policy.scheduler import Scheduler, preset
 from pd_plugins.routers.request import BadRequest, parse_request
 from pd_plugins.routers.sessions import SessionTable
-from tests.unit.routers.helpers import BLOCK, context
+from tests.unit.routers.helpers import BLOCK, Target, context, serving
 
 HISTORY = list(range(100, 140))                  # turn 1's prompt: 10 blocks of 4 tokens
 TURN2 = HISTORY + list(range(500, 506))          # turn 2 appends 6 tokens
@@ -32,8 +32,9 @@ class Clock:
 # -- ids from the request ------------------------------------------------------------------------
 def parse(body: dict, headers: dict | None = None):
     import msgspec
-    return parse_request(msgspec.json.encode(body), "completion", headers or {}, served_models=set(),
-                         max_model_len=None, block_size=BLOCK, strip_transfer_fields=False)
+    return parse_request(msgspec.json.encode(body), "completion", headers or {},
+                         strip_transfer_fields=False,
+                         select_model=serving(Target(max_model_len=None, key_block_size=BLOCK)))
 
 
 def test_session_id_from_header_then_body_fields_trimmed():

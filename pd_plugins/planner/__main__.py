@@ -1,0 +1,5 @@
+import sys
+
+from pd_plugins.planner.cli import main
+
+sys.exit(main())

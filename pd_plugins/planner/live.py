@@ -1,0 +1,353 @@
+"""Live role changes: re-plan the P:D split from the last window of traffic, move one worker at a
+time, and do not flap (`pd-planner --apply URL`; docs/planner.md, "Live role changes").
+
+Every `interval_s` the planner takes the requests that arrived in the last `window_s` and
+simulates them (cluster_sim, the router's own policy) on the current split and, unless that
+already serves the window within the SLOs, on its two neighbours (one instance moved either way).
+It scores each by goodput at the observed load: the requests served within both SLOs per second
+of the window. This is cheaper than `plan_split`'s sweep over every split and over request rates
+(one to three simulations of one window instead of a grid per split), and enough because a move
+changes the split by one anyway. Hysteresis:
+
+- a move must predict `margin` more goodput (relative) than staying, and its window must hold
+  at least `min_requests` requests;
+- at most one move per interval (one worker; the next interval re-plans from the new split);
+- a move that reverses the previous one waits `min_dwell_s` after it.
+
+Applying: in the simulator, `sim_controller()` is a `SimConfig.role_controller`; against pd-router,
+`RouterRoles` reads the split from `GET /admin/workers` and moves a kv_both worker through
+`POST /admin/workers/role` (the router drains it first), and `run_apply` reads the window from the
+router's traffic record (`traffic_record:` in its config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Sequence
+
+from pd_plugins.perf.cluster_sim import SimConfig, TrafficWindow, simulate
+from pd_plugins.perf.report import Slo
+from pd_plugins.planner.split import Split, policy_for_slo
+from pd_plugins.routers.policy.scheduler import PREFIX_SOURCE
+from pd_plugins.workloads import TraceRequest
+
+Role = Literal["prefill", "decode"]
+MAX_WINDOW_REQUESTS = 20_000  # a window's simulation stays bounded: the newest are kept
+
+
+@dataclass(frozen=True)
+class Hysteresis:
+    margin: float = 0.05        # relative goodput gain a move must predict
+    min_dwell_s: float = 120.0  # before a move may reverse the previous one
+    min_requests: int = 20      # fewer in the window: too little to move on
+
+    def __post_init__(self) -> None:
+        if self.margin < 0 or self.min_dwell_s < 0 or self.min_requests < 1:
+            raise ValueError("hysteresis: margin and min_dwell_s must be >= 0, min_requests >= 1")
+
+
+@dataclass
+class Decision:
+    at_s: float
+    current: Split
+    want: Split                    # == current: stay
+    scores: dict[Split, float]     # predicted goodput (req/s within the SLOs) per split simulated
+    reason: str
+
+    @property
+    def moves(self) -> bool:
+        return self.want != self.current
+
+
+@dataclass
+class LivePlanner:
+    """Decides, from one window of traffic, whether to move one instance, and which way."""
+
+    slo: Slo
+    sim_base: SimConfig                     # hardware or calibration, engine limits
+    policy: str = "default"
+    window_s: float = 300.0
+    interval_s: float = 60.0
+    hysteresis: Hysteresis = field(default_factory=Hysteresis)
+    log: list[Decision] = field(default_factory=list)
+    _last_move: tuple[float, int] | None = None  # (when, +1 toward prefill / -1 toward decode)
+
+    def __post_init__(self) -> None:
+        if not (self.window_s > 0 and self.interval_s > 0):
+            raise ValueError("window_s and interval_s must be > 0")
+        name = self.policy if isinstance(self.policy, str) else "custom"
+        self._base = dataclasses.replace(
+            self.sim_base, policy=policy_for_slo(self.policy, self.slo),
+            prefix_source=PREFIX_SOURCE.get(name, self.sim_base.prefix_source),
+            role_changes=(), role_controller=None)
+
+    def score(self, requests: Sequence[TraceRequest], split: Split, span_s: float,
+              backlog: int = 0) -> tuple[float, float]:
+        """(requests served within both SLOs per second, requests finished by the window's end
+        per second) on `split`; the first `backlog` requests (the backlog) take capacity but are
+        not counted within the SLOs."""
+        config = dataclasses.replace(self._base, prefill_instances=split.prefill,
+                                     decode_instances=split.decode,
+                                     block_tokens=requests[0].block_tokens)
+        result = simulate(requests, config)
+        met = sum(1 for o in result.outcomes[backlog:]
+                  if o.status == "ok" and self.slo.met(o.ttft_s, o.tpot_s))
+        done = sum(1 for r, o in zip(requests, result.outcomes)
+                   if o.status == "ok" and r.arrival_s + o.e2e_s <= span_s)
+        return met / span_s, done / span_s
+
+    def decide(self, now_s: float, window: Sequence[TraceRequest], current: Split,
+               backlog: Sequence[TraceRequest] = ()) -> Decision:
+        """`window`: the requests that arrived in the last window_s (any time origin).
+        `backlog`: requests that arrived before it and have not ended (where known): they are
+        replayed as arriving at the window's start, so a queue left by an overload counts."""
+        def stay(reason: str, scores: dict | None = None) -> Decision:
+            d = Decision(now_s, current, current, scores or {}, reason)
+            self.log.append(d)
+            return d
+
+        if len(window) < self.hysteresis.min_requests:
+            return stay(f"{len(window)} requests in the window (< {self.hysteresis.min_requests})")
+        window = rebased(window[-MAX_WINDOW_REQUESTS:])
+        # the newest of the backlog, at most twice the window: enough to tell which split works
+        # a queue off, and each re-plan stays a few simulations of about one window
+        keep = min(2 * len(window), MAX_WINDOW_REQUESTS - len(window))
+        backlog = list(backlog)[-keep:] if backlog and keep > 0 else []
+        requests = [dataclasses.replace(r, request_id=i, arrival_s=0.0) for i, r in enumerate(backlog)]
+        requests += [dataclasses.replace(r, request_id=len(backlog) + r.request_id) for r in window]
+        span = max(self.window_s, window[-1].arrival_s)
+        n = len(backlog)
+        candidates = [current] + [Split(current.prefill + d, current.decode - d) for d in (1, -1)
+                                  if current.prefill + d >= 1 and current.decode - d >= 1]
+        full = {current: self.score(requests, current, span, n)}
+        if full[current][0] * (1 + self.hysteresis.margin) >= len(window) / span:
+            # no split can serve more than every request: no neighbour could gain the margin
+            return stay("the current split serves (nearly) the whole window within the SLOs",
+                        {s: v[0] for s, v in full.items()})
+        full.update({s: self.score(requests, s, span, n) for s in candidates[1:]})
+        scores = {s: v[0] for s, v in full.items()}
+        # In a collapse (a queue no split clears within the window) hardly any request meets
+        # the SLOs on any split: then the split that works off more of the queue is better.
+        collapsed = max(scores.values()) < 0.05 * len(window) / span
+        key = 1 if collapsed else 0
+        best = max(candidates[1:], key=lambda s: full[s][key], default=current)
+        now_score = full[current][key]
+        if best == current or full[best][key] <= now_score * (1 + self.hysteresis.margin) + 1e-12:
+            return stay("no neighbour gains the margin", scores)
+        direction = 1 if best.prefill > current.prefill else -1
+        if (self._last_move is not None and self._last_move[1] != direction
+                and now_s - self._last_move[0] < self.hysteresis.min_dwell_s):
+            return stay(f"would reverse the move at {self._last_move[0]:.0f} s (dwell)", scores)
+        self._last_move = (now_s, direction)
+        d = Decision(now_s, current, best, scores,
+                     f"{best} predicts {full[best][key]:.3g} req/s "
+                     f"{'finished' if collapsed else 'within SLO'} vs {now_score:.3g}")
+        self.log.append(d)
+        return d
+
+    def sim_controller(self) -> Callable[[TrafficWindow], tuple[int, int] | None]:
+        """A `SimConfig.role_controller`: it keeps the last window_s of arrivals itself (the
+        simulator hands it one control interval at a time); run with control_interval_s =
+        interval_s."""
+        recent: deque[TraceRequest] = deque()
+        unfinished: dict[int, TraceRequest] = {}
+
+        def control(window: TrafficWindow) -> tuple[int, int] | None:
+            recent.extend(window.arrivals)
+            unfinished.update((r.request_id, r) for r in window.arrivals)
+            for o in window.ended:
+                unfinished.pop(o.request_id, None)
+            start = window.end_s - self.window_s
+            while recent and recent[0].arrival_s < start:
+                recent.popleft()
+            if window.moving:  # a move still draining: the split is not settled yet
+                return None
+            backlog = [r for r in unfinished.values() if r.arrival_s < start]
+            d = self.decide(window.end_s, list(recent), Split(window.prefill, window.decode), backlog)
+            return (d.want.prefill, d.want.decode) if d.moves else None
+
+        return control
+
+
+def rebased(requests: Sequence[TraceRequest]) -> list[TraceRequest]:
+    """The requests with arrivals from 0 and ids 0.. (what the simulator replays)."""
+    t0 = requests[0].arrival_s
+    return [dataclasses.replace(r, request_id=i, arrival_s=r.arrival_s - t0)
+            for i, r in enumerate(requests)]
+
+
+# -- against pd-router -----------------------------------------------------------------------
+
+class AdminError(RuntimeError):
+    """The router's admin API answered an error (its status and reason in the message)."""
+
+
+@dataclass
+class RouterRoles:
+    """The router's P:D split and its role changes, through the admin API."""
+
+    url: str
+    token: str | None
+    model: str | None = None
+    drain_timeout_s: float = 60.0
+    timeout_s: float = 10.0
+
+    def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None
+              ) -> dict:
+        req = urllib.request.Request(self.url.rstrip("/") + path, method=method,
+                                     data=None if body is None else json.dumps(body).encode())
+        req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+                return json.loads(resp.read(1 << 24))
+        except urllib.error.HTTPError as e:
+            raise AdminError(f"{method} {path}: {e.code} {e.read(4096).decode(errors='replace')}") from e
+        except (urllib.error.URLError, TimeoutError, ValueError) as e:
+            raise AdminError(f"{method} {path}: {e}") from e
+
+    def workers(self) -> list[dict]:
+        workers = self._call("GET", "/admin/workers")["workers"]
+        return [w for w in workers if self.model is None or w.get("model", "") == self.model]
+
+    def split(self) -> tuple[Split, bool]:
+        """(split with moves in progress counted at their destination, a move in progress)."""
+        counts = {"prefill": 0, "decode": 0}
+        moving = False
+        for w in self.workers():
+            if not w.get("healthy", True):
+                continue
+            moving |= bool(w.get("moving_to"))
+            counts[w.get("moving_to") or w["role"]] += 1
+        return Split(counts["prefill"], counts["decode"]), moving
+
+    def move_one(self, to: Role) -> dict:
+        """Move the healthy kv_both worker of the other role holding the fewest requests."""
+        source = "decode" if to == "prefill" else "prefill"
+        movable = sorted((w for w in self.workers() if w["role"] == source and w.get("kv_both")
+                          and w.get("healthy", True) and not w.get("moving_to")),
+                         key=lambda w: (w.get("in_flight", 0), w["url"]))
+        if not movable:
+            raise AdminError(f"no healthy kv_both {source} worker to move to {to}")
+        body = {"url": movable[0]["url"], "to": to, "drain_timeout_s": self.drain_timeout_s}
+        if self.model is not None:
+            body["model"] = self.model
+        # the router answers once the worker serves its new role: after the drain
+        return self._call("POST", "/admin/workers/role", body, timeout=self.drain_timeout_s + 30)
+
+
+def window_from_record(path: str, window_s: float, model: str | None,
+                       now: float | None = None) -> list[TraceRequest]:
+    """The last `window_s` of arrivals in the router's traffic record (and its rotated files).
+    Records are written as requests end; the window ends at the newest recorded arrival, and is
+    empty when the record has not been written for `window_s` (no traffic)."""
+    from pd_plugins.workloads.traffic_record import load_traffic_record, rotated_paths
+
+    now = time.time() if now is None else now
+    if not os.path.exists(path) or now - os.path.getmtime(path) > window_s:
+        return []
+    requests = load_traffic_record(rotated_paths(path), model=model)
+    if not requests:
+        return []
+    newest = requests[-1].arrival_s
+    return [r for r in requests if r.arrival_s >= newest - window_s]
+
+
+def apply_once(planner: LivePlanner, roles: RouterRoles, window: Sequence[TraceRequest],
+               now_s: float, dry_run: bool = False, say: Callable[[str], None] = print) -> Decision | None:
+    """One re-plan against the router: decide, and move one worker if the decision says so."""
+    split, moving = roles.split()
+    if moving:
+        say("a move is in progress: not re-planning")
+        return None
+    if split.prefill < 1 or split.decode < 1:
+        say(f"router split {split}: nothing to plan (both pools need a worker)")
+        return None
+    decision = planner.decide(now_s, window, split)
+    scores = ", ".join(f"{s}: {v:.3g}" for s, v in sorted(decision.scores.items()))
+    say(f"split {split}, {len(window)} requests in the window: "
+        f"{'move to ' + str(decision.want) if decision.moves else 'stay'} ({decision.reason})"
+        + (f" [{scores}]" if scores else ""))
+    if decision.moves and not dry_run:
+        to: Role = "prefill" if decision.want.prefill > split.prefill else "decode"
+        moved = roles.move_one(to)
+        say(f"moved {moved.get('moved')} from {moved.get('from')} to {moved.get('to')} "
+            f"({moved.get('drained')} requests drained)")
+    return decision
+
+
+# -- the command line (pd-planner --apply URL; cli.py calls these) ---------------------------
+
+def add_apply_arguments(parser: argparse.ArgumentParser) -> None:
+    """The --apply flags (those the parser lacks: pd-planner already has --model)."""
+    flags = {s for a in parser._actions for s in a.option_strings}
+    g = parser.add_argument_group("live role changes (--apply; docs/planner.md)")
+    for flag, kw in (
+        ("--apply", dict(metavar="URL", help="re-plan from --record every --interval-s and move "
+                                             "kv_both workers of the router at URL")),
+        ("--admin-token", dict(help="the router's admin token (default $PD_ROUTER_ADMIN_TOKEN)")),
+        ("--interval-s", dict(type=float, default=60.0, help="re-plan every S seconds (60)")),
+        ("--window-s", dict(type=float, default=300.0, help="from the last S seconds of traffic (300)")),
+        ("--margin", dict(type=float, default=0.05,
+                          help="relative goodput gain a move must predict (0.05)")),
+        ("--min-dwell-s", dict(type=float, default=120.0,
+                               help="before a move may reverse the previous one (120)")),
+        ("--drain-timeout-s", dict(type=float, default=60.0, help="the router's drain bound (60)")),
+        ("--once", dict(action="store_true", help="re-plan once, then exit")),
+        ("--dry-run", dict(action="store_true", help="print the decisions, move nothing")),
+        ("--model", dict(help="the model group to plan")),
+    ):
+        if flag not in flags:
+            g.add_argument(flag, **kw)
+
+
+def engine_config(args: argparse.Namespace) -> SimConfig:
+    """The simulated engines: the router's calibration, else a hardware preset (as cli.py)."""
+    if getattr(args, "calibration", None):
+        from pd_plugins.perf.calibration import load_calibration
+        cal = load_calibration(args.calibration, model=args.model)
+        return SimConfig(cal.hardware(args.kv_capacity_tokens))
+    from pd_plugins.perf.hardware import preset
+    return SimConfig(preset(args.hardware), kv_capacity_tokens=args.kv_capacity_tokens)
+
+
+def run_apply(args: argparse.Namespace) -> int:
+    if not getattr(args, "record", None):
+        print("pd-planner: --apply needs --record (the router's traffic_record path)", file=sys.stderr)
+        return 2
+    token = args.admin_token or os.environ.get("PD_ROUTER_ADMIN_TOKEN")
+    try:
+        planner = LivePlanner(Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3),
+                              engine_config(args), policy=args.policy,
+                              window_s=args.window_s, interval_s=args.interval_s,
+                              hysteresis=Hysteresis(args.margin, args.min_dwell_s))
+    except (OSError, ValueError) as e:
+        print(f"pd-planner: {e}", file=sys.stderr)
+        return 2
+    roles = RouterRoles(args.apply, token, args.model, args.drain_timeout_s)
+    say = lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                window = window_from_record(args.record, args.window_s, args.model)
+                apply_once(planner, roles, window, time.time(), args.dry_run, say)
+            except (AdminError, OSError, ValueError) as e:
+                say(f"this interval failed: {e}")
+                if args.once:
+                    return 1
+            if args.once:
+                return 0
+            time.sleep(max(0.0, args.interval_s - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        return 0

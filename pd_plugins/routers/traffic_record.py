@@ -1,0 +1,193 @@
+"""The traffic record: what pd-router routes, one JSON line per request, for the simulator, the
+replay and pd-planner (pd_plugins/workloads/traffic_record.py reads it back).
+
+    {"t": 1764745200.12, "model": "llama", "input_tokens": 812, "output_tokens": 64,
+     "block_keys": [...], "block_size": 16, "session": "c42", "turn": 3,
+     "decision": "disaggregated", "prefill": "http://p0:8000", "decode": "http://d1:8000",
+     "ttft_s": 0.081, "tpot_s": 0.012, "e2e_s": 0.84, "status": 200}
+
+Never prompt text: the block keys are one-way chained hashes of the prompt's full blocks (as the
+router computed them, at most `max_block_keys`). They still reveal which requests share prefixes,
+so the file is created 0600.
+
+Off the request's path: the proxy hands `record()` a few references (no I/O, no JSON); a bounded
+queue takes them, and a full queue drops the record and counts it (never blocks a request). A
+writer thread encodes them in batches, appends and rotates by size (path.1 .. path.N).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily
+
+from pd_plugins.routers.config import TrafficRecordSpec
+from pd_plugins.routers.policy.base import RequestInfo
+
+log = logging.getLogger("pd_router.traffic_record")
+
+BATCH = 512                 # records encoded and written per write
+_STOP = object()
+
+
+@dataclass(slots=True)
+class Measured:
+    """What the proxy learns about one request while serving it (filled in along the way)."""
+
+    t: float                         # arrival, unix seconds
+    decision: str = "failed"         # disaggregated | local | rejected | failed
+    prefill: str | None = None
+    decode: str | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int | None = None  # streamed tokens counted, when streamed
+    answer: bytes | None = None      # a whole (non-streamed) answer: the writer reads its usage
+    status: int | None = None        # overrides the response's: 502 failed mid-stream, 499 left
+
+
+class TrafficRecorder:
+    def __init__(self, spec: TrafficRecordSpec) -> None:
+        self.spec = spec
+        self._queue: queue.Queue = queue.Queue(maxsize=spec.queue_size)
+        self._thread: threading.Thread | None = None
+        self._file = None
+        self._size = 0
+        self.counts = {"written": 0, "dropped": 0, "rotations": 0, "write_errors": 0}
+        self._encode = msgspec.json.Encoder().encode
+        self._decode = msgspec.json.Decoder().decode
+
+    # -- the request side (the event loop) ---------------------------------------------------
+    def record(self, model: str, info: RequestInfo, block_size: int, measured: Measured,
+               status: int, turn: int | None) -> None:
+        """Queue one request's record: references only, encoded later by the writer. `turn`:
+        None where the router does not track sessions (it cannot know)."""
+        try:
+            self._queue.put_nowait((model, info, block_size, measured, status, turn))
+        except queue.Full:
+            self.counts["dropped"] += 1
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the file (0600; errors here stop the router from starting) and the writer."""
+        self._open()
+        self._thread = threading.Thread(target=self._run, name="pd-traffic-record", daemon=True)
+        self._thread.start()
+        log.info("traffic record: writing to %s (rotated at %d bytes, %d backups)",
+                 self.spec.path, self.spec.max_bytes, self.spec.backups)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued, then stop (bounded: a stuck disk does not hold shutdown)."""
+        if self._thread is None:
+            return
+        try:
+            self._queue.put(_STOP, timeout=timeout_s)
+        except queue.Full:
+            log.warning("traffic record: writer did not drain its queue; records lost")
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    # -- the writer thread --------------------------------------------------------------------
+    def _open(self) -> None:
+        fd = os.open(self.spec.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)  # an existing file keeps no wider mode
+        self._file = os.fdopen(fd, "ab")
+        self._size = os.fstat(fd).st_size
+
+    def _rotate(self) -> None:
+        self._file.close()
+        path, n = self.spec.path, self.spec.backups
+        if n == 0:
+            os.truncate(path, 0)
+        else:
+            for i in range(n - 1, 0, -1):
+                if os.path.exists(f"{path}.{i}"):
+                    os.replace(f"{path}.{i}", f"{path}.{i + 1}")
+            os.replace(path, f"{path}.1")
+        self.counts["rotations"] += 1
+        self._open()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            while len(batch) < BATCH:
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(entry is _STOP for entry in batch)
+            try:
+                self._write([self._line(*entry) for entry in batch if entry is not _STOP])
+            except Exception as exc:  # noqa: BLE001 - a full disk must not end the thread
+                self.counts["write_errors"] += 1
+                log.warning("traffic record: write to %s failed: %s", self.spec.path, exc)
+            if stop:
+                self._file.close()
+                return
+
+    def _write(self, lines: list[bytes]) -> None:
+        chunk: list[bytes] = []
+        for line in lines:
+            if self._size + len(line) > self.spec.max_bytes and (self._size or chunk):
+                self._file.write(b"".join(chunk))
+                chunk = []
+                self._rotate()
+            chunk.append(line)
+            self._size += len(line)
+        self._file.write(b"".join(chunk))
+        self._file.flush()
+        self.counts["written"] += len(lines)
+
+    def _line(self, model: str, info: RequestInfo, block_size: int, m: Measured,
+              status: int, turn: int | None) -> bytes:
+        output = m.output_tokens
+        if output is None and m.answer is not None:
+            output = self._usage_tokens(m.answer)
+        if output is None:  # not served: the tokens it asked for (what it would have cost)
+            output = info.max_tokens or 0
+        record: dict[str, Any] = {
+            "t": round(m.t, 6), "model": model, "input_tokens": info.prompt_tokens,
+            "output_tokens": output, "block_keys": info.block_keys[:self.spec.max_block_keys],
+            "block_size": block_size, "session": info.session_id,
+            "turn": turn, "decision": m.decision,
+            "prefill": m.prefill, "decode": m.decode, "ttft_s": _rounded(m.ttft_s),
+            "tpot_s": _rounded(m.tpot_s), "e2e_s": _rounded(m.e2e_s),
+            "status": m.status if m.status is not None else status}
+        return self._encode(record) + b"\n"
+
+    def _usage_tokens(self, answer: bytes) -> int | None:
+        try:
+            body = self._decode(answer)
+            tokens = body["usage"]["completion_tokens"]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            return None
+        return tokens if isinstance(tokens, int) and tokens >= 0 else None
+
+    def collector(self) -> "RecordCollector":
+        return RecordCollector(self)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+class RecordCollector:
+    """/metrics: records written, dropped (queue full), rotations and failed writes."""
+
+    def __init__(self, recorder: TrafficRecorder) -> None:
+        self.recorder = recorder
+
+    def collect(self):
+        family = CounterMetricFamily("pd_router_traffic_records", "Traffic record: records "
+                                     "written, dropped because the writer's queue was full, file "
+                                     "rotations, failed writes", labels=["event"])
+        for event, count in self.recorder.counts.items():
+            family.add_metric([event], count)
+        yield family

@@ -1,0 +1,77 @@
+"""perf/calibration.py: a router's fitted latency lines as the simulator's engine timings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pd_plugins.perf.calibration import load_calibration
+from pd_plugins.perf.cluster_sim import SimConfig, latency_priors, simulate
+from pd_plugins.workloads.trace import TraceRequest
+
+ENTRY = {"prefill_base_s": 0.01, "prefill_per_token_s": 3e-5, "decode_step_base_s": 0.008,
+         "decode_step_per_request_s": 1e-4, "kv_bytes_per_token": 131072, "link_bytes_per_s": 50e9,
+         "block_size": 16, "samples": {"prefill": 20, "decode_step": 20, "min_samples": 8}}
+
+
+def exported(**models) -> dict:
+    return {"models": models or {"llama": ENTRY}}
+
+
+def test_loads_a_file_and_its_lines_time_the_steps(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(exported()))
+    cal = load_calibration(path)
+    hw = cal.hardware(kv_capacity_tokens=10_000)
+    assert cal.name == "llama" and cal.block_size == 16 and hw.kv_capacity_tokens() == 10_000
+    assert hw.prefill_s(1000) == pytest.approx(0.01 + 0.03)
+    assert hw.decode_step_s(10) == pytest.approx(0.008 + 0.001)
+    # a mixed step costs the slower of its parts (the roofline's max)
+    assert hw.step_s([(1000, 0)], decode_batch=10) == pytest.approx(0.04)
+    assert hw.step_s([(10, 0)], decode_batch=30) == pytest.approx(0.011)
+    assert hw.step_s() == 0.0
+    assert hw.transfer_s(1000) == pytest.approx(1000 * 131072 / 50e9)  # no decode_first line
+    assert hw.model.experts == 0 and hw.model.kv_bytes_per_token == 131072
+    priors = latency_priors(hw)  # the simulated router starts from the fit itself
+    assert priors.prefill_per_token_s == 3e-5 and priors.decode_step_base_s == 0.008
+
+
+def test_decode_first_line_times_the_pull():
+    entry = {**ENTRY, "decode_first_base_s": 0.02, "decode_first_per_token_s": 2e-6,
+             "samples": {**ENTRY["samples"], "decode_first": 9}}
+    hw = load_calibration(exported(m=entry)).hardware()
+    # sending the leg and pulling, less the first decode step the engine model adds itself
+    assert hw.transfer_s(1000) == pytest.approx(0.02 - 0.0081 + 0.002)
+    unfitted = {**entry, "samples": {**entry["samples"], "decode_first": 3}}
+    assert load_calibration(exported(m=unfitted)).decode_first_base_s is None
+
+
+@pytest.mark.parametrize("data, model, message", [
+    ({"nope": 1}, None, "not a calibration"),
+    (exported(a=ENTRY, b=ENTRY), None, "several models"),
+    (exported(), "other", "no model 'other'"),
+    (exported(m={**ENTRY, "prefill_per_token_s": -1}), None, "prefill_per_token_s"),
+    (exported(m={**ENTRY, "decode_step_base_s": "fast"}), None, "decode_step_base_s"),
+    (exported(m={**ENTRY, "samples": {"prefill": 3, "decode_step": 20, "min_samples": 8}}),
+     None, "fitted from 3 samples"),
+])
+def test_refuses_what_is_not_a_usable_calibration(data, model, message):
+    with pytest.raises(ValueError, match=message):
+        load_calibration(data, model)
+
+
+def test_priors_pass_when_asked():
+    entry = {**ENTRY, "samples": {"prefill": 0, "decode_step": 0, "min_samples": 8}}
+    assert load_calibration(exported(m=entry), require_fitted=False).prefill_base_s == 0.01
+
+
+def test_simulation_runs_on_a_calibration():
+    reqs = [TraceRequest(i, i * 0.5, 1024, 20, tuple(range(i * 100, i * 100 + 64)), block_tokens=16)
+            for i in range(10)]
+    cal = load_calibration(exported())
+    result = simulate(reqs, SimConfig(cal.hardware(), 1, 1, block_tokens=16))
+    assert all(o.status == "ok" for o in result.outcomes)
+    for o in result.outcomes:  # alone in the cluster: its prefill, the pull, one decode step
+        alone = 0.01 + 3e-5 * 1024 + 1024 * 131072 / 50e9 + 0.008 + 1e-4
+        assert o.ttft_s == pytest.approx(alone, rel=0.1)

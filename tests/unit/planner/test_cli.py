@@ -1,0 +1,83 @@
+"""pd-planner end to end, in this process: a minute of a real trace, a traffic record, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pd_plugins.planner.cli import main
+from pd_plugins.workloads import TRACES
+
+
+@pytest.fixture
+def mooncake_available():
+    try:
+        if not TRACES["mooncake_conv"].is_file():
+            pytest.skip("trace file missing")
+    except FileNotFoundError as e:
+        pytest.skip(f"trace files not available: {e}")
+
+
+def test_trace_to_table_plot_and_json(mooncake_available, tmp_path, capsys):
+    plot, out = tmp_path / "split.png", tmp_path / "plan.json"
+    rc = main(["--trace", "mooncake_conv", "--start", "600", "--duration", "30",
+               "--slo-ttft-ms", "5000", "--slo-tpot-ms", "50", "--instances", "3",
+               "--plot", str(plot), "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "best split of 3 instances:" in captured.out
+    assert "| 1P:2D" in captured.out and "| 2P:1D" in captured.out
+    assert "**best**" in captured.out
+    assert captured.err.count("simulations") == 2   # progress: one line per split
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    plan = json.loads(out.read_text())
+    assert plan["mode"] == "goodput" and plan["instances"] == 3
+    assert {(c["prefill"], c["decode"]) for c in plan["curve"]} == {(1, 2), (2, 1)}
+    best = (plan["best"]["prefill"], plan["best"]["decode"])
+    assert f"best split of 3 instances: {best[0]}P:{best[1]}D" in captured.out
+
+
+def write_record(path, n=120, gap_s=0.25):
+    """A traffic record as pd-router writes it: chat requests sharing a 48-token system prompt."""
+    path.write_text("".join(json.dumps({
+        "t": 1_700_000_000 + i * gap_s, "model": "m", "input_tokens": 600 + 16 * (i % 7),
+        "output_tokens": 40 + i % 13, "block_keys": [11, 22, 33], "block_size": 16,
+        "session": None, "turn": None, "decision": "disaggregated", "prefill": "http://p",
+        "decode": "http://d", "ttft_s": 0.2, "tpot_s": 0.02, "e2e_s": 1.0, "status": 200}) + "\n"
+        for i in range(n)))
+    return path
+
+
+def test_traffic_record_with_calibration(tmp_path, capsys):
+    """A record planned against a calibration file as GET /admin/calibration answers."""
+    record = write_record(tmp_path / "traffic.jsonl")
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps({"models": {"m": {
+        "prefill_base_s": 0.01, "prefill_per_token_s": 5e-5, "decode_step_base_s": 0.008,
+        "decode_step_per_request_s": 4e-4, "kv_bytes_per_token": 131072, "link_bytes_per_s": 25e9,
+        "block_size": 16, "samples": {"prefill": 50, "decode_step": 50, "min_samples": 8}}}}))
+    rc = main(["--record", str(record), "--calibration", str(calibration), "--model", "m",
+               "--slo-ttft-ms", "500", "--slo-tpot-ms", "30", "--target-rate", "20", "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "fewest instances for 20 req/s:" in captured.out
+    assert "instances tried" in captured.out
+    assert captured.err == ""   # --quiet
+
+
+def test_bad_input_is_refused_with_a_reason(tmp_path, capsys):
+    rc = main(["--trace", str(tmp_path / "none.jsonl"), "--slo-ttft-ms", "1000",
+               "--slo-tpot-ms", "50", "--instances", "4"])
+    assert rc == 2 and "none.jsonl" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--trace", "mooncake_conv", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50"])
+    assert "--instances" in capsys.readouterr().err
+    record = write_record(tmp_path / "traffic.jsonl", n=10)
+    with pytest.raises(SystemExit):
+        main(["--record", str(record), "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50",
+              "--instances", "4", "--sample", "1"])
+    assert "--sample must be at least 2" in capsys.readouterr().err
+    rc = main(["--record", str(record), "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50",
+               "--instances", "4", "--hardware", "nope@h100"])
+    assert rc == 2 and "unknown hardware preset" in capsys.readouterr().err

@@ -1,0 +1,130 @@
+"""LivePlanner: it moves on a shifted mix, not on a stationary one, does not reverse a move within
+its dwell, drives the simulator's role changes, and applies a move to pd-router through its admin
+API (real router, pd-mock-engine workers: `processes` tier)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+
+from pd_plugins.perf.cluster_sim import SimConfig, simulate
+from pd_plugins.perf.hardware import preset
+from pd_plugins.perf.report import Slo
+from pd_plugins.planner.live import (Hysteresis, LivePlanner, RouterRoles, apply_once,
+                                     window_from_record)
+from pd_plugins.planner.split import Split
+from pd_plugins.workloads import TraceRequest
+
+HW = preset("qwen3-30b-a3b@h100")  # decode steps read many experts: decode-heavy traffic shows
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+
+
+def steady(n: int, gap_s: float, prompt: int, output: int, start: float = 0.0, first_id: int = 0
+           ) -> list[TraceRequest]:
+    return [TraceRequest(first_id + i, start + i * gap_s, prompt, output,
+                         tuple(range((first_id + i) * 1000, (first_id + i) * 1000 + -(-prompt // 512))))
+            for i in range(n)]
+
+
+def planner(**kw) -> LivePlanner:
+    return LivePlanner(SLO, SimConfig(HW), "round_robin", window_s=20, interval_s=10, **kw)
+
+
+def test_a_decode_heavy_window_moves_one_instance_toward_decode():
+    chat = steady(600, 0.033, prompt=256, output=300)
+    d = planner().decide(20.0, chat, Split(3, 1))
+    assert d.want == Split(2, 2)  # one move, although 1P:3D would be better still
+    assert d.scores[Split(2, 2)] > 2 * d.scores[Split(3, 1)]
+
+
+def test_a_window_the_split_already_serves_moves_nothing_and_costs_one_simulation():
+    light = steady(100, 0.2, prompt=1000, output=50)
+    d = planner().decide(20.0, light, Split(2, 2))
+    assert not d.moves and list(d.scores) == [Split(2, 2)]
+
+
+def test_a_move_is_not_reversed_within_the_dwell_but_is_after_it():
+    p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60))
+    chat, code = steady(600, 0.033, 256, 300), steady(400, 0.05, 8000, 4)
+    assert p.decide(20.0, chat, Split(2, 2)).want == Split(1, 3)
+    held = p.decide(30.0, code, Split(1, 3))
+    assert not held.moves and "dwell" in held.reason
+    assert held.scores[Split(2, 2)] > 1.05 * held.scores[Split(1, 3)]  # it would gain, but waits
+    assert p.decide(90.0, code, Split(1, 3)).want == Split(2, 2)
+
+
+def test_the_margin_holds_back_a_small_predicted_gain():
+    chat = steady(600, 0.033, 256, 300)
+    gain = planner().decide(20.0, chat, Split(2, 2))
+    ratio = gain.scores[gain.want] / gain.scores[Split(2, 2)]
+    assert gain.moves and ratio > 1
+    assert not planner(hysteresis=Hysteresis(margin=ratio)).decide(20.0, chat, Split(2, 2)).moves
+
+
+def test_in_the_simulator_no_flapping_on_a_stationary_mix_and_moves_after_a_shift():
+    # 60 s of a steady mix the 2P:2D start serves, then 60 s of chat that needs decode
+    stationary = steady(300, 0.2, prompt=1000, output=50)
+    shifted = stationary + steady(1800, 0.033, 256, 300, start=60.0, first_id=300)
+    def run(requests):
+        p = planner()
+        config = SimConfig(HW, 2, 2, policy="round_robin", role_controller=p.sim_controller(),
+                           control_interval_s=p.interval_s)
+        return simulate(requests, config), p
+    result, p = run(stationary)
+    assert result.role_moves == [] and len(p.log) >= 5 and not any(d.moves for d in p.log)
+    result, p = run(shifted)
+    assert [(m.to, m.done_at_s is not None) for m in result.role_moves][:1] == [("decode", True)]
+    assert all(m.asked_at_s > 60.0 for m in result.role_moves)
+    tos = [m.to for m in result.role_moves]
+    assert "prefill" not in tos  # no move back while the chat lasts
+    assert [o.status for o in result.outcomes].count("failed") == 0
+
+
+# -- against pd-router ---------------------------------------------------------------------------
+
+def test_a_stale_or_missing_record_gives_an_empty_window(tmp_path):
+    path = tmp_path / "traffic.jsonl"
+    assert window_from_record(str(path), 60, None) == []
+    line = {"t": 1000.0, "model": "m", "input_tokens": 10, "output_tokens": 2, "block_keys": [],
+            "block_size": 16, "session": None, "turn": None, "decision": "disaggregated",
+            "prefill": None, "decode": None, "ttft_s": 0.1, "tpot_s": 0.01, "e2e_s": 0.2, "status": 200}
+    path.write_text("".join(json.dumps({**line, "t": 1000.0 + i}) + "\n" for i in range(100)))
+    now = path.stat().st_mtime
+    window = window_from_record(str(path), 30, None, now=now)
+    assert len(window) == 31 and window[0].arrival_s == 69.0  # the last 30 s of arrivals
+    assert window_from_record(str(path), 30, None, now=now + 31) == []
+
+
+@pytest.mark.processes
+def test_apply_once_moves_a_kv_both_worker_of_the_real_router():
+    from pd_plugins.testing.router_harness import MockEngineProcess
+    from tests.router.conftest import deployment
+
+    @dataclasses.dataclass
+    class KvBothMock(MockEngineProcess):
+        def worker_arg(self) -> list[str]:
+            return [self.url, "kv_both=true"]
+
+    token = "live-token"
+    prefills = [KvBothMock(f"p{i}", role="both") for i in range(2)]
+    decode = MockEngineProcess("d0", role="decode")
+    with deployment(prefills, [decode], "--policy", "round_robin",
+                    env={"PD_ROUTER_ADMIN_TOKEN": token}) as router:
+        roles = RouterRoles(router.url, token, drain_timeout_s=10)
+        assert roles.split() == (Split(2, 1), False)
+        chat = steady(600, 0.033, 256, 300)  # decode-heavy: the planner wants 1P:2D
+        said = []
+        d = apply_once(planner(), roles, chat, time.time(), say=said.append)
+        assert d is not None and d.want == Split(1, 2)
+        assert roles.split() == (Split(1, 2), False), said
+        moved = {w["url"] for w in roles.workers() if w["role"] == "decode"} - {decode.url}
+        assert len(moved) == 1 and moved <= {p.url for p in prefills}
+        # a dry run decides (prompts of 8000 tokens want the prefill back) and moves nothing
+        code = steady(400, 0.05, 8000, 4)
+        d = apply_once(planner(), roles, code, time.time(), dry_run=True, say=said.append)
+        assert d.want == Split(2, 1) and roles.split() == (Split(1, 2), False)
+        with pytest.raises(Exception, match="401|403"):
+            RouterRoles(router.url, "wrong").split()

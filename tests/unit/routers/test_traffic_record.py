@@ -1,0 +1,111 @@
+"""The traffic record's writer (routers/traffic_record.py): lines, overflow, rotation, file mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pd_plugins.routers.config import ConfigError, RouterConfig, TrafficRecordSpec, config_from_mapping
+from pd_plugins.routers.policy.base import RequestInfo
+from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
+
+
+def info(tokens: int = 40, keys: int = 2, **kw) -> RequestInfo:
+    return RequestInfo(prompt_tokens=tokens, block_keys=list(range(1, keys + 1)), **kw)
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8")]
+
+
+def test_a_full_queue_drops_and_counts_never_blocks(tmp_path):
+    rec = TrafficRecorder(TrafficRecordSpec(path=str(tmp_path / "r.jsonl"), queue_size=2))
+    for i in range(5):  # the writer is not started: nothing drains the queue
+        rec.record("m", info(), 16, Measured(float(i)), 200, None)
+    assert rec.counts["dropped"] == 3
+    registry = CollectorRegistry()
+    registry.register(rec.collector())
+    assert b'pd_router_traffic_records_total{event="dropped"} 3.0' in generate_latest(registry)
+    rec.start()
+    rec.close()
+    assert [r["t"] for r in read(tmp_path / "r.jsonl")] == [0.0, 1.0]
+    assert rec.counts["written"] == 2
+
+
+def test_lines_hold_the_record_format_and_no_more(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("")
+    os.chmod(path, 0o644)  # an existing file is made private too
+    rec = TrafficRecorder(TrafficRecordSpec(path=str(path), max_block_keys=3))
+    rec.start()
+    served = Measured(100.5, decision="local", decode="http://d", ttft_s=0.1, tpot_s=0.01,
+                      e2e_s=0.3, output_tokens=21)
+    rec.record("llama", info(tokens=100, keys=6, session_id="s1", turn=2), 16, served, 200, 2)
+    whole = Measured(101.0, decision="disaggregated", prefill="http://p", decode="http://d",
+                     e2e_s=0.2, answer=b'{"usage": {"completion_tokens": 7}}')
+    rec.record("llama", info(max_tokens=9), 16, whole, 200, None)
+    rec.record("llama", info(max_tokens=9), 16, Measured(102.0, decision="rejected"), 429, None)
+    rec.record("llama", info(), 16, Measured(103.0, answer=b"not json"), 502, None)
+    rec.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    a, b, c, d = read(path)
+    assert a == {"t": 100.5, "model": "llama", "input_tokens": 100, "output_tokens": 21,
+                 "block_keys": [1, 2, 3], "block_size": 16, "session": "s1", "turn": 2,
+                 "decision": "local", "prefill": None, "decode": "http://d", "ttft_s": 0.1,
+                 "tpot_s": 0.01, "e2e_s": 0.3, "status": 200}
+    assert b["output_tokens"] == 7 and b["turn"] is None and b["prefill"] == "http://p"
+    assert c["decision"] == "rejected" and c["output_tokens"] == 9 and c["status"] == 429
+    assert d["decision"] == "failed" and d["output_tokens"] == 0  # no usage, no max_tokens
+
+
+def test_rotation_keeps_backups_under_max_bytes(tmp_path):
+    path = tmp_path / "r.jsonl"
+    rec = TrafficRecorder(TrafficRecordSpec(path=str(path), max_bytes=4096, backups=2))
+    rec.start()
+    for i in range(200):
+        rec.record("m", info(keys=10), 16, Measured(float(i)), 200, None)
+    rec.close()
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["r.jsonl", "r.jsonl.1", "r.jsonl.2"]
+    assert rec.counts["rotations"] >= 3
+    ts = [r["t"] for name in ("r.jsonl.2", "r.jsonl.1", "r.jsonl") for r in read(tmp_path / name)]
+    assert ts == sorted(ts) and ts[-1] == 199.0  # oldest first, the newest kept, none repeated
+    assert all(os.path.getsize(tmp_path / n) <= 4096 for n in names)
+
+
+def test_no_backups_truncates(tmp_path):
+    path = tmp_path / "r.jsonl"
+    rec = TrafficRecorder(TrafficRecordSpec(path=str(path), max_bytes=4096, backups=0))
+    rec.start()
+    for i in range(100):
+        rec.record("m", info(), 16, Measured(float(i)), 200, None)
+    rec.close()
+    assert os.listdir(tmp_path) == ["r.jsonl"] and read(path)[-1]["t"] == 99.0
+
+
+def test_config_checks_the_record_spec():
+    ok = config_from_mapping({"decode": [{"url": "http://d"}],
+                              "traffic_record": {"path": "/tmp/x.jsonl"}}, "test")
+    assert isinstance(ok, RouterConfig) and ok.traffic_record.max_bytes == 64 * 1024 * 1024
+    assert ok.traffic_record.backups == 3 and ok.traffic_record.max_block_keys == 256
+    for bad in ({"path": "/tmp/x", "max_bytes": 10}, {"path": "/tmp/x", "backups": -1},
+                {"path": "/tmp/x", "queue_size": 0}):
+        try:
+            config_from_mapping({"decode": [{"url": "http://d"}], "traffic_record": bad}, "test")
+        except ConfigError as exc:
+            assert "traffic_record" in str(exc)
+        else:
+            raise AssertionError(f"accepted {bad}")
+
+
+def test_the_flag_sets_the_path_and_keeps_the_yaml_limits(tmp_path):
+    from pd_plugins.routers.cli import build_parser, config_from_args
+    yaml_file = tmp_path / "router.yaml"
+    yaml_file.write_text("traffic_record: {path: /elsewhere.jsonl, backups: 1}\n")
+    args = build_parser().parse_args(["--decode", "http://127.0.0.1:9", "--config", str(yaml_file),
+                                      "--traffic-record", str(tmp_path / "t.jsonl")])
+    record = config_from_args(args).traffic_record
+    assert record.path == str(tmp_path / "t.jsonl") and record.backups == 1
