@@ -166,23 +166,18 @@ class LoadChannel:
         worker.in_flight_tokens += sign * load[2]
 
 
-class LatencyChannel:
-    # The stream's window too: a replica that starts (or comes back) begins from the cluster's
-    # fit rather than the priors; the fits forget old samples exponentially anyway.
-    live_only = False
+class _PendingItems:
+    """A bounded queue of local changes to publish: the oldest are dropped (and counted) when
+    full, and a batch Redis did not take goes back in front of newer ones."""
 
-    def __init__(self, models: LatencyModels, scope: str = "", max_pending: int = 2_000) -> None:
-        self.name = f"latency:{scope}"
-        self.fits = {"prefill": models.prefill, "decode_step": models.decode_step}
+    def __init__(self, max_pending: int) -> None:
         self._pending: deque[list] = deque(maxlen=max_pending)
         self.dropped = 0
-        for name, fit in self.fits.items():
-            fit.on_sample = lambda x, y, name=name: self._measured(name, x, y)
 
-    def _measured(self, fit: str, x: float, y: float) -> None:
+    def _add(self, item: list) -> None:
         if len(self._pending) == self._pending.maxlen:
             self.dropped += 1
-        self._pending.append([fit, x, y])
+        self._pending.append(item)
 
     def take(self, now: float) -> list | None:
         if not self._pending:
@@ -196,6 +191,23 @@ class LatencyChannel:
         kept = items[-room:] if room > 0 else []
         self.dropped += len(items) - len(kept)
         self._pending.extendleft(reversed(kept))
+
+
+class LatencyChannel(_PendingItems):
+    # The stream's window too: a replica that starts (or comes back) begins from the cluster's
+    # fit rather than the priors; the fits forget old samples exponentially anyway.
+    live_only = False
+
+    def __init__(self, models: LatencyModels, scope: str = "", max_pending: int = 2_000) -> None:
+        self.name = f"latency:{scope}"
+        self.fits = {"prefill": models.prefill, "decode_step": models.decode_step}
+        super().__init__(max_pending)
+        for name, fit in self.fits.items():
+            fit.on_sample = lambda x, y, name=name: self._measured(name, x, y)
+
+    def _measured(self, fit: str, x: float, y: float) -> None:
+        self._add([fit, x, y])
+
 
     def apply(self, origin: str, items: list, now: float) -> None:
         for name, x, y in items[:MAX_ITEMS]:
@@ -208,36 +220,21 @@ class LatencyChannel:
         pass
 
 
-class PrefixChannel:
+class PrefixChannel(_PendingItems):
     live_only = False
 
     def __init__(self, index: PrefixIndex, scope: str = "", max_pending: int = 2_000,
                  max_keys: int = 8_192) -> None:
         self.name = f"prefixes:{scope}"
         self.index, self.max_keys = index, max_keys
-        self._pending: deque[list] = deque(maxlen=max_pending)
-        self.dropped = 0
+        super().__init__(max_pending)
 
     def routed(self, worker_urls: Sequence[str], keys: Sequence[int]) -> None:
         """This replica routed a prompt with these block keys to these workers."""
         urls = [u for u in worker_urls if u not in self.index.exact_workers]
         if urls and keys:
-            if len(self._pending) == self._pending.maxlen:
-                self.dropped += 1
-            self._pending.append([urls, list(keys[:self.max_keys])])
+            self._add([urls, list(keys[:self.max_keys])])
 
-    def take(self, now: float) -> list | None:
-        if not self._pending:
-            return None
-        items = list(self._pending)
-        self._pending.clear()
-        return items
-
-    def put_back(self, items: list) -> None:
-        room = (self._pending.maxlen or 0) - len(self._pending)
-        kept = items[-room:] if room > 0 else []
-        self.dropped += len(items) - len(kept)
-        self._pending.extendleft(reversed(kept))
 
     def apply(self, origin: str, items: list, now: float) -> None:
         for urls, keys in items[:MAX_ITEMS]:
