@@ -7,41 +7,21 @@ Every line is validated, since a silently wrong hash list would fake or hide cac
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any
 
-from pd_plugins.workloads.trace import TraceFormatError, TraceRequest, blocks_for
+from pd_plugins.workloads.trace import JsonLine, TraceRequest, blocks_for, is_int
 
 _KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _parse_line(path: str | os.PathLike, lineno: int, line: str) -> tuple[float, int, int, tuple]:
     """(timestamp_ms, input, output, hash_ids) of one line, or TraceFormatError saying why not."""
-    def bad(what: str) -> TraceFormatError:
-        return TraceFormatError(path, lineno, what)
-
-    try:
-        rec = json.loads(line)
-    except ValueError as e:
-        raise bad(f"not valid JSON ({e})") from None
-    if not isinstance(rec, dict):
-        raise bad(f"expected a JSON object, got {type(rec).__name__}")
-    missing = [k for k in _KEYS if k not in rec]
-    if missing:
-        raise bad(f"missing key(s) {', '.join(missing)}")
-    ts = rec["timestamp"]
-    if not (_is_int(ts) or isinstance(ts, float)) or not 0 <= ts < float("inf"):
-        raise bad(f"timestamp must be a non-negative number of ms, got {ts!r}")
-    for key in ("input_length", "output_length"):
-        if not _is_int(rec[key]) or rec[key] < 0:
-            raise bad(f"{key} must be a non-negative int, got {rec[key]!r}")
+    row = JsonLine(path, lineno, line, _KEYS)
+    rec, bad = row.rec, row.bad
+    ts = row.time("timestamp", "ms")
+    row.count("input_length"), row.count("output_length")
     hashes = rec["hash_ids"]
-    if not isinstance(hashes, list) or not all(_is_int(h) for h in hashes):
+    if not isinstance(hashes, list) or not all(is_int(h) for h in hashes):
         raise bad("hash_ids must be a list of ints")
     want = blocks_for(rec["input_length"])
     if len(hashes) != want:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 HASH_BLOCK_SIZE = 512
 """Tokens per prefix block behind `block_hashes` by default (Mooncake's block size, used for the
@@ -52,6 +54,43 @@ class TraceFormatError(ValueError):
     def __init__(self, path: object, line: int, what: str) -> None:
         super().__init__(f"{path}:{line}: {what}")
         self.path, self.line, self.what = str(path), line, what
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class JsonLine:
+    """One line of a JSON-lines trace, checked field by field; every problem is a
+    TraceFormatError naming the file and line (Mooncake traces, pd-router's traffic record)."""
+
+    def __init__(self, path: object, lineno: int, line: str, keys: Sequence[str]) -> None:
+        self.path, self.lineno = path, lineno
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise self.bad(f"not valid JSON ({e})") from None
+        if not isinstance(rec, dict):
+            raise self.bad(f"expected a JSON object, got {type(rec).__name__}")
+        missing = [k for k in keys if k not in rec]
+        if missing:
+            raise self.bad(f"missing key(s) {', '.join(missing)}")
+        self.rec: dict[str, Any] = rec
+
+    def bad(self, what: str) -> TraceFormatError:
+        return TraceFormatError(self.path, self.lineno, what)
+
+    def time(self, key: str, unit: str) -> float:
+        value = self.rec[key]
+        if not (is_int(value) or isinstance(value, float)) or not 0 <= value < float("inf"):
+            raise self.bad(f"{key} must be a non-negative number of {unit}, got {value!r}")
+        return value
+
+    def count(self, key: str) -> int:
+        value = self.rec[key]
+        if not is_int(value) or value < 0:
+            raise self.bad(f"{key} must be a non-negative int, got {value!r}")
+        return value
 
 
 def blocks_for(tokens: int, block_tokens: int = HASH_BLOCK_SIZE) -> int:

@@ -13,20 +13,15 @@ get ids of their own, unique to the request: what is not known to be shared coun
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
 
-from pd_plugins.workloads.trace import TraceFormatError, TraceRequest, blocks_for
+from pd_plugins.workloads.trace import JsonLine, TraceRequest, blocks_for, is_int
 
 _MASK64 = (1 << 64) - 1
 _KEYS = ("t", "model", "input_tokens", "output_tokens", "block_keys", "block_size")
 DECISIONS = ("disaggregated", "local", "rejected", "failed")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _own_block_id(request_no: int, block_no: int) -> int:
@@ -40,28 +35,14 @@ def _own_block_id(request_no: int, block_no: int) -> int:
 
 
 def _parse(path: str | os.PathLike, lineno: int, line: str) -> dict[str, Any]:
-    def bad(what: str) -> TraceFormatError:
-        return TraceFormatError(path, lineno, what)
-
-    try:
-        rec = json.loads(line)
-    except ValueError as e:
-        raise bad(f"not valid JSON ({e})") from None
-    if not isinstance(rec, dict):
-        raise bad(f"expected a JSON object, got {type(rec).__name__}")
-    missing = [k for k in _KEYS if k not in rec]
-    if missing:
-        raise bad(f"missing key(s) {', '.join(missing)}")
-    t = rec["t"]
-    if not (_is_int(t) or isinstance(t, float)) or not 0 <= t < float("inf"):
-        raise bad(f"t must be a non-negative number of seconds, got {t!r}")
-    for key in ("input_tokens", "output_tokens"):
-        if not _is_int(rec[key]) or rec[key] < 0:
-            raise bad(f"{key} must be a non-negative int, got {rec[key]!r}")
-    if not _is_int(rec["block_size"]) or rec["block_size"] <= 0:
+    row = JsonLine(path, lineno, line, _KEYS)
+    rec, bad = row.rec, row.bad
+    row.time("t", "seconds")
+    row.count("input_tokens"), row.count("output_tokens")
+    if not is_int(rec["block_size"]) or rec["block_size"] <= 0:
         raise bad(f"block_size must be a positive int, got {rec['block_size']!r}")
     keys = rec["block_keys"]
-    if not isinstance(keys, list) or not all(_is_int(k) for k in keys):
+    if not isinstance(keys, list) or not all(is_int(k) for k in keys):
         raise bad("block_keys must be a list of ints")
     if len(keys) > rec["input_tokens"] // rec["block_size"]:
         raise bad(f"{len(keys)} block_keys for {rec['input_tokens']} tokens in blocks of "
@@ -71,7 +52,7 @@ def _parse(path: str | os.PathLike, lineno: int, line: str) -> dict[str, Any]:
     session, turn = rec.get("session"), rec.get("turn")
     if session is not None and not isinstance(session, str):
         raise bad("session must be a string or null")
-    if turn is not None and (not _is_int(turn) or turn < 0):
+    if turn is not None and (not is_int(turn) or turn < 0):
         raise bad("turn must be a non-negative int or null")
     if rec.get("decision", "disaggregated") not in DECISIONS:
         raise bad(f"decision must be one of {', '.join(DECISIONS)}, got {rec.get('decision')!r}")
