@@ -34,6 +34,7 @@ from pd_plugins.testing.processes import ManagedProcess
 from pd_plugins.testing.router_harness import RouterProcess
 from tests.e2e.deployments import (
     CONCURRENT,
+    FULL_MATRIX,
     LM_BACKEND_DOWN,
     LM_SWAP_A,
     LM_SWAP_B,
@@ -124,7 +125,14 @@ def lmcache_server(name: str, role: str, cpu: str, backend: str, *extra_args: st
                       env={"PYTHONHASHSEED": str(hash(name) % 1000)})
 
 
-@pytest.fixture(scope="module", params=["fs", "redis", "lm", "mp"])
+# CI runs fs (no server) and redis (a real server to lose); lm and mp repeat the same connector
+# paths over LMCache's own servers and run in the full matrix (PD_TEST_FULL=1, make test-full).
+_FULL_ONLY = pytest.mark.skipif(not FULL_MATRIX, reason="full matrix only: PD_TEST_FULL=1 "
+                                "(make test-full)")
+
+
+@pytest.fixture(scope="module", params=["fs", "redis", pytest.param("lm", marks=_FULL_ONLY),
+                                        pytest.param("mp", marks=_FULL_ONLY)])
 def trio(request, references, pool):
     pool.discard()  # at most three vLLM servers at a time on two cores
     backend = start_backend(request.param)
