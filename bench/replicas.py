@@ -34,14 +34,12 @@ import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import aiohttp
-import msgspec
 from tqdm import tqdm
 
 from bench import common
 from bench.multi_turn import replay_requests as conversation_requests
 from pd_plugins.mock.client import collect_engine_stats
-from pd_plugins.perf.replay import ReplayOutcome, ReplayResult, next_turn_outputs, request_body, send_request
+from pd_plugins.perf.replay import ReplayResult, replay
 from pd_plugins.perf.report import Slo, percentile, summarize
 from pd_plugins.routers.policy.scheduler import DEFAULT_POLICY
 from pd_plugins.testing.kv_servers import REDIS_SERVER, RedisServer
@@ -116,44 +114,10 @@ def deployment(block: int, speedup: float, policy: str, routers: int, shared: bo
 
 async def balanced_replay(urls: Sequence[str], requests, speedup: float, timeout_s: float,
                           mock_outputs: bool, progress=None) -> ReplayResult:
-    """pd_plugins.perf.replay.replay with a round-robin load balancer in front: request i is sent
-    to urls[i % len(urls)] (the turns of one conversation alternate between the replicas)."""
-    loop = asyncio.get_running_loop()
-    outputs = next_turn_outputs(requests) if mock_outputs else False
-    endpoints = [u.rstrip("/") + "/v1/completions" for u in urls]
-    bodies = [msgspec.json.encode(request_body(r, "mock", outputs)) for r in requests]
-    outcomes: list[ReplayOutcome] = []
-    connector = aiohttp.TCPConnector(limit=10_000, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout_s)) as session:
-        start = loop.time()
-        last_end = start
-
-        async def one(i: int, req, body: bytes) -> None:
-            nonlocal last_end
-            due = start + req.arrival_s / speedup
-            if due > loop.time():
-                await asyncio.sleep(due - loop.time())
-            out = ReplayOutcome(req.request_id, req.arrival_s, req.input_tokens, req.output_tokens,
-                                session_id=req.session_id, turn=req.turn)
-            sent = loop.time()
-            out.send_lag_s = max(0.0, sent - due) * speedup
-            try:
-                await asyncio.wait_for(send_request(session, endpoints[i % len(endpoints)], body, out,
-                                                    sent, speedup, loop), timeout_s)
-            except asyncio.TimeoutError:
-                out.status, out.error = "failed", f"no complete answer within {timeout_s:g} s (wall)"
-            except Exception as exc:  # noqa: BLE001 - this request failed
-                out.status, out.error = "failed", f"{type(exc).__name__}: {exc}"
-            last_end = max(last_end, loop.time())
-            outcomes.append(out)
-            if progress is not None:
-                progress(len(outcomes))
-
-        await asyncio.gather(*(one(i, r, b) for i, (r, b) in enumerate(zip(requests, bodies))))
-    outcomes.sort(key=lambda o: o.request_id)
-    wall = last_end - start
-    return ReplayResult(outcomes, wall * speedup, wall, speedup)
+    """perf.replay with a round-robin load balancer in front: request i goes to urls[i % len(urls)]
+    (the turns of one conversation alternate between the replicas)."""
+    return await replay(list(urls), requests, speedup, "mock", timeout_s, progress,
+                        mock_outputs=mock_outputs)
 
 
 def _counter(metrics: str, name: str, label: str) -> float:

@@ -83,10 +83,11 @@ def request_body(r: TraceRequest, model: str, mock_outputs: dict[int, list[int]]
     return body
 
 
-async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, model: str,
+async def replay(url: str | Sequence[str], requests: Sequence[TraceRequest], speedup: float, model: str,
                  timeout_s: float, progress: Callable[[int], None] | None = None,
                  max_connections: int = 10_000, mock_outputs: bool = False) -> ReplayResult:
-    """Send `requests` open loop to `url` (a router or an engine); `timeout_s` bounds each
+    """Send `requests` open loop to `url` (a router or an engine; several URLs: a round-robin
+    load balancer in front of them, request i to url[i % len(url)]); `timeout_s` bounds each
     request in WALL seconds (past it the request counts as failed). `mock_outputs`: tell
     latency-modelled mocks which tokens each turn "generates" (see request_body)."""
     if not speedup > 0:
@@ -94,7 +95,7 @@ async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, mod
     loop = asyncio.get_running_loop()
     if mock_outputs:
         mock_outputs = next_turn_outputs(requests)
-    endpoint = url.rstrip("/") + "/v1/completions"
+    endpoints = [u.rstrip("/") + "/v1/completions" for u in ([url] if isinstance(url, str) else url)]
     outcomes: list[ReplayOutcome] = []
     done = 0
     # Prompts are built before the clock starts: materialising one costs ~1 ms per 10k tokens.
@@ -105,7 +106,7 @@ async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, mod
         start = loop.time()
         last_end = start
 
-        async def one(req: TraceRequest, body: bytes) -> None:
+        async def one(i: int, req: TraceRequest, body: bytes) -> None:
             nonlocal done, last_end
             due = start + req.arrival_s / speedup
             if due > loop.time():
@@ -115,8 +116,8 @@ async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, mod
             sent = loop.time()
             out.send_lag_s = max(0.0, sent - due) * speedup
             try:
-                await asyncio.wait_for(send_request(session, endpoint, body, out, sent, speedup, loop),
-                                       timeout_s)
+                await asyncio.wait_for(send_request(session, endpoints[i % len(endpoints)], body, out,
+                                                    sent, speedup, loop), timeout_s)
             except asyncio.TimeoutError:
                 out.status, out.error = "failed", f"no complete answer within {timeout_s:g} s (wall)"
             except Exception as exc:  # noqa: BLE001 - connection errors, bad streams: this request failed
@@ -127,7 +128,7 @@ async def replay(url: str, requests: Sequence[TraceRequest], speedup: float, mod
             if progress is not None:
                 progress(done)
 
-        await asyncio.gather(*(one(r, b) for r, b in zip(requests, bodies)))
+        await asyncio.gather(*(one(i, r, b) for i, (r, b) in enumerate(zip(requests, bodies))))
     outcomes.sort(key=lambda o: o.request_id)
     wall = last_end - start
     return ReplayResult(outcomes, wall * speedup, wall, speedup)
