@@ -146,6 +146,9 @@ CONCURRENT_PULL_ENABLED = os.environ.get("PD_TEST_CONCURRENT_PULL", "1") == "1"
 # The whole matrix (`make test-full`): cells that repeat a behaviour another cell already proves in
 # CI (same connector and mode on another model) run only here, to keep CI under its time budget.
 FULL_MATRIX = os.environ.get("PD_TEST_FULL", "0") == "1"
+# A test or cell that repeats a path CI already covers: it runs only in the full matrix.
+FULL_MATRIX_ONLY = pytest.mark.skipif(not FULL_MATRIX, reason="full matrix only: PD_TEST_FULL=1 "
+                                      "(make test-full)")
 
 
 def skip_concurrent_pull_if_off(config: PdConfig) -> None:
@@ -159,8 +162,7 @@ def pd_param(config: PdConfig, full_matrix_only: bool = False):
     marks = [pytest.mark.skipif(config.mode == "push" and not PUSH_ENABLED,
                                 reason="push e2e switched off (PD_TEST_PUSH=0)")]
     if full_matrix_only:
-        marks.append(pytest.mark.skipif(not FULL_MATRIX, reason="full matrix only: "
-                                        "PD_TEST_FULL=1 (make test-full)"))
+        marks.append(FULL_MATRIX_ONLY)
     return pytest.param(config, marks=marks, id=config.id)
 
 

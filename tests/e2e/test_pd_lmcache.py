@@ -34,7 +34,7 @@ from pd_plugins.testing.processes import ManagedProcess
 from pd_plugins.testing.router_harness import RouterProcess
 from tests.e2e.deployments import (
     CONCURRENT,
-    FULL_MATRIX,
+    FULL_MATRIX_ONLY,
     LM_BACKEND_DOWN,
     LM_SWAP_A,
     LM_SWAP_B,
@@ -125,14 +125,11 @@ def lmcache_server(name: str, role: str, cpu: str, backend: str, *extra_args: st
                       env={"PYTHONHASHSEED": str(hash(name) % 1000)})
 
 
-# CI runs fs (no server) and redis (a real server to lose); lm and mp repeat the same connector
-# paths over LMCache's own servers and run in the full matrix (PD_TEST_FULL=1, make test-full).
-_FULL_ONLY = pytest.mark.skipif(not FULL_MATRIX, reason="full matrix only: PD_TEST_FULL=1 "
-                                "(make test-full)")
-
-
-@pytest.fixture(scope="module", params=["fs", "redis", pytest.param("lm", marks=_FULL_ONLY),
-                                        pytest.param("mp", marks=_FULL_ONLY)])
+# CI runs redis (a real server, shared, and one the backend-down test can lose); fs, lm and mp
+# repeat the same connector paths over other stores and run in the full matrix (make test-full).
+@pytest.fixture(scope="module", params=[pytest.param("fs", marks=FULL_MATRIX_ONLY), "redis",
+                                        pytest.param("lm", marks=FULL_MATRIX_ONLY),
+                                        pytest.param("mp", marks=FULL_MATRIX_ONLY)])
 def trio(request, references, pool):
     pool.discard()  # at most three vLLM servers at a time on two cores
     backend = start_backend(request.param)
@@ -290,7 +287,7 @@ def test_engine_shutdown_does_not_hang(trio):
 
 
 # -- per-engine backends: prefix reuse within one engine ---------------------------------------------
-@pytest.mark.parametrize("kind", ["cpu", "disk"])
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("disk", marks=FULL_MATRIX_ONLY)])
 def test_per_engine_backend_serves_prefix_reuse(kind, references, pool):
     pool.discard()
     directory = Path(tempfile.mkdtemp(prefix="pd-lmcache-disk-"))

@@ -25,7 +25,7 @@ from pd_plugins.testing.engine_harness import VllmServer, metric_value, nixl_con
 from pd_plugins.testing.pd_client import PrefillTarget, pd_pull
 from pd_plugins.testing.router_harness import RouterProcess
 from tests.e2e.deployments import (
-    FULL_MATRIX,
+    FULL_MATRIX_ONLY,
     CONCURRENT,
     DEFAULT_TEST_LEASE_S,
     NIXL_TRANSFERS,
@@ -38,9 +38,7 @@ from tests.e2e.deployments import (
 # Not in CI yet: it passed 2 of 7 runs on a machine loaded by other work (load average 20-30);
 # the failures were W's engine stalling on its first NIXL read with three engines on two cores
 # (docs/router.md "Role changes"). The full matrix runs it: PD_TEST_FULL=1 (make test-full).
-pytestmark = [pytest.mark.e2e,
-              pytest.mark.skipif(not FULL_MATRIX, reason="full matrix only: PD_TEST_FULL=1 "
-                                 "(make test-full); not yet reliable on 2 cores")]
+pytestmark = [pytest.mark.e2e, FULL_MATRIX_ONLY]
 
 TOKEN = "e2e-role-token"
 FLOW = [*PROMPTS.values(), *CONCURRENT]  # prompts the references hold

@@ -92,7 +92,8 @@ def test_moves_under_load_lose_no_request():
             stop.set()
             for t in threads:
                 t.join(timeout=60)
-        assert len(statuses) == sent[0] > 40
+        # the three waits above need at least 15 requests through W; every one sent came back
+        assert len(statuses) == sent[0] >= 15
         assert set(statuses) == {200}, [s for s in statuses if s != 200][:5]
 
 
