@@ -10,7 +10,8 @@ and a channel remembers what changed. Two background tasks do the rest:
   window; the key expires when no replica writes for `ttl_s`);
 - the reader blocks on XREAD for the entries of the other replicas and hands each channel its
   part. A replica that starts, or comes back after an outage, first reads the stream's window
-  (pins and prefixes; loads only from live entries).
+  (pins and prefixes; loads only from live entries), skipping entries older than `history_s`
+  (the session TTL: a pin older than that has expired on the replica that wrote it).
 
 So what one replica learns reaches the others within about `interval_s` plus a Redis round trip.
 Redis is never on a request's path: when it fails (refused, timed out: every command is bounded
@@ -129,13 +130,14 @@ class ReplicaSync:
 
     def __init__(self, log_: RedisLog, replica_id: str | None = None, interval_s: float = 0.05,
                  retry_after_s: float = 1.0, log_every_s: float = 60.0,
+                 history_s: float = math.inf,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.log, self.channels = log_, {}
         self.replica_id = replica_id or uuid.uuid4().hex[:8]
         self.interval_s, self.retry_after_s, self.log_every_s = interval_s, retry_after_s, log_every_s
-        self.clock = clock
+        self.clock, self.history_s = clock, history_s
         self.timeout_s = log_.timeout_s
-        self.counts = {"published": 0, "applied": 0, "error": 0, "unreadable": 0}
+        self.counts = {"published": 0, "applied": 0, "error": 0, "unreadable": 0, "expired": 0}
         self.up = False
         self.peers: dict[str, float] = {}  # replica id -> when an entry of it was last applied
         self._last_id = "0-0"
@@ -171,8 +173,7 @@ class ReplicaSync:
         while True:
             await asyncio.sleep(self.interval_s)
             now = self.clock()
-            for channel in self.channels.values():
-                channel.tick(now)  # peers' loads expire even while Redis is down
+            self._tick(now)  # peers' loads expire even while Redis is down
             for peer in [p for p, t in self.peers.items() if now - t > PEER_FORGET_S]:
                 del self.peers[peer]  # replicas that left (each start takes a new id)
             if now < retry_at:
@@ -184,6 +185,15 @@ class ReplicaSync:
             except Exception as exc:  # noqa: BLE001 - any Redis trouble: local state only
                 self._failed(exc)
                 retry_at = now + self.retry_after_s
+
+    def _tick(self, now: float) -> None:
+        for channel in self.channels.values():
+            try:
+                channel.tick(now)
+            except Exception:  # noqa: BLE001 - a bug in one channel must not stop the publisher
+                self.counts["error"] += 1
+                log.exception("replica sync: channel %s failed to expire its peers' state",
+                              channel.name)
 
     async def _publish_once(self) -> None:
         now = self.clock()
@@ -234,6 +244,10 @@ class ReplicaSync:
             return
         now = self.clock()
         live = self._live_from is None or _id(entry_id) > self._live_from
+        # Stream ids are Redis's clock in ms: a history entry's age is against the newest entry.
+        if not live and (self._live_from[0] - _id(entry_id)[0]) / 1000 > self.history_s:
+            self.counts["expired"] += 1
+            return
         if live:
             self.peers[entry.origin] = now
         for name, items in entry.channels.items():
@@ -277,8 +291,8 @@ class SyncCollector:
     def collect(self):
         sync = self.sync
         events = CounterMetricFamily("pd_router_replica_sync_events", "Replica sync: entries "
-                                     "published and applied, Redis errors, unreadable entries",
-                                     labels=["event"])
+                                     "published and applied, Redis errors, unreadable entries, "
+                                     "history entries skipped as expired", labels=["event"])
         for event, count in sync.counts.items():
             events.add_metric([event], count)
         yield events
@@ -304,4 +318,4 @@ def replica_sync_for(spec) -> ReplicaSync:
     the router (loads) and its model groups (pins, prefixes)."""
     return ReplicaSync(RedisLog(spec.redis_url, spec.redis_prefix + "replicas", spec.redis_timeout_s,
                                 spec.redis_stream_len, spec.ttl_s),
-                       interval_s=spec.sync_interval_s)
+                       interval_s=spec.sync_interval_s, history_s=spec.ttl_s)

@@ -1,0 +1,113 @@
+"""ReplicaSync's own rules (routers/replica_sync.py) over an in-memory stand-in for the Redis
+stream (MemoryLog, named as such: the real-Redis tests are in tests/router/test_replica_sync.py):
+a starting replica skips history older than the session TTL, and a failing channel never stops
+the publisher."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pd_plugins.routers.config import SessionSpec
+from pd_plugins.routers.replica_channels import PinChannel
+from pd_plugins.routers.replica_sync import ReplicaSync, _encode, _Entry
+from pd_plugins.routers.sessions import Session, SessionTable
+
+
+class MemoryLog:
+    """A Redis stream in memory: ids are "<ms>-<seq>" from a clock the test sets."""
+
+    timeout_s, url = 0.2, "memory://"
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[str, bytes]] = []
+        self.ms = 1_000_000
+
+    def add(self, origin: str, channels: dict[str, list], age_s: float = 0.0) -> None:
+        entry_id = f"{self.ms - int(age_s * 1000)}-{len(self.entries)}"
+        self.entries.append((entry_id, _encode(_Entry(origin, channels))))
+        self.entries.sort(key=lambda e: tuple(int(p) for p in e[0].split("-")))
+
+    async def append(self, payload: bytes) -> None:
+        self.entries.append((f"{self.ms}-{len(self.entries)}", payload))
+
+    async def last_id(self) -> str:
+        return self.entries[-1][0] if self.entries else "0-0"
+
+    async def read(self, after: str, block_ms: int, count: int = 200):
+        key = tuple(int(p) for p in after.split("-"))
+        newer = [e for e in self.entries if tuple(int(p) for p in e[0].split("-")) > key]
+        if not newer:
+            await asyncio.sleep(block_ms / 1000)
+        return newer[:count]
+
+    async def aclose(self) -> None:
+        pass
+
+
+def pin(session_id: str, decode: str, turns: int = 2) -> list:
+    return [session_id, decode, turns, 64, None, False]
+
+
+def test_a_starting_replica_skips_pins_older_than_the_session_ttl():
+    async def run():
+        log = MemoryLog()
+        log.add("old-replica", {"pins:": [pin("expired", "http://d1")]}, age_s=120)
+        log.add("old-replica", {"pins:": [pin("recent", "http://d2")]}, age_s=30)
+        table = SessionTable(SessionSpec(ttl_s=60))
+        sync = ReplicaSync(log, replica_id="new", interval_s=0.01, history_s=60)
+        sync.add(PinChannel(table, "new"))
+        await sync.start()
+        try:
+            for _ in range(100):
+                if sync.counts["applied"] + sync.counts["expired"] >= 2:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await sync.aclose()
+        return table, sync
+
+    table, sync = asyncio.run(run())
+    assert table.get("recent") is not None and table.get("recent").decode_url == "http://d2"
+    assert table.get("expired") is None
+    assert sync.counts["expired"] == 1
+
+
+def test_a_channel_that_raises_in_tick_does_not_stop_the_publisher():
+    class Broken:
+        name, live_only = "broken", False
+
+        def take(self, now):
+            return None
+
+        def put_back(self, items):
+            pass
+
+        def apply(self, origin, items, now):
+            pass
+
+        def tick(self, now):
+            raise RuntimeError("a bug in a channel")
+
+    async def run():
+        log = MemoryLog()
+        table = SessionTable(SessionSpec())
+        sync = ReplicaSync(log, replica_id="r1", interval_s=0.01)
+        sync.add(Broken())
+        pins = sync.add(PinChannel(table, "r1"))
+        await sync.start()
+        try:
+            await asyncio.sleep(0.05)  # the broken tick has run several times by now
+            table.adopt("s1", Session("http://d1", 1, 16))
+            pins.recorded("s1")
+            for _ in range(100):
+                if log.entries:
+                    break
+                await asyncio.sleep(0.01)
+            assert all(not t.done() for t in sync._tasks), "a background task died"
+        finally:
+            await sync.aclose()
+        return log, sync
+
+    log, sync = asyncio.run(run())
+    assert len(log.entries) == 1, "the publisher stopped after the channel's error"
+    assert sync.counts["error"] >= 1
