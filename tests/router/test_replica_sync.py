@@ -6,6 +6,7 @@ not installed. Two pd-router processes sharing one Redis: tests/router/test_sess
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -69,6 +70,20 @@ class Replica:
         return self.pool.get(url, "decode")
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(redis_url: str):
+    """Replicas "ra" and "rb", both syncing (Redis answered each), closed on the way out."""
+    a, b = Replica(redis_url, "ra"), Replica(redis_url, "rb")
+    await a.sync.start()
+    await b.sync.start()
+    try:
+        await until(lambda: a.sync.up and b.sync.up, 5, "both syncs up")
+        yield a, b
+    finally:
+        await a.sync.aclose()
+        await b.sync.aclose()
+
+
 async def until(predicate, timeout_s: float, what: str) -> float:
     """Seconds until predicate() holds (fails past timeout_s)."""
     start = time.monotonic()
@@ -80,11 +95,7 @@ async def until(predicate, timeout_s: float, what: str) -> float:
 
 def test_pins_loads_and_prefixes_cross_within_the_bound(redis_server):
     async def run():
-        a, b = Replica(redis_server.redis_url, "ra"), Replica(redis_server.redis_url, "rb")
-        await a.sync.start()
-        await b.sync.start()
-        try:
-            await until(lambda: a.sync.up and b.sync.up, 5, "both syncs up")
+        async with two_replicas(redis_server.redis_url) as (a, b):
             # A conversation without a session id on A ...
             first = a.serve([1, 2, 3], "http://d2")
             took = await until(lambda: b.table.get(first.session_id) is not None, BOUND_S, "the pin on B")
@@ -114,19 +125,12 @@ def test_pins_loads_and_prefixes_cross_within_the_bound(redis_server):
                 await until(lambda: c.latency.prefill.n == 8, 5, "C's fit catching up")
             finally:
                 await c.sync.aclose()
-        finally:
-            await a.sync.aclose()
-            await b.sync.aclose()
     asyncio.run(run())
 
 
 def test_outage_leaves_local_state_and_sharing_resumes(redis_server):
     async def run():
-        a, b = Replica(redis_server.redis_url, "ra"), Replica(redis_server.redis_url, "rb")
-        await a.sync.start()
-        await b.sync.start()
-        try:
-            await until(lambda: a.sync.up and b.sync.up, 5, "both syncs up")
+        async with two_replicas(redis_server.redis_url) as (a, b):
             a.decode("http://d1").in_flight += 2
             await until(lambda: b.decode("http://d1").in_flight == 2, BOUND_S, "A's load on B")
             redis_server.stop(grace=5)
@@ -143,7 +147,4 @@ def test_outage_leaves_local_state_and_sharing_resumes(redis_server):
             await until(lambda: b.table.get(during.session_id) is not None, 10, "the outage's pin on B")
             await until(lambda: b.decode("http://d1").in_flight == 2, 5, "A's load on B again")
             assert a.sync.up and b.sync.up
-        finally:
-            await a.sync.aclose()
-            await b.sync.aclose()
     asyncio.run(run())
