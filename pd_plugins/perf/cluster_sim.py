@@ -114,7 +114,8 @@ class RoleChange:
 @dataclass(frozen=True)
 class TrafficWindow:
     """What a controller sees at `end_s`: the requests that arrived in [start_s, end_s), those
-    that ended in it, and the split with moves in progress counted at their destination."""
+    that ended in it, the split with moves in progress counted at their destination, and the
+    requests not ended yet (as a router knows them: `ttft_s` set once the first token came)."""
 
     start_s: float
     end_s: float
@@ -123,6 +124,7 @@ class TrafficWindow:
     prefill: int
     decode: int
     moving: int
+    in_flight: list[RequestOutcome] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -218,6 +220,7 @@ class ClusterSim:
         self.split_log = [(0.0, c.prefill_instances, c.decode_instances)]
         self._window_arrivals: list[TraceRequest] = []
         self._window_ended: list[RequestOutcome] = []
+        self._in_flight: dict[int, RequestOutcome] = {}
         self._window_start = 0.0
 
     # -- the event loop ----------------------------------------------------------------------
@@ -326,7 +329,7 @@ class ClusterSim:
     def _control(self, now: float) -> None:
         prefill, decode = self._split()
         window = TrafficWindow(self._window_start, now, self._window_arrivals, self._window_ended,
-                               prefill, decode, len(self._moving))
+                               prefill, decode, len(self._moving), list(self._in_flight.values()))
         self._window_arrivals, self._window_ended, self._window_start = [], [], now
         want = self.config.role_controller(window)
         if want is not None:
@@ -348,6 +351,8 @@ class ClusterSim:
                            max_tokens=r.output_tokens, session_id=r.session_id)
         outcome = RequestOutcome(r.request_id, r.arrival_s, r.input_tokens, r.output_tokens,
                                  session_id=r.session_id, turn=r.turn)
+        if self.config.role_controller is not None:
+            self._in_flight[r.request_id] = outcome
         flight = _Flight(r, info, outcome)
         if self.sessions is not None:
             self.sessions.resolve(info)
@@ -483,6 +488,7 @@ class ClusterSim:
         self._outcomes.append(flight.outcome)
         if self.config.role_controller is not None:
             self._window_ended.append(flight.outcome)
+            self._in_flight.pop(flight.outcome.request_id, None)
         if self._progress is not None:
             self._progress(len(self._outcomes))
 

@@ -1,23 +1,28 @@
-"""Live role changes: re-plan the P:D split from the last window of traffic, move one worker at a
-time, and do not flap (`pd-planner --apply URL`; docs/planner.md, "Live role changes").
+"""Live role changes: re-plan the P:D split from the last window of traffic, move workers, and do
+not flap (`pd-planner --apply URL`; docs/planner.md, "Live role changes").
 
-Every `interval_s` the planner takes the requests that arrived in the last `window_s` and
-simulates them (cluster_sim, the router's own policy) on the current split and, unless that
-already serves the window within the SLOs, on its two neighbours (one instance moved either way).
-It scores each by goodput at the observed load: the requests served within both SLOs per second
-of the window. This is cheaper than `plan_split`'s sweep over every split and over request rates
-(one to three simulations of one window instead of a grid per split), and enough because a move
-changes the split by one anyway. Hysteresis:
+Every `interval_s` the planner predicts how each split would serve the next `window_s`: it
+simulates (cluster_sim, the router's own policy) the requests in flight now, all arriving at once
+with the work they have left (the state the next window inherits: a queue left by an overload or
+by the previous split), followed by the last `window_s` of arrivals again (the traffic expected
+next). It starts on the current split and, unless that already serves the window within the
+SLOs, climbs from there: both neighbours (one instance moved either way), then further in the
+better direction while each step predicts more. It scores each split by goodput at the observed
+load: the window's requests served within both SLOs per second. This is cheaper than
+`plan_split`'s sweep over every split and over request rates (a few simulations of one window
+instead of a grid per split), and a shift from a prompt-heavy to an answer-heavy mix is met by
+one move of several workers instead of one worker per interval. Hysteresis:
 
 - a move must predict `margin` more goodput (relative) than staying, and its window must hold
   at least `min_requests` requests;
-- at most one move per interval (one worker; the next interval re-plans from the new split);
+- at most one re-plan per interval, none while a move is still draining, and a move goes no
+  farther than `max_step` instances;
 - a move that reverses the previous one waits `min_dwell_s` after it.
 
 Applying: in the simulator, `sim_controller()` is a `SimConfig.role_controller`; against pd-router,
-`RouterRoles` reads the split from `GET /admin/workers` and moves a kv_both worker through
-`POST /admin/workers/role` (the router drains it first), and `run_apply` reads the window from the
-router's traffic record (`traffic_record:` in its config).
+`RouterRoles` reads the split from `GET /admin/workers` and moves kv_both workers through
+`POST /admin/workers/role` (the router drains each first), and `run_apply` reads the window from
+the router's traffic record (`traffic_record:` in its config).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from pd_plugins.workloads import TraceRequest
 
 Role = Literal["prefill", "decode"]
 MAX_WINDOW_REQUESTS = 20_000  # a window's simulation stays bounded: the newest are kept
+IN_FLIGHT_KEY_OFFSET = 1 << 60  # apart from every trace's block keys
+COLLAPSE_SHARE = 0.05  # under this share of the window within the SLOs on every split: a collapse
 
 
 @dataclass(frozen=True)
@@ -49,10 +56,18 @@ class Hysteresis:
     margin: float = 0.05        # relative goodput gain a move must predict
     min_dwell_s: float = 120.0  # before a move may reverse the previous one
     min_requests: int = 20      # fewer in the window: too little to move on
+    max_step: int | None = None  # instances one move may shift (None: as far as the climb goes)
+    # a reversal within the dwell still goes ahead when it predicts this much more (relative):
+    # the dwell holds back flapping on small, noisy gains, not the way out of an overload
+    reverse_margin: float = 1.0
 
     def __post_init__(self) -> None:
         if self.margin < 0 or self.min_dwell_s < 0 or self.min_requests < 1:
             raise ValueError("hysteresis: margin and min_dwell_s must be >= 0, min_requests >= 1")
+        if self.reverse_margin < 0:
+            raise ValueError("hysteresis: reverse_margin must be >= 0")
+        if self.max_step is not None and self.max_step < 1:
+            raise ValueError("hysteresis: max_step must be >= 1 (or None)")
 
 
 @dataclass
@@ -70,7 +85,7 @@ class Decision:
 
 @dataclass
 class LivePlanner:
-    """Decides, from one window of traffic, whether to move one instance, and which way."""
+    """Decides, from one window of traffic, whether to move instances, which way and how many."""
 
     slo: Slo
     sim_base: SimConfig                     # hardware or calibration, engine limits
@@ -92,24 +107,26 @@ class LivePlanner:
 
     def score(self, requests: Sequence[TraceRequest], split: Split, span_s: float,
               backlog: int = 0) -> tuple[float, float]:
-        """(requests served within both SLOs per second, requests finished by the window's end
-        per second) on `split`; the first `backlog` requests (the backlog) take capacity but are
-        not counted within the SLOs."""
+        """(the window's requests served within both SLOs per second of the window, requests
+        finished per second until the last one ends) on `split`: goodput, and how fast the split
+        works off everything; the first `backlog` requests (in flight) count only in the second."""
         config = dataclasses.replace(self._base, prefill_instances=split.prefill,
                                      decode_instances=split.decode,
                                      block_tokens=requests[0].block_tokens)
         result = simulate(requests, config)
         met = sum(1 for o in result.outcomes[backlog:]
                   if o.status == "ok" and self.slo.met(o.ttft_s, o.tpot_s))
-        done = sum(1 for r, o in zip(requests, result.outcomes)
-                   if o.status == "ok" and r.arrival_s + o.e2e_s <= span_s)
-        return met / span_s, done / span_s
+        done = sum(1 for o in result.outcomes if o.status == "ok")
+        return met / span_s, done / max(span_s, result.sim_span_s)
 
     def decide(self, now_s: float, window: Sequence[TraceRequest], current: Split,
-               backlog: Sequence[TraceRequest] = ()) -> Decision:
-        """`window`: the requests that arrived in the last window_s (any time origin).
-        `backlog`: requests that arrived before it and have not ended (where known): they are
-        replayed as arriving at the window's start, so a queue left by an overload counts."""
+               in_flight: Sequence[TraceRequest] = ()) -> Decision:
+        """`window`: the requests that arrived in the last window_s (any time origin): the
+        traffic expected next. `in_flight`: the requests not ended yet (where known): the state
+        each split starts from, each as the work it has left (`left_to_do`). Each split is
+        simulated on the in-flight requests, all arriving at once (a queue left by an overload
+        or by the previous split weighs as it will), then the window's arrivals again; only the
+        window counts toward goodput."""
         def stay(reason: str, scores: dict | None = None) -> Decision:
             d = Decision(now_s, current, current, scores or {}, reason)
             self.log.append(d)
@@ -118,64 +135,127 @@ class LivePlanner:
         if len(window) < self.hysteresis.min_requests:
             return stay(f"{len(window)} requests in the window (< {self.hysteresis.min_requests})")
         window = rebased(window[-MAX_WINDOW_REQUESTS:])
-        # the newest of the backlog, at most twice the window: enough to tell which split works
-        # a queue off, and each re-plan stays a few simulations of about one window
-        keep = min(2 * len(window), MAX_WINDOW_REQUESTS - len(window))
-        backlog = list(backlog)[-keep:] if backlog and keep > 0 else []
-        requests = [dataclasses.replace(r, request_id=i, arrival_s=0.0) for i, r in enumerate(backlog)]
+        # the oldest in flight, at most as many as the window: enough to tell which split works
+        # a queue off, and each re-plan stays a few simulations of at most twice the window
+        keep = min(len(window), MAX_WINDOW_REQUESTS - len(window))
+        backlog = sorted(in_flight, key=lambda r: r.arrival_s)[:keep] if keep > 0 else []
+        # their own copies: a request in flight and in the window must not find its prompt
+        # cached by itself
+        requests = [dataclasses.replace(r, request_id=i, arrival_s=0.0, session_id=None,
+                                        block_hashes=tuple(h + IN_FLIGHT_KEY_OFFSET
+                                                           for h in r.block_hashes))
+                    for i, r in enumerate(backlog)]
         requests += [dataclasses.replace(r, request_id=len(backlog) + r.request_id) for r in window]
         span = max(self.window_s, window[-1].arrival_s)
-        n = len(backlog)
-        candidates = [current] + [Split(current.prefill + d, current.decode - d) for d in (1, -1)
-                                  if current.prefill + d >= 1 and current.decode - d >= 1]
-        full = {current: self.score(requests, current, span, n)}
-        if full[current][0] * (1 + self.hysteresis.margin) >= len(window) / span:
-            # no split can serve more than every request: no neighbour could gain the margin
+        full: dict[Split, tuple[float, float]] = {}
+
+        def run(split: Split) -> tuple[float, float]:
+            if split not in full:
+                full[split] = self.score(requests, split, span, len(backlog))
+            return full[split]
+
+        if run(current)[0] * (1 + self.hysteresis.margin) >= len(window) / span:
+            # no split can serve more than every request: no other could gain the margin
             return stay("the current split serves (nearly) the whole window within the SLOs",
                         {s: v[0] for s, v in full.items()})
-        full.update({s: self.score(requests, s, span, n) for s in candidates[1:]})
+        best, key = self._climb(current, run, len(window) / span)
         scores = {s: v[0] for s, v in full.items()}
-        # In a collapse (a queue no split clears within the window) hardly any request meets
-        # the SLOs on any split: then the split that works off more of the queue is better.
-        collapsed = max(scores.values()) < 0.05 * len(window) / span
-        key = 1 if collapsed else 0
-        best = max(candidates[1:], key=lambda s: full[s][key], default=current)
         now_score = full[current][key]
         if best == current or full[best][key] <= now_score * (1 + self.hysteresis.margin) + 1e-12:
-            return stay("no neighbour gains the margin", scores)
+            return stay("no other split gains the margin", scores)
         direction = 1 if best.prefill > current.prefill else -1
         if (self._last_move is not None and self._last_move[1] != direction
-                and now_s - self._last_move[0] < self.hysteresis.min_dwell_s):
+                and now_s - self._last_move[0] < self.hysteresis.min_dwell_s
+                and full[best][key] <= now_score * (1 + self.hysteresis.reverse_margin) + 1e-12):
             return stay(f"would reverse the move at {self._last_move[0]:.0f} s (dwell)", scores)
         self._last_move = (now_s, direction)
         d = Decision(now_s, current, best, scores,
                      f"{best} predicts {full[best][key]:.3g} req/s "
-                     f"{'finished' if collapsed else 'within SLO'} vs {now_score:.3g}")
+                     f"{'worked off' if key else 'within SLO'} vs {now_score:.3g}")
         self.log.append(d)
         return d
 
+    def _climb(self, current: Split, run: Callable[[Split], tuple[float, float]],
+               arrival_rate: float) -> tuple[Split, int]:
+        """(the best split found, the score it was chosen by: 0 goodput, 1 work-off rate). Both
+        neighbours first, then on in the better one's direction while each step predicts the
+        margin more (goodput over the split is taken as single-peaked: the climb stops at the
+        peak, or where it flattens)."""
+        n = current.instances
+        step_limit = self.hysteresis.max_step or n
+
+        def at(p: int) -> Split | None:
+            ok = 1 <= p <= n - 1 and abs(p - current.prefill) <= step_limit
+            return Split(p, n - p) if ok else None
+
+        neighbours = [s for s in (at(current.prefill + 1), at(current.prefill - 1)) if s]
+        for s in neighbours:
+            run(s)
+        # In a collapse (a queue no split clears within the window) hardly any request meets the
+        # SLOs on any split: then the split that works the queue off sooner is better.
+        tried = [current, *neighbours]
+        collapsed = max(run(s)[0] for s in tried) < COLLAPSE_SHARE * arrival_rate
+        key = 1 if collapsed else 0
+        best = max(tried, key=lambda s: (run(s)[key], s == current))
+        if best == current:
+            return current, key
+        direction = 1 if best.prefill > current.prefill else -1
+        # each further instance moved must predict the margin more too: among splits that
+        # serve the window about as well, the nearest keeps the most room for a shift back
+        gain = 1 + self.hysteresis.margin
+        while ((nxt := at(best.prefill + direction)) is not None
+               and run(nxt)[key] > run(best)[key] * gain + 1e-12):
+            best = nxt
+        return best, key
+
     def sim_controller(self) -> Callable[[TrafficWindow], tuple[int, int] | None]:
         """A `SimConfig.role_controller`: it keeps the last window_s of arrivals itself (the
-        simulator hands it one control interval at a time); run with control_interval_s =
-        interval_s."""
+        simulator hands it one control interval at a time) and passes the requests in flight
+        with the work they have left; run with control_interval_s = interval_s."""
         recent: deque[TraceRequest] = deque()
         unfinished: dict[int, TraceRequest] = {}
+        tpot = RecentTpot(self.slo.tpot_s)
 
         def control(window: TrafficWindow) -> tuple[int, int] | None:
             recent.extend(window.arrivals)
             unfinished.update((r.request_id, r) for r in window.arrivals)
             for o in window.ended:
                 unfinished.pop(o.request_id, None)
-            start = window.end_s - self.window_s
-            while recent and recent[0].arrival_s < start:
+            tpot.observe(window.ended)
+            while recent and recent[0].arrival_s < window.end_s - self.window_s:
                 recent.popleft()
             if window.moving:  # a move still draining: the split is not settled yet
                 return None
-            backlog = [r for r in unfinished.values() if r.arrival_s < start]
-            d = self.decide(window.end_s, list(recent), Split(window.prefill, window.decode), backlog)
+            in_flight = [left_to_do(unfinished[o.request_id], o, window.end_s, tpot.value)
+                         for o in window.in_flight if o.request_id in unfinished]
+            d = self.decide(window.end_s, list(recent), Split(window.prefill, window.decode),
+                            in_flight)
             return (d.want.prefill, d.want.decode) if d.moves else None
 
         return control
+
+
+@dataclass
+class RecentTpot:
+    """The mean time per output token of the requests that ended in the last interval (the
+    last known value when none did): how fast the answers in flight are coming."""
+
+    value: float
+
+    def observe(self, ended: Sequence) -> None:
+        seen = [o.tpot_s for o in ended if o.status == "ok" and o.tpot_s]
+        if seen:
+            self.value = sum(seen) / len(seen)
+
+
+def left_to_do(request: TraceRequest, outcome, now_s: float, tpot_s: float) -> TraceRequest:
+    """A request in flight as the work it has left: all of it until its first token; after
+    that, the tokens its answer still lacks at `tpot_s` each (its prompt stays, to be cached
+    where it decodes: the KV it holds)."""
+    if outcome.ttft_s is None:
+        return request
+    produced = 1 + int((now_s - outcome.arrival_s - outcome.ttft_s) / max(tpot_s, 1e-6))
+    return dataclasses.replace(request, output_tokens=max(1, request.output_tokens - produced))
 
 
 def rebased(requests: Sequence[TraceRequest]) -> list[TraceRequest]:
@@ -280,9 +360,10 @@ def apply_once(planner: LivePlanner, roles: RouterRoles, window: Sequence[TraceR
         + (f" [{scores}]" if scores else ""))
     if decision.moves and not dry_run:
         to: Role = "prefill" if decision.want.prefill > split.prefill else "decode"
-        moved = roles.move_one(to)
-        say(f"moved {moved.get('moved')} from {moved.get('from')} to {moved.get('to')} "
-            f"({moved.get('drained')} requests drained)")
+        for _ in range(abs(decision.want.prefill - split.prefill)):  # one worker, drained, at a time
+            moved = roles.move_one(to)
+            say(f"moved {moved.get('moved')} from {moved.get('from')} to {moved.get('to')} "
+                f"({moved.get('drained')} requests drained)")
     return decision
 
 
@@ -302,6 +383,10 @@ def add_apply_arguments(parser: argparse.ArgumentParser) -> None:
                           help="relative goodput gain a move must predict (0.05)")),
         ("--min-dwell-s", dict(type=float, default=120.0,
                                help="before a move may reverse the previous one (120)")),
+        ("--reverse-margin", dict(type=float, default=1.0,
+                                  help="relative gain that lets a reversal through the dwell (1.0)")),
+        ("--max-step", dict(type=int, default=None,
+                            help="workers one move may shift (default: as far as the climb goes)")),
         ("--drain-timeout-s", dict(type=float, default=60.0, help="the router's drain bound (60)")),
         ("--once", dict(action="store_true", help="re-plan once, then exit")),
         ("--dry-run", dict(action="store_true", help="print the decisions, move nothing")),
@@ -330,7 +415,9 @@ def run_apply(args: argparse.Namespace) -> int:
         planner = LivePlanner(Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3),
                               engine_config(args), policy=args.policy,
                               window_s=args.window_s, interval_s=args.interval_s,
-                              hysteresis=Hysteresis(args.margin, args.min_dwell_s))
+                              hysteresis=Hysteresis(args.margin, args.min_dwell_s,
+                                                    max_step=args.max_step,
+                                                    reverse_margin=args.reverse_margin))
     except (OSError, ValueError) as e:
         print(f"pd-planner: {e}", file=sys.stderr)
         return 2

@@ -73,3 +73,27 @@ def test_a_controller_sees_each_windows_arrivals_and_gets_its_split():
     assert [(m.to, m.asked_at_s) for m in result.role_moves] == [("prefill", 10.0)] * 2
     assert result.split_log[-1][1:] == (3, 1)
     assert [o.status for o in result.outcomes] == ["ok"] * 400
+
+
+def test_a_controller_sees_the_requests_in_flight_with_their_first_token_once_it_came():
+    reqs = steady(200, 0.05, output=400)  # 10 s; answers of 400 tokens outlast a 2 s window
+    seen = []
+
+    def controller(window):
+        seen.append((window.end_s, [(o.request_id, o.arrival_s, o.ttft_s) for o in window.in_flight],
+                     {o.request_id for o in window.ended}))
+        return None
+
+    result = simulate(reqs, SimConfig(HW, 1, 3, policy="round_robin", role_controller=controller,
+                                      control_interval_s=2.0))
+    ended_by = {o.request_id: o.arrival_s + o.e2e_s for o in result.outcomes}
+    ended_so_far: set[int] = set()
+    for end_s, in_flight, ended in seen[:5]:
+        ended_so_far |= ended
+        ids = {i for i, _, _ in in_flight}
+        # exactly the arrivals not ended yet
+        assert ids == {r.request_id for r in reqs if r.arrival_s < end_s} - ended_so_far
+        assert all(ended_by[i] > end_s for i in ids)
+        # a first token is known only once it came (its TTFT counts the hop back to the client)
+        assert all(t is None or a + t <= end_s + 0.001 for _, a, t in in_flight)
+    assert any(t is not None for _, _, t in seen[1][1]) and any(t is None for _, _, t in seen[1][1])

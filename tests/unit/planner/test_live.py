@@ -1,6 +1,7 @@
-"""LivePlanner: it moves on a shifted mix, not on a stationary one, does not reverse a move within
-its dwell, drives the simulator's role changes, and applies a move to pd-router through its admin
-API (real router, pd-mock-engine workers: `processes` tier)."""
+"""LivePlanner: it moves on a shifted mix (as far as each step gains), not on a stationary one,
+counts the work in flight, does not reverse a move within its dwell unless the reversal gains
+many times over, drives the simulator's role changes, and applies a move to pd-router through its
+admin API (real router, pd-mock-engine workers: `processes` tier)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import time
 
 import pytest
 
-from pd_plugins.perf.cluster_sim import SimConfig, simulate
+from pd_plugins.perf.cluster_sim import RequestOutcome, SimConfig, simulate
 from pd_plugins.perf.hardware import preset
 from pd_plugins.perf.report import Slo
 from pd_plugins.planner.live import (Hysteresis, LivePlanner, RouterRoles, apply_once,
-                                     window_from_record)
+                                     left_to_do, window_from_record)
 from pd_plugins.planner.split import Split
 from pd_plugins.workloads import TraceRequest
 
@@ -33,11 +34,16 @@ def planner(**kw) -> LivePlanner:
     return LivePlanner(SLO, SimConfig(HW), "round_robin", window_s=20, interval_s=10, **kw)
 
 
-def test_a_decode_heavy_window_moves_one_instance_toward_decode():
+def test_a_decode_heavy_window_climbs_toward_decode_as_far_as_each_step_gains():
     chat = steady(600, 0.033, prompt=256, output=300)
     d = planner().decide(20.0, chat, Split(3, 1))
-    assert d.want == Split(2, 2)  # one move, although 1P:3D would be better still
+    assert d.want == Split(1, 3)  # two instances in one move: each step predicted the margin
     assert d.scores[Split(2, 2)] > 2 * d.scores[Split(3, 1)]
+    assert d.scores[Split(1, 3)] > 1.05 * d.scores[Split(2, 2)]
+    assert set(d.scores) == {Split(3, 1), Split(2, 2), Split(1, 3)}  # the climb, nothing more
+    # max_step bounds a move
+    one = planner(hysteresis=Hysteresis(max_step=1)).decide(20.0, chat, Split(3, 1))
+    assert one.want == Split(2, 2)
 
 
 def test_a_window_the_split_already_serves_moves_nothing_and_costs_one_simulation():
@@ -47,13 +53,41 @@ def test_a_window_the_split_already_serves_moves_nothing_and_costs_one_simulatio
 
 
 def test_a_move_is_not_reversed_within_the_dwell_but_is_after_it():
-    p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60))
+    p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60, reverse_margin=100))
     chat, code = steady(600, 0.033, 256, 300), steady(400, 0.05, 8000, 4)
     assert p.decide(20.0, chat, Split(2, 2)).want == Split(1, 3)
     held = p.decide(30.0, code, Split(1, 3))
     assert not held.moves and "dwell" in held.reason
     assert held.scores[Split(2, 2)] > 1.05 * held.scores[Split(1, 3)]  # it would gain, but waits
-    assert p.decide(90.0, code, Split(1, 3)).want == Split(2, 2)
+    assert p.decide(90.0, code, Split(1, 3)).want == Split(3, 1)
+
+
+def test_within_the_dwell_only_a_reversal_that_predicts_reverse_margin_more_goes_ahead():
+    chat, code = steady(600, 0.033, 256, 300), steady(400, 0.05, 8000, 4)
+    p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60, reverse_margin=1.0))
+    assert p.decide(20.0, chat, Split(2, 2)).want == Split(1, 3)
+    way_out = p.decide(30.0, code, Split(1, 3))   # an overload: many times the goodput
+    assert way_out.want == Split(3, 1)
+    assert way_out.scores[Split(3, 1)] > 2 * way_out.scores[Split(1, 3)]
+
+
+def test_the_work_in_flight_counts_a_queue_of_answers_moves_toward_decode():
+    light = steady(300, 0.066, prompt=1000, output=50)   # 3P:1D serves this window alone ...
+    alone = planner().decide(20.0, light, Split(3, 1))
+    assert not alone.moves and list(alone.scores) == [Split(3, 1)]
+    queue = steady(300, 0.0, prompt=256, output=300, first_id=10_000)  # ... not after this queue
+    d = planner().decide(20.0, light, Split(3, 1), in_flight=queue)
+    assert d.want == Split(1, 3) and d.scores[Split(1, 3)] > 1.05 * d.scores[Split(2, 2)]
+
+
+def test_a_request_in_flight_has_left_what_its_answer_still_lacks():
+    request = TraceRequest(7, 10.0, 1000, 200, (1, 2))
+    waiting = RequestOutcome(7, 10.0, 1000, 200)
+    assert left_to_do(request, waiting, 15.0, 0.02) == request        # no first token: all of it
+    decoding = RequestOutcome(7, 10.0, 1000, 200, ttft_s=1.0)
+    assert left_to_do(request, decoding, 15.0, 0.05).output_tokens == 200 - (1 + 80)
+    assert left_to_do(request, decoding, 15.0, 0.05).input_tokens == 1000
+    assert left_to_do(request, decoding, 60.0, 0.05).output_tokens == 1  # overdue: one step
 
 
 def test_the_margin_holds_back_a_small_predicted_gain():
