@@ -79,3 +79,14 @@ def plot_python() -> Path | None:
         print(f"could not install matplotlib; no plots:\n{res.stderr[-500:]}", flush=True)
         return None
     return PEERS_PY
+
+
+def publish(section: str, text: str, plot_script: str, results: Path, png: Path) -> None:
+    """Write the docs section and draw its plot (bench/<plot_script> RESULTS PNG, run with the
+    plotting interpreter; skipped, with a message, where matplotlib cannot be installed)."""
+    write_section(section, text)
+    py = plot_python()
+    if py is not None:
+        subprocess.run([str(py), str(ROOT / "bench" / plot_script), str(results), str(png)],
+                       check=True)
+    print(f"wrote {DOC.relative_to(ROOT)} and {png.relative_to(ROOT)}")
