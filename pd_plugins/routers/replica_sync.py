@@ -161,10 +161,12 @@ class ReplicaSync:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        try:  # the last changes, briefly
-            await asyncio.wait_for(self._publish_once(), self.timeout_s)
-        except Exception:  # noqa: BLE001
-            pass
+        batch = self._take(self.clock())
+        if batch:
+            try:  # the last changes, briefly
+                await asyncio.wait_for(self._publish(batch), self.timeout_s)
+            except Exception:  # noqa: BLE001
+                pass
         await self.log.aclose()
 
     # -- publishing -------------------------------------------------------------------------
@@ -178,8 +180,11 @@ class ReplicaSync:
                 del self.peers[peer]  # replicas that left (each start takes a new id)
             if now < retry_at:
                 continue
+            batch = self._take(now)
+            if not batch:  # most rounds: nothing for Redis, and no task made for it
+                continue
             try:
-                await asyncio.wait_for(self._publish_once(), self.timeout_s)
+                await asyncio.wait_for(self._publish(batch), self.timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any Redis trouble: local state only
@@ -195,15 +200,17 @@ class ReplicaSync:
                 log.exception("replica sync: channel %s failed to expire its peers' state",
                               channel.name)
 
-    async def _publish_once(self) -> None:
-        now = self.clock()
+    def _take(self, now: float) -> dict[str, list]:
+        """Each channel's changes to publish now (empty: nothing new)."""
         batch: dict[str, list] = {}
         for name, channel in self.channels.items():
             items = channel.take(now)
             if items is not None:
                 batch[name] = items
-        if not batch:
-            return
+        return batch
+
+    async def _publish(self, batch: dict[str, list]) -> None:
+        """One entry to the stream; on failure the channels keep their changes."""
         try:
             await self.log.append(_encode(_Entry(self.replica_id, batch)))
         except BaseException:
