@@ -190,6 +190,12 @@ class ModelGroup:
             self.check(spec, to)
         except ConfigError as problem:
             raise MoveRefused(str(problem), 409) from None
+        if old == "decode" and not any(w is not worker and w.moving_to is None and w.healthy
+                                       for w in self.pool.by_role("decode")):
+            # every request needs a decode; an empty prefill pool is fine (decodes prefill locally)
+            of_model = f" of model {self.name}" if self.name else ""
+            raise MoveRefused(f"{url} is the last healthy decode worker{of_model}: the router would "
+                              f"have nowhere to decode; add or move in another first", 409)
         worker.moving_to, worker.draining = to, True  # no new requests of the old role from now
         try:
             holding = worker.in_flight

