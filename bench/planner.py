@@ -111,7 +111,8 @@ def base_config() -> SimConfig:
     return SimConfig(hardware_preset(HARDWARE), policy=policy_for_slo(POLICY, SLO))
 
 
-def dynamo_controller(config: SimConfig):
+def dynamo_controller(config: SimConfig, instances: int = INSTANCES):
+    """Dynamo's rule as a SimConfig.role_controller: every interval, over the last WINDOW_S."""
     recent: deque = deque()
 
     def control(window):
@@ -121,7 +122,7 @@ def dynamo_controller(config: SimConfig):
         if len(recent) < 2 or window.moving:
             return None
         split = dynamo_split(list(recent), profile=config.hardware, itl_s=SLO.tpot_s,
-                             instances=INSTANCES, kv_capacity_tokens=config.hardware.kv_capacity_tokens())
+                             instances=instances, kv_capacity_tokens=config.hardware.kv_capacity_tokens())
         return (split.prefill, split.decode)
 
     return control

@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from statistics import median
 
@@ -122,26 +121,11 @@ def scored(outcomes: list, span_s: float) -> dict:
 
 # -- the simulator's prediction -----------------------------------------------------------------
 
-def sim_dynamo_controller(instances: int):
-    recent: deque = deque()
-
-    def control(window):
-        recent.extend(window.arrivals)
-        while recent and recent[0].arrival_s < window.end_s - WINDOW_S:
-            recent.popleft()
-        if len(recent) < 2 or window.moving:
-            return None
-        want = dynamo_want(list(recent), instances)
-        return (want.prefill, want.decode)
-
-    return control
-
-
 def simulated(requests: list, strategy: str, prefill: int, instances: int = INSTANCES) -> dict:
     config = dataclasses.replace(sim_bench.base_config(), prefill_instances=prefill,
                                  decode_instances=instances - prefill, seed=SEED)
     if strategy == "dynamo":
-        config = dataclasses.replace(config, role_controller=sim_dynamo_controller(instances),
+        config = dataclasses.replace(config, role_controller=sim_bench.dynamo_controller(config, instances),
                                      control_interval_s=INTERVAL_S)
     elif strategy == "live":
         config = dataclasses.replace(config, role_controller=new_live_planner().sim_controller(),
