@@ -81,12 +81,13 @@ def plot_python() -> Path | None:
     return PEERS_PY
 
 
-def publish(section: str, text: str, plot_script: str, results: Path, png: Path) -> None:
-    """Write the docs section and draw its plot (bench/<plot_script> RESULTS PNG, run with the
-    plotting interpreter; skipped, with a message, where matplotlib cannot be installed)."""
+def publish(section: str, text: str, plot_script: str, results: Path, plot_out: Path) -> None:
+    """Write the docs section and draw its plot (bench/<plot_script> RESULTS PLOT_OUT, a PNG or
+    the folder the script writes into, run with the plotting interpreter; skipped, with a
+    message, where matplotlib cannot be installed)."""
     write_section(section, text)
     py = plot_python()
     if py is not None:
-        subprocess.run([str(py), str(ROOT / "bench" / plot_script), str(results), str(png)],
+        subprocess.run([str(py), str(ROOT / "bench" / plot_script), str(results), str(plot_out)],
                        check=True)
-    print(f"wrote {DOC.relative_to(ROOT)} and {png.relative_to(ROOT)}")
+    print(f"wrote {DOC.relative_to(ROOT)} and {plot_out.relative_to(ROOT)}")

@@ -23,7 +23,6 @@ import datetime as dt
 import json
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -325,12 +324,7 @@ def instrument_split(sim: dict, reps: list[dict], floor: dict | None) -> str:
 
 def render() -> int:
     results = json.loads(RESULTS.read_text())
-    common.write_section("multi-turn", markdown(results))
-    py = common.plot_python()
-    if py is not None:
-        subprocess.run([str(py), str(common.ROOT / "bench" / "multi_turn_plot.py"), str(RESULTS),
-                        str(common.IMG)], check=True)
-    print("wrote docs/benchmarks.md and docs/img/multi_turn.png")
+    common.publish("multi-turn", markdown(results), "multi_turn_plot.py", RESULTS, common.IMG)
     return 0
 
 

@@ -34,7 +34,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -340,12 +339,7 @@ def markdown(results: dict) -> str:
 
 def render() -> int:
     results = json.loads(RESULTS.read_text())
-    common.write_section("replicas", markdown(results))
-    py = common.plot_python()
-    if py is not None:
-        subprocess.run([str(py), str(common.ROOT / "bench" / "replicas_plot.py"), str(RESULTS),
-                        str(common.IMG)], check=True)
-    print("wrote docs/benchmarks.md and docs/img/replicas.png")
+    common.publish("replicas", markdown(results), "replicas_plot.py", RESULTS, common.IMG)
     return 0
 
 
