@@ -204,7 +204,12 @@ class ReplicaSync:
         """Each channel's changes to publish now (empty: nothing new)."""
         batch: dict[str, list] = {}
         for name, channel in self.channels.items():
-            items = channel.take(now)
+            try:
+                items = channel.take(now)
+            except Exception:  # noqa: BLE001 - as in _tick: one channel's bug stops nothing else
+                self.counts["error"] += 1
+                log.exception("replica sync: channel %s failed to take its changes", name)
+                continue
             if items is not None:
                 batch[name] = items
         return batch
@@ -242,6 +247,12 @@ class ReplicaSync:
                 self._apply(entry_id, payload)
 
     def _apply(self, entry_id: str, payload: bytes) -> None:
+        live = self._live_from is None or _id(entry_id) > self._live_from
+        # Stream ids are Redis's clock in ms: a history entry's age is against the newest entry
+        # (checked before decoding: an expired entry costs nothing more).
+        if not live and (self._live_from[0] - _id(entry_id)[0]) / 1000 > self.history_s:
+            self.counts["expired"] += 1
+            return
         try:
             entry = _decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -250,11 +261,6 @@ class ReplicaSync:
         if entry.origin == self.replica_id:
             return
         now = self.clock()
-        live = self._live_from is None or _id(entry_id) > self._live_from
-        # Stream ids are Redis's clock in ms: a history entry's age is against the newest entry.
-        if not live and (self._live_from[0] - _id(entry_id)[0]) / 1000 > self.history_s:
-            self.counts["expired"] += 1
-            return
         if live:
             self.peers[entry.origin] = now
         for name, items in entry.channels.items():
