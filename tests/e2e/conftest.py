@@ -1,8 +1,32 @@
+from pathlib import Path
+
 import pytest
 
 from tests.e2e.deployments import DeploymentPool, aggregated_references
 
 E2E_MODELS = ["tiny-llama", "tiny-qwen3-moe", "tiny-mixtral"]
+HERE = Path(__file__).resolve().parent
+
+# Modules that share the package's PD pairs (DeploymentPool keeps the last one) run last, in this
+# order, each starting on the pair the one before ended on, so that the pool reuses a pair instead
+# of stopping and restarting two vLLM servers (about a minute each time on the CI host):
+# multi-turn ends on llama pull+cache; the router tests go pull+cache, push+nocache; test_pd_nixl
+# push+nocache ... pull+cache; test_faults pull+cache first. Every other module runs before them,
+# in file order.
+SHARED_PAIR_CHAIN = ("test_multi_turn_vllm.py", "test_router_vllm.py", "test_pd_nixl.py",
+                     "test_faults.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    positions = [i for i, item in enumerate(items) if Path(item.path).resolve().parent == HERE]
+    ours = [items[i] for i in positions]
+
+    def rank(item: pytest.Item) -> int:
+        name = Path(item.path).name
+        return SHARED_PAIR_CHAIN.index(name) + 1 if name in SHARED_PAIR_CHAIN else 0
+
+    for i, item in zip(positions, sorted(ours, key=rank)):  # sorted() is stable
+        items[i] = item
 
 
 @pytest.fixture(scope="session")

@@ -42,6 +42,17 @@ def assert_serves_normally(pd, references):
     assert pd.decode.alive() and pd.prefill.alive()
 
 
+# First: test_pd_nixl, just before this module, ends on this pair (tests/e2e/conftest.py).
+def test_malformed_params_fail_that_request_only(pool, references):
+    pd = pool.get(FAIL)
+    for case, params in broken_params(pd).items():
+        resp = completion(pd.decode.url, {**completion_body(PROMPT), "kv_transfer_params": params})
+        failed = resp.status_code >= 400 or (
+            resp.json()["choices"][0].get("finish_reason") == "error")
+        assert failed, f"{case}: {resp.status_code} {resp.text[:300]}"
+        assert_serves_normally(pd, references)
+
+
 def test_malformed_params_are_recomputed_under_recompute_policy(pool, references):
     pd = pool.get(RECOMPUTE)
     expected = references[pd.config.model][tuple(PROMPT)]
@@ -80,13 +91,3 @@ def test_dead_decode_releases_prefill_blocks_after_lease(pool, references):
         assert kv_usage(pd.prefill) == 0
     finally:
         pool.discard()
-
-
-def test_malformed_params_fail_that_request_only(pool, references):
-    pd = pool.get(FAIL)
-    for case, params in broken_params(pd).items():
-        resp = completion(pd.decode.url, {**completion_body(PROMPT), "kv_transfer_params": params})
-        failed = resp.status_code >= 400 or (
-            resp.json()["choices"][0].get("finish_reason") == "error")
-        assert failed, f"{case}: {resp.status_code} {resp.text[:300]}"
-        assert_serves_normally(pd, references)
