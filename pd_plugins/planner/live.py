@@ -5,10 +5,14 @@ Every `interval_s` the planner predicts how each split would serve the next `win
 simulates (cluster_sim, the router's own policy) the requests in flight now, all arriving at once
 with the work they have left (the state the next window inherits: a queue left by an overload or
 by the previous split), followed by the last `window_s` of arrivals again (the traffic expected
-next). It starts on the current split and, unless that already serves the window within the
-SLOs, climbs from there: both neighbours (one instance moved either way), then further in the
-better direction while each step predicts more. It scores each split by goodput at the observed
-load: the window's requests served within both SLOs per second. This is cheaper than
+next). It scores each split by goodput: the window's requests served within both SLOs per
+second, averaged over the window at its own rate and `headroom` times faster (of two splits that
+serve the window, the one with room to spare: the mix moves on past the window). It starts on
+the current split and, unless that serves the window at both rates, climbs from there: both
+neighbours (one instance moved either way) and the split Dynamo's rule gives for the window,
+then further in the best one's direction while each step predicts more; Dynamo's split is taken
+where it predicts about as much as the best found (it is sized to the window's mix, the nearest
+good split sits at the edge the mix is moving past). This is cheaper than
 `plan_split`'s sweep over every split and over request rates (a few simulations of one window
 instead of a grid per split), and a shift from a prompt-heavy to an answer-heavy mix is met by
 one move of several workers instead of one worker per interval. Hysteresis:
@@ -22,7 +26,8 @@ one move of several workers instead of one worker per interval. Hysteresis:
 Applying: in the simulator, `sim_controller()` is a `SimConfig.role_controller`; against pd-router,
 `RouterRoles` reads the split from `GET /admin/workers` and moves kv_both workers through
 `POST /admin/workers/role` (the router drains each first), and `run_apply` reads the window from
-the router's traffic record (`traffic_record:` in its config).
+the router's traffic record (`traffic_record:` in its config) and the requests not ended yet from
+`GET /admin/in_flight` (`read_traffic`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,7 +47,7 @@ from typing import Callable, Literal, Sequence
 
 from pd_plugins.perf.cluster_sim import SimConfig, TrafficWindow, simulate
 from pd_plugins.perf.report import Slo
-from pd_plugins.planner.split import Split, policy_for_slo
+from pd_plugins.planner.split import Split, dynamo_hint, policy_for_slo
 from pd_plugins.routers.policy.scheduler import PREFIX_SOURCE
 from pd_plugins.workloads import TraceRequest
 
@@ -93,12 +99,18 @@ class LivePlanner:
     window_s: float = 300.0
     interval_s: float = 60.0
     hysteresis: Hysteresis = field(default_factory=Hysteresis)
+    # each split is also judged on the window replayed this many times faster: a split that
+    # serves the window with room to spare beats one that just serves it (1: the window alone)
+    headroom: float = 1.5
+    peer_candidate: bool = True  # also simulate Dynamo's rule's split for the window
     log: list[Decision] = field(default_factory=list)
     _last_move: tuple[float, int] | None = None  # (when, +1 toward prefill / -1 toward decode)
 
     def __post_init__(self) -> None:
         if not (self.window_s > 0 and self.interval_s > 0):
             raise ValueError("window_s and interval_s must be > 0")
+        if not self.headroom >= 1:
+            raise ValueError(f"headroom must be >= 1, got {self.headroom}")
         name = self.policy if isinstance(self.policy, str) else "custom"
         self._base = dataclasses.replace(
             self.sim_base, policy=policy_for_slo(self.policy, self.slo),
@@ -125,8 +137,8 @@ class LivePlanner:
         traffic expected next. `in_flight`: the requests not ended yet (where known): the state
         each split starts from, each as the work it has left (`left_to_do`). Each split is
         simulated on the in-flight requests, all arriving at once (a queue left by an overload
-        or by the previous split weighs as it will), then the window's arrivals again; only the
-        window counts toward goodput."""
+        or by the previous split weighs as it will), then the window's arrivals again, at their
+        own pace and `headroom` times faster; only the window counts toward goodput."""
         def stay(reason: str, scores: dict | None = None) -> Decision:
             d = Decision(now_s, current, current, scores or {}, reason)
             self.log.append(d)
@@ -141,46 +153,66 @@ class LivePlanner:
         backlog = sorted(in_flight, key=lambda r: r.arrival_s)[:keep] if keep > 0 else []
         # their own copies: a request in flight and in the window must not find its prompt
         # cached by itself
-        requests = [dataclasses.replace(r, request_id=i, arrival_s=0.0, session_id=None,
-                                        block_hashes=tuple(h + IN_FLIGHT_KEY_OFFSET
-                                                           for h in r.block_hashes))
-                    for i, r in enumerate(backlog)]
-        requests += [dataclasses.replace(r, request_id=len(backlog) + r.request_id) for r in window]
+        queue = [dataclasses.replace(r, request_id=i, arrival_s=0.0, session_id=None,
+                                     block_hashes=tuple(h + IN_FLIGHT_KEY_OFFSET
+                                                        for h in r.block_hashes))
+                 for i, r in enumerate(backlog)]
         span = max(self.window_s, window[-1].arrival_s)
-        full: dict[Split, tuple[float, float]] = {}
+        paced = {pace: queue + [dataclasses.replace(r, request_id=len(queue) + r.request_id,
+                                                    arrival_s=r.arrival_s / pace) for r in window]
+                 for pace in {1.0, self.headroom}}
+        rate = len(window) / span
+        sims: dict[tuple[Split, float], tuple[float, float]] = {}
 
-        def run(split: Split) -> tuple[float, float]:
-            if split not in full:
-                full[split] = self.score(requests, split, span, len(backlog))
-            return full[split]
+        def run(split: Split, pace: float = 1.0) -> tuple[float, float]:
+            """(goodput, work-off rate) at `pace` x the window's rate, in req/s of the window."""
+            if (split, pace) not in sims:
+                g, w = self.score(paced[pace], split, span / pace, len(queue))
+                sims[split, pace] = (g / pace, w)
+            return sims[split, pace]
 
-        if run(current)[0] * (1 + self.hysteresis.margin) >= len(window) / span:
-            # no split can serve more than every request: no other could gain the margin
-            return stay("the current split serves (nearly) the whole window within the SLOs",
-                        {s: v[0] for s, v in full.items()})
-        best, key = self._climb(current, run, len(window) / span)
-        scores = {s: v[0] for s, v in full.items()}
-        now_score = full[current][key]
-        if best == current or full[best][key] <= now_score * (1 + self.hysteresis.margin) + 1e-12:
+        def value(split: Split) -> float:
+            """The goodput at the window's rate and at `headroom` x it, averaged: among splits
+            that serve the window, the one with room to spare (the mix moves on past the window)."""
+            return (run(split)[0] + run(split, self.headroom)[0]) / 2
+
+        gain = 1 + self.hysteresis.margin
+        if run(current)[0] * gain >= rate and run(current, self.headroom)[0] * gain >= rate:
+            # no split can serve more than every request, at either rate: none could gain
+            return stay("the current split serves (nearly) the whole window within the SLOs, "
+                        f"at {self.headroom:g}x its rate too", {s: value(s) for s, _ in sims})
+        best, score = self._climb(current, run, value, rate, self._peer_split(window, current))
+        scores = {s: value(s) for s, pace in sims if pace == 1.0 and (s, self.headroom) in sims}
+        scores |= {s: run(s)[0] for s, pace in sims if s not in scores}
+        if best == current or score(best) <= score(current) * gain + 1e-12:
             return stay("no other split gains the margin", scores)
         direction = 1 if best.prefill > current.prefill else -1
         if (self._last_move is not None and self._last_move[1] != direction
                 and now_s - self._last_move[0] < self.hysteresis.min_dwell_s
-                and full[best][key] <= now_score * (1 + self.hysteresis.reverse_margin) + 1e-12):
+                and score(best) <= score(current) * (1 + self.hysteresis.reverse_margin) + 1e-12):
             return stay(f"would reverse the move at {self._last_move[0]:.0f} s (dwell)", scores)
         self._last_move = (now_s, direction)
+        worked_off = score is not value
         d = Decision(now_s, current, best, scores,
-                     f"{best} predicts {full[best][key]:.3g} req/s "
-                     f"{'worked off' if key else 'within SLO'} vs {now_score:.3g}")
+                     f"{best} predicts {score(best):.3g} req/s "
+                     f"{'worked off' if worked_off else 'within SLO'} vs {score(current):.3g}")
         self.log.append(d)
         return d
 
+    def _peer_split(self, window: Sequence[TraceRequest], current: Split) -> Split | None:
+        """Dynamo's rule's split for the window (dynamo_rule.py), a candidate beside the climb's
+        neighbours: where the mix has shifted far, it points past them at once."""
+        if not self.peer_candidate:
+            return None
+        return dynamo_hint(window, self._base, self.slo, current.instances)
+
     def _climb(self, current: Split, run: Callable[[Split], tuple[float, float]],
-               arrival_rate: float) -> tuple[Split, int]:
-        """(the best split found, the score it was chosen by: 0 goodput, 1 work-off rate). Both
-        neighbours first, then on in the better one's direction while each step predicts the
-        margin more (goodput over the split is taken as single-peaked: the climb stops at the
-        peak, or where it flattens)."""
+               value: Callable[[Split], float], arrival_rate: float, peer: Split | None
+               ) -> tuple[Split, Callable[[Split], float]]:
+        """(the best split found, the score it was chosen by: `value`, or the work-off rate in
+        a collapse). Both neighbours and the peer rule's split first, then on in the best one's
+        direction while each step predicts the margin more (goodput over the split is taken as
+        single-peaked: the climb stops at the peak, or where it flattens)."""
         n = current.instances
         step_limit = self.hysteresis.max_step or n
 
@@ -188,25 +220,35 @@ class LivePlanner:
             ok = 1 <= p <= n - 1 and abs(p - current.prefill) <= step_limit
             return Split(p, n - p) if ok else None
 
-        neighbours = [s for s in (at(current.prefill + 1), at(current.prefill - 1)) if s]
-        for s in neighbours:
-            run(s)
+        tried = [current, *(s for s in (at(current.prefill + 1), at(current.prefill - 1)) if s)]
+        rule = None
+        if peer is not None and peer != current:
+            # as far toward it as one move may go
+            toward = max(-step_limit, min(step_limit, peer.prefill - current.prefill))
+            rule = at(current.prefill + toward)
+            if rule is not None and rule not in tried:
+                tried.append(rule)
         # In a collapse (a queue no split clears within the window) hardly any request meets the
         # SLOs on any split: then the split that works the queue off sooner is better.
-        tried = [current, *neighbours]
         collapsed = max(run(s)[0] for s in tried) < COLLAPSE_SHARE * arrival_rate
-        key = 1 if collapsed else 0
-        best = max(tried, key=lambda s: (run(s)[key], s == current))
+        score: Callable[[Split], float] = (lambda s: run(s)[1]) if collapsed else value
+        best = max(tried, key=lambda s: (score(s), s == current))
         if best == current:
-            return current, key
+            return current, score
         direction = 1 if best.prefill > current.prefill else -1
         # each further instance moved must predict the margin more too: among splits that
         # serve the window about as well, the nearest keeps the most room for a shift back
         gain = 1 + self.hysteresis.margin
         while ((nxt := at(best.prefill + direction)) is not None
-               and run(nxt)[key] > run(best)[key] * gain + 1e-12):
+               and score(nxt) > score(best) * gain + 1e-12):
             best = nxt
-        return best, key
+        # The peer rule's split, where the simulation finds it about as good as the best (and
+        # better than staying): it is sized to the window's mix, so it keeps room both ways,
+        # where the nearest good split sits at the edge the mix is moving past.
+        if (rule is not None and rule != best and score(rule) * gain + 1e-12 >= score(best)
+                and score(rule) > score(current) * gain + 1e-12):
+            best = rule
+        return best, score
 
     def sim_controller(self) -> Callable[[TrafficWindow], tuple[int, int] | None]:
         """A `SimConfig.role_controller`: it keeps the last window_s of arrivals itself (the
@@ -251,7 +293,11 @@ class RecentTpot:
 def left_to_do(request: TraceRequest, outcome, now_s: float, tpot_s: float) -> TraceRequest:
     """A request in flight as the work it has left: all of it until its first token; after
     that, the tokens its answer still lacks at `tpot_s` each (its prompt stays, to be cached
-    where it decodes: the KV it holds)."""
+    where it decodes: the KV it holds). The simulator starts every request at its prefill, so
+    the prompt is charged to the prefill pool again; leaving it out instead (a prompt of one
+    token) left out the KV the answer holds with it, and the planner then saw room in a decode
+    pool that had none: in bench/planner.py at 1.1x the nominal rate it stayed at 3P:5D through
+    the chat phase and served 0.37 of the requests (0.92 charging the prompt again)."""
     if outcome.ttft_s is None:
         return request
     produced = 1 + int((now_s - outcome.arrival_s - outcome.ttft_s) / max(tpot_s, 1e-6))
@@ -311,6 +357,13 @@ class RouterRoles:
             counts[w.get("moving_to") or w["role"]] += 1
         return Split(counts["prefill"], counts["decode"]), moving
 
+    def in_flight(self, limit: int = 5000) -> dict:
+        """GET /admin/in_flight: the oldest `limit` requests not ended yet (the router lists at
+        most 5000: a queue longer than that is a collapse), on the record's clock (`now`, each
+        request's `t`), of this model (or all)."""
+        query = f"?limit={limit}" + (f"&model={urllib.parse.quote(self.model)}" if self.model else "")
+        return self._call("GET", "/admin/in_flight" + query)
+
     def move_one(self, to: Role) -> dict:
         """Move the healthy kv_both worker of the other role holding the fewest requests."""
         source = "decode" if to == "prefill" else "prefill"
@@ -328,24 +381,69 @@ class RouterRoles:
 
 def window_from_record(path: str, window_s: float, model: str | None,
                        now: float | None = None) -> list[TraceRequest]:
-    """The last `window_s` of arrivals in the router's traffic record (and its rotated files).
-    Records are written as requests end; the window ends at the newest recorded arrival, and is
-    empty when the record has not been written for `window_s` (no traffic)."""
-    from pd_plugins.workloads.traffic_record import load_traffic_record, rotated_paths
+    """The requests of the router's traffic record (and its rotated files) that arrived in the
+    `window_s` before `now` (unix s; default: this host's clock), arrivals on the record's clock.
+    Records are written as requests end: those still running are not here (`read_traffic`)."""
+    from pd_plugins.workloads.traffic_record import requests_of_records
 
     now = time.time() if now is None else now
+    return requests_of_records(_records_in_window(path, window_s, model, now), origin=0.0)
+
+
+def _records_in_window(path: str, window_s: float, model: str | None, now: float) -> list[dict]:
+    from pd_plugins.workloads.traffic_record import read_records, rotated_paths
+
     if not os.path.exists(path) or now - os.path.getmtime(path) > window_s:
-        return []
-    requests = load_traffic_record(rotated_paths(path), model=model)
-    if not requests:
-        return []
-    newest = requests[-1].arrival_s
-    return [r for r in requests if r.arrival_s >= newest - window_s]
+        return []  # not written for a whole window: no request that arrived in it has ended
+    # a rotated file last written before the window began holds no arrival in it
+    files = [f for f in rotated_paths(path) if os.path.getmtime(f) >= now - window_s]
+    return [r for r in read_records(files, model) if now - window_s <= r["t"] <= now]
+
+
+@dataclass
+class RouterTraffic:
+    """What `--apply` plans from, on the router's clock (unix s): as the simulator's controller
+    sees it (`sim_controller`)."""
+
+    now_s: float
+    window: list[TraceRequest]     # arrived in the last window_s: ended (the record) or not
+    in_flight: list[TraceRequest]  # not ended (GET /admin/in_flight), as the work each has left
+
+
+def read_traffic(roles: RouterRoles, record: str, window_s: float,
+                 model: str | None = None) -> RouterTraffic:
+    """The window's arrivals, from the traffic record (requests that ended) and the router's
+    list of requests in flight (those that did not), and the requests in flight as the work they
+    have left, as `left_to_do` in the simulator: all of it until its prompt is prefilled, then
+    its prompt (the KV it holds) and the tokens its answer still lacks (the router counts those
+    relayed). An answer's length is its `max_tokens` (exact for clients that set it to the answer,
+    an upper bound otherwise); without one, the median answer of the window's ended requests."""
+    from pd_plugins.workloads.traffic_record import requests_of_records
+
+    listing = roles.in_flight()  # first: a request that ends meanwhile is then in both, once
+    now = float(listing["now"])
+    ended = _records_in_window(record, window_s, model, now)
+    seen = {(r["t"], r["input_tokens"]) for r in ended}
+    running = [e for e in listing["requests"] if (e["t"], e["input_tokens"]) not in seen]
+    answers = sorted(r["output_tokens"] for r in ended) or [1]
+    typical = answers[len(answers) // 2]
+    rows = ended + [{**e, "output_tokens": max(e["max_tokens"] or typical, e["output_tokens"] + 1),
+                     "produced": e["output_tokens"] if e["phase"] in ("decode", "answer") else None}
+                    for e in running]
+    rows.sort(key=lambda r: r["t"])  # requests_of_records keeps this order (a stable sort)
+    requests = requests_of_records(rows, origin=0.0)
+    window = [r for r, row in zip(requests, rows) if row["t"] >= now - window_s]
+    in_flight = [r if row["produced"] is None else
+                 dataclasses.replace(r, output_tokens=max(1, r.output_tokens - row["produced"]))
+                 for r, row in zip(requests, rows) if "produced" in row]
+    return RouterTraffic(now, window, in_flight)
 
 
 def apply_once(planner: LivePlanner, roles: RouterRoles, window: Sequence[TraceRequest],
-               now_s: float, dry_run: bool = False, say: Callable[[str], None] = print) -> Decision | None:
-    """One re-plan against the router: decide, and move one worker if the decision says so."""
+               now_s: float, dry_run: bool = False, say: Callable[[str], None] = print,
+               in_flight: Sequence[TraceRequest] = ()) -> Decision | None:
+    """One re-plan against the router: decide (on `read_traffic`'s window and requests in
+    flight), and move workers one at a time if the decision says so."""
     split, moving = roles.split()
     if moving:
         say("a move is in progress: not re-planning")
@@ -353,9 +451,9 @@ def apply_once(planner: LivePlanner, roles: RouterRoles, window: Sequence[TraceR
     if split.prefill < 1 or split.decode < 1:
         say(f"router split {split}: nothing to plan (both pools need a worker)")
         return None
-    decision = planner.decide(now_s, window, split)
+    decision = planner.decide(now_s, window, split, in_flight)
     scores = ", ".join(f"{s}: {v:.3g}" for s, v in sorted(decision.scores.items()))
-    say(f"split {split}, {len(window)} requests in the window: "
+    say(f"split {split}, {len(window)} requests in the window, {len(in_flight)} in flight: "
         f"{'move to ' + str(decision.want) if decision.moves else 'stay'} ({decision.reason})"
         + (f" [{scores}]" if scores else ""))
     if decision.moves and not dry_run:
@@ -374,8 +472,9 @@ def add_apply_arguments(parser: argparse.ArgumentParser) -> None:
     flags = {s for a in parser._actions for s in a.option_strings}
     g = parser.add_argument_group("live role changes (--apply; docs/planner.md)")
     for flag, kw in (
-        ("--apply", dict(metavar="URL", help="re-plan from --record every --interval-s and move "
-                                             "kv_both workers of the router at URL")),
+        ("--apply", dict(metavar="URL", help="re-plan every --interval-s from --record and the "
+                                             "requests in flight (GET URL/admin/in_flight), and "
+                                             "move kv_both workers of the router at URL")),
         ("--admin-token", dict(help="the router's admin token (default $PD_ROUTER_ADMIN_TOKEN)")),
         ("--interval-s", dict(type=float, default=60.0, help="re-plan every S seconds (60)")),
         ("--window-s", dict(type=float, default=300.0, help="from the last S seconds of traffic (300)")),
@@ -427,8 +526,9 @@ def run_apply(args: argparse.Namespace) -> int:
         while True:
             started = time.monotonic()
             try:
-                window = window_from_record(args.record, args.window_s, args.model)
-                apply_once(planner, roles, window, time.time(), args.dry_run, say)
+                traffic = read_traffic(roles, args.record, args.window_s, args.model)
+                apply_once(planner, roles, traffic.window, traffic.now_s, args.dry_run, say,
+                           traffic.in_flight)
             except (AdminError, OSError, ValueError) as e:
                 say(f"this interval failed: {e}")
                 if args.once:

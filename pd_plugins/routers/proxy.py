@@ -89,14 +89,15 @@ class Proxy:
         if self.recorder is None:
             return await self._serve(http, request, path)
         measured = http[MEASURED_KEY] = Measured(time.time())
+        model = self.model or request.model or ""
+        self.recorder.started(model, request.info, self.ctx.block_size, measured)  # in flight
         status = 499  # the client left (the handler was cancelled)
         try:
             response = await self._serve(http, request, path)
             status = response.status
             return response
         finally:  # queued for the record's writer thread: no I/O, no encoding here
-            self.recorder.record(self.model or request.model or "", request.info,
-                                 self.ctx.block_size, measured, status,
+            self.recorder.record(model, request.info, self.ctx.block_size, measured, status,
                                  request.info.turn if self.sessions is not None else None)
 
     async def _serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
@@ -198,8 +199,11 @@ class Proxy:
         if measured is not None:  # the workers of the last attempt, even if it fails
             measured.prefill = decision.prefill.url if decision.prefill else None
             measured.decode = decision.decode.url
+            measured.phase = "prefill"
         decode_body, prefill_task = await self._prepare(attempt)
         http[STAGE_KEY] = "decode"
+        if measured is not None and decision.prefill is not None and prefill_task is None:
+            measured.phase = "decode"  # its prompt prefilled (not so in push, nor a local prefill)
         if prefill_task is None and info.expert_histogram is not None:
             # ELDR: the prefill reported the prompt's experts; the decode leg has not started
             attempt.decision = decision = self.scheduler.rebind_decode(
@@ -251,6 +255,7 @@ class Proxy:
             http[STAGE_KEY] = "answer"
             if measured is not None:
                 measured.decision, measured.decode = _decision_label(decision), decision.decode.url
+                measured.phase = "answer"
             if not info.stream:
                 self._finish(attempt, started, decode_started)
                 if measured is not None:
@@ -376,6 +381,8 @@ class Proxy:
         first_at = time.monotonic()
         last_at, events = first_at, first_chunk.count(b"data:")
         idle_s, deadline = self.timeouts.decode_idle_s, decode_started + self.timeouts.decode_total_s
+        if (measured := http.get(MEASURED_KEY)) is not None:  # its tokens so far: /admin/in_flight
+            measured.streamed = events
         try:
             resp.disarm()  # the decode's timeouts do not run while the client is written to
             await self._to_client(http, out, first_chunk)
@@ -387,6 +394,8 @@ class Proxy:
                 if not chunk:
                     break
                 events += chunk.count(b"data:")
+                if measured is not None:
+                    measured.streamed = events
                 last_at = time.monotonic()
                 resp.disarm()
                 await self._to_client(http, out, chunk)
@@ -423,7 +432,7 @@ class Proxy:
             self.metrics.tpot.observe(tpot)
             accounting.decode_observed(self.ctx, attempt.decision.decode, tpot)
         self._finish(attempt, started, decode_started)
-        if (measured := http.get(MEASURED_KEY)) is not None:
+        if measured is not None:
             measured.ttft_s, measured.e2e_s = first_at - started, last_at - started
             measured.tpot_s = (last_at - first_at) / (tokens - 1) if tokens > 1 else None
             measured.output_tokens = tokens

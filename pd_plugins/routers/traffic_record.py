@@ -13,6 +13,10 @@ so the file is created 0600.
 Off the request's path: the proxy hands `record()` a few references (no I/O, no JSON); a bounded
 queue takes them, and a full queue drops the record and counts it (never blocks a request). A
 writer thread encodes them in batches, appends and rotates by size (path.1 .. path.N).
+
+The requests in flight: a record is written when its request ends, so the recorder also lists the
+requests that have not ended (`started()` to `record()`: one dict insert and one pop), for
+`GET /admin/in_flight` (`in_flight()`): what `pd-planner --apply` adds to the record's window.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +38,7 @@ from pd_plugins.routers.policy.base import RequestInfo
 log = logging.getLogger("pd_router.traffic_record")
 
 BATCH = 512                 # records encoded and written per write
+MAX_IN_FLIGHT = 100_000     # requests listed in flight at most; more go unlisted (counted)
 _STOP = object()
 
 
@@ -48,6 +54,10 @@ class Measured:
     tpot_s: float | None = None
     e2e_s: float | None = None
     output_tokens: int | None = None  # streamed tokens counted, when streamed
+    # while it runs (GET /admin/in_flight): queued | prefill | decode (its prompt prefilled, no
+    # token yet) | answer (its first token relayed), and the stream's events relayed so far
+    phase: str = "queued"
+    streamed: int = 0
     answer: bytes | None = None      # a whole (non-streamed) answer: the writer reads its usage
     status: int | None = None        # overrides the response's: 502 failed mid-stream, 499 left
 
@@ -59,19 +69,52 @@ class TrafficRecorder:
         self._thread: threading.Thread | None = None
         self._file = None
         self._size = 0
-        self.counts = {"written": 0, "dropped": 0, "rotations": 0, "write_errors": 0}
+        self.counts = {"written": 0, "dropped": 0, "rotations": 0, "write_errors": 0,
+                       "unlisted": 0}
+        # the requests in flight, in arrival order (id of their Measured: it lives until record())
+        self._running: dict[int, tuple[str, RequestInfo, int, Measured]] = {}
         self._encode = msgspec.json.Encoder().encode
         self._decode = msgspec.json.Decoder().decode
 
     # -- the request side (the event loop) ---------------------------------------------------
+    def started(self, model: str, info: RequestInfo, block_size: int, measured: Measured) -> None:
+        """A request arrived: listed in flight until its record()."""
+        if len(self._running) < MAX_IN_FLIGHT:
+            self._running[id(measured)] = (model, info, block_size, measured)
+        else:
+            self.counts["unlisted"] += 1
+
     def record(self, model: str, info: RequestInfo, block_size: int, measured: Measured,
                status: int, turn: int | None) -> None:
         """Queue one request's record: references only, encoded later by the writer. `turn`:
         None where the router does not track sessions (it cannot know)."""
+        self._running.pop(id(measured), None)
         try:
             self._queue.put_nowait((model, info, block_size, measured, status, turn))
         except queue.Full:
             self.counts["dropped"] += 1
+
+    def in_flight(self, model: str | None, limit: int, max_keys: int) -> dict[str, Any]:
+        """The oldest `limit` requests in flight (of `model`, or all), each as its record will
+        begin (same clock, same block keys, no prompt text) with `max_tokens`, its `phase` and
+        the tokens relayed so far; at most `max_keys` block keys in all (the oldest requests get
+        theirs first: the rest list fewer, as a record with fewer keys shares less)."""
+        listed, total, keys_left = [], 0, max_keys
+        for name, info, block_size, m in self._running.values():
+            if model is not None and name != model:
+                continue
+            total += 1
+            if len(listed) >= limit:
+                continue
+            keys = info.block_keys[:min(self.spec.max_block_keys, keys_left)]
+            keys_left -= len(keys)
+            listed.append({"t": round(m.t, 6), "model": name, "input_tokens": info.prompt_tokens,
+                           "max_tokens": info.max_tokens, "block_keys": keys,
+                           "block_size": block_size, "session": info.session_id,
+                           "phase": m.phase, "output_tokens": m.streamed if m.phase == "answer"
+                           else 0, "stream": info.stream})
+        return {"now": time.time(), "total": total, "requests": listed,
+                "unlisted": self.counts["unlisted"]}
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -179,7 +222,7 @@ def _rounded(value: float | None) -> float | None:
 
 
 class RecordCollector:
-    """/metrics: records written, dropped (queue full), rotations and failed writes."""
+    """/metrics: records written, dropped (queue full), rotations, failed writes, unlisted."""
 
     def __init__(self, recorder: TrafficRecorder) -> None:
         self.recorder = recorder
@@ -187,7 +230,8 @@ class RecordCollector:
     def collect(self):
         family = CounterMetricFamily("pd_router_traffic_records", "Traffic record: records "
                                      "written, dropped because the writer's queue was full, file "
-                                     "rotations, failed writes", labels=["event"])
+                                     "rotations, failed writes; requests not listed in flight "
+                                     "(the list was full)", labels=["event"])
         for event, count in self.recorder.counts.items():
             family.add_metric([event], count)
         yield family

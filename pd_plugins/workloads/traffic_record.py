@@ -71,12 +71,23 @@ def rotated_paths(path: str | os.PathLike) -> list[str]:
 
 def load_traffic_record(path: str | os.PathLike | Sequence[str | os.PathLike],
                         model: str | None = None, *, with_rotated: bool = False,
-                        include_unserved: bool = True) -> list[TraceRequest]:
+                        include_unserved: bool = True, origin: float | None = None
+                        ) -> list[TraceRequest]:
     """The requests of a traffic record (one file, several, or with `with_rotated` the file and
-    its rotated backups), sorted by arrival, arrivals in seconds from the first, ids 0.. in that
-    order, `block_tokens` the record's block size. `model`: keep that model's records (required
-    when the record holds several). `include_unserved`: keep rejected and failed requests too
-    (they were demand all the same). Bad lines raise TraceFormatError naming file and line."""
+    its rotated backups), sorted by arrival, arrivals in seconds from `origin` (unix s; default
+    the first arrival; 0 keeps the record's clock), ids 0.. in that order, `block_tokens` the
+    record's block size. `model`: keep that model's records (required when the record holds
+    several). `include_unserved`: keep rejected and failed requests too (they were demand all
+    the same). Bad lines raise TraceFormatError naming file and line."""
+    return requests_of_records(read_records(path, model, with_rotated=with_rotated,
+                                            include_unserved=include_unserved), origin)
+
+
+def read_records(path: str | os.PathLike | Sequence[str | os.PathLike],
+                 model: str | None = None, *, with_rotated: bool = False,
+                 include_unserved: bool = True) -> list[dict[str, Any]]:
+    """The checked lines of a traffic record, as dicts in file order (`load_traffic_record`'s
+    arguments)."""
     if isinstance(path, (str, os.PathLike)):
         paths = rotated_paths(path) if with_rotated else [os.fspath(path)]
     else:
@@ -94,11 +105,19 @@ def load_traffic_record(path: str | os.PathLike | Sequence[str | os.PathLike],
         rows = [r for r in rows if r["model"] == model]
     if not include_unserved:
         rows = [r for r in rows if r.get("decision") in ("disaggregated", "local")]
+    return rows
+
+
+def requests_of_records(rows: list[dict[str, Any]], origin: float | None = None
+                        ) -> list[TraceRequest]:
+    """Records (dicts with at least `t`, `input_tokens`, `output_tokens`, `block_keys`,
+    `block_size`) as TraceRequests, as `load_traffic_record` returns them; also what pd-planner
+    makes of the router's requests in flight (GET /admin/in_flight), listed in the same form."""
     sizes = {r["block_size"] for r in rows}
     if len(sizes) > 1:
         raise ValueError(f"records hashed at several block sizes ({sorted(sizes)}): load them apart")
-    rows.sort(key=lambda r: r["t"])  # written as requests end; stable for equal arrivals
-    t0 = rows[0]["t"] if rows else 0.0
+    rows = sorted(rows, key=lambda r: r["t"])  # written as requests end; stable for equal arrivals
+    t0 = origin if origin is not None else rows[0]["t"] if rows else 0.0
     out = []
     for i, r in enumerate(rows):
         size, n_in = r["block_size"], r["input_tokens"]

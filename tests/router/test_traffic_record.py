@@ -1,5 +1,6 @@
 """pd-router's traffic record (routers/traffic_record.py) from a real router process on
-pd-mock-engine: what each line says, rotation, and the record read back as a workload."""
+pd-mock-engine: what each line says, rotation, the record read back as a workload, and the
+requests in flight (GET /admin/in_flight) that pd-planner --apply adds to it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,10 @@ import asyncio
 import json
 import os
 import stat
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import requests
@@ -14,6 +19,8 @@ import requests
 from pd_plugins.perf.cluster_sim import SimConfig, simulate
 from pd_plugins.perf.hardware import preset as hardware_preset
 from pd_plugins.perf.replay import replay
+from pd_plugins.perf.report import Slo
+from pd_plugins.planner.live import Hysteresis, LivePlanner, RouterRoles, apply_once, read_traffic
 from pd_plugins.routers.policy.scheduler import preset as policy_preset
 from pd_plugins.workloads.traffic_record import load_traffic_record, rotated_paths
 from tests.router.conftest import deployment, mocks, wait_until
@@ -114,3 +121,74 @@ def test_record_rotates_and_reads_back_as_a_workload(tmp_path):
     assert [o.status for o in result.outcomes] == ["ok"] * kept
     # every prompt after the first finds the shared 64 tokens cached
     assert result.prompt_tokens_cached >= 64 * (kept - 1)
+
+
+def test_requests_in_flight_are_listed_until_they_end_and_the_planner_plans_from_them(tmp_path):
+    """GET /admin/in_flight lists what the record does not hold yet (same clock, block keys, no
+    prompt), only with the admin token; `read_traffic` and `apply_once` plan from it."""
+    path, token, n = tmp_path / "traffic.jsonl", "in-flight-token", 8
+    prefills, decodes = mocks(prefill_args=MOCK_ARGS, decode_args=(*MOCK_ARGS, "--tpot-ms", "40"))
+    config = {"traffic_record": {"path": str(path), "max_block_keys": 4}}
+
+    def listing(router, headers=None, query=""):
+        return requests.get(router.url + "/admin/in_flight" + query, timeout=10,
+                            headers={"Authorization": f"Bearer {token}"} if headers is None else headers)
+
+    def stream(router, i):  # 250 output tokens at 40 ms: 10 s in flight
+        resp = requests.post(router.url + "/v1/completions", timeout=60, stream=True, json={
+            "model": "mock", "prompt": list(range(100)) + [i] * 20, "max_tokens": 250, "stream": True})
+        return resp.status_code, resp.text
+
+    with deployment(prefills, decodes, config=config, env={"PD_ROUTER_ADMIN_TOKEN": token}) as router, \
+            ThreadPoolExecutor(n) as pool:
+        sent = time.time()
+        answers = [pool.submit(stream, router, i) for i in range(n)]
+        # every request streaming, none ended: the record holds none of them
+        wait_until(lambda: sum(e["phase"] == "answer" and e["output_tokens"] >= 3
+                               for e in listing(router).json()["requests"]) == n,
+                   timeout=20, what=f"{n} requests streaming")
+        body = listing(router).json()
+        assert body["total"] == n and len(body["requests"]) == n and not lines(path)
+        assert sent <= body["requests"][0]["t"] <= body["now"] <= time.time()
+        for e in body["requests"]:
+            assert e["model"] == "mock" and e["input_tokens"] == 120 and e["max_tokens"] == 250
+            assert e["block_size"] == 16 and len(e["block_keys"]) == 4  # 7 full blocks, capped
+            assert 3 <= e["output_tokens"] < 250
+        assert len({tuple(e["block_keys"]) for e in body["requests"]}) == 1  # the shared prefix
+        assert "prompt" not in listing(router).text
+        oldest = [e["t"] for e in listing(router, query="?limit=3").json()["requests"]]
+        assert oldest == sorted(e["t"] for e in body["requests"])[:3]
+        assert listing(router, query="?model=other").json()["total"] == 0
+        assert listing(router, query="?limit=0").status_code == 400
+        # the admin token, as every /admin route
+        assert listing(router, headers={}).status_code == 401
+        assert listing(router, headers={"Authorization": "Bearer wrong"}).status_code == 403
+        # pd-planner --apply's view: the window's arrivals and the work in flight
+        roles = RouterRoles(router.url, token)
+        traffic = read_traffic(roles, str(path), window_s=60)
+        assert len(traffic.window) == n and len(traffic.in_flight) == n
+        assert all(r.input_tokens == 120 and r.output_tokens == 250 for r in traffic.window)
+        # what each still lacks, its prompt (the KV it holds) kept, as left_to_do in the simulator
+        assert all(1 <= r.output_tokens <= 247 and r.input_tokens == 120 for r in traffic.in_flight)
+        planner = LivePlanner(Slo(1.0, 0.05), SimConfig(hardware_preset("llama-3.1-8b@h100")), "round_robin",
+                              window_s=60, interval_s=30, hysteresis=Hysteresis(min_requests=n))
+        said: list[str] = []
+        decision = apply_once(planner, roles, traffic.window, traffic.now_s, dry_run=True,
+                              say=said.append, in_flight=traffic.in_flight)
+        assert decision is not None and decision.scores, said  # it simulated the window
+        assert f"{n} requests in the window, {n} in flight" in said[0], said
+        # the command line, once: the same two sources
+        cli = subprocess.run(
+            [sys.executable, "-m", "pd_plugins.planner", "--apply", router.url, "--record", str(path),
+             "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50", "--policy", "round_robin",
+             "--window-s", "60", "--once", "--dry-run"],
+            capture_output=True, text=True, timeout=120, env={**os.environ, "PD_ROUTER_ADMIN_TOKEN": token})
+        assert cli.returncode == 0 and f"{n} requests in the window, {n} in flight" in cli.stdout, \
+            cli.stdout + cli.stderr
+        assert [a.result(timeout=60)[0] for a in answers] == [200] * n
+        # ended: gone from the list, in the record
+        wait_until(lambda: listing(router).json()["total"] == 0 and len(lines(path)) == n,
+                   timeout=10, what="the requests to end")
+        traffic = read_traffic(roles, str(path), window_s=60)
+        assert len(traffic.window) == n and traffic.in_flight == []
+        assert all(r.output_tokens == 250 for r in traffic.window)

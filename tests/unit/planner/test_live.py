@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import pytest
@@ -14,8 +15,9 @@ import pytest
 from pd_plugins.perf.cluster_sim import RequestOutcome, SimConfig, simulate
 from pd_plugins.perf.hardware import preset
 from pd_plugins.perf.report import Slo
+from pd_plugins.planner.dynamo_rule import dynamo_split
 from pd_plugins.planner.live import (Hysteresis, LivePlanner, RouterRoles, apply_once,
-                                     left_to_do, window_from_record)
+                                     left_to_do, read_traffic, window_from_record)
 from pd_plugins.planner.split import Split
 from pd_plugins.workloads import TraceRequest
 
@@ -46,7 +48,7 @@ def test_a_decode_heavy_window_climbs_toward_decode_as_far_as_each_step_gains():
     assert one.want == Split(2, 2)
 
 
-def test_a_window_the_split_already_serves_moves_nothing_and_costs_one_simulation():
+def test_a_window_the_split_already_serves_with_room_to_spare_moves_nothing_and_simulates_it_alone():
     light = steady(100, 0.2, prompt=1000, output=50)
     d = planner().decide(20.0, light, Split(2, 2))
     assert not d.moves and list(d.scores) == [Split(2, 2)]
@@ -86,8 +88,37 @@ def test_a_request_in_flight_has_left_what_its_answer_still_lacks():
     assert left_to_do(request, waiting, 15.0, 0.02) == request        # no first token: all of it
     decoding = RequestOutcome(7, 10.0, 1000, 200, ttft_s=1.0)
     assert left_to_do(request, decoding, 15.0, 0.05).output_tokens == 200 - (1 + 80)
-    assert left_to_do(request, decoding, 15.0, 0.05).input_tokens == 1000
+    assert left_to_do(request, decoding, 15.0, 0.05).input_tokens == 1000  # the KV it holds
     assert left_to_do(request, decoding, 60.0, 0.05).output_tokens == 1  # overdue: one step
+
+
+def test_a_split_that_serves_the_window_without_room_to_spare_moves_when_headroom_is_asked():
+    chat = steady(500, 0.04, prompt=256, output=300)   # 2P:2D serves it, at its limit
+    alone = planner(headroom=1.0).decide(20.0, chat, Split(2, 2))
+    assert not alone.moves and "serves" in alone.reason
+    roomy = planner(headroom=1.5).decide(20.0, chat, Split(2, 2))
+    assert roomy.want == Split(1, 3)
+    assert roomy.scores[Split(1, 3)] > 1.05 * roomy.scores[Split(2, 2)]
+    with pytest.raises(ValueError, match="headroom"):
+        planner(headroom=0.5)
+
+
+def test_dynamo_rules_split_is_a_candidate_and_preferred_among_about_equally_good_splits():
+    code = steady(1000, 0.02, prompt=4000, output=20)
+
+    def planner8(**kw) -> LivePlanner:
+        return LivePlanner(SLO, SimConfig(HW), "round_robin", window_s=20, interval_s=10, **kw)
+
+    rule = dynamo_split(code, profile=HW, itl_s=SLO.tpot_s, instances=8,
+                        kv_capacity_tokens=HW.kv_capacity_tokens())
+    assert rule == Split(6, 2)
+    climbed = planner8(peer_candidate=False).decide(20.0, code, Split(1, 7))
+    # the climb alone stops at the nearest split of the plateau, at its edge
+    assert climbed.want == Split(5, 3)
+    assert climbed.scores[Split(6, 2)] == pytest.approx(climbed.scores[Split(5, 3)], rel=0.05)
+    with_rule = planner8().decide(20.0, code, Split(1, 7))
+    assert with_rule.want == rule
+    assert Split(3, 5) not in with_rule.scores  # straight there: fewer splits simulated
 
 
 def test_the_margin_holds_back_a_small_predicted_gain():
@@ -126,10 +157,58 @@ def test_a_stale_or_missing_record_gives_an_empty_window(tmp_path):
             "block_size": 16, "session": None, "turn": None, "decision": "disaggregated",
             "prefill": None, "decode": None, "ttft_s": 0.1, "tpot_s": 0.01, "e2e_s": 0.2, "status": 200}
     path.write_text("".join(json.dumps({**line, "t": 1000.0 + i}) + "\n" for i in range(100)))
-    now = path.stat().st_mtime
-    window = window_from_record(str(path), 30, None, now=now)
-    assert len(window) == 31 and window[0].arrival_s == 69.0  # the last 30 s of arrivals
-    assert window_from_record(str(path), 30, None, now=now + 31) == []
+    os.utime(path, (1099.0, 1099.0))  # the last record was written at 1099 s
+    window = window_from_record(str(path), 30, None, now=1099.0)
+    # the last 30 s of arrivals, on the record's clock
+    assert len(window) == 31 and window[0].arrival_s == 1069.0 and window[-1].arrival_s == 1099.0
+    assert len(window_from_record(str(path), 30, None, now=1090.0)) == 31  # [1060, 1090]
+    assert window_from_record(str(path), 30, None, now=1099.0 + 31) == []  # not written since
+
+
+def test_the_window_adds_the_requests_in_flight_and_each_counts_the_work_it_has_left(tmp_path):
+    """`read_traffic` over a record and a real TrafficRecorder's in-flight list (served to it
+    by a stand-in for RouterRoles: tests/router/test_traffic_record.py has the real router)."""
+    from pd_plugins.routers.config import TrafficRecordSpec
+    from pd_plugins.routers.policy.base import RequestInfo
+    from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
+
+    now = time.time()
+    line = {"model": "m", "block_keys": [], "block_size": 16, "session": None, "turn": None,
+            "decision": "disaggregated", "prefill": None, "decode": None, "ttft_s": 0.1,
+            "tpot_s": 0.01, "e2e_s": 0.2, "status": 200}
+    ended = [(now - 100, 40, 5), (now - 20, 64, 10), (now - 15, 48, 20), (now - 10, 32, 30)]
+    path = tmp_path / "traffic.jsonl"
+    path.write_text("".join(json.dumps({**line, "t": round(t, 6), "input_tokens": i,
+                                        "output_tokens": o}) + "\n" for t, i, o in ended))
+    recorder = TrafficRecorder(TrafficRecordSpec(path=str(tmp_path / "unused.jsonl")))
+
+    def running(t: float, tokens: int, max_tokens: int | None, phase: str, streamed: int = 0):
+        m = Measured(round(t, 6), phase=phase, streamed=streamed)
+        recorder.started("m", RequestInfo(tokens, [7], max_tokens=max_tokens), 16, m)
+
+    running(now - 15, 48, 99, "answer", 20)      # ended meanwhile: in the record too, counted once
+    running(now - 8, 80, None, "queued")         # no max_tokens: the window's median answer
+    running(now - 5, 96, 50, "answer", 12)       # prefilled, 12 tokens relayed: 38 left
+    running(now - 60, 128, 40, "decode")         # before the window; prefilled: its answer left
+    running(now - 3, 64, 30, "prefill")          # not prefilled yet: all of it
+
+    class RouterStandIn:
+        def in_flight(self):
+            return recorder.in_flight(None, 5000, 100_000)
+
+    traffic = read_traffic(RouterStandIn(), str(path), window_s=30)
+    assert traffic.now_s >= now
+    assert [(r.input_tokens, r.output_tokens) for r in traffic.window] == [
+        (64, 10), (48, 20), (32, 30), (80, 20), (96, 50), (64, 30)]
+    # as left_to_do in the simulator: a prefilled prompt stays (the KV its answer holds)
+    assert [(r.input_tokens, r.output_tokens) for r in traffic.in_flight] == [
+        (128, 40), (80, 20), (96, 38), (64, 30)]
+    assert traffic.window[-2].block_hashes[0] == 7 and len(traffic.window[-2].block_hashes) == 6
+    # every block neither list has a key for is its own: no two requests share one by accident
+    requests = {r.request_id: r for r in (*traffic.window, *traffic.in_flight)}
+    assert len(requests) == 7
+    own = [h for r in requests.values() for h in r.block_hashes if h != 7]
+    assert len(own) == len(set(own)) == sum(len(r.block_hashes) for r in requests.values()) - 4
 
 
 @pytest.mark.processes

@@ -109,3 +109,28 @@ def test_the_flag_sets_the_path_and_keeps_the_yaml_limits(tmp_path):
                                       "--traffic-record", str(tmp_path / "t.jsonl")])
     record = config_from_args(args).traffic_record
     assert record.path == str(tmp_path / "t.jsonl") and record.backups == 1
+
+
+def test_requests_are_listed_in_flight_until_recorded_oldest_first_and_bounded(tmp_path, monkeypatch):
+    from pd_plugins.routers import traffic_record
+
+    rec = TrafficRecorder(TrafficRecordSpec(path=str(tmp_path / "r.jsonl"), max_block_keys=3))
+    running = [Measured(float(i)) for i in range(4)]
+    for i, m in enumerate(running):
+        rec.started("a" if i < 3 else "b", info(tokens=64, keys=4, max_tokens=10), 16, m)
+    running[2].phase, running[2].streamed = "answer", 5
+    listed = rec.in_flight(None, limit=10, max_keys=100)
+    assert [e["t"] for e in listed["requests"]] == [0.0, 1.0, 2.0, 3.0] and listed["total"] == 4
+    assert listed["requests"][2] == {
+        "t": 2.0, "model": "a", "input_tokens": 64, "max_tokens": 10, "block_keys": [1, 2, 3],
+        "block_size": 16, "session": None, "phase": "answer", "output_tokens": 5, "stream": False}
+    assert listed["requests"][0]["phase"] == "queued" and listed["requests"][0]["output_tokens"] == 0
+    # a model's, the oldest `limit`, and the block keys within their budget, oldest first
+    assert [e["t"] for e in rec.in_flight("b", 10, 100)["requests"]] == [3.0]
+    some = rec.in_flight("a", 2, 4)
+    assert some["total"] == 3 and [len(e["block_keys"]) for e in some["requests"]] == [3, 1]
+    rec.record("a", info(), 16, running[1], 200, None)  # ended: no longer in flight
+    assert [e["t"] for e in rec.in_flight(None, 10, 100)["requests"]] == [0.0, 2.0, 3.0]
+    monkeypatch.setattr(traffic_record, "MAX_IN_FLIGHT", 3)  # full: listed no more, counted
+    rec.started("a", info(), 16, Measured(9.0))
+    assert rec.in_flight(None, 10, 100)["total"] == 3 and rec.counts["unlisted"] == 1
