@@ -134,12 +134,19 @@ class ShmOptions(msgspec.Struct, kw_only=True, frozen=True):
         "a reader (or writer) that dies mid-copy pins its slots at most this long")] = 30.0
     save_mode: Annotated[Literal["layer", "step"], doc(
         "`layer`: write each layer as it is computed; `step`: all layers after the step")] = "layer"
+    verify_kv: Annotated[Literal["off", "on", "required"], doc(
+        "check every block loaded from the pool against the sum its writer stated, and say so in "
+        "the answer (`pd.kv`) and on /metrics (`vllm:pd_kv_*`). `on`: a pool this engine creates "
+        "has checksums (unless `checksums` is false), and loads from a pool without them are "
+        "`unverified`; `required`: such a pool is refused at start; `off`: `checksums` alone "
+        "decides")] = "on"
     checksums: Annotated[bool | None, doc(
         "writers sum every block, readers check the sums (fixed when the pool is created; an "
-        "engine follows an existing pool's setting and logs if it differs). Auto: on for a DAX "
-        "device (CXL memory that hosts share may not be cache coherent), off for a file on one "
-        "host, where the generation check alone is exact",
-        default="auto")] = None
+        "engine follows an existing pool's setting and logs if it differs). Auto: on unless "
+        "`verify_kv` is off; then on for a DAX device (CXL memory that hosts share may not be "
+        "cache coherent), off for a file on one host (the generation check alone catches a "
+        "slot reused while it is read, but not a damaged byte). SGLang's pd-shm: always auto "
+        "with verify_kv off (it does not verify yet)", default="auto")] = None
     lookup: Annotated[bool, doc("load prefix blocks found in the pool (any role)")] = True
     store: Annotated[Literal["pd", "all"], doc(
         "a producer stores PD prefill legs only (`pd`) or every request (`all`)")] = "pd"
@@ -180,6 +187,16 @@ class LMCacheOptions(msgspec.Struct, kw_only=True, frozen=True):
         return self.backend.startswith(SHARED_LMCACHE_BACKENDS)
 
 
+class KvFaultOptions(msgspec.Struct, kw_only=True, frozen=True):
+    """Fault injection into KV hand-offs (transfer/kv_faults.py), for tests: any transport."""
+
+    faults: Annotated[str | None, doc(
+        "inject KV faults: `kind[:match=ID-PART,every=N,limit=N,seed=N]`, `;`-separated, kinds "
+        "corrupt, reuse, drop_write, stale_chunk, flip_slot (each transport injects those it has "
+        "a hook for; PdShmConnector: flip_slot). Refused unless PD_KV_FAULTS_ALLOWED=1 is in the "
+        "engine's environment, and always under PD_PRODUCTION=1", env="PD_KV_FAULTS")] = None
+
+
 class HostEnvironment(msgspec.Struct, kw_only=True, frozen=True):
     """What every engine process of pd-plugins reads from its environment, whatever the
     transport (read again at each use: tests and launchers change it at run time)."""
@@ -215,6 +232,10 @@ OTHER_VARIABLES = (
              "`--admin-token`)"),
     Variable("PD_TRACES_DIR", "shared/traces above the package", "workloads: the directory with "
              "the trace files"),
+    Variable("PD_KV_FAULTS_ALLOWED", "unset", "an engine may inject the KV faults its "
+             "`faults` option (PD_KV_FAULTS) names; transfer/kv_faults.py"),
+    Variable("PD_PRODUCTION", "unset", "this engine serves production traffic: KV fault "
+             "injection is refused even with PD_KV_FAULTS_ALLOWED"),
     Variable("PD_PLUGINS_MODEL_CACHE", "~/.cache/pd-plugins/models", "testing: where the tiny "
              "test models are built"),
     Variable("PD_TEST_DEVICE", "cpu", "testing: the device the test engines run on (cpu, cuda)"),
@@ -342,7 +363,7 @@ def host_environment() -> HostEnvironment:
 
 # -- the table ------------------------------------------------------------------------------------
 _TRANSPORTS = (("NIXL", NixlOptions), ("shared-memory pool", ShmOptions),
-               ("LMCache", LMCacheOptions))
+               ("LMCache", LMCacheOptions), ("fault injection (tests)", KvFaultOptions))
 
 
 def markdown_table() -> str:

@@ -934,6 +934,25 @@ class ShmKVPool:
             same = kernels.unpin(c["state"], c["seq"], c["readers"], pinned.slots, pinned.seqs)
         return same.tolist()
 
+    def discard(self, pinned: Iterable[PinnedSlot] | PinnedSlots) -> int:
+        """Drop published slots whose bytes failed their checksum (after `unpin`), so that no
+        later reader loads them again (a writer skips keys the pool has: the bad copy would stay
+        until evicted). A slot is dropped only while it holds the pinned generation, is READY
+        and has no live pin (another reader's copy fails the same way; that reader drops it).
+        Returns how many were dropped."""
+        self._require_writable()
+        pinned = PinnedSlots.of(pinned)
+        dropped = 0
+        with self._file_lock():
+            c, now = self._cols, time.time()
+            for slot, seq in zip(pinned.slots.tolist(), pinned.seqs.tolist()):
+                if (c["seq"][slot] == seq and c["state"][slot] == READY
+                        and not (c["readers"][slot] > 0 and c["read_until"][slot] > now)):
+                    c["state"][slot] = FREE
+                    c["hold_until"][slot] = 0.0
+                    dropped += 1
+        return dropped
+
     def release_hold(self, refs: Iterable[SlotRef]) -> None:
         """End the publisher's hold early (the decode has what it needed)."""
         self._require_writable()

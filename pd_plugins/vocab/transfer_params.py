@@ -4,6 +4,9 @@
 - The `pd` section a prefill engine adds to its answer: what the router needs to route well
   (cache hits, where the KV is, the prompt's experts). Written with `PdSection.into`, read with
   `pd_section_of`.
+- `pd.kv` in a decode's (or any loading engine's) answer: whether the KV it loaded was verified
+  (`KvVerdict`, read with `kv_verdict_of`; docs/plans/kv-verification.md §5). A prefill answer's
+  `pd` section and a decode answer's `pd.kv` never share a parser.
 - `lmcache_tokens`, beside it: how many prompt tokens a PdLMCacheConnector prefill put into the
   shared pool (the decode checks it; the router learns the pool's contents from it).
 
@@ -13,7 +16,7 @@ by pd_plugins/connectors/transfer_params.py.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -55,10 +58,52 @@ def pd_section_of(kv_transfer_params: dict[str, Any] | None) -> PdSection | None
     it is there but malformed (it comes from a peer over the network)."""
     if not isinstance(kv_transfer_params, dict) or PD_SECTION_KEY not in kv_transfer_params:
         return None
+    return _peer_struct(kv_transfer_params[PD_SECTION_KEY], PdSection, "pd section")
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _peer_struct(value: Any, cls: type[S], what: str) -> S:
+    """A peer's value as `cls`; ValueError naming `what` if it is not one."""
     try:
-        return msgspec.convert(kv_transfer_params[PD_SECTION_KEY], PdSection)
+        return msgspec.convert(value, cls)
     except msgspec.ValidationError as exc:
-        raise ValueError(f"malformed pd section: {exc}") from None
+        raise ValueError(f"malformed {what}: {exc}") from None
+
+
+KV_VERDICT_KEY = "kv"  # inside the `pd` section of a loading engine's answer
+
+# verified: every loaded block matched what its producer stated; recomputed: some did not (or
+# could not be loaded) and the engine computed them itself; failed: the request ended in error
+# (kv_load_failure_policy `fail`); unverified: loaded with nothing to check against
+KvVerdictWord = Literal["verified", "recomputed", "failed", "unverified"]
+
+
+class KvVerdict(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """What a loading engine says about the KV it loaded for one request."""
+
+    verdict: KvVerdictWord
+    blocks: int      # blocks it loaded (or tried to) from the transport
+    mismatched: int  # of those, blocks whose bytes did not match their producer's digest
+    transport: TransferMode
+
+    def into(self, kv_transfer_params: dict[str, Any] | None) -> dict[str, Any]:
+        """Add this verdict to an answer's kv_transfer_params (a new dict if None)."""
+        params = dict(kv_transfer_params) if kv_transfer_params else {}
+        section = params.get(PD_SECTION_KEY)
+        params[PD_SECTION_KEY] = {**(section if isinstance(section, dict) else {}),
+                                  KV_VERDICT_KEY: msgspec.to_builtins(self)}
+        return params
+
+
+def kv_verdict_of(kv_transfer_params: dict[str, Any] | None) -> KvVerdict | None:
+    """`pd.kv` of an answer's kv_transfer_params: None if absent, ValueError if malformed."""
+    section = (kv_transfer_params.get(PD_SECTION_KEY)
+               if isinstance(kv_transfer_params, dict) else None)
+    if not isinstance(section, dict) or KV_VERDICT_KEY not in section:
+        return None
+    return _peer_struct(section[KV_VERDICT_KEY], KvVerdict, "pd.kv verdict")
 
 
 def stored_tokens_of(kv_transfer_params: dict[str, Any] | None) -> int | None:

@@ -3,6 +3,9 @@
 One prefill and two decode servers map the same pool. Gold standard as for NIXL: greedy float32 PD
 output equals aggregated output; the swap test exchanges two prompts' blocks inside the pool and
 the decode then answers with the other prompt's output, so the KV it used came from the pool.
+
+Verified hand-off (issue 28): the prefill injects `flip_slot` faults into requests whose id holds
+`kvfault-` (PD_KV_FAULTS_ALLOWED=1 in its environment only); the decode must catch every one.
 """
 
 from __future__ import annotations
@@ -14,13 +17,15 @@ import numpy as np
 import pytest
 import requests
 
-from pd_plugins.vocab.transfer_params import pd_section_of
+from pd_plugins.transfer.kv_faults import ALLOWED_VAR
+from pd_plugins.vocab.transfer_params import kv_verdict_of, pd_section_of
 from pd_plugins.testing.engine_harness import VllmServer, metric_value, shm_config, start_all
 from pd_plugins.testing.pd_client import PrefillTarget, completion, pd_pull, prefill
 from pd_plugins.testing.router_harness import RouterProcess
 from pd_plugins.transfer.shm_pool import ShmKVPool, SlotRef, remove_pool
 from tests.e2e.deployments import (
     CONCURRENT,
+    FULL_MATRIX_ONLY,
     PREFIX_TURNS,
     PROMPTS,
     SHARED_PREFIX,
@@ -30,6 +35,7 @@ from tests.e2e.deployments import (
     completion_body,
     model_path,
     output_ids,
+    token_prompt,
 )
 
 pytestmark = pytest.mark.e2e
@@ -59,10 +65,17 @@ class ShmTrio:
     def counter(self, server: VllmServer, name: str) -> float:
         return metric_value(server.metrics(), f"vllm:pd_shm_{name}_total")
 
+    def kv_counter(self, server: VllmServer, name: str) -> float:
+        return metric_value(server.metrics(), f"vllm:pd_kv_{name}_total")
+
     def stop(self) -> None:
         for server in (self.prefill, *self.decodes):
             server.stop()
         remove_pool(self.pool_path)
+
+
+FAULT_SPEC = "flip_slot:match=kvfault-"
+INJECTED = 50
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
@@ -73,11 +86,13 @@ def trio(request, pool):
     model = model_path(case.model)
 
     def server(name, role, cpu):
-        # checksums on (a file's default is off): test_a_corrupted_block_is_never_used needs them
-        kv = shm_config(role, path, save_mode=case.save_mode, checksums=True)
+        # checksums on explicitly (verify_kv's default turns them on too): the corruption tests
+        # need them; the prefill damages the slots of `kvfault-` requests only
+        faults = {"faults": FAULT_SPEC} if role == "prefill" else {}
+        kv = shm_config(role, path, save_mode=case.save_mode, checksums=True, **faults)
         kv["kv_load_failure_policy"] = case.failure_policy
         kv["engine_id"] = f"{name}-{uuid.uuid4().hex[:6]}"
-        return VllmServer(name, model, cpu, kv)
+        return VllmServer(name, model, cpu, kv, env={ALLOWED_VAR: "1"} if faults else {})
 
     deployment = ShmTrio(case, path, server("prefill", "prefill", "0"),
                          [server("decode-1", "decode", "1"), server("decode-2", "decode", "0")])
@@ -212,3 +227,48 @@ def test_router_routes_on_the_pools_contents(trio, references):
         assert decisions == ["disaggregated", "local"]
     finally:
         router.stop()
+
+
+@FULL_MATRIX_ONLY
+def test_every_injected_flip_is_caught_and_nothing_is_answered_from_it(trio):
+    """50 requests, each with one byte of one of its pool slots flipped by the prefill right
+    after publishing (`flip_slot`): the decode catches every one (its checksum), recomputes
+    (output equal to aggregated serving) or fails clearly, per kv_load_failure_policy, and says
+    so in the answer's `pd.kv`; 10 untouched requests are all verified (no false positive)."""
+    target, decode, reference_engine = PrefillTarget(url=trio.prefill.url), *trio.decodes
+    run = uuid.uuid4().hex[:8]
+    prompts = [token_prompt(80, seed=7000 + i) for i in range(INJECTED + 10)]  # 2 full blocks
+    # aggregated outputs: decode-2 computes each new prompt itself (nothing in the pool yet)
+    loaded = trio.counter(reference_engine, "loaded_blocks")
+    expected = [output_ids(completion(reference_engine.url, completion_body(p))) for p in prompts]
+    assert trio.counter(reference_engine, "loaded_blocks") == loaded
+    before = {name: trio.kv_counter(decode, name) for name in (
+        "mismatched_blocks", "mismatched_requests", "verdicts_verified", "verdicts_recomputed",
+        "verdicts_failed")}
+    injected = trio.kv_counter(trio.prefill, "faults_injected")
+    verdicts, errors = [], 0
+    for i, prompt in enumerate(prompts):
+        request_id = f"kvfault-{run}-{i}" if i < INJECTED else f"clean-{run}-{i}"
+        params = prefill(target, completion_body(prompt), request_id=request_id)
+        resp = completion(decode.url, {**completion_body(prompt), "kv_transfer_params": params})
+        if i < INJECTED and trio.case.failure_policy == "fail":
+            errors += resp.status_code >= 500 or (
+                resp.status_code == 200
+                and resp.json()["choices"][0]["finish_reason"] == "error")
+            continue
+        assert output_ids(resp) == expected[i], f"request {i} answered from bad KV"
+        verdicts.append(kv_verdict_of(resp.json()["kv_transfer_params"]))
+    assert trio.kv_counter(trio.prefill, "faults_injected") - injected == INJECTED
+    after = {name: trio.kv_counter(decode, name) for name in before}
+    assert after["mismatched_blocks"] - before["mismatched_blocks"] == INJECTED
+    assert after["mismatched_requests"] - before["mismatched_requests"] == INJECTED
+    clean = verdicts[-10:]
+    assert all(v is not None and v.verdict == "verified" and v.mismatched == 0 for v in clean)
+    assert after["verdicts_verified"] - before["verdicts_verified"] == 10
+    if trio.case.failure_policy == "recompute":
+        assert [(v.verdict, v.mismatched) for v in verdicts[:INJECTED]] == (
+            [("recomputed", 1)] * INJECTED)
+        assert after["verdicts_recomputed"] - before["verdicts_recomputed"] == INJECTED
+    else:
+        assert errors == INJECTED
+        assert after["verdicts_failed"] - before["verdicts_failed"] == INJECTED

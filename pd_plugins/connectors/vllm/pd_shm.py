@@ -17,6 +17,14 @@ are only hints, used when they hold exactly the expected block.
 A block that vanished or changed while being copied (its lease ran out, or its checksum does not
 match) is a failed load, handled by vLLM's `kv_load_failure_policy` (recompute or fail). The
 pool's own rules (leases, publish order, eviction) are in pd_plugins/transfer/shm_pool.py.
+
+Verification (`verify_kv`, on by default; issue 28): the pool's per-slot checksum, which its
+writer takes in the same pass as its copy, is the producer's statement; the reader sums what
+landed in its KV cache in the same pass as its copy and compares. A slot that fails is never
+used, and is dropped from the pool (`ShmKVPool.discard`) so no later request loads it again.
+Each loading request's verdict goes into its answer (`pd.kv`) and onto /metrics
+(kv_verdicts.py). Fault injection (`faults`, transfer/kv_faults.py): `flip_slot` damages a byte
+of a slot the prefill just published, which the decode must then catch.
 """
 
 from __future__ import annotations
@@ -39,12 +47,15 @@ from vllm.logger import init_logger
 
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.kv_layout import kv_layout
+from pd_plugins.connectors.vllm.kv_verdicts import FAULTS_INJECTED_KEY, LoadOutcome, VerdictBook
+from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_shm_stats import PdShmPromMetrics, PdShmStats
 from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
 from pd_plugins.connectors.vllm.pool_scheduler import PoolSchedulerSide, Storing
-from pd_plugins.transfer.options import ShmOptions
+from pd_plugins.transfer.kv_faults import KvFaults, position
+from pd_plugins.transfer.options import KvFaultOptions, ShmOptions
 from pd_plugins.transfer.paged_kv import PagedKV
-from pd_plugins.transfer.shm_pool import ShmKVPool, SlotRef, SlotRefs
+from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool, SlotRef, SlotRefs
 from pd_plugins.vocab.block_keys import adapter_root, block_keys
 
 if TYPE_CHECKING:
@@ -174,6 +185,14 @@ class _SchedulerSide(PoolSchedulerSide[int]):
     def experts(self, request: Request) -> dict | None:
         return self.c.experts.take(request.request_id)
 
+    def verdict_book(self) -> VerdictBook | None:
+        if self.c.options.verify_kv == "off":
+            return None
+        return VerdictBook("shm", recompute=self.c.failure_policy == "recompute")
+
+    def load_checked(self) -> bool:
+        return self.c.pool.checksums
+
 
 # -- worker side ------------------------------------------------------------------------------------
 @dataclass
@@ -276,11 +295,28 @@ class _WorkerSide(PoolWorkerSide):
             for p in pending:
                 if p.fence is not None:
                     p.fence.close()
+        if self.c.faults.enabled:
+            self._flip_slots(pending, ok)
         stored = sum(ok)
         self.stats.count("stored_blocks", stored)
         self.stats.count("unstored_blocks", len(ok) - stored)
         self.stats.count("stored_bytes", stored * kv.block_bytes)
         self.stats.count("store_seconds", time.perf_counter() - start)
+
+    def _flip_slots(self, pending: list[_PendingStore], ok: list[bool]) -> None:
+        """Fault injection (`flip_slot`): one byte of one slot each targeted store published,
+        its header (and checksum) untouched, as a stray write or a bad memory line would."""
+        at = 0
+        for p in pending:
+            published = [ref.slot for ref, done in zip(p.refs, ok[at:at + len(p.refs)]) if done]
+            at += len(p.refs)
+            rule = self.c.faults.take("flip_slot", p.op.req_id) if published else None
+            if rule is None:
+                continue
+            slot = published[position(rule, p.op.req_id, len(published))]
+            byte = position(rule, p.op.req_id + "/byte", self.kv.block_bytes)
+            self.c.pool.data[slot, byte] ^= np.uint8(0xFF)
+            self.stats.count(FAULTS_INJECTED_KEY)
 
     # loading
     def start_load_kv(self, meta: PdShmMetadata) -> None:
@@ -297,25 +333,36 @@ class _WorkerSide(PoolWorkerSide):
                           read_lease_s=self.c.options.read_lease_s)
         have = [i for i, p in enumerate(pinned) if p is not None]
         good: set[int] = set()
+        checked = pool.checksums
+        torn, mismatched = 0, []
         if have:
             keep = [pinned[i] for i in have]
             # straight into the KV cache; a block is only used if it checks out afterwards
-            verify = pool.checksums
             sums = kv.load(pool.data, [p.slot for p in keep], [op.block_ids[i] for i in have],
-                           checksums=verify)
-            intact = pool.unpin(keep)
-            if verify:
-                intact = [ok and int(s) == p.checksum for ok, s, p in zip(intact, sums, keep)]
-            good = {i for i, ok in zip(have, intact) if ok}
+                           checksums=checked)
+            kept = pool.unpin(keep)  # False: the slot was reused while copied (a torn copy)
+            for i, same, got, p in zip(have, kept, sums, keep):
+                if not same:
+                    torn += 1
+                elif checked and int(got) != p.checksum:
+                    mismatched.append(p)  # the bytes are not what their writer summed
+                else:
+                    good.add(i)
+            if mismatched:
+                self.stats.count("discarded_blocks", pool.discard(mismatched))
         failed = [op.block_ids[i] for i in range(len(op.block_ids)) if i not in good]
         if failed:
             self._invalid.update(failed)
             logger.warning("PdShmConnector: request %s: %d of %d pool blocks failed to load "
-                           "(evicted, replaced while copied, or bad checksum)",
-                           op.req_id, len(failed), len(op.block_ids))
+                           "(%d gone, %d replaced while copied, %d checksum mismatches)",
+                           op.req_id, len(failed), len(op.block_ids),
+                           len(op.block_ids) - len(have), torn, len(mismatched))
         self.stats.count("loaded_blocks", len(good))
         self.stats.count("failed_blocks", len(failed))
         self.stats.count("loaded_bytes", len(good) * kv.block_bytes)
+        if self.c.options.verify_kv != "off":
+            self.record_load(op.req_id, LoadOutcome(len(op.block_ids), len(failed),
+                                                    len(mismatched), checked))
 
 
 class PdShmConnector(SyncPoolConnector):
@@ -330,14 +377,29 @@ class PdShmConnector(SyncPoolConnector):
         kv = kv_layout(vllm_config, kv_cache_config, "pd-shm v1", "PdShmConnector")
         layout, self.slot_bytes = kv.description, kv.block_bytes
         path = self.options.pool_path or default_pool_path(vllm_config, layout)
+        self.faults = KvFaults.from_spec(
+            extra_options(KvFaultOptions, vllm_config.kv_transfer_config,
+                          "PdShmConnector").faults, "PdShmConnector")
+        verify = self.options.verify_kv
+        checksums = self.options.checksums
+        if checksums is None and verify != "off":
+            checksums = True  # verification needs the writers' sums
         self.pool = ShmKVPool(path, slot_bytes=self.slot_bytes, layout=layout,
                               size_bytes=self.options.pool_size_bytes,
-                              checksums=self.options.checksums, group=self.options.pool_group,
+                              checksums=checksums, group=self.options.pool_group,
                               remove_when_unused=self.options.remove_when_unused)
-        if self.options.checksums is not None and self.pool.checksums != self.options.checksums:
+        if checksums is not None and self.pool.checksums != checksums:
             logger.warning("PdShmConnector: pool %s was created with checksums %s; following "
                            "it (every engine of a pool must agree)", path,
                            "on" if self.pool.checksums else "off")
+        if verify != "off" and not self.pool.checksums:
+            why = (f"PdShmConnector: pool {path} has no checksums, so its blocks cannot be "
+                   f"verified (`pd-pool remove {path}` while no engine uses it, then restart: "
+                   f"a new pool gets them)")
+            if verify == "required":
+                self.pool.close()
+                raise PoolError(why + "; verify_kv is `required`")
+            logger.warning("%s; loads are reported `unverified`", why)
         logger.info("PdShmConnector (%s, %s): pool %s, %d slots of %d bytes",
                     vllm_config.kv_transfer_config.kv_role,
                     role.name, path, self.pool.num_slots, self.pool.slot_bytes)

@@ -6,7 +6,7 @@ A subclass sets `STATS` and `PROM_METRICS` (its counters, counter_stats.py) and 
 `self._scheduler` / `self._worker` for its role; vLLM's calls are routed to them here. Its
 scheduler side derives from `PoolSchedulerSide` (pool_scheduler.py: request tracking, the
 last-token rule, what to store, the prefill's answer), its worker side from `PoolWorkerSide`,
-which keeps the step's failed loads and counters.
+which keeps the step's failed loads, counters and load outcomes (kv_verdicts.py).
 """
 
 from __future__ import annotations
@@ -22,36 +22,60 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from pd_plugins.connectors.transfer_params import malformed_params_error
-from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.counter_stats import (
     REJECTED_PARAMS_KEY,
     CounterPromMetrics,
     CounterStats,
 )
+from pd_plugins.connectors.vllm.kv_verdicts import KvLoadOutcomes, LoadOutcome
+from pd_plugins.connectors.vllm.options import extra_options
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorRole,
+        KVConnectorWorkerMetadata,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
 
 
 class PoolWorkerSide:
-    """A worker side's failed block loads and counters, handed to vLLM once each."""
+    """A worker side's failed block loads, counters and load outcomes, handed to vLLM once
+    each."""
 
     STATS: type[CounterStats] = CounterStats
 
     def __init__(self) -> None:
         self._invalid: set[int] = set()
+        self._outcomes = KvLoadOutcomes()
         self.stats = self.STATS()
 
     def take_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
+        return out
+
+    def record_load(self, req_id: str, outcome: LoadOutcome) -> None:
+        """A checked transport's load: counted (kv_verdicts.KV_VERIFY_COUNTERS) and reported to
+        the scheduler, which puts the request's verdict into its answer."""
+        self._outcomes.record(req_id, outcome)
+        if outcome.checked:
+            self.stats.count("kv_verified_blocks", outcome.blocks - outcome.failed)
+            self.stats.count("kv_mismatched_blocks", outcome.mismatched)
+            self.stats.count("kv_mismatched_requests", 1 if outcome.mismatched else 0)
+        else:
+            self.stats.count("kv_unverified_loads")
+
+    def take_outcomes(self) -> KvLoadOutcomes | None:
+        if not self._outcomes.outcomes:
+            return None
+        out, self._outcomes = self._outcomes, KvLoadOutcomes()
         return out
 
     def take_stats(self) -> CounterStats | None:
@@ -77,6 +101,7 @@ class SyncPoolConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = config.engine_id
         self.stores = config.kv_role in ("kv_producer", "kv_both")  # this engine fills the pool
+        self.failure_policy = config.kv_load_failure_policy  # "recompute" or "fail"
         self.options = extra_options(self.OPTIONS, config, type(self).__name__)
 
     @property
@@ -125,6 +150,10 @@ class SyncPoolConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.update_connector_output(connector_output)
+        super().update_connector_output(connector_output)
+
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         # stores finish inside the step (wait_for_save): the blocks can be freed at once
@@ -142,3 +171,6 @@ class SyncPoolConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_outcomes()

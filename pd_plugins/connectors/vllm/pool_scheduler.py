@@ -5,7 +5,8 @@ Each step it answers vLLM's lookups (how many of a new request's leading prompt 
 can supply), turns the allocated blocks of a hit into a load for the workers, follows the requests
 whose prompt it stores (`store: pd`, PD prefill legs only, or `store: all`) and, when a prefill leg
 finishes, answers the decode's side of the handshake: the PD flags, the `pd` section and the
-transport's own keys.
+transport's own keys. A transport that checks what it loads keeps a `VerdictBook`
+(kv_verdicts.py): any other request that loaded KV gets `pd.kv`, its verdict, in its answer.
 
 A transport subclass says how to find a prompt in its pool (`find`), what one load and one store
 look like (`load_op`, `store_op`), and what its answer carries besides the shared keys (`answer`).
@@ -17,8 +18,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 from pd_plugins.connectors.transfer_params import asks_remote_decode
+from pd_plugins.connectors.vllm.kv_verdicts import VerdictBook, verdict_key
 from pd_plugins.vocab.engines import TransferMode
 from pd_plugins.vocab.transfer_params import PdSection
 
@@ -26,6 +29,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -56,6 +60,7 @@ class PoolSchedulerSide(Generic[HitT]):
         self._loads: list[Any] = []
         self._storing: dict[str, Storing] = {}
         self._cached: dict[str, int] = {}  # req id -> prompt tokens not computed (local + pool)
+        self.verdicts: VerdictBook | None = self.verdict_book()
 
     # -- what a transport provides ------------------------------------------------------------
     def poolable(self, request: Request) -> bool:
@@ -89,6 +94,14 @@ class PoolSchedulerSide(Generic[HitT]):
     def answer(self, request: Request) -> dict[str, Any]:
         """The transport's own keys in a prefill leg's answer."""
         return {}
+
+    def verdict_book(self) -> VerdictBook | None:
+        """Where this transport's load verdicts are kept (None: it reports none)."""
+        return None
+
+    def load_checked(self) -> bool:
+        """Whether the workers check the bytes of the loads handed to them now."""
+        return False
 
     def experts(self, request: Request) -> dict | None:
         """The prompt's experts for the `pd` section (None: not captured)."""
@@ -126,7 +139,10 @@ class PoolSchedulerSide(Generic[HitT]):
         req_id = request.request_id
         hit = self._hits.pop(req_id, None)
         if num_external_tokens > 0 and hit is not None:
-            self._loads.append(self.load_op(request, blocks, hit, num_external_tokens))
+            op = self.load_op(request, blocks, hit, num_external_tokens)
+            self._loads.append(op)
+            if self.verdicts is not None:
+                self.verdicts.expect(req_id, len(op.block_ids), self.load_checked())
         if (self.c.stores and req_id not in self._storing and self.poolable(request)
                 and (self.c.options.store == "all"
                      or asks_remote_decode(request.kv_transfer_params))):
@@ -149,8 +165,13 @@ class PoolSchedulerSide(Generic[HitT]):
                 del self._storing[req_id]
         return self.metadata(loads, stores)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.verdicts is not None:
+            self.verdicts.record(connector_output.kv_connector_worker_meta)
+
     def request_finished(self, request: Request) -> dict[str, Any] | None:
-        """The prefill leg's answer (None for any other request)."""
+        """The prefill leg's answer; for any other request that loaded KV, its verdict (`pd.kv`)
+        when the transport checks its loads; None otherwise."""
         req_id = request.request_id
         self._storing.pop(req_id, None)
         self._hits.pop(req_id, None)
@@ -158,8 +179,14 @@ class PoolSchedulerSide(Generic[HitT]):
         answers = self.c.stores and asks_remote_decode(request.kv_transfer_params)
         own = self.answer(request) if answers else None
         self.forget(req_id)
+        verdict = (self.verdicts.verdict(req_id, request.status == RequestStatus.FINISHED_ERROR)
+                   if self.verdicts is not None else None)
+        if verdict is not None:
+            self.c.count_on_scheduler(verdict_key(verdict.verdict))
         if own is None:
-            return None
+            # a prefill leg's answer goes to its decode as that request's params: no verdict
+            # there (counted all the same)
+            return verdict.into(None) if verdict is not None else None
         section = PdSection(prompt_tokens=request.num_prompt_tokens, cached_tokens=cached,
                             engine_id=self.c.engine_id, mode=self.MODE,
                             block_size=self.c.block_size, experts=self.experts(request))

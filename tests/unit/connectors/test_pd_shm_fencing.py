@@ -16,6 +16,7 @@ import torch
 from pd_plugins.connectors.vllm.pd_shm import (
     PdShmMetadata, ShmOptions, StoreOp, _WorkerSide, pool_key,
 )
+from pd_plugins.transfer.kv_faults import KvFaults
 from pd_plugins.transfer.paged_kv import PagedKV
 from pd_plugins.transfer.shm_pool import ShmKVPool, remove_pool
 
@@ -37,7 +38,8 @@ def setup(tmp_path):
     zeros = np.zeros(BLOCK_BYTES, np.uint8)
     other.publish([(r, other.write(r, zeros), BLOCK_BYTES) for r in refs], hold_s=60)
     stand_in = SimpleNamespace(pool=engine, rank=0, slot_bytes=BLOCK_BYTES,
-                               options=ShmOptions(read_lease_s=LEASE_S, save_mode="layer"))
+                               options=ShmOptions(read_lease_s=LEASE_S, save_mode="layer"),
+                               faults=KvFaults.none())
     worker = _WorkerSide(stand_in)
     caches = [torch.arange(NUM_BLOCKS * 64, dtype=torch.float32).reshape(NUM_BLOCKS, 64) + 1000 * i
               for i in range(len(LAYERS))]

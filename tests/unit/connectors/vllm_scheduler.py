@@ -24,7 +24,7 @@ def tiny_llama() -> str:
 
 
 def make_scheduler(kv_connector: str, kv_role: str, extra: dict[str, Any] | None = None,
-                   engine_id: str | None = None):
+                   engine_id: str | None = None, failure_policy: str = "fail"):
     from pd_plugins.vllm_plugin import register
 
     register()
@@ -47,7 +47,8 @@ def make_scheduler(kv_connector: str, kv_role: str, extra: dict[str, Any] | None
                                          max_model_len=1024, is_encoder_decoder=False),
         kv_transfer_config=KVTransferConfig(kv_connector=kv_connector, kv_role=kv_role,
                                             kv_buffer_device="cpu", engine_id=engine_id,
-                                            kv_connector_extra_config=extra or {}),
+                                            kv_connector_extra_config=extra or {},
+                                            kv_load_failure_policy=failure_policy),
         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     kv_cache_config = KVCacheConfig(
@@ -75,10 +76,12 @@ def make_request(request_id: str, prompt: list[int], extra_args: dict[str, Any] 
                    block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn), **kwargs)
 
 
-def sample_one_token(scheduler, output, token: int = 7) -> dict[str, Any]:
+def sample_one_token(scheduler, output, token: int = 7, kv_connector_output=None
+                     ) -> dict[str, Any]:
     """What the model runner would report after `output`'s step: one sampled token for each
     request that computed its whole prompt (vLLM's update_from_output then finishes those at
-    max_tokens). Returns each finished request's outputs by request id."""
+    max_tokens), and `kv_connector_output` (the connector workers' report) if given. Returns
+    each finished request's outputs by request id."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     req_ids = list(output.num_scheduled_tokens)
@@ -88,6 +91,6 @@ def sample_one_token(scheduler, output, token: int = 7) -> dict[str, Any]:
         sampled.append([token] if request.num_computed_tokens >= request.num_prompt_tokens else [])
     engine_outputs = scheduler.update_from_output(output, ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled))
+        sampled_token_ids=sampled, kv_connector_output=kv_connector_output))
     return {out.request_id: out for outs in engine_outputs.values() for out in outs.outputs
             if out.finish_reason is not None}

@@ -258,3 +258,21 @@ def test_a_pool_of_another_format_version_is_refused(pool_path):
         pool._super["version"] = FORMAT_VERSION - 1
     with pytest.raises(PoolError, match="format"):
         open_pool(pool_path)
+
+
+def test_discard_drops_a_bad_slot_only_while_nobody_else_reads_it(pool_path):
+    with open_pool(pool_path) as pool:
+        put(pool, 1, hold_s=60)  # a prefill's hold does not keep a bad block
+        (mine,) = pool.pin([key_of(1)])
+        (theirs,) = pool.pin([key_of(1)])  # another reader copying the same slot
+        pool.unpin([mine])
+        assert pool.discard([mine]) == 0 and get(pool, 1) is not None
+        pool.unpin([theirs])
+        assert pool.discard([theirs]) == 1
+        assert pool.lookup([key_of(1)]) == [None] and pool.count_prefix([key_of(1)]) == 0
+        assert pool.discard([theirs]) == 0  # dropped once
+        put(pool, 1)  # the key can be stored again, in a new generation
+        (again,) = pool.pin([key_of(1)])
+        pool.unpin([again])
+        assert again.seq != theirs.seq and pool.discard([mine]) == 0  # an old pin drops nothing
+        assert get(pool, 1) is not None

@@ -1,0 +1,228 @@
+"""PdShmConnector's verified hand-off (issue 28) in vLLM's real scheduler on CPU, with the
+connector's real worker side copying real KV tensors through a real pool file: a prefill's
+blocks go into the pool, a decode loads them, and its answer says what it found (`pd.kv`).
+A slot damaged in the pool (`flip_slot`, injected by the prefill's worker) is caught by the
+decode, never used, dropped from the pool, recomputed (or failed, per kv_load_failure_policy),
+and counted on both sides. Only the forward pass is missing: the test plays the model runner
+(vllm_scheduler.sample_one_token)."""
+
+from __future__ import annotations
+
+import copy
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from pd_plugins.transfer.kv_faults import ALLOWED_VAR, PRODUCTION_VAR
+from pd_plugins.transfer.options import OptionError
+from pd_plugins.vocab.transfer_params import KvVerdict, kv_verdict_of, prefill_flags
+from tests.unit.connectors.vllm_scheduler import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    make_request,
+    make_scheduler,
+    sample_one_token,
+)
+
+pytest.importorskip("vllm")
+
+PROMPT = list(range(1, 41))  # 40 tokens: two full blocks of 16 and 8 tokens more
+LAYER = "model.layers.0.self_attn.attn"  # vllm_scheduler's one layer
+
+
+class Engine:
+    """One engine: vLLM's scheduler with PdShmConnector, and the connector's worker side over
+    a KV cache tensor of its own."""
+
+    def __init__(self, role: str, path: str, failure_policy: str = "recompute", **extra) -> None:
+        from pd_plugins.connectors.vllm.pd_shm import _WorkerSide
+        from pd_plugins.transfer.paged_kv import PagedKV
+
+        self.scheduler = make_scheduler(
+            "PdShmConnector", role,
+            {"pool_path": path, "pool_size_gb": 0.01, "remove_when_unused": True, **extra},
+            engine_id=f"shm-{uuid.uuid4().hex[:8]}", failure_policy=failure_policy)
+        self.connector = self.scheduler.connector
+        # the worker side runs in the worker process; here it shares the scheduler's connector
+        # (pool, options, faults) as a stand-in for the worker's own instance
+        self.worker = _WorkerSide(self.connector)
+        words = self.connector.slot_bytes // 4
+        seed = int.from_bytes(uuid.uuid4().bytes[:4], "little")
+        self.cache = torch.from_numpy(np.random.default_rng(seed).standard_normal(
+            (NUM_BLOCKS, words)).astype(np.float32))
+        self.worker.kv = PagedKV([self.cache], NUM_BLOCKS)
+        self.worker._layer_index = {LAYER: 0}
+        self.worker_stats: list = []
+        self.scheduler_stats: list = []
+        self.metas: list = []
+        collect = self.connector.get_kv_connector_stats  # vLLM collects them every step
+
+        def keep_a_copy():
+            stats = collect()
+            if stats is not None:
+                self.scheduler_stats.append(copy.deepcopy(stats))
+            return stats
+
+        self.connector.get_kv_connector_stats = keep_a_copy
+
+    def step(self) -> dict:
+        """One engine step: schedule, the worker's loads and stores, the model's one token."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        output = self.scheduler.schedule()
+        meta = output.kv_connector_metadata
+        self.metas.append(meta)
+        self.worker.begin_step(meta)
+        self.worker.start_load_kv(meta)
+        self.worker.save_kv_layer(LAYER)
+        self.worker.wait_for_save(meta)
+        report = KVConnectorOutput(invalid_block_ids=self.worker.take_load_errors(),
+                                   kv_connector_worker_meta=self.worker.take_outcomes())
+        self.worker_stats.append(self.worker.take_stats())
+        return sample_one_token(self.scheduler, output, kv_connector_output=report)
+
+    def counted(self, key: str) -> float:
+        """A counter as /metrics would show it: the worker's and the scheduler's reports."""
+        reports = [*self.worker_stats, *self.scheduler_stats]
+        return sum(sum(r.data.get(key, ())) for r in reports if r is not None)
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+
+
+@pytest.fixture
+def engines(tmp_path):
+    made = []
+
+    def engine(role: str, **kwargs) -> Engine:
+        made.append(Engine(role, str(tmp_path / "pool"), **kwargs))
+        return made[-1]
+
+    yield engine
+    for e in made:
+        e.close()
+
+
+def prefill_leg(prefill: Engine, prompt: list[int], req_id: str) -> dict:
+    prefill.scheduler.add_request(make_request(req_id, prompt,
+                                               {"kv_transfer_params": prefill_flags()},
+                                               max_tokens=1))
+    return prefill.step()[req_id].kv_transfer_params
+
+
+def decode_leg(decode: Engine, prompt: list[int], params: dict, req_id: str = "d") -> list:
+    """Run the decode leg (max 1 token) until it ends; its outputs, step by step."""
+    decode.scheduler.add_request(make_request(req_id, prompt, {"kv_transfer_params": params},
+                                              max_tokens=1))
+    for _ in range(3):
+        finished = decode.step()
+        if req_id in finished:
+            return finished[req_id]
+    raise AssertionError("the decode leg did not finish in three steps")
+
+
+def test_a_clean_hand_off_is_verified_and_says_so(engines):
+    prefill, decode = engines("kv_producer"), engines("kv_consumer")
+    assert prefill.connector.pool.checksums  # verify_kv on by default: a new pool sums
+    params = prefill_leg(prefill, PROMPT, "leg")
+    assert kv_verdict_of(params) is None  # a prefill answer carries no verdict of its own
+    out = decode_leg(decode, PROMPT, params)
+    assert kv_verdict_of(out.kv_transfer_params) == KvVerdict(
+        verdict="verified", blocks=2, mismatched=0, transport="shm")
+    # what landed in the decode's cache is the prefill's KV
+    (store,) = prefill.metas[0].stores
+    (load,) = decode.metas[0].loads
+    assert torch.equal(decode.cache[load.block_ids], prefill.cache[store.block_ids])
+    assert decode.counted("kv_verified_blocks") == 2
+    assert decode.counted("kv_mismatched_blocks") == 0
+    assert decode.counted("kv_verdicts_verified") == 1
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_flipped_slot_is_caught_dropped_and_never_used(engines, monkeypatch, policy):
+    monkeypatch.setenv(ALLOWED_VAR, "1")
+    monkeypatch.delenv(PRODUCTION_VAR, raising=False)
+    prefill = engines("kv_producer", faults="flip_slot:match=kvfault-")
+    decode = engines("kv_consumer", failure_policy=policy)
+    clean = prefill_leg(prefill, [500] + PROMPT[1:], "cmpl-clean-0")  # not targeted
+    params = prefill_leg(prefill, PROMPT, "cmpl-kvfault-1-0")
+    assert prefill.counted("kv_faults_injected") == 1
+    pool = decode.connector.pool
+    from pd_plugins.connectors.vllm.pd_shm import pool_key
+
+    request = make_request("probe", PROMPT)
+    assert all(pool.lookup([pool_key(h, 0) for h in request.block_hashes[:2]]))
+
+    out = decode_leg(decode, PROMPT, params, req_id="cmpl-kvfault-1-0")
+    verdict = kv_verdict_of(out.kv_transfer_params)
+    if policy == "recompute":
+        assert verdict == KvVerdict(verdict="recomputed", blocks=2, mismatched=1,
+                                    transport="shm")
+        assert decode.counted("kv_verdicts_recomputed") == 1
+        assert len(decode.metas) == 2  # the load step's output dropped, then recomputed
+    else:
+        from vllm.v1.engine import FinishReason
+
+        assert out.finish_reason == FinishReason.ERROR and len(decode.metas) == 1
+        assert decode.counted("kv_verdicts_failed") == 1
+    assert decode.counted("kv_mismatched_blocks") == 1
+    assert decode.counted("kv_mismatched_requests") == 1
+    assert decode.counted("kv_verified_blocks") == 1  # the other block was good
+    # the bad slot is gone from the pool: no later request loads it
+    assert decode.counted("discarded_blocks") == 1
+    assert sum(r is None for r in pool.lookup([pool_key(h, 0)
+                                               for h in request.block_hashes[:2]])) == 1
+    # an untargeted request is untouched and verified
+    assert kv_verdict_of(decode_leg(decode, [500] + PROMPT[1:], clean, "cmpl-clean-0")
+                         .kv_transfer_params).verdict == "verified"
+    assert prefill.counted("kv_faults_injected") == 1
+
+
+def test_fifty_injected_flips_are_all_detected(engines, monkeypatch):
+    monkeypatch.setenv(ALLOWED_VAR, "1")
+    monkeypatch.delenv(PRODUCTION_VAR, raising=False)
+    prefill = engines("kv_producer", faults="flip_slot:match=kvfault-")
+    decode = engines("kv_consumer")
+    verdicts = []
+    for i in range(50):
+        prompt = [2000 + i] + PROMPT[1:]
+        params = prefill_leg(prefill, prompt, f"cmpl-kvfault-{i}-0")
+        out = decode_leg(decode, prompt, params, req_id=f"cmpl-kvfault-{i}-0")
+        verdicts.append(kv_verdict_of(out.kv_transfer_params).verdict)
+    assert prefill.counted("kv_faults_injected") == 50
+    assert decode.counted("kv_mismatched_blocks") == 50
+    assert verdicts == ["recomputed"] * 50
+
+
+def test_verify_off_reports_nothing(engines):
+    prefill, decode = engines("kv_producer"), engines("kv_consumer", verify_kv="off")
+    params = prefill_leg(prefill, PROMPT, "leg")
+    out = decode_leg(decode, PROMPT, params)
+    assert out.kv_transfer_params is None
+    assert decode.counted("kv_verified_blocks") == 0 and decode.counted("loaded_blocks") == 2
+
+
+def test_a_pool_without_checksums_loads_unverified_or_is_refused(engines):
+    prefill = engines("kv_producer", checksums=False)
+    assert not prefill.connector.pool.checksums
+    decode = engines("kv_consumer")  # follows the pool: no checksums to check
+    out = decode_leg(decode, PROMPT, prefill_leg(prefill, PROMPT, "leg"))
+    assert kv_verdict_of(out.kv_transfer_params) == KvVerdict(
+        verdict="unverified", blocks=2, mismatched=0, transport="shm")
+    assert decode.counted("kv_unverified_loads") == 1
+    from pd_plugins.transfer.shm_pool import PoolError
+
+    with pytest.raises(PoolError, match="has no checksums.*required"):
+        engines("kv_consumer", verify_kv="required")
+
+
+def test_faults_are_refused_without_permission(engines, monkeypatch):
+    monkeypatch.delenv(ALLOWED_VAR, raising=False)
+    with pytest.raises(OptionError, match=f"needs {ALLOWED_VAR}=1"):
+        engines("kv_producer", faults="flip_slot")
+    monkeypatch.setenv(ALLOWED_VAR, "1")
+    monkeypatch.setenv(PRODUCTION_VAR, "1")
+    with pytest.raises(OptionError, match=f"{PRODUCTION_VAR} is set"):
+        engines("kv_producer", faults="flip_slot")
