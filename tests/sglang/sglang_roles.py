@@ -188,28 +188,38 @@ def prefill(spec: dict) -> None:
 
 
 def decode(spec: dict) -> None:
-    """Receive one room into pages `dest` (after a cached prefix of `prefix_len` tokens)."""
+    """Receive rooms one after another, as one decode engine does: `spec["receives"]` lists
+    {room, dest, aux_index, prefix_len, abort, wait_s, bootstrap_s, bootstrap_port} (or `spec` is
+    one of them). Each room goes into pages `dest` after a cached prefix of `prefix_len` tokens,
+    from the prefill at the job's bootstrap port (by default the spec's)."""
     load_plugins()
     memory, backend = EngineMemory(), spec.get("backend", "pd-shm")
     manager = kv_class(KVClassType.MANAGER, backend)(
         memory.kv_args(), DisaggregationMode.DECODE,
         server_args("decode", spec["bootstrap_port"], backend), False)
+    for job in spec.get("receives", [spec]):
+        receive_room(manager, memory, backend, job.get("bootstrap_port", spec["bootstrap_port"]),
+                     job)
+
+
+def receive_room(manager, memory: EngineMemory, backend: str, bootstrap_port: int,
+                 job: dict) -> None:
     receiver = kv_class(KVClassType.RECEIVER, backend)(
-        manager, f"127.0.0.1:{spec['bootstrap_port']}", spec["room"])
+        manager, f"127.0.0.1:{bootstrap_port}", job["room"])
     receiver.init(0)
-    state = wait_for(receiver, (KVPoll.WaitingForInput,), spec.get("bootstrap_s", 10))
+    state = wait_for(receiver, (KVPoll.WaitingForInput,), job.get("bootstrap_s", 10))
     if state == KVPoll.WaitingForInput:
-        emit(event="bootstrapped", room=spec["room"])
-        if spec.get("abort"):
+        emit(event="bootstrapped", room=job["room"])
+        if job.get("abort"):
             receiver.abort()
-        receiver.send_metadata(np.array(spec["dest"], dtype=np.int32), spec["aux_index"], None,
-                               decode_prefix_len=spec.get("prefix_len", 0))
-        state = wait_for(receiver, (KVPoll.Success,), spec.get("wait_s", 30))
-    emit(event="received", room=spec["room"], state=state,
+        receiver.send_metadata(np.array(job["dest"], dtype=np.int32), job["aux_index"], None,
+                               decode_prefix_len=job.get("prefix_len", 0))
+        state = wait_for(receiver, (KVPoll.Success,), job.get("wait_s", 30))
+    emit(event="received", room=job["room"], state=state,
          failure=failure_of(receiver) if state == KVPoll.Failed else "",
          thread_nice=thread_nice(),
          pool_after=manager.pool.stats().__dict__ if backend == "pd-shm" else None,
-         **memory.digest(spec["dest"], spec["aux_index"]))
+         **memory.digest(job["dest"], job["aux_index"]))
 
 
 def device_memory() -> None:

@@ -133,11 +133,21 @@ def start_prefill(roles, env, backend, rooms, **spec):
 
 
 def receive(roles, env, backend, port, room, dest, aux_index, **spec) -> dict:
+    """One room into a fresh decode process: its "received" event."""
+    return receive_rooms(roles, env, backend, port, [
+        {"room": room, "dest": dest, "aux_index": aux_index, **spec}])[0]
+
+
+def receive_rooms(roles, env, backend, port, jobs: list[dict]) -> list[dict]:
+    """Rooms one after another into one decode process (one KV manager, as in an engine): the
+    "received" event of each. A process start costs ~15 s of imports, so tests share them."""
     env, backend = variant(env, backend)
-    decode = roles(env, "decode", {"bootstrap_port": port, "backend": backend, "room": room,
-                                   "dest": dest, "aux_index": aux_index, **spec})
-    got = decode.next_event()
-    return decode.next_event() if got["event"] == "bootstrapped" else got
+    decode = roles(env, "decode", {"bootstrap_port": port, "backend": backend, "receives": jobs})
+    received = []
+    for _ in jobs:
+        got = decode.next_event()
+        received.append(decode.next_event() if got["event"] == "bootstrapped" else got)
+    return received
 
 
 def sent_events(prefill, count: int) -> dict:
@@ -146,23 +156,30 @@ def sent_events(prefill, count: int) -> dict:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kv_moves_between_two_processes(backend, pool_env, roles):
+    """Two rooms with different KV, published in order, into one decode one after the other: each
+    arrives whole and is its own room's KV (a decode served the first or the latest room's pages
+    for both would fail one of the digest checks)."""
     pages, rooms = [3, 4, 5, 9, 10, 11], [(1 << 62) + 17, 424242]
     prefill, port, published = start_prefill(roles, pool_env, backend, [
         {"room": rooms[0], "pages": pages, "chunks": 3, "aux_index": 2},
         # its own pages: a pull prefill keeps room 0's pages until they are read
         {"room": rooms[1], "pages": [20, 21], "chunks": 1, "aux_index": 3}])
+    assert published[rooms[0]]["kv"][:2] != published[rooms[1]]["kv"]
+    assert published[rooms[0]]["aux"] != published[rooms[1]]["aux"]
 
     # the whole room into other pages; then the second room after a cached first page
-    got = receive(roles, pool_env, backend, port, rooms[0], [40, 41, 42, 50, 51, 52], 7)
-    assert got["state"] == KV_POLL_SUCCESS, got
+    whole, after_prefix = receive_rooms(roles, pool_env, backend, port, [
+        {"room": rooms[0], "dest": [40, 41, 42, 50, 51, 52], "aux_index": 7},
+        {"room": rooms[1], "dest": [60], "aux_index": 0, "prefix_len": PAGE_SIZE}])
+    assert whole["state"] == KV_POLL_SUCCESS, whole
     # pd-nixl lowers the threads NIXL starts (its progress thread polls without pause)
-    assert (19 in got["thread_nice"]) == backend.startswith("pd-nixl"), got["thread_nice"]
-    assert got["kv"] == published[rooms[0]]["kv"] and got["aux"] == published[rooms[0]]["aux"]
+    assert (19 in whole["thread_nice"]) == backend.startswith("pd-nixl"), whole["thread_nice"]
+    assert whole["kv"] == published[rooms[0]]["kv"] and whole["aux"] == published[rooms[0]]["aux"]
     if backend == "pd-shm":  # 6 pages + manifest: hold ended, data kept; the other room held
-        assert (got["pool_after"]["ready"], got["pool_after"]["held"]) == (7 + 3, 3)
-    got = receive(roles, pool_env, backend, port, rooms[1], [60], 0, prefix_len=PAGE_SIZE)
-    assert got["state"] == KV_POLL_SUCCESS, got
-    assert got["kv"] == published[rooms[1]]["kv"][1:] and got["aux"] == published[rooms[1]]["aux"]
+        assert (whole["pool_after"]["ready"], whole["pool_after"]["held"]) == (7 + 3, 3)
+    assert after_prefix["state"] == KV_POLL_SUCCESS, after_prefix
+    assert after_prefix["kv"] == published[rooms[1]]["kv"][1:]
+    assert after_prefix["aux"] == published[rooms[1]]["aux"]
 
     sent = sent_events(prefill, 2)  # pd-nixl: only once the decodes' reads (writes) are done
     assert [sent[r]["state"] for r in rooms] == [KV_POLL_SUCCESS] * 2, sent
@@ -170,25 +187,34 @@ def test_kv_moves_between_two_processes(backend, pool_env, roles):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_swap_a_room_is_its_own_kv(backend, pool_env, roles):
-    """Two rooms' KV differ; each decode gets exactly its own room's pages."""
-    _, port, published = start_prefill(roles, pool_env, backend, [
-        {"room": 5, "pages": [1, 2], "aux_index": 1}, {"room": 6, "pages": [3, 4], "aux_index": 2}])
-    assert published[5]["kv"] != published[6]["kv"]
-    for room in (6, 5):
-        got = receive(roles, pool_env, backend, port, room, [8, 9], 2)
-        assert (got["kv"], got["aux"]) == (published[room]["kv"], published[room]["aux"])
+def test_aborted_unsent_and_expired_rooms_end_in_failed(backend, pool_env, roles):
+    """The ways a room fails while both engines live, on one prefill and one decode: an abort
+    (both sides say so), no KV by the decode's waiting timeout, and (pd-nixl) a lease that ran out
+    before any decode came (the prefill frees the room and says why; a decode that comes later
+    fails at once instead of reading freed pages, or in push waiting for a write that never comes)."""
+    nixl = backend.startswith("pd-nixl")
+    rooms = [{"room": 3, "pages": [1], "aux_index": 0, "abort": True}]
+    if nixl:
+        rooms.append({"room": 12, "pages": [2, 3], "aux_index": 1})
+    prefill, port, _ = start_prefill(roles, {**pool_env, "PD_NIXL_LEASE_S": "2"}, backend, rooms)
+    sent = sent_events(prefill, len(rooms))
+    assert sent[3]["state"] == KV_POLL_FAILED and "aborted" in sent[3]["failure"]
+    if nixl:
+        assert sent[12]["state"] == KV_POLL_FAILED and "within the lease" in sent[12]["failure"]
 
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_no_kv_in_time_fails_with_a_timeout(backend, pool_env, roles):
-    _, port, _ = start_prefill(roles, pool_env, backend, [])
     start = time.monotonic()
-    got = receive(roles, {**pool_env, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "2"}, backend,
-                  port, 99, [1], 0)
-    assert got["state"] == KV_POLL_FAILED
-    assert got["failure"].startswith("TimeoutError: room 99: no KV from the prefill")
-    assert time.monotonic() - start < 60
+    jobs = [{"room": 3, "dest": [1], "aux_index": 0, "abort": True},
+            {"room": 99, "dest": [1], "aux_index": 0}]
+    if nixl:
+        jobs.append({"room": 12, "dest": [5, 6], "aux_index": 1})
+    got = receive_rooms(roles, {**pool_env, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "2"},
+                        backend, port, jobs)
+    assert got[0]["state"] == KV_POLL_FAILED and "aborted" in got[0]["failure"], got[0]
+    assert got[1]["state"] == KV_POLL_FAILED
+    assert got[1]["failure"].startswith("TimeoutError: room 99: no KV from the prefill"), got[1]
+    assert time.monotonic() - start < 90
+    if nixl:
+        assert got[2]["state"] == KV_POLL_FAILED and "lease ran out" in got[2]["failure"], got[2]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -206,50 +232,26 @@ def test_a_dead_prefill_fails_the_decode(backend, pool_env, roles):
     assert "is gone" in got["failure"] or "Disconnect" in got["failure"], got
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_abort_ends_in_failed(backend, pool_env, roles):
-    prefill, port, _ = start_prefill(roles, pool_env, backend,
-                                     [{"room": 3, "pages": [1], "aux_index": 0, "abort": True}])
-    sent = prefill.next_event()
-    assert sent["state"] == KV_POLL_FAILED and "aborted" in sent["failure"]
-    got = receive(roles, pool_env, backend, port, 3, [1], 0, abort=True)
-    assert got["state"] == KV_POLL_FAILED and "aborted" in got["failure"]
-
-
-@pytest.mark.parametrize("backend", ["pd-nixl", "pd-nixl:push"])
-def test_an_expired_lease_fails_both_sides(backend, pool_env, roles):
-    """pd-nixl: a room nobody read (no decode was ready for, in push) within its lease is freed,
-    the prefill says why, and a decode that comes later fails at once instead of reading freed
-    pages (push: instead of waiting for a write that will never come)."""
-    prefill, port, _ = start_prefill(roles, {**pool_env, "PD_NIXL_LEASE_S": "2"}, backend,
-                                     [{"room": 12, "pages": [1, 2], "aux_index": 0}])
-    sent = prefill.next_event()
-    assert sent["state"] == KV_POLL_FAILED and "within the lease" in sent["failure"]
-    got = receive(roles, pool_env, backend, port, 12, [5, 6], 1)
-    assert got["state"] == KV_POLL_FAILED and "lease ran out" in got["failure"], got
-
-
-def test_push_and_pull_do_not_mix(pool_env, roles):
+def test_a_decode_that_does_not_fit_its_prefill_fails_clearly(pool_env, roles):
+    """Each refusal names its reason: another mode of pd-nixl, another backend, another peer
+    secret (the prefill's registry answers only calls signed with the shared secret, here the
+    per-host default one), and no registry at all."""
     _, port, _ = start_prefill(roles, pool_env, "pd-nixl", [])
     got = receive(roles, pool_env, "pd-nixl:push", port, 1, [1], 0)
     assert got["state"] == KV_POLL_FAILED, got
     assert "runs pd-nixl in pull mode, this decode in push mode" in got["failure"], got
 
+    other_backend, no_registry = receive_rooms(
+        roles, {**pool_env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}, "pd-shm", port, [
+            {"room": 1, "dest": [1], "aux_index": 0},
+            {"room": 1, "dest": [1], "aux_index": 0, "bootstrap_port": free_port(),
+             "bootstrap_s": 30}])
+    assert other_backend["state"] == KV_POLL_FAILED, other_backend
+    assert "runs transfer backend 'pd-nixl'" in other_backend["failure"], other_backend
+    assert no_registry["state"] == KV_POLL_FAILED
+    assert "bootstrap timed out" in no_registry["failure"], no_registry
+    assert "unreachable" in no_registry["failure"], no_registry
 
-def test_mismatched_backends_and_no_registry_fail_clearly(pool_env, roles):
-    _, port, _ = start_prefill(roles, pool_env, "pd-shm", [])
-    got = receive(roles, pool_env, "pd-nixl", port, 1, [1], 0)
-    assert got["state"] == KV_POLL_FAILED and "runs transfer backend 'pd-shm'" in got["failure"]
-    got = receive(roles, {**pool_env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1"}, "pd-shm",
-                  free_port(), 1, [1], 0, bootstrap_s=30)
-    assert got["state"] == KV_POLL_FAILED
-    assert "bootstrap timed out" in got["failure"] and "unreachable" in got["failure"]
-
-
-def test_a_decode_without_the_prefill_s_secret_is_refused_clearly(pool_env, roles):
-    """The prefill's registry answers only calls signed with the shared secret (here the per-host
-    default one): a decode configured with another secret fails at once, saying why."""
-    _, port, _ = start_prefill(roles, pool_env, "pd-nixl", [])
     got = receive(roles, {**pool_env, "PD_PEER_SECRET": "not-the-prefill-s-secret"}, "pd-nixl",
                   port, 1, [1], 0)
     assert got["state"] == KV_POLL_FAILED, got
