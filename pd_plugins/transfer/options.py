@@ -94,6 +94,12 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
         "the engine's own core; section \"Under load\"); null (SGLang: `none`) leaves them alone",
         env="PD_TRANSFER_THREADS_NICE",
         default=f"{TRANSFER_THREADS_NICE} on a CPU engine, unset on a GPU")] = UNSET
+    verify_kv: Annotated[Literal["off", "on", "required"], doc(
+        "vLLM pull: the prefill states a digest of every prompt block (`pd.kv_digest`), the "
+        "decode checks the blocks it read and says so in its answer (`pd.kv`) and on /metrics "
+        "(`vllm:pd_kv_*`); a mismatch is a failed load (kv_load_failure_policy). `on`: a read "
+        "with no digest, or a layout that cannot be checked, is `unverified`; `required`: such "
+        "a read is a failed load; `off`: neither end digests. Push and SGLang: not yet")] = "on"
 
     def nice_on(self, cpu_engine: bool) -> int | None:
         """transfer_threads_nice with its default for this kind of engine."""

@@ -34,6 +34,14 @@ def prefill_flags() -> dict[str, bool]:
     return dict(PREFILL_FLAGS)
 
 
+class KvDigest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A producer's digests of the prompt blocks it holds for a decode (issue 28)."""
+
+    algo: str  # "ws64" (transfer/kv_digest.py)
+    block_size: int  # tokens per block the digests were taken over
+    ranks: list[str]  # per tensor-parallel rank: kv_digest.encode of its blocks, in order
+
+
 class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """What the prefill engine tells the router about a finished prefill."""
 
@@ -46,6 +54,8 @@ class PdSection(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     lease_check_port: int | None = None
     # MoE with expert_signatures on: the prompt's experts (vocab/expert_signature.py, encoded)
     experts: dict | None = None
+    # NIXL pull with verify_kv: the prompt blocks' digests, for the decode to check its reads
+    kv_digest: KvDigest | None = None
 
     def into(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
         """Add this section to a prefill answer's kv_transfer_params (and return them)."""

@@ -34,7 +34,8 @@ def verdict_key(word: str) -> str:
     return f"kv_verdicts_{word}"
 
 
-# Merged into a verifying transport's counters (pd_shm_stats.py); vLLM adds `_total`.
+# Merged into a verifying transport's counters (pd_shm_stats.py, pd_nixl_stats.py); vLLM adds
+# `_total`.
 KV_VERIFY_COUNTERS: CounterTable = {
     "kv_verified_blocks": (
         "vllm:pd_kv_verified_blocks",
@@ -48,7 +49,8 @@ KV_VERIFY_COUNTERS: CounterTable = {
         "KV loads (one per request and load) with at least one mismatched block."),
     "kv_unverified_loads": (
         "vllm:pd_kv_unverified_loads",
-        "KV loads with nothing to check the bytes against (a pool without checksums)."),
+        "KV loads with nothing to check the bytes against (a pool without checksums, a NIXL "
+        "read without digests or in a layout that cannot be checked)."),
     FAULTS_INJECTED_KEY: (
         "vllm:pd_kv_faults_injected",
         "KV faults this engine injected (the `faults` option, for tests; 0 otherwise)."),
@@ -91,6 +93,16 @@ class KvLoadOutcomes(KVConnectorWorkerMetadata):
         return self
 
 
+def count_outcome(stats, outcome: LoadOutcome) -> None:
+    """Count one load on a stats object whose table has KV_VERIFY_COUNTERS."""
+    if outcome.checked:
+        stats.count("kv_verified_blocks", outcome.blocks - outcome.failed)
+        stats.count("kv_mismatched_blocks", outcome.mismatched)
+        stats.count("kv_mismatched_requests", 1 if outcome.mismatched else 0)
+    else:
+        stats.count("kv_unverified_loads")
+
+
 class VerdictBook:
     """Scheduler side: the requests with a load in flight, and their verdicts when they end."""
 
@@ -118,6 +130,10 @@ class VerdictBook:
             if entry is not None:
                 seen = entry[1]
                 self._pending[req_id] = (entry[0], outcome if seen is None else seen.merge(outcome))
+
+    def drop(self, req_id: str) -> None:
+        """Forget a request that ends unanswered (aborted): no verdict, not counted."""
+        self._pending.pop(req_id, None)
 
     def verdict(self, req_id: str, errored: bool) -> KvVerdict | None:
         """The verdict of a finishing request (None: it loaded nothing); forgets it."""

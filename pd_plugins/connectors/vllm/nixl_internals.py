@@ -8,7 +8,10 @@ Upstream offers no public way to:
   `_sending_transfers_lock`, push worker);
 - ask whether a prefill worker still holds a request's blocks, and until when
   (`_reqs_to_send`, `_reqs_to_process`);
-- refuse a WRITE whose lease ran out (`_do_start_push_kv`, replaced by a wrapper).
+- refuse a WRITE whose lease ran out (`_do_start_push_kv`, replaced by a wrapper);
+- tell whether a worker's received blocks hold the prefill's bytes as they were, so a digest
+  can check them (`_physical_blocks_per_logical_kv_block`, `use_host_buffer`,
+  `enable_permute_local_kv`, `dcp_size`, `pcp_size`).
 
 `require_checked_vllm()` runs when a PdNixlConnector is built: outside CHECKED it stops the engine
 with an error naming the installed version and the checked ones. `missing_names()` says which of
@@ -35,6 +38,9 @@ PRIVATE_NAMES = (
     ("push_worker", "NixlPushConnectorWorker", "_do_start_push_kv"),
     ("base_worker", "NixlBaseConnectorWorker", "_reqs_to_send"),
     ("base_worker", "NixlBaseConnectorWorker", "_reqs_to_process"),
+    ("base_worker", "NixlBaseConnectorWorker", "_physical_blocks_per_logical_kv_block"),
+    ("base_worker", "NixlBaseConnectorWorker", "use_host_buffer"),
+    ("base_worker", "NixlBaseConnectorWorker", "enable_permute_local_kv"),
 )
 
 
@@ -98,3 +104,18 @@ def replace_push_start(worker: Any, start: Callable[..., None]) -> Callable[...,
     the request id, its local block ids and the decode's registration); returns upstream's."""
     upstream, worker._do_start_push_kv = worker._do_start_push_kv, start
     return upstream
+
+
+def unverifiable_layout(worker: Any) -> str | None:
+    """Why a worker's received blocks may not hold the producer's bytes as they were (upstream
+    post-processes or stages them; docs/plans/kv-verification.md §2), or None. Peer-dependent
+    cases (another block size or TP size) are checked per read."""
+    if worker._physical_blocks_per_logical_kv_block != 1:
+        return "kernel blocks differ from logical blocks"
+    if worker.use_host_buffer:
+        return "reads land in a host buffer"
+    if worker.enable_permute_local_kv:
+        return "received KV is permuted (HND/NHD)"
+    if getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1:
+        return "context parallelism splits blocks"
+    return None

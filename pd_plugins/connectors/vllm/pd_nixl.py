@@ -13,6 +13,10 @@ All transfer machinery (handshake, lease, heartbeat, transfers) is upstream's; t
 - push: a deadline on every transfer (`push_timeout_s`) on the decode; on the prefill no WRITE
   after its lease or the decode's deadline, and no freeing of blocks under an in-flight WRITE
   (pd_nixl_guards.py);
+- pull: verified reads (`verify_kv`, on by default; pd_nixl_verify.py): the prefill states a
+  digest of each prompt block in its `pd` section, the decode checks the blocks it read against
+  them; a mismatch is a failed load from the first bad block, and the decode's answer says what
+  happened (`pd.kv`: verified, recomputed, failed or unverified);
 - counters for all of it on /metrics (pd_nixl_stats.py).
 Every failed load goes through vLLM's `kv_load_failure_policy` (fail | recompute).
 Upstream's private names are used only through nixl_internals.py, for checked vLLM versions.
@@ -39,11 +43,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector,
 )
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 from pd_plugins.connectors.transfer_params import lease_check_of, malformed_params_error, remote_prefill_error
 from pd_plugins.vocab.engines import TransferMode
 from pd_plugins.vocab.transfer_params import PD_SECTION_KEY, PdSection
+from pd_plugins.connectors.vllm.block_verifier import BlockVerifier
 from pd_plugins.connectors.vllm.counter_stats import REJECTED_PARAMS_KEY
+from pd_plugins.connectors.vllm.kv_verdicts import VerdictBook, verdict_key
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
@@ -59,10 +66,19 @@ from pd_plugins.connectors.vllm.nixl_internals import (
     pending_push_registration,
     require_checked_vllm,
     sends_in_flight,
+    unverifiable_layout,
 )
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
+from pd_plugins.connectors.vllm.pd_nixl_verify import (
+    DigestChannel,
+    DigestPlan,
+    PdNixlWorkerMeta,
+    PullVerifier,
+    expected_digests,
+)
+from pd_plugins.transfer.kv_faults import KvFaults
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
-from pd_plugins.transfer.options import NixlOptions
+from pd_plugins.transfer.options import KvFaultOptions, NixlOptions
 from pd_plugins.transfer.transfer_threads import lowered_new_threads
 
 if TYPE_CHECKING:
@@ -166,6 +182,60 @@ class _PdAdditions(_PdStatsClassMethods):
         if role == KVConnectorRole.WORKER:
             self._set_up_worker_guards(lease_s)
         self._experts = ExpertSignatures(vllm_config, role)
+        self._set_up_verification(vllm_config, role, kv_cache_config, options)
+
+    def _set_up_verification(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                             kv_cache_config: KVCacheConfig, options: NixlOptions) -> None:
+        """Verified pull reads (pd_nixl_verify.py); push verifies nothing yet."""
+        config = vllm_config.kv_transfer_config
+        # refused at start unless allowed (transfer/kv_faults.py), in every process of the engine
+        self._faults = KvFaults.from_spec(
+            extra_options(KvFaultOptions, config, "PdNixlConnector").faults, "PdNixlConnector")
+        verify = options.verify_kv if self.pd_mode == "pull" else "off"
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        scheduler = role == KVConnectorRole.SCHEDULER
+        self._kv_cache_config = kv_cache_config
+        self._scheduler_stats: PdNixlStats | None = None
+        self._digest_plan: DigestPlan | None = None
+        self._digest_channel: DigestChannel | None = None
+        self._verdicts: VerdictBook | None = None
+        self._digests_to_send: dict[str, tuple[str | None, str | None]] = {}
+        self._block_verifier: BlockVerifier | None = None
+        self._pull_verifier: PullVerifier | None = None
+        if verify == "off":
+            return
+        if self._serves and tp == 1:  # digests of TP > 1 ranks: not yet (decodes: unverified)
+            self._digest_plan = DigestPlan() if scheduler else None
+            self._digest_channel = DigestChannel(config.engine_id, scheduler=scheduler)
+        if self._reads and scheduler:
+            self._verdicts = VerdictBook("pull", recompute=self._recompute_failed_loads)
+        if self._reads and not scheduler:
+            why = unverifiable_layout(self.connector_worker)
+            if tp != 1:
+                why = why or f"TP {tp} (only TP 1 is checked)"
+            if len(kv_cache_config.kv_cache_groups) != 1:
+                why = why or "several KV cache groups"
+            self._pull_verifier = PullVerifier(lambda: self._block_verifier, why,
+                                               required=verify == "required",
+                                               faults=self._faults,
+                                               stats=self.connector_worker.xfer_stats)
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        if self._digest_channel is None and self._pull_verifier is None:
+            return
+        config = self._kv_cache_config
+        try:
+            self._block_verifier = BlockVerifier(
+                [kv_caches[n] for n in config.kv_cache_groups[0].layer_names], config.num_blocks)
+        except (KeyError, ValueError) as exc:
+            logger.warning("PdNixlConnector: KV blocks cannot be digested (%s): reads are "
+                           "unverified", exc)
+
+    def _count_on_scheduler(self, key: str, n: float = 1) -> None:
+        if self._scheduler_stats is None:
+            self._scheduler_stats = PdNixlStats()
+        self._scheduler_stats.count(key, n)
 
     def _set_up_worker_guards(self, lease_s: float) -> None:
         worker = self.connector_worker
@@ -195,11 +265,12 @@ class _PdAdditions(_PdStatsClassMethods):
         super().on_new_request(request)
 
     def get_kv_connector_stats(self) -> PdNixlStats | None:
-        if self.connector_worker is not None or not self._malformed_params:
+        if self.connector_worker is not None:
             return super().get_kv_connector_stats()
-        stats = PdNixlStats()
-        stats.count(REJECTED_PARAMS_KEY, self._malformed_params)
-        self._malformed_params = 0
+        if self._malformed_params:
+            self._count_on_scheduler(REJECTED_PARAMS_KEY, self._malformed_params)
+            self._malformed_params = 0
+        stats, self._scheduler_stats = self._scheduler_stats, None
         return stats
 
     def get_num_new_matched_tokens(
@@ -247,10 +318,18 @@ class _PdAdditions(_PdStatsClassMethods):
             self._rejections_to_report.add(request.request_id)
             return None
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and self._digest_plan is not None:
+            self._digest_plan.track(request)  # its prompt's blocks get digests
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:
             # A transfer into this request's blocks starts: guard it (see the module doc).
             if self.pd_mode == "pull":
                 self._lease_checks_to_send[request.request_id] = lease_check_of(params)
+                if self._verdicts is not None:
+                    expected = expected_digests(params, self._block_size)
+                    self._digests_to_send[request.request_id] = expected
+                    self._verdicts.expect(request.request_id,
+                                          -(-num_external_tokens // self._block_size),
+                                          checked=expected[0] is not None)
             else:
                 self._push_waits_to_send[request.request_id] = self._push_timeout_s
         result = super().update_state_after_alloc(request, blocks, num_external_tokens)
@@ -266,12 +345,21 @@ class _PdAdditions(_PdStatsClassMethods):
         meta.pd_rejected_recv, self._rejections_to_report = self._rejections_to_report, set()
         meta.pd_lease_checks, self._lease_checks_to_send = self._lease_checks_to_send, {}
         meta.pd_push_waits, self._push_waits_to_send = self._push_waits_to_send, {}
+        meta.pd_expected_digests, self._digests_to_send = self._digests_to_send, {}
+        meta.pd_digest_blocks = (self._digest_plan.due(
+            scheduler_output.num_scheduled_tokens,
+            lambda req_id: self._kv_cache_manager.get_block_ids(req_id)[0])
+            if self._digest_plan is not None else {})
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
+        worker_meta = connector_output.kv_connector_worker_meta
+        if isinstance(worker_meta, PdNixlWorkerMeta) and self._verdicts is not None:
+            self._verdicts.record(worker_meta.loads)
         if self._lease_server is not None:
             table = self._lease_server.table
-            verdicts = connector_output.kv_connector_worker_meta
+            verdicts = (worker_meta.lease if isinstance(worker_meta, PdNixlWorkerMeta)
+                        else worker_meta)
             if isinstance(verdicts, LeaseVerdicts):
                 verdicts.record_into(table)  # before the releases of the same step
             for request_id in connector_output.finished_sending or ():
@@ -296,11 +384,34 @@ class _PdAdditions(_PdStatsClassMethods):
     def _with_pd_section(
         self, request: Request, result: tuple[bool, dict[str, Any] | None]
     ) -> tuple[bool, dict[str, Any] | None]:
-        local_hit = self._local_prefix_hits.pop(request.request_id, 0)
-        self._params_rejected.discard(request.request_id)
+        req_id = request.request_id
+        local_hit = self._local_prefix_hits.pop(req_id, 0)
+        self._params_rejected.discard(req_id)
+        self._digests_to_send.pop(req_id, None)
+        if self._digest_plan is not None:
+            self._digest_plan.forget(req_id)
         delay_free, out_params = result
         was_prefill = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+        verdict = None
+        if self._verdicts is not None:
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                # possibly before its read finished: no outcome to judge, nobody to answer
+                self._verdicts.drop(req_id)
+            else:
+                verdict = self._verdicts.verdict(
+                    req_id, request.status == RequestStatus.FINISHED_ERROR)
+        if verdict is not None:
+            self._count_on_scheduler(verdict_key(verdict.verdict))
+            if not was_prefill:  # a prefill leg's answer is its decode's params: no verdict
+                out_params = verdict.into(out_params)
         if out_params is not None and was_prefill:
+            digests = None
+            if self._digest_channel is not None:
+                digests = self._digest_channel.take(req_id, self._block_size)
+                if digests is None:
+                    logger.warning("PdNixlConnector: no KV digests for prefill %s in time; its "
+                                   "decode loads it unverified", req_id)
+                    self._count_on_scheduler("pd_missing_digests")
             section = PdSection(
                 prompt_tokens=request.num_prompt_tokens,
                 cached_tokens=local_hit,
@@ -308,7 +419,8 @@ class _PdAdditions(_PdStatsClassMethods):
                 mode=self.pd_mode,
                 block_size=self._block_size,
                 lease_check_port=self._lease_server.port if self._lease_server else None,
-                experts=self._experts.take(request.request_id),
+                experts=self._experts.take(req_id),
+                kv_digest=digests,
             )
             out_params[PD_SECTION_KEY] = msgspec.to_builtins(section)
         return delay_free, out_params
@@ -342,9 +454,48 @@ class _PdAdditions(_PdStatsClassMethods):
             in_flight = sends_in_flight(self.connector_worker)
             stats.count("pd_held_sends", len(self._send_hold.settle(results.finished_sending,
                                                                     in_flight)))
+        mismatched = self._verify_reads(results, meta, finished_req_ids, stats)
         stats.count("pd_recomputes" if self._recompute_failed_loads else "pd_failed_loads",
-                    len(results.failed_recving))
+                    len(results.failed_recving) + mismatched)
         return results
+
+    def _verify_reads(self, results: KVConnectorTransferResults, meta: Any,
+                      finished_req_ids: set[str], stats: PdNixlStats) -> int:
+        """Prefill: digest the prompts completed in this step's forward pass. Decode: check the
+        reads released this step (after their lease verdict); returns the reads that failed
+        their check (reported as invalid blocks, not failed receives)."""
+        due = getattr(meta, "pd_digest_blocks", None)
+        if due and self._digest_channel is not None and self._block_verifier is not None:
+            self._digest_channel.send(self._block_verifier, due)
+        verifier = self._pull_verifier
+        if verifier is None:
+            return 0
+        verifier.stats = stats
+        results.failed_recving |= verifier.settle(results.finished_recving,
+                                                  results.failed_recving)
+        verifier.forget(finished_req_ids)
+        return verifier.take_mismatched_reads()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        verifier = self._pull_verifier
+        if verifier is not None and self.has_connector_metadata():
+            # upstream consumes the reads' metadata in its own calls: keep what a check needs
+            meta = self._get_connector_metadata()
+            verifier.expect(getattr(meta, "pd_expected_digests", None) or {})
+            for req_id, read in getattr(meta, "reqs_to_recv", {}).items():
+                if not read.awaiting_kvs or read.remote is None or not read.local_block_ids:
+                    continue
+                peer_why = (f"the prefill has TP {read.tp_size}" if read.tp_size != 1
+                            else None)
+                verifier.remember(req_id, list(read.local_block_ids[0]),
+                                  len(read.remote.block_ids[0]), read.remote.engine_id, peer_why)
+        return super().start_load_kv(forward_context, **kwargs)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        invalid = super().get_block_ids_with_load_errors()
+        if self._pull_verifier is not None:
+            invalid = set(invalid) | self._pull_verifier.take_invalid()
+        return invalid
 
     def _check_leases(self, results: KVConnectorTransferResults,
                       new_checks: dict[str, tuple[str, int, str] | None],
@@ -382,12 +533,19 @@ class _PdAdditions(_PdStatsClassMethods):
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         self._experts.after_step()  # called once per step, after the forward pass
+        lease = self._notif_tap.take_verdicts() if self._notif_tap is not None else None
+        loads = (self._pull_verifier.take_outcomes() if self._pull_verifier is not None
+                 else None)
+        if loads is not None and loads.outcomes:
+            return PdNixlWorkerMeta(lease=lease or LeaseVerdicts(), loads=loads)
         if self._notif_tap is not None:
-            return self._notif_tap.take_verdicts()
+            return lease
         return super().build_connector_worker_meta()
 
     def shutdown(self):
         self._experts.close()
+        if self._digest_channel is not None:
+            self._digest_channel.close()
         if self._lease_server is not None:
             self._lease_server.close()
         if self._late_read_guard is not None:

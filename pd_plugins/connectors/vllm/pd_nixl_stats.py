@@ -2,7 +2,8 @@
 
 Counted by the worker, carried to the API server in vLLM's KV connector stats, exposed as
 Prometheus counters (vLLM adds the `_total` suffix): counter_stats.py's counters layered over
-upstream's NIXL stats and metrics. Expired leases are upstream's
+upstream's NIXL stats and metrics, and the verification counters every transport shares
+(kv_verdicts.py). Expired leases are upstream's
 `vllm:nixl_num_kv_expired_reqs` (on the prefill).
 """
 
@@ -14,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 
 from pd_plugins.connectors.vllm.counter_stats import CounterMetrics, Counters, CounterTable
+from pd_plugins.connectors.vllm.kv_verdicts import KV_VERIFY_COUNTERS
 
 # beside upstream's; the counters every pd connector shares are added by `Counters`
 PD_COUNTERS: CounterTable = {
@@ -45,6 +47,12 @@ PD_COUNTERS: CounterTable = {
     "pd_failed_loads": (
         "vllm:pd_nixl_failed_loads",
         "Failed KV loads that end their request with an error (kv_load_failure_policy=fail)."),
+    "pd_missing_digests": (
+        "vllm:pd_nixl_missing_digests",
+        "Prefills answered without their blocks' digests (none came from the worker in time): "
+        "their decodes load them `unverified` (prefill side)."),
+    # verified pull reads (vllm:pd_kv_*, shared with every verifying transport; decode side)
+    **KV_VERIFY_COUNTERS,
 }
 
 

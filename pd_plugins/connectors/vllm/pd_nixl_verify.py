@@ -1,0 +1,289 @@
+"""Verified NIXL pull reads (issue 28; docs/plans/kv-verification.md §4.1), PdNixlConnector's part.
+
+Producer (prefill): the scheduler marks the step in which a PD prefill leg's prompt completes
+(`DigestPlan`); after that step's forward pass the worker digests the request's blocks
+(block_verifier.py, ws64) and pushes them to its scheduler over the signature channel (purpose
+"kv-digests"; vLLM's own worker metadata would arrive after the request is answered), which puts
+them into the `pd` section of the prefill's answer (`kv_digest`).
+
+Consumer (decode): the scheduler ships each read's expected digests to the workers with the read
+(`expected_digests`, a peer's value: checked, bounded; unusable ones make the read `unverified`).
+When a read is finished, not failed and (where checked) on time by its lease, the worker
+(`PullVerifier`) digests the blocks it read and compares them with the tail of the prefill's list
+(a decode with a local prefix hit reads only its suffix, block_verifier.paired_expected). A
+mismatch at block k makes blocks k.. invalid (vLLM's `get_block_ids_with_load_errors`): vLLM
+recomputes them (kv_load_failure_policy `recompute`) or fails the request (`fail`). Each read's
+outcome goes to the scheduler as worker metadata (`PdNixlWorkerMeta`), which puts the request's
+verdict into its answer (`pd.kv`, kv_verdicts.VerdictBook).
+
+Only equal layouts can be checked (one KV cache group, TP 1 on both ends, equal block sizes, no
+upstream post-processing: nixl_internals.unverifiable_layout); any other read is `unverified`
+(or failed under `verify_kv: required`), never `verified`.
+Fault injection: `corrupt` damages one byte of one block a targeted read landed, before the check.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.logger import init_logger
+
+from pd_plugins.connectors.vllm.block_verifier import BlockVerifier, first_mismatch, paired_expected
+from pd_plugins.connectors.vllm.kv_verdicts import (
+    FAULTS_INJECTED_KEY,
+    KvLoadOutcomes,
+    LoadOutcome,
+    count_outcome,
+)
+from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts
+from pd_plugins.transfer import kv_digest
+from pd_plugins.transfer.kv_faults import KvFaults, position
+from pd_plugins.transfer.signature_channel import ResultReceiver, ResultSender, channel_address
+from pd_plugins.vocab.transfer_params import PD_SECTION_KEY, KvDigest
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+PURPOSE = "kv-digests"
+MAX_TRACKED = 65536  # requests remembered between steps (oldest forgotten first)
+
+
+def prompt_completes(request: Request, scheduled: int) -> bool:
+    """Whether the step that computes `scheduled` more tokens of `request` completes its prompt
+    (num_computed_tokens does not yet include the step's tokens)."""
+    return scheduled > 0 and request.num_computed_tokens + scheduled >= request.num_prompt_tokens
+
+
+class _Bounded(OrderedDict):
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        while len(self) > MAX_TRACKED:
+            self.popitem(last=False)
+
+
+# -- producer ---------------------------------------------------------------------------------------
+class DigestPlan:
+    """Prefill scheduler side: the PD prefill legs whose prompt is not yet complete."""
+
+    def __init__(self) -> None:
+        self._legs: _Bounded = _Bounded()  # req id -> Request
+
+    def track(self, request: Request) -> None:
+        self._legs[request.request_id] = request
+
+    def forget(self, req_id: str) -> None:
+        self._legs.pop(req_id, None)
+
+    def due(self, num_scheduled_tokens: dict[str, int],
+            block_ids_of: Callable[[str], list[int]]) -> dict[str, list[int]]:
+        """The legs whose prompt completes in this step, with their blocks (group 0)."""
+        due = {}
+        for req_id, request in list(self._legs.items()):
+            if prompt_completes(request, num_scheduled_tokens.get(req_id, 0)):
+                due[req_id] = list(block_ids_of(req_id))
+                del self._legs[req_id]
+        return due
+
+
+class DigestChannel:
+    """Prefill digests, worker (rank 0) -> scheduler; `None` ends (verify_kv off, TP > 1)."""
+
+    def __init__(self, engine_id: str, scheduler: bool) -> None:
+        address = channel_address(engine_id, PURPOSE)
+        self._receiver = ResultReceiver(address) if scheduler else None
+        self._sender = None if scheduler else ResultSender(address)
+
+    def send(self, verifier: BlockVerifier, due: dict[str, list[int]]) -> None:
+        """Worker, after the forward pass: digests of the blocks of the legs completed in it."""
+        if due:
+            self._sender.send({req_id: kv_digest.encode(verifier.digests(blocks))
+                               for req_id, blocks in due.items()})
+
+    def take(self, req_id: str, block_size: int) -> KvDigest | None:
+        """Scheduler, when a prefill leg finishes: its digests (None: none came in time)."""
+        encoded = self._receiver.take(req_id)
+        if not isinstance(encoded, str):
+            return None
+        return KvDigest(algo=kv_digest.ALGO, block_size=block_size, ranks=[encoded])
+
+    def close(self) -> None:
+        for sock in (self._receiver, self._sender):
+            if sock is not None:
+                sock.close()
+
+
+# -- consumer ---------------------------------------------------------------------------------------
+def expected_digests(params: Any, block_size: int) -> tuple[str | None, str | None]:
+    """(encoded digests of the prefill's blocks, None) from a decode request's params, or
+    (None, why they cannot be used). Cheap: the worker decodes them, bounded by the number of
+    blocks the read is for."""
+    section = params.get(PD_SECTION_KEY) if isinstance(params, dict) else None
+    raw = section.get("kv_digest") if isinstance(section, dict) else None
+    if raw is None:
+        return None, "the prefill stated no digests"
+    try:
+        stated = msgspec.convert(raw, KvDigest)
+    except msgspec.ValidationError as exc:
+        return None, f"malformed kv_digest: {exc}"
+    if stated.algo != kv_digest.ALGO:
+        return None, f"digest algorithm {stated.algo!r} is not {kv_digest.ALGO}"
+    if stated.block_size != block_size:
+        return None, f"the prefill's block size {stated.block_size} is not {block_size}"
+    if len(stated.ranks) != 1:
+        return None, f"digests of {len(stated.ranks)} TP ranks (only TP 1 is checked)"
+    return stated.ranks[0], None
+
+
+@dataclass
+class _Read:
+    """A read the decode worker started: where it landed, and what to compare it with."""
+
+    local: list[int]            # local blocks (group 0), in order
+    remote_blocks: int          # blocks the prefill holds for it
+    peer: str                   # the prefill's engine id
+    expected: str | None = None  # encoded digests
+    why: str | None = None       # why it cannot be checked
+
+
+@dataclass
+class PdNixlWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: lease verdicts (pull prefill) and load outcomes (decode);
+    a kv_both engine sends both."""
+
+    lease: LeaseVerdicts = field(default_factory=LeaseVerdicts)
+    loads: KvLoadOutcomes = field(default_factory=KvLoadOutcomes)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, PdNixlWorkerMeta):
+            self.lease.aggregate(other.lease)
+            self.loads.aggregate(other.loads)
+        return self
+
+
+class PullVerifier:
+    """Decode worker side: checks finished reads, reports bad blocks and outcomes."""
+
+    def __init__(self, verifier: Callable[[], BlockVerifier | None], layout_why: str | None,
+                 required: bool, faults: KvFaults, stats: Any) -> None:
+        self._verifier = verifier  # None until the KV caches are registered
+        self._layout_why = layout_why
+        self.required = required
+        self.faults = faults
+        self.stats = stats  # PdNixlStats (swapped by the caller each step)
+        self._reads: _Bounded = _Bounded()
+        self._expected: _Bounded = _Bounded()  # req id -> (encoded | None, why)
+        self._invalid: set[int] = set()
+        self._outcomes = KvLoadOutcomes()
+        self.mismatched_reads = 0  # reads that became failed loads here (for pd_recomputes)
+
+    def expect(self, shipped: dict[str, tuple[str | None, str | None]]) -> None:
+        """The scheduler's expected digests for reads it hands out this step."""
+        for req_id, value in shipped.items():
+            self._expected[req_id] = value
+
+    def remember(self, req_id: str, local: list[int], remote_blocks: int, peer: str,
+                 peer_why: str | None) -> None:
+        """A read starts (from upstream's metadata, before upstream consumes it)."""
+        if not local:
+            return  # a full local prefix hit: nothing is read
+        expected, why = self._expected.pop(req_id, (None, "the prefill stated no digests"))
+        self._reads[req_id] = _Read(local, remote_blocks, peer, expected,
+                                    self._layout_why or peer_why or why)
+
+    def forget(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self._reads.pop(req_id, None)
+            self._expected.pop(req_id, None)
+
+    def settle(self, finished: set[str], failed: set[str]) -> set[str]:
+        """Check this step's finished reads (finished, not failed, released by the lease check);
+        returns the reads that failed here as whole requests (`required` without a check)."""
+        failed_here: set[str] = set()
+        for req_id in failed:
+            read = self._reads.pop(req_id, None)
+            if read is not None:
+                self._record(req_id, LoadOutcome(len(read.local), len(read.local), 0,
+                                                 read.why is None))
+        for req_id in finished - failed:
+            read = self._reads.pop(req_id, None)
+            if read is None:
+                continue  # no read of ours (rejected params, a notify-only hit)
+            self._inject(req_id, read)
+            outcome = self._check(req_id, read)
+            if outcome.failed and not outcome.checked:
+                failed_here.add(req_id)  # `required`: nothing to check it against
+            self._record(req_id, outcome)
+        return failed_here
+
+    def _inject(self, req_id: str, read: _Read) -> None:
+        verifier = self._verifier()
+        if verifier is None or not self.faults.enabled:
+            return
+        rule = self.faults.take("corrupt", req_id)
+        if rule is None:
+            return
+        block = read.local[position(rule, req_id, len(read.local))]
+        verifier.damage(block, position(rule, req_id + "/byte", verifier.block_bytes))
+        self.stats.count(FAULTS_INJECTED_KEY)
+
+    def _check(self, req_id: str, read: _Read) -> LoadOutcome:
+        n = len(read.local)
+        verifier = self._verifier()
+        why = read.why or (None if verifier is not None else "no KV caches registered")
+        expected = None
+        if why is None:
+            try:
+                stated = kv_digest.decode(read.expected, read.remote_blocks)
+            except ValueError as exc:
+                why = f"unusable digests: {exc}"
+            else:
+                expected = paired_expected(stated, read.remote_blocks, n)
+                if expected is None:
+                    why = (f"{len(stated)} digests for {read.remote_blocks} remote and {n} "
+                           f"local blocks")
+        if why is not None:
+            if self.required:
+                logger.error("PdNixlConnector: request %s's read from %s cannot be verified "
+                             "(%s) and verify_kv is `required`: its KV load failed",
+                             req_id, read.peer, why)
+                return LoadOutcome(n, n, 0, False)
+            logger.debug("PdNixlConnector: request %s's read from %s is unverified: %s",
+                         req_id, read.peer, why)
+            return LoadOutcome(n, 0, 0, False)
+        found = verifier.digests(read.local)
+        k = first_mismatch(found, expected)
+        if k is None:
+            return LoadOutcome(n, 0, 0, True)
+        mismatched = int(np.count_nonzero(found != expected))
+        self._invalid.update(read.local[k:])
+        self.mismatched_reads += 1
+        logger.error("PdNixlConnector: request %s: %d of %d blocks read from %s do not match "
+                     "the prefill's digests (first: block %d of the read); blocks from there "
+                     "are not used (kv_load_failure_policy)", req_id, mismatched, n, read.peer, k)
+        return LoadOutcome(n, n - k, mismatched, True)
+
+    def _record(self, req_id: str, outcome: LoadOutcome) -> None:
+        self._outcomes.record(req_id, outcome)
+        count_outcome(self.stats, outcome)
+
+    def take_invalid(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_outcomes(self) -> KvLoadOutcomes:
+        out, self._outcomes = self._outcomes, KvLoadOutcomes()
+        return out
+
+    def take_mismatched_reads(self) -> int:
+        n, self.mismatched_reads = self.mismatched_reads, 0
+        return n
+
+    def __len__(self) -> int:
+        return len(self._reads)

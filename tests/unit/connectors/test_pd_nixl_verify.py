@@ -1,0 +1,390 @@
+"""Verified NIXL pull reads (pd_nixl_verify.py): the prefill's digests, their way to the decode
+(the digest channel, the `pd` section, the decode scheduler's metadata), the decode worker's
+check of what it read (pairing with a partial local prefix hit, the `corrupt` fault, unverified
+reads, `required`), and the verdict in the answer through vLLM's real scheduler."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from pd_plugins.connectors.vllm.block_verifier import BlockVerifier
+from pd_plugins.connectors.vllm.kv_verdicts import FAULTS_INJECTED_KEY, KvLoadOutcomes, LoadOutcome
+from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts
+from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlStats
+from pd_plugins.connectors.vllm.pd_nixl_verify import (
+    DigestChannel,
+    DigestPlan,
+    PdNixlWorkerMeta,
+    PullVerifier,
+    expected_digests,
+    prompt_completes,
+)
+from pd_plugins.transfer import kv_digest
+from pd_plugins.transfer.kv_faults import KvFaults
+from pd_plugins.vocab.transfer_params import kv_verdict_of, pd_section_of
+from tests.unit.connectors.vllm_scheduler import (
+    BLOCK_SIZE,
+    make_request,
+    make_scheduler,
+    sample_one_token,
+)
+
+pytest.importorskip("vllm")
+
+NUM_BLOCKS = 16
+ALLOWED = {"PD_KV_FAULTS_ALLOWED": "1"}
+
+
+def kv_cache(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUM_BLOCKS, 2, BLOCK_SIZE, 8, generator=gen) for _ in range(2)]
+
+
+class Pair:
+    """A prefill's and a decode's KV caches; `read` copies blocks as a NIXL READ would."""
+
+    def __init__(self) -> None:
+        self.prefill, self.decode = kv_cache(1), kv_cache(2)
+        self.prefill_blocks = [3, 9, 4, 12, 0]  # the prefill leg's 5 blocks
+        self.stated = BlockVerifier(self.prefill, NUM_BLOCKS).digests(self.prefill_blocks)
+        self.stats = PdNixlStats()
+
+    def read(self, local: list[int]) -> None:
+        """Upstream's pairing: local[i] <- the tail of the prefill's list."""
+        remote = self.prefill_blocks[len(self.prefill_blocks) - len(local):]
+        for dst, src in zip(local, remote):
+            for mine, theirs in zip(self.decode, self.prefill):
+                mine[dst] = theirs[src]
+
+    def verifier(self, faults: str | None = None, layout_why: str | None = None,
+                 required: bool = False) -> PullVerifier:
+        decode = BlockVerifier(self.decode, NUM_BLOCKS)
+        return PullVerifier(lambda: decode, layout_why, required,
+                            KvFaults.from_spec(faults, "test", ALLOWED), self.stats)
+
+    def start(self, verifier: PullVerifier, req_id: str, local: list[int],
+              digests: str | None = "stated", peer_why: str | None = None) -> None:
+        encoded = kv_digest.encode(self.stated) if digests == "stated" else digests
+        verifier.expect({req_id: (encoded, None if encoded else "no digests")})
+        verifier.remember(req_id, local, len(self.prefill_blocks), "prefill-engine", peer_why)
+
+    def count(self, key: str) -> float:
+        return sum(self.stats.data.get(key, ()))
+
+
+def test_a_full_read_and_a_read_after_a_local_prefix_hit_are_verified():
+    pair = Pair()
+    verifier = pair.verifier()
+    pair.read([5, 6, 7, 8, 10])
+    pair.start(verifier, "full", [5, 6, 7, 8, 10])
+    pair.read([13, 14])  # the decode had the first 3 blocks cached: it reads the last 2
+    pair.start(verifier, "partial", [13, 14])
+    assert verifier.settle({"full", "partial"}, set()) == set()
+    assert verifier.take_invalid() == set()
+    assert verifier.take_outcomes().outcomes == {"full": LoadOutcome(5, 0, 0, True),
+                                                 "partial": LoadOutcome(2, 0, 0, True)}
+    assert pair.count("kv_verified_blocks") == 7 and pair.count("kv_mismatched_blocks") == 0
+    assert len(verifier) == 0
+
+
+def test_a_partial_hit_paired_with_the_head_of_the_list_would_be_caught():
+    # the pairing matters: the decode's 2 blocks hold the prefill's first 2 here (wrong KV)
+    pair = Pair()
+    verifier = pair.verifier()
+    for dst, src in zip([13, 14], pair.prefill_blocks[:2]):
+        for mine, theirs in zip(pair.decode, pair.prefill):
+            mine[dst] = theirs[src]
+    pair.start(verifier, "misplaced", [13, 14])
+    verifier.settle({"misplaced"}, set())
+    assert verifier.take_invalid() == {13, 14}
+    assert verifier.take_outcomes().outcomes["misplaced"] == LoadOutcome(2, 2, 2, True)
+
+
+def test_a_mismatch_at_block_k_invalidates_the_blocks_from_k():
+    pair = Pair()
+    verifier = pair.verifier()
+    local = [5, 6, 7, 8, 10]
+    pair.read(local)
+    pair.decode[1][7, 0, 3, 2] += 1.0  # block 2 of the read, layer 1
+    pair.start(verifier, "bad", local)
+    assert verifier.settle({"bad"}, set()) == set()  # blocks, not the request
+    assert verifier.take_invalid() == {7, 8, 10}
+    assert verifier.take_outcomes().outcomes["bad"] == LoadOutcome(5, 3, 1, True)
+    assert verifier.take_mismatched_reads() == 1
+    assert pair.count("kv_mismatched_requests") == 1 and pair.count("kv_verified_blocks") == 2
+
+
+def test_the_corrupt_fault_hits_only_matching_reads_and_is_always_caught():
+    pair = Pair()
+    verifier = pair.verifier("corrupt:match=kvfault-")
+    ids = [f"cmpl-kvfault-{i}" for i in range(20)] + [f"cmpl-clean-{i}" for i in range(5)]
+    local = [5, 6, 7, 8, 10]
+    for req_id in ids:
+        pair.read(local)
+        pair.start(verifier, req_id, local)
+        verifier.settle({req_id}, set())
+    outcomes = verifier.take_outcomes().outcomes
+    assert [r for r, o in outcomes.items() if o.mismatched] == ids[:20]
+    assert all(o.mismatched == 1 and o.checked for o in list(outcomes.values())[:20])
+    assert pair.count(FAULTS_INJECTED_KEY) == 20 == pair.count("kv_mismatched_requests")
+    assert verifier.faults.injected["corrupt"] == 20
+
+
+def test_reads_without_usable_digests_are_unverified_never_verified():
+    pair = Pair()
+    verifier = pair.verifier()
+    local = [5, 6, 7, 8, 10]
+    pair.read(local)
+    pair.start(verifier, "none", local, digests=None)
+    pair.start(verifier, "garbage", local, digests="not base64!")
+    pair.start(verifier, "short", local, digests=kv_digest.encode(pair.stated[:4]))
+    pair.start(verifier, "tp2", local, peer_why="the prefill has TP 2")
+    verifier.remember("never-expected", local, 5, "p", None)
+    done = {"none", "garbage", "short", "tp2", "never-expected"}
+    assert verifier.settle(done, set()) == set()
+    assert verifier.take_invalid() == set()
+    assert all(o == LoadOutcome(5, 0, 0, False)
+               for o in verifier.take_outcomes().outcomes.values())
+    assert pair.count("kv_unverified_loads") == 5 and pair.count("kv_verified_blocks") == 0
+    unsupported = pair.verifier(layout_why="reads land in a host buffer")
+    pair.start(unsupported, "host-buffer", local)
+    unsupported.settle({"host-buffer"}, set())
+    assert unsupported.take_outcomes().outcomes["host-buffer"].checked is False
+
+
+def test_required_fails_a_read_it_cannot_check_and_still_checks_the_others():
+    pair = Pair()
+    verifier = pair.verifier(required=True)
+    local = [5, 6, 7, 8, 10]
+    pair.read(local)
+    pair.start(verifier, "unchecked", local, digests=None)
+    pair.start(verifier, "checked", local)
+    assert verifier.settle({"unchecked", "checked"}, set()) == {"unchecked"}
+    outcomes = verifier.take_outcomes().outcomes
+    assert outcomes == {"unchecked": LoadOutcome(5, 5, 0, False),
+                        "checked": LoadOutcome(5, 0, 0, True)}
+
+
+def test_failed_and_forgotten_reads():
+    pair = Pair()
+    verifier = pair.verifier()
+    pair.start(verifier, "late", [5, 6])
+    pair.start(verifier, "aborted", [7])
+    verifier.remember("hit", [], 5, "p", None)  # a full local hit: nothing read, not tracked
+    verifier.settle({"late"}, {"late"})  # the lease check failed it: not checked, failed
+    assert verifier.take_outcomes().outcomes == {"late": LoadOutcome(2, 2, 0, True)}
+    verifier.forget({"aborted"})
+    assert len(verifier) == 0
+
+
+def test_expected_digests_from_a_decodes_params():
+    good = {"algo": "ws64", "block_size": BLOCK_SIZE, "ranks": ["AAAAAAAAAAA="]}
+
+    def params(digest):
+        return {"pd": {"prompt_tokens": 3, "kv_digest": digest}}
+
+    assert expected_digests(params(good), BLOCK_SIZE) == ("AAAAAAAAAAA=", None)
+    for bad, why in [(None, "no digests"), ({"algo": "ws64"}, "malformed"),
+                     ({**good, "algo": "xxh3"}, "algorithm"),
+                     ({**good, "block_size": 32}, "block size"),
+                     ({**good, "ranks": ["a", "b"]}, "TP")]:
+        value, reason = expected_digests(params(bad), BLOCK_SIZE)
+        assert value is None and why in reason
+    assert expected_digests(None, BLOCK_SIZE)[0] is None
+    assert expected_digests({"pd": "x"}, BLOCK_SIZE)[0] is None
+
+
+def test_worker_meta_carries_lease_verdicts_and_load_outcomes_across_ranks():
+    a = PdNixlWorkerMeta(LeaseVerdicts([("r1", "agent", True)]),
+                         KvLoadOutcomes({"d1": LoadOutcome(3, 0, 0, True)}))
+    b = PdNixlWorkerMeta(loads=KvLoadOutcomes({"d1": LoadOutcome(3, 2, 1, True)}))
+    a.aggregate(b)
+    assert a.lease.verdicts == [("r1", "agent", True)]
+    assert a.loads.outcomes["d1"] == LoadOutcome(3, 2, 1, True)  # worst wins
+
+
+class _Req:
+    def __init__(self, computed: int, prompt: int) -> None:
+        self.request_id, self.num_computed_tokens, self.num_prompt_tokens = "r", computed, prompt
+
+
+def test_a_leg_is_digested_in_the_step_its_prompt_completes():
+    assert not prompt_completes(_Req(0, 40), 32) and prompt_completes(_Req(32, 40), 8)
+    assert not prompt_completes(_Req(40, 40), 0)
+    plan = DigestPlan()
+    leg = _Req(0, 40)
+    plan.track(leg)
+    assert plan.due({"r": 32}, lambda r: [1, 2]) == {}  # a chunk of the prompt
+    leg.num_computed_tokens = 32
+    assert plan.due({"r": 8}, lambda r: [1, 2, 3]) == {"r": [1, 2, 3]}
+    assert plan.due({"r": 1}, lambda r: [1, 2, 3]) == {}  # once
+
+
+def test_digests_travel_from_the_worker_to_the_scheduler():
+    engine = f"test-{uuid.uuid4().hex}"
+    scheduler, worker = DigestChannel(engine, scheduler=True), DigestChannel(engine, False)
+    try:
+        verifier = BlockVerifier(kv_cache(3), NUM_BLOCKS)
+        worker.send(verifier, {"leg": [4, 2, 9]})
+        stated = scheduler.take("leg", BLOCK_SIZE)
+        assert stated.block_size == BLOCK_SIZE and stated.algo == "ws64"
+        assert kv_digest.decode(stated.ranks[0], 3).tolist() == verifier.digests([4, 2, 9]).tolist()
+        assert scheduler.take("other", BLOCK_SIZE) is None  # waited briefly, none came
+    finally:
+        scheduler.close()
+        worker.close()
+
+
+# -- through vLLM's real scheduler --------------------------------------------------------------
+def collect_counters(scheduler) -> dict[str, float]:
+    """The scheduler side's counters as vLLM collects them (each step's, summed)."""
+    totals: dict[str, float] = {}
+    collect = scheduler.connector.get_kv_connector_stats
+
+    def collecting():
+        stats = collect()
+        for key, values in (stats.data.items() if stats is not None else ()):
+            if isinstance(values, list) and all(isinstance(v, (int, float)) for v in values):
+                totals[key] = totals.get(key, 0) + sum(values)
+        return stats
+
+    scheduler.connector.get_kv_connector_stats = collecting
+    return totals
+
+
+PROMPT = list(range(1, 41))  # 40 tokens: blocks of 16, 16 and 8
+PREFILL_FLAGS = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def test_a_prefill_leg_answers_with_its_blocks_digests():
+    engine = f"prefill-{uuid.uuid4().hex}"
+    scheduler = make_scheduler("PdNixlConnector", "kv_producer", {"lease_check_port": 0},
+                               engine_id=engine)
+    worker = DigestChannel(engine, scheduler=False)
+    try:
+        request = make_request("leg", [500] + PROMPT[1:], {"kv_transfer_params": PREFILL_FLAGS},
+                               max_tokens=1)
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        due = output.kv_connector_metadata.pd_digest_blocks
+        blocks = scheduler.kv_cache_manager.get_block_ids("leg")[0]
+        assert due == {"leg": list(blocks)} and len(blocks) == 3
+        gen = torch.Generator().manual_seed(4)  # the worker's KV cache (vllm_scheduler: 200)
+        verifier = BlockVerifier([torch.randn(200, 2, BLOCK_SIZE, 8, generator=gen)], 200)
+        worker.send(verifier, due)  # after the forward pass
+        finished = sample_one_token(scheduler, output)["leg"]
+        params = finished.kv_transfer_params
+        section = pd_section_of(params)
+        assert section.kv_digest.ranks == [kv_digest.encode(verifier.digests(blocks))]
+        assert params["remote_block_ids"][0] == list(blocks)
+    finally:
+        worker.close()
+        scheduler.shutdown()
+
+
+def test_a_prefill_without_digests_in_time_is_answered_and_counted():
+    scheduler = make_scheduler("PdNixlConnector", "kv_producer", {"lease_check_port": 0},
+                               engine_id=f"prefill-{uuid.uuid4().hex}")
+    try:
+        request = make_request("leg", [501] + PROMPT[1:], {"kv_transfer_params": PREFILL_FLAGS},
+                               max_tokens=1)
+        scheduler.add_request(request)
+        counters = collect_counters(scheduler)
+        finished = sample_one_token(scheduler, scheduler.schedule())["leg"]
+        assert pd_section_of(finished.kv_transfer_params).kv_digest is None
+        assert counters["pd_missing_digests"] == 1
+    finally:
+        scheduler.shutdown()
+
+
+def test_verify_off_states_no_digests():
+    scheduler = make_scheduler("PdNixlConnector", "kv_producer",
+                               {"lease_check_port": 0, "verify_kv": "off"})
+    try:
+        request = make_request("leg", [502] + PROMPT[1:], {"kv_transfer_params": PREFILL_FLAGS},
+                               max_tokens=1)
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert output.kv_connector_metadata.pd_digest_blocks == {}
+        finished = sample_one_token(scheduler, output)["leg"]
+        assert pd_section_of(finished.kv_transfer_params).kv_digest is None
+    finally:
+        scheduler.shutdown()
+
+
+def decode_params(digests: str | None) -> dict:
+    section = {"prompt_tokens": 40, "cached_tokens": 0, "engine_id": "p", "mode": "pull",
+               "block_size": BLOCK_SIZE}
+    if digests is not None:
+        section["kv_digest"] = {"algo": "ws64", "block_size": BLOCK_SIZE, "ranks": [digests]}
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p",
+            "remote_request_id": "leg", "remote_host": "127.0.0.1", "remote_port": 5600,
+            "tp_size": 1, "remote_block_ids": [[7, 8, 9]], "pd": section}
+
+
+def run_decode(policy: str, digests: str | None, outcome: LoadOutcome | None,
+               invalid_from: int | None = None):
+    """A decode request through vLLM's scheduler; the workers report `outcome` for its read
+    (and its blocks from `invalid_from` as load errors). Returns (the metadata's expected
+    digests, the finished output, the scheduler's counters)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer", failure_policy=policy)
+    try:
+        request = make_request("dec", PROMPT, {"kv_transfer_params": decode_params(digests)})
+        scheduler.add_request(request)
+        counters = collect_counters(scheduler)
+        output = scheduler.schedule()  # allocates, parks it in WAITING_FOR_REMOTE_KVS
+        meta = output.kv_connector_metadata
+        expected = meta.pd_expected_digests
+        local = list(meta.reqs_to_recv["dec"].local_block_ids[0])
+        report = KVConnectorOutput(
+            finished_recving={"dec"},
+            invalid_block_ids=set(local[invalid_from:]) if invalid_from is not None else set(),
+            kv_connector_worker_meta=(PdNixlWorkerMeta(loads=KvLoadOutcomes({"dec": outcome}))
+                                      if outcome is not None else None))
+        finished = sample_one_token(scheduler, output, kv_connector_output=report)
+        for _ in range(8):
+            if "dec" in finished:
+                break
+            output = scheduler.schedule()
+            finished.update(sample_one_token(scheduler, output))
+        return expected, finished.get("dec"), counters
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_verified_read_says_so_in_the_decodes_answer():
+    expected, finished, stats = run_decode("recompute", "AAAAAAAAAAA=",
+                                           LoadOutcome(3, 0, 0, True))
+    assert expected == {"dec": ("AAAAAAAAAAA=", None)}
+    verdict = kv_verdict_of(finished.kv_transfer_params)
+    assert (verdict.verdict, verdict.blocks, verdict.mismatched) == ("verified", 3, 0)
+    assert stats["kv_verdicts_verified"] == 1
+
+
+def test_a_mismatched_read_is_recomputed_from_its_first_bad_block():
+    _, finished, stats = run_decode("recompute", "AAAAAAAAAAA=", LoadOutcome(3, 2, 1, True),
+                                    invalid_from=1)
+    verdict = kv_verdict_of(finished.kv_transfer_params)
+    assert (verdict.verdict, verdict.mismatched) == ("recomputed", 1)
+    assert finished.finish_reason is not None and stats["kv_verdicts_recomputed"] == 1
+
+
+def test_a_mismatched_read_fails_the_request_under_policy_fail():
+    _, finished, stats = run_decode("fail", "AAAAAAAAAAA=", LoadOutcome(3, 3, 1, True),
+                                    invalid_from=0)
+    # vLLM answers a failed request with an error and no kv_transfer_params: only counted
+    assert str(finished.finish_reason) in ("error", "FinishReason.ERROR")
+    assert kv_verdict_of(finished.kv_transfer_params) is None
+    assert stats["kv_verdicts_failed"] == 1
+
+
+def test_a_read_without_digests_is_unverified():
+    expected, finished, _ = run_decode("recompute", None, LoadOutcome(3, 0, 0, False))
+    assert expected["dec"][0] is None
+    assert kv_verdict_of(finished.kv_transfer_params).verdict == "unverified"
