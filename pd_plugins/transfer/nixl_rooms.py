@@ -20,6 +20,7 @@ Lease times are wall-clock: prefill and decode hosts need synchronised clocks (s
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import threading
 import time
@@ -220,3 +221,39 @@ class LeaseTable:
             self._done.discard(room)
             self._started.discard(room)
             self._early.pop(room, None)
+
+
+# -- push: the WRITE's notification ---------------------------------------------------------------
+PUSHED = b"PUSHED"
+
+
+class PushNote(NamedTuple):
+    """What a push prefill tells the decode with its WRITE (NIXL delivers it after the data)."""
+
+    room: int
+    started: float  # wall clock: when the WRITE started
+    aux: bytes      # the engine's metadata row
+    digests: str | None  # the written pages' digests (transfer/page_digests.py); None: not stated
+
+
+def push_note(room: int, started: float, aux: bytes, digests: str | None) -> bytes:
+    """`PUSHED:<room>:<start>:<aux, base64>[:<digests, base64>]` (base64 has no colon)."""
+    note = b"%s:%d:%.6f:%s" % (PUSHED, room, started, base64.b64encode(aux))
+    return note if digests is None else note + b":" + digests.encode("ascii")
+
+
+def parse_push_note(message: bytes) -> PushNote | None:
+    """A `push_note` (None: not one). The 4-field form of older prefills has no digests."""
+    kind, _, rest = message.partition(b":")
+    if kind != PUSHED:
+        return None
+    fields = rest.split(b":")  # none of the fields holds a colon
+    if len(fields) not in (3, 4):
+        raise ValueError(f"malformed WRITE notification {message[:80]!r}")
+    try:
+        room, started = int(fields[0]), float(fields[1])
+        aux = base64.b64decode(fields[2], validate=True)
+        digests = fields[3].decode("ascii") if len(fields) == 4 else None
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError(f"malformed WRITE notification {message[:80]!r}") from None
+    return PushNote(room, started, aux, digests)

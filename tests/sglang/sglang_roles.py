@@ -70,8 +70,8 @@ def server_args(mode: str, bootstrap_port: int, backend: str) -> ServerArgs:
 class EngineMemory:
     """What the engine's memory pools would hold: per-layer K and V pages, metadata rows."""
 
-    def __init__(self) -> None:
-        self.kv = [np.zeros((NUM_PAGES, ITEM_BYTES), dtype=np.uint8) for _ in range(2 * LAYERS)]
+    def __init__(self, num_pages: int = NUM_PAGES) -> None:
+        self.kv = [np.zeros((num_pages, ITEM_BYTES), dtype=np.uint8) for _ in range(2 * LAYERS)]
         self.aux = [np.zeros((rows, width), dtype=np.uint8)
                     for rows, width in zip(AUX_ROWS, AUX_ITEMS)]
 
@@ -144,13 +144,21 @@ def registration() -> None:
              nixl_manager=get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER).__qualname__)
 
 
+def kv_checks(manager) -> dict:
+    """pd-nixl: the faults this process injected so far and its receivers' verdicts."""
+    if not hasattr(manager, "faults"):
+        return {}
+    return {"faults_injected": dict(manager.faults.injected),
+            "kv_checks": dict(manager.checks.counts)}
+
+
 def prefill(spec: dict) -> None:
     """Prefill rooms {room, pages, chunks, aux_index, abort}: send them all ("published", with
     digests), then poll every sender until it concludes ("sent"), then stay up a while."""
     load_plugins()
     port, backend = spec["bootstrap_port"], spec.get("backend", "pd-shm")
     registry = kv_class(KVClassType.BOOTSTRAP_SERVER, backend)(host="127.0.0.1", port=port)
-    memory = EngineMemory()
+    memory = EngineMemory(spec.get("num_pages", NUM_PAGES))
     manager = kv_class(KVClassType.MANAGER, backend)(
         memory.kv_args(), DisaggregationMode.PREFILL, server_args("prefill", port, backend), False)
     emit(event="ready")
@@ -178,7 +186,7 @@ def prefill(spec: dict) -> None:
             if state in (KVPoll.Success, KVPoll.Failed):
                 emit(event="sent", room=room, state=state,
                      failure=failure_of(sender) if state == KVPoll.Failed else "",
-                     metric=sender.get_transfer_metric().__dict__)
+                     metric=sender.get_transfer_metric().__dict__, **kv_checks(manager))
                 del senders[room]
         time.sleep(POLL_S)
     for room in senders:
@@ -191,12 +199,16 @@ def decode(spec: dict) -> None:
     """Receive rooms one after another, as one decode engine does: `spec["receives"]` lists
     {room, dest, aux_index, prefix_len, abort, wait_s, bootstrap_s, bootstrap_port} (or `spec` is
     one of them). Each room goes into pages `dest` after a cached prefix of `prefix_len` tokens,
-    from the prefill at the job's bootstrap port (by default the spec's)."""
+    from the prefill at the job's bootstrap port (by default the spec's). With `together`, all
+    rooms at once instead (`receive_together`)."""
     load_plugins()
-    memory, backend = EngineMemory(), spec.get("backend", "pd-shm")
+    memory, backend = EngineMemory(spec.get("num_pages", NUM_PAGES)), spec.get("backend", "pd-shm")
     manager = kv_class(KVClassType.MANAGER, backend)(
         memory.kv_args(), DisaggregationMode.DECODE,
         server_args("decode", spec["bootstrap_port"], backend), False)
+    if spec.get("together"):
+        return receive_together(manager, memory, backend, spec["bootstrap_port"],
+                                spec["receives"], spec.get("wait_s", 90))
     for job in spec.get("receives", [spec]):
         receive_room(manager, memory, backend, job.get("bootstrap_port", spec["bootstrap_port"]),
                      job)
@@ -215,10 +227,42 @@ def receive_room(manager, memory: EngineMemory, backend: str, bootstrap_port: in
         receiver.send_metadata(np.array(job["dest"], dtype=np.int32), job["aux_index"], None,
                                decode_prefix_len=job.get("prefix_len", 0))
         state = wait_for(receiver, (KVPoll.Success,), job.get("wait_s", 30))
+    emit_received(manager, memory, backend, receiver, job, state)
+
+
+def receive_together(manager, memory: EngineMemory, backend: str, bootstrap_port: int,
+                     jobs: list[dict], wait_s: float) -> None:
+    """Rooms at once, as a decode scheduler polls its whole queue: each receiver gets its pages
+    as soon as it is bootstrapped, and "received" comes in the order the rooms conclude (their
+    `dest` pages must not overlap: an engine never gives two rooms the same pages)."""
+    pending = {}
+    for job in jobs:
+        receiver = kv_class(KVClassType.RECEIVER, backend)(
+            manager, f"127.0.0.1:{bootstrap_port}", job["room"])
+        receiver.init(0)
+        pending[job["room"]] = (receiver, job)
+    deadline = time.monotonic() + wait_s
+    while pending and time.monotonic() < deadline:
+        for room, (receiver, job) in list(pending.items()):
+            state = receiver.poll()
+            if state == KVPoll.WaitingForInput:
+                receiver.send_metadata(np.array(job["dest"], dtype=np.int32), job["aux_index"],
+                                       None, decode_prefix_len=job.get("prefix_len", 0))
+            elif state in (KVPoll.Success, KVPoll.Failed):
+                emit_received(manager, memory, backend, receiver, job, state)
+                del pending[room]
+        time.sleep(POLL_S)
+    for receiver, job in pending.values():
+        emit_received(manager, memory, backend, receiver, job, receiver.poll())
+
+
+def emit_received(manager, memory: EngineMemory, backend: str, receiver, job: dict,
+                  state: int) -> None:
     emit(event="received", room=job["room"], state=state,
          failure=failure_of(receiver) if state == KVPoll.Failed else "",
          thread_nice=thread_nice(),
          pool_after=manager.pool.stats().__dict__ if backend == "pd-shm" else None,
+         kv_verdict=getattr(receiver, "kv_verdict", None), **kv_checks(manager),
          **memory.digest(job["dest"], job["aux_index"]))
 
 

@@ -256,3 +256,61 @@ def test_a_decode_that_does_not_fit_its_prefill_fails_clearly(pool_env, roles):
                   port, 1, [1], 0)
     assert got["state"] == KV_POLL_FAILED, got
     assert got["failure"].startswith("PermissionError") and "bad signature" in got["failure"], got
+
+
+@pytest.mark.parametrize("backend", ["pd-nixl", "pd-nixl:push"])
+def test_every_injected_kv_fault_is_caught_by_the_page_digests(backend, pool_env, roles):
+    """Issue 28, one prefill and one decode: 50 rooms whose KV is damaged by PD_KV_FAULTS
+    (`corrupt`: a byte of a landed page, on the decode; push also `drop_write`: the prefill's
+    notification without its WRITE, so the decode's pages keep what they held) each end Failed
+    with a digest mismatch, and the 10 clean rooms among them arrive verified and whole. The
+    faults are targeted by room number, the processes count what they injected, and injected ==
+    detected exactly. The decode receives all rooms at once, as its scheduler would."""
+    push = backend.endswith(":push")
+    corrupted = [71000 + i for i in range(25 if push else 50)]
+    dropped = [72000 + i for i in range(25)] if push else []
+    clean = [10000 + i for i in range(10)]
+    faulted = corrupted + dropped
+    order = []  # clean rooms between faulted ones: a fault must hit its own room only
+    for i, room in enumerate(faulted):
+        order.append(room)
+        if i % 5 == 2:
+            order.append(clean[i // 5])
+    assert sorted(order) == sorted(faulted + clean)
+    env = {**pool_env, "PD_KV_FAULTS_ALLOWED": "1",
+           "PD_KV_FAULTS": "corrupt:match=room:71;drop_write:match=room:72"}
+    # two pages a room, each room its own pages on the prefill (pull holds them until read)
+    prefill, port, published = start_prefill(roles, env, backend, [
+        {"room": room, "pages": [2 * i, 2 * i + 1], "aux_index": i % 16}
+        for i, room in enumerate(order)], num_pages=2 * len(order))
+    # every other clean room after a cached first page (the decode checks the digests' tail)
+    jobs = []
+    for i, room in enumerate(order):
+        cached = room in clean and clean.index(room) % 2
+        jobs.append({"room": room, "dest": [2 * i + 1] if cached else [2 * i, 2 * i + 1],
+                     "aux_index": i % 16, "prefix_len": PAGE_SIZE if cached else 0})
+    env, name = variant(env, backend)
+    decode = roles(env, "decode", {"bootstrap_port": port, "backend": name, "receives": jobs,
+                                   "together": True, "num_pages": 2 * len(order)})
+    events = [decode.next_event() for _ in jobs]  # in the order the rooms concluded
+    got = {e["room"]: e for e in events}
+
+    for room in faulted:
+        assert got[room]["state"] == KV_POLL_FAILED, got[room]
+        assert f"room {room}: KV digest mismatch at page" in got[room]["failure"], got[room]
+    for room, job in zip(order, jobs):
+        if room in clean:
+            assert got[room]["state"] == KV_POLL_SUCCESS, got[room]
+            assert got[room]["kv_verdict"] == "verified", got[room]
+            skipped = job["prefix_len"] // PAGE_SIZE
+            assert got[room]["kv"] == published[room]["kv"][skipped:], room
+            assert got[room]["aux"] == published[room]["aux"], room
+    sent = sent_events(prefill, len(order))
+    assert all(e["state"] == KV_POLL_SUCCESS for e in sent.values()), sent  # reads/writes done
+    decoded = events[-1]  # each process's counters as its last event saw them
+    injected = (decoded["faults_injected"]["corrupt"]
+                + max(e["faults_injected"]["drop_write"] for e in sent.values()))
+    assert decoded["faults_injected"]["corrupt"] == len(corrupted)
+    assert injected == len(faulted) == decoded["kv_checks"]["mismatched"] >= 50
+    assert decoded["kv_checks"] == {"verified": len(clean), "mismatched": len(faulted),
+                                    "unverified": 0}

@@ -35,6 +35,17 @@ without pause: 19 on a CPU engine by default; "none" leaves them alone); docs/co
 their table. UCX on CPU: UCX_NET_DEVICES=lo on one host. Registry calls are signed with the peers'
 secret (PD_PEER_SECRET_FILE or PD_PEER_SECRET; transfer/peer_auth.py), and a NIXL peer must be the
 agent its record names.
+
+Verified hand-off (issue 28; transfer/page_digests.py): the prefill states one ws64 digest per
+page, in the room record (pull, `page_digests`, over all the room's pages) or in the WRITE's
+notification (push, over the pages it writes); the decode checks the pages it received before it
+uses them (before the metadata row is set and the room succeeds). A mismatch fails the room
+(KVPoll.Failed, "KV digest mismatch at page N": SGLang aborts the request, pd-router retries it
+with a fresh prefill). A prefill that states none (an older one, or device KV) is used as
+`unverified`, counted and logged. Fault injection (PD_KV_FAULTS, for tests, refused unless
+PD_KV_FAULTS_ALLOWED=1): `corrupt` on the decode (one byte of one landed page, before the
+check), `drop_write` on a push prefill (the notification without the WRITE); rooms are matched as
+`room:<number>`.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from pd_plugins.connectors.sglang.host_kv import (
     page_ranges,
 )
 from pd_plugins.transfer import bootstrap_registry
+from pd_plugins.transfer.kv_faults import KvFaults
 from pd_plugins.transfer.nixl_rooms import (
     MAX_READ_S,
     MAX_WRITE_S,
@@ -66,15 +78,18 @@ from pd_plugins.transfer.nixl_rooms import (
     LeaseTable,
     Memory,
     NixlRoomAgent,
+    PushNote,
+    parse_push_note,
+    push_note,
 )
-from pd_plugins.transfer.options import NixlOptions, from_env
+from pd_plugins.transfer.options import KvFaultOptions, NixlOptions, from_env
+from pd_plugins.transfer.page_digests import PageChecks, corrupt, fault_target, page_digests
 from pd_plugins.transfer.page_runs import decode_pages, encode_pages
 from pd_plugins.transfer.transfer_threads import lowered_new_threads
 
 logger = logging.getLogger("pd_plugins.sglang")
 
 BACKEND_NAME = "pd-nixl"
-PUSHED = b"PUSHED"  # a WRITE's notification: PUSHED:<room>:<start time>:<metadata row, base64>
 MAX_ARRIVALS = 100_000  # notifications kept for rooms no receiver asked about (yet)
 ABORT_WAIT_S = 2.0  # push: how long an aborted prefill lets its WRITE finish before freeing
 
@@ -86,6 +101,10 @@ class PdNixlKVManager(HostKVManager):
     def _open(self) -> None:
         options = from_env(NixlOptions, BACKEND_NAME)
         self.transfer_mode = options.mode
+        # refused (the engine does not start) unless PD_KV_FAULTS_ALLOWED=1, never in production
+        self.faults = KvFaults.from_spec(from_env(KvFaultOptions, BACKEND_NAME).faults,
+                                         f"{BACKEND_NAME} (SGLang)")
+        self.checks = PageChecks()  # decode: what its receivers found
         role = "prefill" if self.mode == DisaggregationMode.PREFILL else "decode"
         # NIXL's progress thread polls without pause: lowest priority (PD_TRANSFER_THREADS_NICE)
         cpu_engine = engine_device(self.server_args).startswith("cpu")
@@ -94,7 +113,7 @@ class PdNixlKVManager(HostKVManager):
                 f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions(),
                 self.buffers.memory)
         self.leases = LeaseTable(options.kv_lease_duration)
-        self.arrivals: dict[int, tuple[float, bytes]] = {}  # push, decode: room -> (start, aux)
+        self.arrivals: dict[int, PushNote] = {}  # push, decode: room -> its WRITE's notification
 
     def _record(self) -> dict:
         return {"agent_metadata": base64.b64encode(self.agent.metadata()).decode(),
@@ -118,16 +137,15 @@ class PdNixlKVManager(HostKVManager):
         prefill's leases; a prefill's completed WRITEs (push) wait for their receivers."""
         others = []
         for message in self.agent.notifications():
-            kind, _, rest = message.partition(b":")
-            if kind != PUSHED:
+            try:
+                note = parse_push_note(message)
+            except ValueError as exc:  # not from a pd-nixl prefill: no room to deliver it to
+                logger.warning("pd-nixl: %s", exc)
+                continue
+            if note is None:
                 others.append(message)
                 continue
-            try:
-                room, start, aux = rest.split(b":", 2)
-                self.arrivals[int(room)] = (float(start), base64.b64decode(aux))
-            except ValueError:  # not from a pd-nixl prefill: no room to deliver it to
-                logger.warning("pd-nixl: malformed WRITE notification %r", message[:80])
-                continue
+            self.arrivals[note.room] = note
             while len(self.arrivals) > MAX_ARRIVALS:
                 self.arrivals.pop(next(iter(self.arrivals)))
         if others:
@@ -159,6 +177,7 @@ class _OneTransfer:
 class PdNixlKVSender(_OneTransfer, HostKVSender):
     pages: list[int]
     published_until = 0.0
+    digests: str | None = None  # pull: the room's page digests, as published
 
     def _put_pages(self, pages: np.ndarray) -> None:
         self.pages = [*getattr(self, "pages", []), *pages.tolist()]
@@ -169,15 +188,20 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
         return bootstrap_registry.room_key(self.room, self.mgr.rank_key)
 
     def _finish(self, aux: bytes) -> None:
+        self.aux_row = aux
         self.aux = base64.b64encode(aux).decode()
         until = self.mgr.leases.lease(self.room)
         if self.mgr.transfer_mode == "pull":
+            # the room is complete: what the decode must find in these pages (None: device KV)
+            self.digests = page_digests(self.mgr.buffers.kv, getattr(self, "pages", []))
             self._publish(until)
 
     def _publish(self, lease_until: float) -> None:
-        bootstrap_registry.put_room(self.mgr.bootstrap_addr, self._key, {
-            "page_runs": encode_pages(getattr(self, "pages", [])), "aux": self.aux,
-            "lease_until": lease_until})
+        record = {"page_runs": encode_pages(getattr(self, "pages", [])), "aux": self.aux,
+                  "lease_until": lease_until}
+        if self.digests is not None:
+            record["page_digests"] = self.digests
+        bootstrap_registry.put_room(self.mgr.bootstrap_addr, self._key, record)
         self.published_until = lease_until
 
     def _progress(self) -> None:
@@ -239,7 +263,14 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
                                f"decode wants {first + len(dest)}")
         remote = page_ranges(remote_kv, dest)
         self.write_started = time.time()
-        note = b"%s:%d:%.6f:%s" % (PUSHED, self.room, self.write_started, self.aux.encode())
+        # the digests of exactly the pages written (None on device KV: the decode says unverified)
+        note = push_note(self.room, self.write_started, self.aux_row,
+                         page_digests(self.mgr.buffers.kv, pages))
+        if self.mgr.faults.enabled and self.mgr.faults.take("drop_write", fault_target(self.room)):
+            # fault injection: the notification as if written, the decode's pages untouched
+            self.mgr.agent.notify(peer, note)
+            self.mgr.leases.forget(self.room)
+            return self._succeed()
         self.xfer = self.mgr.agent.write(peer, self.mgr.buffers.page_ranges(pages),
                                          remote, note, peer_memory(target))
 
@@ -277,6 +308,7 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
 
 class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
     peer: str | None = None
+    kv_verdict: str | None = None  # verified / unverified once the KV is in (a mismatch fails)
 
     def _accept(self, record: dict) -> None:
         theirs = record.get("mode", "pull")
@@ -308,8 +340,17 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
         self._drop_xfer()
         if state != "DONE":
             raise ConnectionError(f"room {self.room}: NIXL READ from {self.peer} failed ({state})")
+        self._check_kv(self.stated_digests, self.first_page, self.held_pages)
         self.mgr.buffers.set_aux_row(self.aux_index, self.aux)
         self._succeed()
+
+    def _check_kv(self, stated: str | None, first_page: int, max_pages: int) -> None:
+        """The landed pages against the prefill's digests, before anything uses them (raises
+        on a mismatch: the room fails). The `corrupt` fault strikes just before."""
+        corrupt(self.mgr.faults, self.mgr.buffers.kv, self.pages, self.room)
+        self.kv_verdict = self.mgr.checks.check(
+            self.mgr.buffers.kv, self.pages, stated, first_page, max_pages, self.room,
+            self.prefill_addr)
 
     def _start_read(self) -> None:
         key = bootstrap_registry.room_key(self.room, self.prefill_rank_key)
@@ -334,6 +375,7 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
                                f"decode needs {self.first_page + len(self.pages)}")
         remote = page_ranges(self.remote_kv, wanted)
         self.aux = base64.b64decode(record["aux"])
+        self.stated_digests, self.held_pages = record.get("page_digests"), len(held)
         self.mgr.agent.notify(self.peer, b"START:%d" % self.room)
         self.read_deadline = time.monotonic() + MAX_READ_S - START_MARGIN_S
         self.xfer = self.mgr.agent.read(self.peer, self.mgr.buffers.page_ranges(self.pages),
@@ -368,7 +410,7 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
         self.mgr.pump()
         arrived = self.mgr.arrivals.pop(self.room, None)
         if arrived is not None:
-            return self._written(*arrived)
+            return self._written(arrived)
         if time.monotonic() > self.waiting_deadline:
             if self.claimed_at is not None:
                 raise TimeoutError(f"room {self.room}: the prefill's WRITE did not finish within "
@@ -392,13 +434,16 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
                 bootstrap_registry.target_action(self.prefill_addr, self._target_key, "withdraw")
         super().abort()
 
-    def _written(self, started: float, aux: bytes) -> None:
+    def _written(self, note: PushNote) -> None:
         with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
             bootstrap_registry.drop_target(self.prefill_addr, self._target_key)
-        if time.time() > started + MAX_WRITE_S - START_MARGIN_S:
-            raise TimeoutError(f"room {self.room}: the WRITE finished {time.time() - started:.0f} s "
-                               "after it started; the prefill may have freed its pages meanwhile")
-        self.mgr.buffers.set_aux_row(self.aux_index, aux)
+        if time.time() > note.started + MAX_WRITE_S - START_MARGIN_S:
+            raise TimeoutError(f"room {self.room}: the WRITE finished "
+                               f"{time.time() - note.started:.0f} s after it started; the prefill "
+                               "may have freed its pages meanwhile")
+        # the prefill stated the digests of exactly the pages it wrote into this decode's
+        self._check_kv(note.digests, 0, len(self.pages))
+        self.mgr.buffers.set_aux_row(self.aux_index, note.aux)
         self.bytes_moved = len(self.pages) * self.mgr.buffers.page_bytes
         self._succeed()
 

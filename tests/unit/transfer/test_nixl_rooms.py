@@ -74,3 +74,19 @@ def test_a_peer_must_be_the_agent_its_record_names(monkeypatch):
     finally:
         for agent in (a, b, c):
             agent.close()
+
+
+def test_push_notes_carry_digests_and_the_older_form_has_none():
+    import pytest
+
+    from pd_plugins.transfer.nixl_rooms import PushNote, parse_push_note, push_note
+
+    note = push_note(2**63 + 5, 1700000000.25, b"\x00:aux", "AAAAAAAAAAA=")
+    assert parse_push_note(note) == PushNote(2**63 + 5, 1700000000.25, b"\x00:aux", "AAAAAAAAAAA=")
+    older = push_note(7, 1.5, b"row", None)  # a prefill from before issue 28: 4 fields
+    assert older.count(b":") == 3
+    assert parse_push_note(older) == PushNote(7, 1.5, b"row", None)
+    assert parse_push_note(b"HB:7") is None and parse_push_note(b"DONE:7") is None
+    for junk in (b"PUSHED:7", b"PUSHED:x:1:cm93", b"PUSHED:7:1:not base64!", b"PUSHED:7:1:cm93:a:b"):
+        with pytest.raises(ValueError, match="malformed WRITE notification"):
+            parse_push_note(junk)
