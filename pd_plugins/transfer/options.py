@@ -99,7 +99,7 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
         "decode checks the blocks it read and says so in its answer (`pd.kv`) and on /metrics "
         "(`vllm:pd_kv_*`); a mismatch is a failed load (kv_load_failure_policy). `on`: a read "
         "with no digest, or a layout that cannot be checked, is `unverified`; `required`: such "
-        "a read is a failed load; `off`: neither end digests. Push and SGLang: not yet")] = "on"
+        "a read is a failed load; `off`: neither end digests. vLLM push verifies nothing yet")] = "on"
 
     def nice_on(self, cpu_engine: bool) -> int | None:
         """transfer_threads_nice with its default for this kind of engine."""

@@ -118,4 +118,6 @@ def unverifiable_layout(worker: Any) -> str | None:
         return "received KV is permuted (HND/NHD)"
     if getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1:
         return "context parallelism splits blocks"
+    if getattr(worker, "enable_heterogeneous_attn_post_process", False):
+        return "received KV is post-processed (heterogeneous attention)"
     return None

@@ -210,12 +210,12 @@ class _PdAdditions(_PdStatsClassMethods):
         if self._reads and scheduler:
             self._verdicts = VerdictBook("pull", recompute=self._recompute_failed_loads)
         if self._reads and not scheduler:
-            why = unverifiable_layout(self.connector_worker)
-            if tp != 1:
-                why = why or f"TP {tp} (only TP 1 is checked)"
-            if len(kv_cache_config.kv_cache_groups) != 1:
-                why = why or "several KV cache groups"
-            self._pull_verifier = PullVerifier(lambda: self._block_verifier, why,
+            fixed = (f"TP {tp} (only TP 1 is checked)" if tp != 1
+                     else "several KV cache groups" if len(kv_cache_config.kv_cache_groups) != 1
+                     else None)
+            worker = self.connector_worker
+            self._pull_verifier = PullVerifier(lambda: self._block_verifier,
+                                               lambda: fixed or unverifiable_layout(worker),
                                                required=verify == "required",
                                                faults=self._faults,
                                                stats=self.connector_worker.xfer_stats)

@@ -43,7 +43,12 @@ from pd_plugins.connectors.vllm.kv_verdicts import (
 from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import KvFaults, position
-from pd_plugins.transfer.signature_channel import ResultReceiver, ResultSender, channel_address
+from pd_plugins.transfer.signature_channel import (
+    WAIT_S,
+    ResultReceiver,
+    ResultSender,
+    channel_address,
+)
 from pd_plugins.vocab.transfer_params import PD_SECTION_KEY, KvDigest
 
 if TYPE_CHECKING:
@@ -97,6 +102,7 @@ class DigestChannel:
 
     def __init__(self, engine_id: str, scheduler: bool) -> None:
         address = channel_address(engine_id, PURPOSE)
+        self.wait_s = WAIT_S  # for a result still in flight (sent before the step's output)
         self._receiver = ResultReceiver(address) if scheduler else None
         self._sender = None if scheduler else ResultSender(address)
 
@@ -108,7 +114,7 @@ class DigestChannel:
 
     def take(self, req_id: str, block_size: int) -> KvDigest | None:
         """Scheduler, when a prefill leg finishes: its digests (None: none came in time)."""
-        encoded = self._receiver.take(req_id)
+        encoded = self._receiver.take(req_id, self.wait_s)
         if not isinstance(encoded, str):
             return None
         return KvDigest(algo=kv_digest.ALGO, block_size=block_size, ranks=[encoded])
@@ -170,10 +176,11 @@ class PdNixlWorkerMeta(KVConnectorWorkerMetadata):
 class PullVerifier:
     """Decode worker side: checks finished reads, reports bad blocks and outcomes."""
 
-    def __init__(self, verifier: Callable[[], BlockVerifier | None], layout_why: str | None,
-                 required: bool, faults: KvFaults, stats: Any) -> None:
+    def __init__(self, verifier: Callable[[], BlockVerifier | None],
+                 layout_why: Callable[[], str | None], required: bool, faults: KvFaults,
+                 stats: Any) -> None:
         self._verifier = verifier  # None until the KV caches are registered
-        self._layout_why = layout_why
+        self._layout_why = layout_why  # asked per read: upstream settles its layout late
         self.required = required
         self.faults = faults
         self.stats = stats  # PdNixlStats (swapped by the caller each step)
@@ -191,11 +198,11 @@ class PullVerifier:
     def remember(self, req_id: str, local: list[int], remote_blocks: int, peer: str,
                  peer_why: str | None) -> None:
         """A read starts (from upstream's metadata, before upstream consumes it)."""
+        expected, why = self._expected.pop(req_id, (None, "the prefill stated no digests"))
         if not local:
             return  # a full local prefix hit: nothing is read
-        expected, why = self._expected.pop(req_id, (None, "the prefill stated no digests"))
         self._reads[req_id] = _Read(local, remote_blocks, peer, expected,
-                                    self._layout_why or peer_why or why)
+                                    self._layout_why() or peer_why or why)
 
     def forget(self, req_ids: set[str]) -> None:
         for req_id in req_ids:

@@ -63,7 +63,7 @@ class Pair:
     def verifier(self, faults: str | None = None, layout_why: str | None = None,
                  required: bool = False) -> PullVerifier:
         decode = BlockVerifier(self.decode, NUM_BLOCKS)
-        return PullVerifier(lambda: decode, layout_why, required,
+        return PullVerifier(lambda: decode, lambda: layout_why, required,
                             KvFaults.from_spec(faults, "test", ALLOWED), self.stats)
 
     def start(self, verifier: PullVerifier, req_id: str, local: list[int],
@@ -230,9 +230,11 @@ def test_digests_travel_from_the_worker_to_the_scheduler():
     try:
         verifier = BlockVerifier(kv_cache(3), NUM_BLOCKS)
         worker.send(verifier, {"leg": [4, 2, 9]})
+        scheduler.wait_s = 10  # a loaded host's ipc can take longer than an engine waits
         stated = scheduler.take("leg", BLOCK_SIZE)
         assert stated.block_size == BLOCK_SIZE and stated.algo == "ws64"
         assert kv_digest.decode(stated.ranks[0], 3).tolist() == verifier.digests([4, 2, 9]).tolist()
+        scheduler.wait_s = 0.05
         assert scheduler.take("other", BLOCK_SIZE) is None  # waited briefly, none came
     finally:
         scheduler.close()
@@ -276,6 +278,7 @@ def test_a_prefill_leg_answers_with_its_blocks_digests():
         gen = torch.Generator().manual_seed(4)  # the worker's KV cache (vllm_scheduler: 200)
         verifier = BlockVerifier([torch.randn(200, 2, BLOCK_SIZE, 8, generator=gen)], 200)
         worker.send(verifier, due)  # after the forward pass
+        scheduler.connector._digest_channel.wait_s = 10  # a loaded host's ipc can be slow
         finished = sample_one_token(scheduler, output)["leg"]
         params = finished.kv_transfer_params
         section = pd_section_of(params)
@@ -388,3 +391,19 @@ def test_a_read_without_digests_is_unverified():
     expected, finished, _ = run_decode("recompute", None, LoadOutcome(3, 0, 0, False))
     assert expected["dec"][0] is None
     assert kv_verdict_of(finished.kv_transfer_params).verdict == "unverified"
+
+
+def test_layouts_upstream_post_processes_are_not_checked():
+    from types import SimpleNamespace
+
+    from pd_plugins.connectors.vllm.nixl_internals import unverifiable_layout
+
+    plain = dict(_physical_blocks_per_logical_kv_block=1, use_host_buffer=False,
+                 enable_permute_local_kv=False, dcp_size=1, pcp_size=1)
+    assert unverifiable_layout(SimpleNamespace(**plain)) is None
+    for change, why in [({"_physical_blocks_per_logical_kv_block": 2}, "kernel blocks"),
+                        ({"use_host_buffer": True}, "host buffer"),
+                        ({"enable_permute_local_kv": True}, "permuted"),
+                        ({"dcp_size": 2}, "context parallelism"),
+                        ({"enable_heterogeneous_attn_post_process": True}, "heterogeneous")]:
+        assert why in unverifiable_layout(SimpleNamespace(**{**plain, **change}))
