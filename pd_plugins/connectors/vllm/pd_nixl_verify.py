@@ -187,6 +187,7 @@ class PullVerifier:
         self._reads: _Bounded = _Bounded()
         self._expected: _Bounded = _Bounded()  # req id -> (encoded | None, why)
         self._invalid: set[int] = set()
+        self._warned: _Bounded = _Bounded()  # prefills already logged as unverified
         self._outcomes = KvLoadOutcomes()
         self.mismatched_reads = 0  # reads that became failed loads here (for pd_recomputes)
 
@@ -261,8 +262,10 @@ class PullVerifier:
                              "(%s) and verify_kv is `required`: its KV load failed",
                              req_id, read.peer, why)
                 return LoadOutcome(n, n, 0, False)
-            logger.debug("PdNixlConnector: request %s's read from %s is unverified: %s",
-                         req_id, read.peer, why)
+            if read.peer not in self._warned:  # once per prefill (bounded): counted always
+                self._warned[read.peer] = None
+                logger.warning("PdNixlConnector: reads from prefill %s are not verified (%s, "
+                               "first seen on request %s)", read.peer, why, req_id)
             return LoadOutcome(n, 0, 0, False)
         found = verifier.digests(read.local)
         k = first_mismatch(found, expected)
