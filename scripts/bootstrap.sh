@@ -28,5 +28,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
 "$VENV/bin/python" -c "import vllm, nixl, transformers, pd_plugins" 2>&1 | grep -v "Triton not available" || true
 "$VENV/bin/python" -m pd_plugins.testing.tiny_models
+# Compile the shared-memory pool's numba kernels once (cached beside the source): otherwise every
+# engine that opens a pool first compiles them itself (~15 s of CPU each, three at once in tests).
+"$VENV/bin/python" -c "from pd_plugins.transfer.shm_pool_kernels import warm_up; warm_up()"
 echo "$want" > "$STAMP"
 echo "bootstrap: done"
