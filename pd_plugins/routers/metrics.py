@@ -34,6 +34,10 @@ class RouterMetrics:
         self.client_gone = Counter("pd_router_client_gone", "Requests whose client went away, by "
                                    "what the router was doing then (prefill, decode, answer) and "
                                    "how (disconnect, write_timeout)", ["stage", "how"], registry=r)
+        # a decode's `pd.kv` (non-streamed answers): verified | recomputed | failed | unverified,
+        # or other (malformed); streams carry none (docs/plans/kv-verification.md §5)
+        self.kv_verdicts = Counter("pd_router_kv_verdicts", "Verdicts decodes gave on the KV they "
+                                   "loaded (non-streamed answers)", ["verdict"], registry=r)
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
         r.register(_PoolCollector(pool, by_model))

@@ -34,7 +34,7 @@ from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
 from pd_plugins.vocab.expert_signature import ExpertSignature
-from pd_plugins.vocab.transfer_params import pd_section_of, stored_tokens_of
+from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of, stored_tokens_of
 
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
@@ -251,7 +251,8 @@ class Proxy:
             if sequential:
                 self.decode_first.observe(pulled, time.monotonic() - decode_started)
             decode.record_success()
-            header = self._route_header(decision, history, info)
+            kv = None if info.stream else self._kv_verdict(payload)
+            header = self._route_header(decision, history, info, kv)
             http[STAGE_KEY] = "answer"
             if measured is not None:
                 measured.decision, measured.decode = _decision_label(decision), decision.decode.url
@@ -260,6 +261,7 @@ class Proxy:
                 self._finish(attempt, started, decode_started)
                 if measured is not None:
                     measured.e2e_s, measured.answer = time.monotonic() - started, payload
+                    measured.kv = kv
                 return await self._send_whole(http, payload, {"Content-Type": "application/json",
                                                               "x-pd-route": header})
             return await self._relay_stream(http, attempt, resp, payload, header, started, decode_started)
@@ -490,7 +492,21 @@ class Proxy:
             self.sharing.served(session_id, attempt.request.info, attempt.decision.decode.url,
                                 prefill.url if prefill is not None else None)
 
-    def _route_header(self, decision: Decision, history: list[str], info: RequestInfo) -> str:
+    def _kv_verdict(self, payload: bytes) -> str | None:
+        """The decode's `pd.kv` verdict word (counted), "other" if malformed, None if absent."""
+        try:
+            verdict = kv_verdict_in_answer(payload)
+        except ValueError:
+            word = "other"  # a peer's odd section: counted, never an error for the client
+        else:
+            if verdict is None:
+                return None
+            word = verdict.verdict
+        self.metrics.kv_verdicts.labels(word).inc()
+        return word
+
+    def _route_header(self, decision: Decision, history: list[str], info: RequestInfo,
+                      kv: str | None = None) -> str:
         """`route_header`: minimal tells a client only what happened to its request (no worker
         URLs, scores or session ids, which map the deployment for anyone who can send one)."""
         if self.config.route_header != "full":
@@ -501,8 +517,9 @@ class Proxy:
                    if info.session_id and self.sessions is not None else "")
         why = "; ".join(decision.reasons)
         retried = f"; retried after {len(history)} failure(s)" if history else ""
-        return _ascii(f"{self._model_tag}prefill={prefill}, decode={decision.decode.url}{session}, "
-                      f"why={why}{retried}")
+        verdict = f", kv={kv}" if kv is not None else ""
+        return _ascii(f"{self._model_tag}prefill={prefill}, decode={decision.decode.url}{session}"
+                      f"{verdict}, why={why}{retried}")
 
 
 def _measured_end(http: web.Request, decision: str, status: int) -> None:

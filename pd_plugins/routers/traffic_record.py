@@ -60,6 +60,7 @@ class Measured:
     streamed: int = 0
     answer: bytes | None = None      # a whole (non-streamed) answer: the writer reads its usage
     status: int | None = None        # overrides the response's: 502 failed mid-stream, 499 left
+    kv: str | None = None            # the decode's pd.kv verdict (non-streamed answers)
 
 
 class TrafficRecorder:
@@ -203,6 +204,8 @@ class TrafficRecorder:
             "prefill": m.prefill, "decode": m.decode, "ttft_s": _rounded(m.ttft_s),
             "tpot_s": _rounded(m.tpot_s), "e2e_s": _rounded(m.e2e_s),
             "status": m.status if m.status is not None else status}
+        if m.kv is not None:
+            record["kv"] = m.kv
         return self._encode(record) + b"\n"
 
     def _usage_tokens(self, answer: bytes) -> int | None:

@@ -122,3 +122,39 @@ def stored_tokens_of(kv_transfer_params: dict[str, Any] | None) -> int | None:
         return None
     stored = kv_transfer_params.get(STORED_TOKENS_KEY)
     return stored if isinstance(stored, int) and not isinstance(stored, bool) and stored >= 0 else None
+
+
+# The decode's /metrics counter of loads with a mismatched block (connectors/vllm/kv_verdicts.py
+# names it; streams included): what pd-router's rotation watches.
+KV_MISMATCHED_REQUESTS_METRIC = "vllm:pd_kv_mismatched_requests_total"
+
+
+class _PdKvOnly(msgspec.Struct, frozen=True):
+    kv: KvVerdict | None = None
+
+
+class _ParamsPdOnly(msgspec.Struct, frozen=True):
+    pd: _PdKvOnly | None = None
+
+
+class _AnswerKvOnly(msgspec.Struct, frozen=True):
+    kv_transfer_params: _ParamsPdOnly | None = None
+
+
+_answer_decoder = msgspec.json.Decoder(_AnswerKvOnly)
+
+
+def kv_verdict_in_answer(payload: bytes) -> KvVerdict | None:
+    """`kv_transfer_params.pd.kv` of a whole (non-streamed) answer body, decoding nothing else
+    (every other field is skipped): None if absent or the body is not JSON, ValueError if the
+    section is there but malformed. Cheap when absent: a byte search."""
+    if b'"kv_transfer_params"' not in payload:
+        return None
+    try:
+        answer = _answer_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"malformed pd.kv verdict: {exc}") from None
+    except msgspec.DecodeError:
+        return None
+    params = answer.kv_transfer_params
+    return params.pd.kv if params is not None and params.pd is not None else None
