@@ -113,6 +113,15 @@ class FailoverSpec(_Strict):
     local_prefill_fallback: bool = True  # no usable prefill worker: decode prefills itself
 
 
+class KvVerifySpec(_Strict):
+    """A decode whose KV mismatch counter rose by `failures` within `window_s` is out of rotation
+    for `quarantine_s` (routers/kv_quarantine.py)."""
+
+    failures: int = 3
+    window_s: float = 60.0
+    quarantine_s: float = 300.0
+
+
 class HealthSpec(_Strict):
     interval_s: float = 5.0
     timeout_s: float = 10.0
@@ -120,6 +129,8 @@ class HealthSpec(_Strict):
     success_threshold: int = 1       # consecutive successful probes to come back
     canary: bool = True              # probe with a 1-token generation, not only GET /health
     metrics_interval_s: float = 1.0  # engine /metrics scrape (waiting queue, KV usage)
+    # null: KV mismatches never take a decode out
+    kv_verify: KvVerifySpec | None = msgspec.field(default_factory=KvVerifySpec)
 
 
 class LatencySpec(_Strict):
@@ -348,6 +359,11 @@ class RouterConfig(_Strict):
         for name, value in msgspec.structs.asdict(self.timeouts).items():
             if value <= 0:
                 raise ConfigError(f"timeouts.{name} must be > 0 (got {value})")
+        kv_verify = self.health.kv_verify
+        if kv_verify is not None and not (kv_verify.failures >= 1 and kv_verify.window_s > 0
+                                          and kv_verify.quarantine_s >= 0):
+            raise ConfigError("health.kv_verify: failures must be >= 1, window_s > 0, "
+                              "quarantine_s >= 0")
         if self.failover.prefill_retries < 0 or self.failover.decode_retries < 0:
             raise ConfigError("failover retries must be >= 0")
         if self.sessions.ttl_s <= 0 or self.sessions.max_sessions < 1:

@@ -7,7 +7,8 @@ generation (or the engine's own check: its profile's canary_path), because an en
 legs) take a worker out; `success_threshold` consecutive good probes bring it back. A worker that
 has never answered a probe is out from the start.
 Metrics: every `metrics_interval_s`, the engine's /metrics: queue length, running requests, KV usage
-(the gauges its profile names).
+(the gauges its profile names), and a decode's KV mismatch counter, which can take it out of
+rotation for a while (`kv_verify`, kv_quarantine.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import msgspec
 
 from pd_plugins.routers.config import RouterConfig
 from pd_plugins.routers.flows import profile_for
+from pd_plugins.routers.kv_quarantine import KvQuarantine
 from pd_plugins.routers.workers import Worker
+from pd_plugins.vocab.transfer_params import KV_MISMATCHED_REQUESTS_METRIC
 
 log = logging.getLogger("pd_router.health")
 
@@ -46,6 +49,17 @@ def parse_engine_metrics(text: str, engine: str) -> tuple[float, float, float]:
                     totals[i] += value
     waiting, running, usage = totals
     return waiting, running, min(1.0, usage)
+
+
+def parse_counter(text: str, name: str) -> float | None:
+    """A counter summed over its label sets; None if the engine exports no such counter."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+            value = _sample_value(line[len(name):])
+            if value is not None:
+                total, seen = total + value, True
+    return total if seen else None
 
 
 def _sample_value(rest: str) -> float | None:
@@ -75,6 +89,7 @@ class PoolUpkeep:
         self._tasks: list[asyncio.Task] = []
         self.on_change = lambda: None  # called after each round of checks
         self._bad_metrics: set[str] = set()  # workers whose last scrape was unusable (logged once)
+        self.kv = KvQuarantine(self.spec.kv_verify) if self.spec.kv_verify is not None else None
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._health_loop()),
@@ -120,6 +135,8 @@ class PoolUpkeep:
         worker.ever_up = True
         worker.consecutive_failures = 0
         worker.consecutive_successes += 1
+        if not worker.healthy and self.kv is not None and self.kv.quarantined(worker):
+            return True  # KV mismatches: out until quarantine_s has passed, whatever probes say
         # A new worker is in at its first passing probe; one that went down needs success_threshold.
         if not worker.healthy and (first_up or
                                    worker.consecutive_successes >= self.spec.success_threshold):
@@ -178,7 +195,10 @@ class PoolUpkeep:
                     body += chunk
                     if len(body) > MAX_METRICS_BYTES:
                         raise ValueError(f"/metrics is larger than {MAX_METRICS_BYTES} bytes")
-            load = parse_engine_metrics(body.decode("utf-8", "replace"), self.profile.name)
+            text = body.decode("utf-8", "replace")
+            load = parse_engine_metrics(text, self.profile.name)
+            mismatched = (parse_counter(text, KV_MISMATCHED_REQUESTS_METRIC)
+                          if self.kv is not None and worker.role == "decode" else None)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
         except Exception as exc:  # noqa: BLE001 - whatever the engine sent, scraping goes on
@@ -190,3 +210,5 @@ class PoolUpkeep:
         self._bad_metrics.discard(worker.url)
         worker.engine_waiting, worker.engine_running, worker.kv_usage = load
         worker.last_scrape = asyncio.get_running_loop().time()
+        if mismatched is not None and self.kv.observe(worker, mismatched, self.pool):
+            self.on_change()

@@ -41,6 +41,8 @@ class Worker:
     adapter_parents: dict[str, str] = field(default_factory=dict)  # adapter id -> base (`parent`)
     model: str = ""                 # the model group it serves ("": the one unnamed group)
     max_model_len: int | None = None
+    # monotonic time until which KV mismatches keep it out (kv_quarantine.py): probes wait
+    quarantined_until: float = 0.0
     ordinal: int = field(default_factory=itertools.count().__next__)
     # decode: expert histograms of the MoE requests running here (ELDR, expert_locality.py)
     experts: ExpertFootprint = field(default_factory=ExpertFootprint)

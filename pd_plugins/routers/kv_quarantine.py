@@ -1,0 +1,73 @@
+"""Rotation on KV mismatches (issue 28, docs/plans/kv-verification.md §5): a decode whose
+`vllm:pd_kv_mismatched_requests_total` (streams included) rose by `failures` or more within
+`window_s` is taken out of rotation for `quarantine_s`; good health probes do not bring it back
+earlier (a canary is a plain generation and passes). Never the last usable worker of its role and
+model: a verified load is recomputed, so answers stay right; quarantine is about cost and hygiene,
+and taking every decode out would be an outage.
+
+Decode side only: the counter names no peer, so a bad prefill shows up as mismatches at every
+decode (per-pair attribution from the non-streamed verdicts is not built).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Callable, Iterable
+
+from pd_plugins.routers.config import KvVerifySpec
+from pd_plugins.routers.workers import Worker
+
+log = logging.getLogger("pd_router.kv_quarantine")
+
+MAX_EVENTS = 1024  # rises kept per worker (a window's worth; older ones fall out first)
+
+
+class KvQuarantine:
+    """`clock`: monotonic seconds, the same one `Worker.quarantined_until` is compared with."""
+
+    def __init__(self, spec: KvVerifySpec, clock: Callable[[], float] = time.monotonic) -> None:
+        self.spec, self.clock = spec, clock
+        self._last: dict[int, float] = {}  # worker ordinal -> counter value at the last scrape
+        self._rises: dict[int, deque[tuple[float, float]]] = {}  # ordinal -> (when, by how much)
+        self._spared: set[int] = set()  # over the limit but the last of its role (logged once)
+
+    def observe(self, worker: Worker, value: float, pool: Iterable[Worker]) -> bool:
+        """One scrape's counter value of `worker`; True when this took it out of rotation."""
+        if worker.role != "decode":
+            return False
+        now = self.clock()
+        last = self._last.get(worker.ordinal)
+        self._last[worker.ordinal] = value
+        if last is None:  # the first look: mismatches from before the router are not counted
+            return False
+        rise = value - last if value >= last else value  # fell: the engine restarted
+        rises = self._rises.setdefault(worker.ordinal, deque(maxlen=MAX_EVENTS))
+        if rise > 0:
+            rises.append((now, rise))
+        while rises and rises[0][0] < now - self.spec.window_s:
+            rises.popleft()
+        if sum(r for _, r in rises) < self.spec.failures:
+            self._spared.discard(worker.ordinal)
+            return False
+        others = [w for w in pool if w is not worker and w.role == worker.role
+                  and w.model == worker.model and w.usable]
+        if not others:
+            if worker.ordinal not in self._spared:
+                self._spared.add(worker.ordinal)
+                log.warning("decode %s: %d KV mismatches within %g s, but it is the last usable "
+                            "decode: kept in rotation", worker.url, sum(r for _, r in rises),
+                            self.spec.window_s)
+            return False
+        rises.clear()
+        self._spared.discard(worker.ordinal)
+        worker.healthy = False
+        worker.consecutive_successes = 0
+        worker.quarantined_until = now + self.spec.quarantine_s
+        log.warning("decode %s out of rotation for %g s: KV mismatches reached %d within %g s",
+                    worker.url, self.spec.quarantine_s, self.spec.failures, self.spec.window_s)
+        return True
+
+    def quarantined(self, worker: Worker) -> bool:
+        return worker.quarantined_until > self.clock()
