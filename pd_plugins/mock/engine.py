@@ -7,6 +7,8 @@ depends on it: a prefill registers each request's prompt digest under its transf
 that belongs to another prompt is refused with HTTP 409, and a decode whose prefill never arrives
 waits (up to --transfer-timeout-s) as a real one does. A prefill answers with the `pd` section a
 PD connector adds (vocab/transfer_params.py), with a fake expert signature under --moe-experts.
+With --kv-verdict / --kv-mismatch-match a remote decode reports on the KV it "loaded" as a
+verifying connector does: `pd.kv` in a non-streamed answer, and vLLM's mismatch counter on /metrics.
 
 This module is the HTTP side: parsing, fault injection (faults.py), the PD legs and streaming.
 When tokens come is the timing's (timing.py): fixed delays, or with --latency-model MODEL@GPU the
@@ -38,7 +40,7 @@ from pd_plugins.mock.stats import MockStats
 from pd_plugins.mock.timing import FixedDelays, Kind, Run, Timing, Work
 from pd_plugins.perf.hardware import preset
 from pd_plugins.vocab.engines import ENGINES, TransferMode, load_metrics_text
-from pd_plugins.vocab.transfer_params import PdSection
+from pd_plugins.vocab.transfer_params import KV_MISMATCHED_REQUESTS_METRIC, KvVerdict, PdSection
 
 # What the mock's prefill answer stands for: vLLM's carries a pull's fields (remote block ids,
 # host, port); an SGLang prefill sends its KV to the decode.
@@ -77,6 +79,7 @@ class MockEngine:
         self.stats = MockStats()
         self.side = SideChannel(args.engine, self.engine_id, args.side_port, args.transfer_timeout_s)
         self.timing = make_timing(args)
+        self.kv_mismatched = 0  # remote decodes whose KV "mismatched" (--kv-mismatch-match)
 
     # -- OpenAI endpoints --------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -172,12 +175,30 @@ class MockEngine:
             return answers.error(400, run.error)
         self._timed(leg, kind, run)
         words = answers.output_words(leg.digest, leg.max_tokens)
+        verdict = self._kv_verdict(leg) if kind == "remote_decode" else None
         if body.get("stream"):
             return await self._stream(leg, run, words)
         await run.finished()
         if run.error is not None:
             return answers.error(400, run.error)
-        return answers.json_answer(answers.completion(leg.chat, self.args.model, words, leg.prompt_tokens))
+        return answers.json_answer(answers.completion(leg.chat, self.args.model, words, leg.prompt_tokens,
+                                                      verdict.into(None) if verdict else None))
+
+    def _kv_verdict(self, leg: Leg) -> KvVerdict | None:
+        """What a verifying connector would say about this decode's KV (and count)."""
+        a = self.args
+        match = a.kv_mismatch_match
+        if match and match in (leg.body.get("prompt") if isinstance(leg.body.get("prompt"), str)
+                               else msgspec.json.encode(leg.body.get("messages", "")).decode()):
+            self.kv_mismatched += 1
+            word, mismatched = "recomputed", 1
+        elif a.kv_verdict:
+            word, mismatched = a.kv_verdict, 0
+        else:
+            return None
+        blocks = -(-leg.prompt_tokens // a.block_size)
+        return KvVerdict(verdict=word, blocks=blocks, mismatched=mismatched,
+                         transport=TRANSFER_MODE[a.engine])
 
     def _mismatched(self, leg: Leg) -> web.Response:
         self.stats.count("mismatched_kv")
@@ -250,7 +271,10 @@ class MockEngine:
     async def metrics(self, request: web.Request) -> web.Response:
         # both engines' gauges: any router (vllm-router, sglang-router, pd-router) can scrape it
         load = self.timing.load(self.stats.running)
-        return web.Response(text="".join(load_metrics_text(engine, *load) for engine in ENGINES))
+        text = "".join(load_metrics_text(engine, *load) for engine in ENGINES)
+        if self.args.kv_verdict or self.args.kv_mismatch_match:
+            text += f"{KV_MISMATCHED_REQUESTS_METRIC} {float(self.kv_mismatched)}\n"
+        return web.Response(text=text)
 
     async def ok(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -315,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-experts", type=_layers_by_experts, metavar="LAYERS,EXPERTS",
                    help="prefill answers carry a fake expert signature (token t -> expert t mod "
                         "EXPERTS in every layer) in their pd section, for ELDR routing")
+    p.add_argument("--kv-verdict", choices=["verified", "recomputed", "failed", "unverified"],
+                   help="remote decodes answer this pd.kv verdict (non-streamed answers)")
+    p.add_argument("--kv-mismatch-match", metavar="TEXT",
+                   help="a remote decode whose prompt contains TEXT counts a KV mismatch "
+                        f"({KV_MISMATCHED_REQUESTS_METRIC} on /metrics, streams too) and answers "
+                        "pd.kv `recomputed`")
     m = p.add_argument_group("latency model", "time answers with the engine model (pd_plugins.perf) "
                                               "instead of the fixed delays above")
     m.add_argument("--latency-model", metavar="PRESET",
