@@ -188,8 +188,9 @@ class MockEngine:
         """What a verifying connector would say about this decode's KV (and count)."""
         a = self.args
         match = a.kv_mismatch_match
-        if match and match in (leg.body.get("prompt") if isinstance(leg.body.get("prompt"), str)
-                               else msgspec.json.encode(leg.body.get("messages", "")).decode()):
+        if (match and match in (leg.body.get("prompt") if isinstance(leg.body.get("prompt"), str)
+                                else msgspec.json.encode(leg.body.get("messages", "")).decode())) \
+                or (a.kv_mismatch_from and leg.kv.get("remote_engine_id") == a.kv_mismatch_from):
             self.kv_mismatched += 1
             word, mismatched = "recomputed", 1
         elif a.kv_verdict:
@@ -272,7 +273,7 @@ class MockEngine:
         # both engines' gauges: any router (vllm-router, sglang-router, pd-router) can scrape it
         load = self.timing.load(self.stats.running)
         text = "".join(load_metrics_text(engine, *load) for engine in ENGINES)
-        if self.args.kv_verdict or self.args.kv_mismatch_match:
+        if self.args.kv_verdict or self.args.kv_mismatch_match or self.args.kv_mismatch_from:
             text += f"{KV_MISMATCHED_REQUESTS_METRIC} {float(self.kv_mismatched)}\n"
         return web.Response(text=text)
 
@@ -345,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a remote decode whose prompt contains TEXT counts a KV mismatch "
                         f"({KV_MISMATCHED_REQUESTS_METRIC} on /metrics, streams too) and answers "
                         "pd.kv `recomputed`")
+    p.add_argument("--kv-mismatch-from", metavar="ENGINE_ID",
+                   help="the same for KV from the prefill with this engine id (a bad prefill)")
     m = p.add_argument_group("latency model", "time answers with the engine model (pd_plugins.perf) "
                                               "instead of the fixed delays above")
     m.add_argument("--latency-model", metavar="PRESET",

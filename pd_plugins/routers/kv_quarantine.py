@@ -5,8 +5,11 @@ earlier (a canary is a plain generation and passes). Never the last usable worke
 model: a verified load is recomputed, so answers stay right; quarantine is about cost and hygiene,
 and taking every decode out would be an outage.
 
-Decode side only: the counter names no peer, so a bad prefill shows up as mismatches at every
-decode (per-pair attribution from the non-streamed verdicts is not built).
+The counter names no peer, so a bad prefill shows up as mismatches at every decode. The
+non-streamed answers' verdicts name both workers: a prefill whose KV mismatched at 2 or more
+different decodes within `window_s` is the one at fault and goes out the same way (never the last
+usable prefill either). Not built: a decode blamed from its verdicts by its prefills, and the
+"only one peer, `failures` in a row" rule of the plan (the counter rule covers a lone decode).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ class KvQuarantine:
         self._last: dict[int, float] = {}  # worker ordinal -> counter value at the last scrape
         self._rises: dict[int, deque[tuple[float, float]]] = {}  # ordinal -> (when, by how much)
         self._spared: set[int] = set()  # over the limit but the last of its role (logged once)
+        # prefill ordinal -> (when, decode ordinal) of mismatched loads its KV caused
+        self._blamed: dict[int, deque[tuple[float, int]]] = {}
 
     def observe(self, worker: Worker, value: float, pool: Iterable[Worker]) -> bool:
         """One scrape's counter value of `worker`; True when this took it out of rotation."""
@@ -51,22 +56,47 @@ class KvQuarantine:
         if sum(r for _, r in rises) < self.spec.failures:
             self._spared.discard(worker.ordinal)
             return False
+        why = f"{int(sum(r for _, r in rises))} KV mismatches within {self.spec.window_s:g} s"
+        if not self._take_out(worker, pool, now, why):
+            return False
+        rises.clear()
+        return True
+
+    def verdict(self, prefill: Worker | None, decode: Worker, mismatched: int,
+                pool: Iterable[Worker]) -> bool:
+        """A non-streamed answer's verdict (`mismatched` blocks); True when this took the
+        prefill out of rotation."""
+        if prefill is None or mismatched <= 0:
+            return False
+        now = self.clock()
+        blamed = self._blamed.setdefault(prefill.ordinal, deque(maxlen=MAX_EVENTS))
+        blamed.append((now, decode.ordinal))
+        while blamed and blamed[0][0] < now - self.spec.window_s:
+            blamed.popleft()
+        decodes = {d for _, d in blamed}
+        if len(decodes) < 2:
+            return False
+        why = f"its KV mismatched at {len(decodes)} decodes within {self.spec.window_s:g} s"
+        if not self._take_out(prefill, pool, now, why):
+            return False
+        blamed.clear()
+        return True
+
+    def _take_out(self, worker: Worker, pool: Iterable[Worker], now: float, why: str) -> bool:
         others = [w for w in pool if w is not worker and w.role == worker.role
                   and w.model == worker.model and w.usable]
         if not others:
             if worker.ordinal not in self._spared:
                 self._spared.add(worker.ordinal)
-                log.warning("decode %s: %d KV mismatches within %g s, but it is the last usable "
-                            "decode: kept in rotation", worker.url, sum(r for _, r in rises),
-                            self.spec.window_s)
+                log.warning("%s %s: %s, but it is the last usable %s: kept in rotation",
+                            worker.role, worker.url, why, worker.role)
             return False
-        rises.clear()
         self._spared.discard(worker.ordinal)
         worker.healthy = False
         worker.consecutive_successes = 0
         worker.quarantined_until = now + self.spec.quarantine_s
-        log.warning("decode %s out of rotation for %g s: KV mismatches reached %d within %g s",
-                    worker.url, self.spec.quarantine_s, self.spec.failures, self.spec.window_s)
+        log.warning("%s %s out of rotation for %g s: %s", worker.role, worker.url,
+                    self.spec.quarantine_s, why)
         return True
 
     def quarantined(self, worker: Worker) -> bool:

@@ -68,6 +68,7 @@ class Proxy:
         self._model_tag = f"model={model}, " if model else ""
         self.model = model
         self.recorder: TrafficRecorder | None = None  # set by the router (traffic_record)
+        self.kv_quarantine = None  # set by the router (health.kv_verify): KvQuarantine
         # pull flow: decode leg sent -> first token, over the prompt tokens the decode lacks: the
         # KV transfer, the first step and the leg's own cost (GET /admin/calibration exports it)
         latency = config.latency
@@ -251,7 +252,7 @@ class Proxy:
             if sequential:
                 self.decode_first.observe(pulled, time.monotonic() - decode_started)
             decode.record_success()
-            kv = None if info.stream else self._kv_verdict(payload)
+            kv = None if info.stream else self._kv_verdict(payload, decision)
             header = self._route_header(decision, history, info, kv)
             http[STAGE_KEY] = "answer"
             if measured is not None:
@@ -492,8 +493,9 @@ class Proxy:
             self.sharing.served(session_id, attempt.request.info, attempt.decision.decode.url,
                                 prefill.url if prefill is not None else None)
 
-    def _kv_verdict(self, payload: bytes) -> str | None:
-        """The decode's `pd.kv` verdict word (counted), "other" if malformed, None if absent."""
+    def _kv_verdict(self, payload: bytes, decision: Decision | None = None) -> str | None:
+        """The decode's `pd.kv` verdict word (counted; mismatches go to the quarantine's
+        attribution), "other" if malformed, None if absent."""
         try:
             verdict = kv_verdict_in_answer(payload)
         except ValueError:
@@ -502,6 +504,9 @@ class Proxy:
             if verdict is None:
                 return None
             word = verdict.verdict
+            if self.kv_quarantine is not None and decision is not None and verdict.mismatched > 0:
+                self.kv_quarantine.verdict(decision.prefill, decision.decode, verdict.mismatched,
+                                           self.ctx.pool)
         self.metrics.kv_verdicts.labels(word).inc()
         return word
 

@@ -112,6 +112,8 @@ class Router:
         if self.sync is not None:
             await self.sync.start()  # in the background: no request waits on Redis
         self.upkeep = PoolUpkeep(self.config, self.workers, self.session)
+        for group in self.groups.values():  # verdicts name the pair: attribution (kv_quarantine.py)
+            group.proxy.kv_quarantine = self.upkeep.kv
         await self.upkeep.check_all()  # know health and models before the first request
         self.refresh_served()
         self.upkeep.on_change = self.refresh_served

@@ -55,3 +55,33 @@ def test_verdicts_reach_header_and_metric_and_a_mismatching_decode_is_quarantine
             in router.metrics()
         wait_until(lambda: ready()["usable_decode"] == 2, QUARANTINE_S + 5, "its return")
         assert time.monotonic() - out_at >= QUARANTINE_S - 1.0  # not brought back by a probe
+
+
+def test_a_prefill_whose_kv_mismatches_at_two_decodes_is_quarantined():
+    prefills, decodes = mocks(prefills=2, decodes=3)
+    prefills[0].args = ("--engine-id", "badp")
+    for d in decodes:
+        d.args = ("--kv-verdict", "verified", "--kv-mismatch-from", "badp")
+    # failures out of reach: only the attribution from verdicts can take a worker out here
+    health = {**FAST_HEALTH, "kv_verify": {"failures": 1000, "window_s": 30,
+                                           "quarantine_s": QUARANTINE_S}}
+    with deployment(prefills, decodes, "--policy", "round_robin",
+                    config={"health": health, "route_header": "full"}) as router:
+        ready = lambda: requests.get(router.url + "/ready", timeout=5).json()  # noqa: E731
+        blamed_by = set()
+        for i in range(12):
+            resp = requests.post(router.url + "/v1/completions", timeout=30, json={
+                "model": "mock", "prompt": f"{i} " + LONG_PROMPT, "max_tokens": 2})
+            route = resp.headers["x-pd-route"]
+            bad = f"prefill={prefills[0].url}," in route
+            assert (", kv=recomputed," if bad else ", kv=verified,") in route, route
+            if bad:
+                blamed_by.add(route.split("decode=", 1)[1].split(",", 1)[0])
+            if ready()["usable_prefill"] == 1:
+                break
+        assert len(blamed_by) == 2, blamed_by  # out at the second decode's verdict, not before
+        assert ready()["usable_decode"] == 3
+        resp = requests.post(router.url + "/v1/completions", timeout=30, json={
+            "model": "mock", "prompt": "after " + LONG_PROMPT, "max_tokens": 2})
+        assert f"prefill={prefills[1].url}," in resp.headers["x-pd-route"]
+        wait_until(lambda: ready()["usable_prefill"] == 2, QUARANTINE_S + 5, "its return")

@@ -66,7 +66,7 @@ def bare_proxy(route_header: str = "full") -> Proxy:
     proxy = Proxy.__new__(Proxy)
     proxy.config = RouterConfig(decode=[WorkerSpec(url="http://d")], route_header=route_header)
     proxy._model_tag, proxy.sessions = "", None
-    proxy.metrics = RouterMetrics(WorkerPool())
+    proxy.metrics, proxy.kv_quarantine = RouterMetrics(WorkerPool()), None
     return proxy
 
 
@@ -220,3 +220,41 @@ def test_good_probes_do_not_bring_a_quarantined_decode_back_early():
                 await session.close()
 
     asyncio.run(scenario())
+
+
+# -- attribution: a prefill blamed by the verdicts of two decodes ---------------------------------
+def test_a_prefill_whose_kv_mismatched_at_two_decodes_within_the_window_is_quarantined():
+    clock, (pool, d0, d1) = Clock(), two_decodes()
+    p0 = pool.get("http://p0", "prefill")
+    p1 = pool.add(WorkerSpec(url="http://p1"), "prefill")
+    kv = KvQuarantine(KvVerifySpec(failures=3, window_s=60, quarantine_s=300), clock)
+    assert not kv.verdict(p0, d0, 0, pool)            # a clean load blames no one
+    assert not kv.verdict(None, d0, 5, pool)          # a local prefill: nobody to blame
+    assert not kv.verdict(p0, d0, 2, pool)
+    assert not kv.verdict(p0, d0, 1, pool)            # the same decode again: could be the decode
+    clock.now += 61
+    assert not kv.verdict(p0, d1, 1, pool)            # d0's are out of the window now
+    clock.now += 10
+    assert kv.verdict(p0, d0, 1, pool)                # two decodes within 60 s
+    assert not p0.healthy and p1.healthy and d0.healthy and d1.healthy
+    assert p0.quarantined_until == clock.now + 300
+    # p1 is the last usable prefill: spared
+    assert not kv.verdict(p1, d0, 1, pool) and not kv.verdict(p1, d1, 1, pool) and p1.healthy
+
+
+def test_the_proxy_hands_mismatched_verdicts_to_the_attribution():
+    proxy, d = bare_proxy(), decision()
+    calls = []
+
+    class Recorder:
+        def verdict(self, prefill, decode, mismatched, pool):
+            calls.append((prefill, decode, mismatched))
+
+    class Ctx:
+        pool = WorkerPool()
+
+    proxy.kv_quarantine, proxy.ctx = Recorder(), Ctx()
+    proxy._kv_verdict(answer(VERDICT.into(None)), d)
+    clean = KvVerdict(verdict="verified", blocks=4, mismatched=0, transport="pull")
+    proxy._kv_verdict(answer(clean.into(None)), d)
+    assert calls == [(d.prefill, d.decode, 1)]
