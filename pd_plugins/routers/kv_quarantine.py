@@ -8,7 +8,8 @@ and taking every decode out would be an outage.
 The counter names no peer, so a bad prefill shows up as mismatches at every decode. The
 non-streamed answers' verdicts name both workers: a prefill whose KV mismatched at 2 or more
 different decodes within `window_s` is the one at fault and goes out the same way (never the last
-usable prefill either). Not built: a decode blamed from its verdicts by its prefills, and the
+usable prefill either), and the rises of those decodes' counters so far are forgotten (a scrape
+after that can still bring in a rise from its KV: scrapes lag by up to `metrics_interval_s`). Not built: a decode blamed from its verdicts by its prefills, and the
 "only one peer, `failures` in a row" rule of the plan (the counter rule covers a lone decode).
 """
 
@@ -80,6 +81,8 @@ class KvQuarantine:
         if not self._take_out(prefill, pool, now, why):
             return False
         blamed.clear()
+        for d in decodes:  # their counters' rises so far were this prefill's doing
+            self._rises.pop(d, None)
         return True
 
     def _take_out(self, worker: Worker, pool: Iterable[Worker], now: float, why: str) -> bool:

@@ -238,6 +238,14 @@ def test_a_prefill_whose_kv_mismatched_at_two_decodes_within_the_window_is_quara
     assert kv.verdict(p0, d0, 1, pool)                # two decodes within 60 s
     assert not p0.healthy and p1.healthy and d0.healthy and d1.healthy
     assert p0.quarantined_until == clock.now + 300
+    # the decodes' counters rose for p0's KV: those rises no longer count against them
+    kv2 = KvQuarantine(KvVerifySpec(failures=3, window_s=60, quarantine_s=300), clock)
+    p0.healthy = True
+    kv2.observe(d0, 0.0, pool)
+    kv2.observe(d0, 2.0, pool)     # 2 mismatches at d0, from p0's KV
+    kv2.verdict(p0, d0, 1, pool)
+    assert kv2.verdict(p0, d1, 1, pool) and not p0.healthy
+    assert not kv2.observe(d0, 3.0, pool) and d0.healthy  # 1 since, not 3
     # p1 is the last usable prefill: spared
     assert not kv.verdict(p1, d0, 1, pool) and not kv.verdict(p1, d1, 1, pool) and p1.healthy
 
