@@ -9,8 +9,9 @@ The counter names no peer, so a bad prefill shows up as mismatches at every deco
 non-streamed answers' verdicts name both workers: a prefill whose KV mismatched at 2 or more
 different decodes within `window_s` is the one at fault and goes out the same way (never the last
 usable prefill either), and the rises of those decodes' counters so far are forgotten (a scrape
-after that can still bring in a rise from its KV: scrapes lag by up to `metrics_interval_s`). Not built: a decode blamed from its verdicts by its prefills, and the
-"only one peer, `failures` in a row" rule of the plan (the counter rule covers a lone decode).
+after that can still bring in a rise from its KV: scrapes lag by up to `metrics_interval_s`).
+Not built: a decode blamed from its verdicts by its prefills, and the "only one peer, `failures`
+in a row" rule of the plan (the counter rule covers a lone decode).
 """
 
 from __future__ import annotations

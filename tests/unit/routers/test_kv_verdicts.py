@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from pd_plugins.routers.config import (ConfigError, HealthSpec, KvVerifySpec, RouterConfig,
-                                       WorkerSpec, config_from_mapping)
+                                       TrafficRecordSpec, WorkerSpec, config_from_mapping)
 from pd_plugins.routers.health import PoolUpkeep, parse_counter
 from pd_plugins.routers.kv_quarantine import KvQuarantine
 from pd_plugins.routers.metrics import RouterMetrics
@@ -18,7 +18,6 @@ from pd_plugins.routers.policy import Decision
 from pd_plugins.routers.policy.base import RequestInfo
 from pd_plugins.routers.proxy import Proxy
 from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
-from pd_plugins.routers.config import TrafficRecordSpec
 from pd_plugins.routers.upstream import new_session
 from pd_plugins.routers.workers import WorkerPool
 from pd_plugins.vocab.transfer_params import (KV_MISMATCHED_REQUESTS_METRIC, KvVerdict,
@@ -105,7 +104,8 @@ def test_the_traffic_record_has_the_verdict_when_there_is_one(tmp_path):
     rec = TrafficRecorder(TrafficRecordSpec(path=str(tmp_path / "r.jsonl")))
     with_kv, without = Measured(1.0), Measured(2.0)
     with_kv.kv = "verified"
-    lines = [msgspec.json.decode(rec._line("m", RequestInfo(prompt_tokens=3, block_keys=[]), 16, m, 200, None))
+    request = RequestInfo(prompt_tokens=3, block_keys=[])
+    lines = [msgspec.json.decode(rec._line("m", request, 16, m, 200, None))
              for m in (with_kv, without)]
     assert lines[0]["kv"] == "verified" and "kv" not in lines[1]
 
