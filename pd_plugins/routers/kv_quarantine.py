@@ -21,6 +21,8 @@ import time
 from collections import deque
 from typing import Callable, Iterable
 
+from prometheus_client.core import CounterMetricFamily
+
 from pd_plugins.routers.config import KvVerifySpec
 from pd_plugins.routers.workers import Worker
 
@@ -37,6 +39,8 @@ class KvQuarantine:
         self._last: dict[int, float] = {}  # worker ordinal -> counter value at the last scrape
         self._rises: dict[int, deque[tuple[float, float]]] = {}  # ordinal -> (when, by how much)
         self._spared: set[int] = set()  # over the limit but the last of its role (logged once)
+        # quarantined_decode, quarantined_prefill, spared (the last usable of its role)
+        self.counts = {"quarantined_decode": 0, "quarantined_prefill": 0, "spared": 0}
         # prefill ordinal -> (when, decode ordinal) of mismatched loads its KV caused
         self._blamed: dict[int, deque[tuple[float, int]]] = {}
 
@@ -92,6 +96,7 @@ class KvQuarantine:
         if not others:
             if worker.ordinal not in self._spared:
                 self._spared.add(worker.ordinal)
+                self.counts["spared"] += 1
                 log.warning("%s %s: %s, but it is the last usable %s: kept in rotation",
                             worker.role, worker.url, why, worker.role)
             return False
@@ -99,9 +104,28 @@ class KvQuarantine:
         worker.healthy = False
         worker.consecutive_successes = 0
         worker.quarantined_until = now + self.spec.quarantine_s
+        self.counts[f"quarantined_{worker.role}"] += 1
         log.warning("%s %s out of rotation for %g s: %s", worker.role, worker.url,
                     self.spec.quarantine_s, why)
         return True
 
     def quarantined(self, worker: Worker) -> bool:
         return worker.quarantined_until > self.clock()
+
+    def collector(self) -> "QuarantineCollector":
+        return QuarantineCollector(self)
+
+
+class QuarantineCollector:
+    """/metrics: `pd_router_kv_quarantine_events_total{event}`."""
+
+    def __init__(self, quarantine: KvQuarantine) -> None:
+        self.quarantine = quarantine
+
+    def collect(self):
+        events = CounterMetricFamily("pd_router_kv_quarantine_events", "Workers taken out of "
+                                     "rotation for KV mismatches, by role, and times the last "
+                                     "usable worker of a role was spared", labels=["event"])
+        for event, count in self.quarantine.counts.items():
+            events.add_metric([event], count)
+        yield events

@@ -114,6 +114,8 @@ class Router:
         self.upkeep = PoolUpkeep(self.config, self.workers, self.session)
         for group in self.groups.values():  # verdicts name the pair: attribution (kv_quarantine.py)
             group.proxy.kv_quarantine = self.upkeep.kv
+        if self.upkeep.kv is not None:
+            self.metrics.registry.register(self.upkeep.kv.collector())
         await self.upkeep.check_all()  # know health and models before the first request
         self.refresh_served()
         self.upkeep.on_change = self.refresh_served

@@ -55,6 +55,8 @@ def test_verdicts_reach_header_and_metric_and_a_mismatching_decode_is_quarantine
             in router.metrics()
         wait_until(lambda: ready()["usable_decode"] == 2, QUARANTINE_S + 5, "its return")
         assert time.monotonic() - out_at >= QUARANTINE_S - 1.0  # not brought back by a probe
+        assert 'pd_router_kv_quarantine_events_total{event="quarantined_decode"} 1.0' \
+            in router.metrics()
 
 
 def test_a_prefill_whose_kv_mismatches_at_two_decodes_is_quarantined():
@@ -85,3 +87,6 @@ def test_a_prefill_whose_kv_mismatches_at_two_decodes_is_quarantined():
             "model": "mock", "prompt": "after " + LONG_PROMPT, "max_tokens": 2})
         assert f"prefill={prefills[1].url}," in resp.headers["x-pd-route"]
         wait_until(lambda: ready()["usable_prefill"] == 2, QUARANTINE_S + 5, "its return")
+        events = router.metrics()
+        assert 'pd_router_kv_quarantine_events_total{event="quarantined_prefill"} 1.0' in events
+        assert 'pd_router_kv_quarantine_events_total{event="quarantined_decode"} 0.0' in events

@@ -187,6 +187,7 @@ def test_never_the_last_usable_decode_and_never_a_prefill():
     assert not kv.observe(d1, 100.0, pool) and d1.healthy
     prefill = pool.get("http://p0", "prefill")
     assert not kv.observe(prefill, 0.0, pool) and not kv.observe(prefill, 100.0, pool)
+    assert kv.counts == {"quarantined_decode": 1, "quarantined_prefill": 0, "spared": 2}
 
 
 def test_counter_parse_sums_label_sets_and_tells_absent_from_zero():
