@@ -36,7 +36,8 @@ class KvQuarantine:
 
     def __init__(self, spec: KvVerifySpec, clock: Callable[[], float] = time.monotonic) -> None:
         self.spec, self.clock = spec, clock
-        self._last: dict[int, float] = {}  # worker ordinal -> counter value at the last scrape
+        # worker ordinal -> (counter value, when) at its last scrape
+        self._last: dict[int, tuple[float, float]] = {}
         self._rises: dict[int, deque[tuple[float, float]]] = {}  # ordinal -> (when, by how much)
         self._spared: set[int] = set()  # over the limit but the last of its role (logged once)
         # quarantined_decode, quarantined_prefill, spared (the last usable of its role)
@@ -49,10 +50,13 @@ class KvQuarantine:
         if worker.role != "decode":
             return False
         now = self.clock()
-        last = self._last.get(worker.ordinal)
-        self._last[worker.ordinal] = value
-        if last is None:  # the first look: mismatches from before the router are not counted
+        seen = self._last.get(worker.ordinal)
+        self._last[worker.ordinal] = (value, now)
+        # the first look, or the first after a gap (down, quarantined) longer than the window:
+        # a baseline; mismatches of unknown time are not counted
+        if seen is None or seen[1] < now - self.spec.window_s:
             return False
+        last = seen[0]
         rise = value - last if value >= last else value  # fell: the engine restarted
         rises = self._rises.setdefault(worker.ordinal, deque(maxlen=MAX_EVENTS))
         if rise > 0:

@@ -166,6 +166,16 @@ def test_mismatches_spread_wider_than_the_window_do_not():
     assert d0.healthy
 
 
+def test_a_rise_over_a_gap_longer_than_the_window_is_a_new_baseline():
+    clock, (pool, d0, _) = Clock(), two_decodes()
+    kv = KvQuarantine(KvVerifySpec(failures=3, window_s=60, quarantine_s=300), clock)
+    kv.observe(d0, 0.0, pool)
+    clock.now += 120  # not scraped meanwhile (down, or quarantined): when did these happen?
+    assert not kv.observe(d0, 50.0, pool) and d0.healthy
+    clock.now += 1
+    assert kv.observe(d0, 53.0, pool)
+
+
 def test_an_engine_restart_counts_its_new_value_not_a_negative_rise():
     clock, (pool, d0, _) = Clock(), two_decodes()
     kv = KvQuarantine(KvVerifySpec(failures=3, window_s=60, quarantine_s=300), clock)
