@@ -29,6 +29,7 @@ from pd_plugins.routers.workers import Worker
 log = logging.getLogger("pd_router.kv_quarantine")
 
 MAX_EVENTS = 1024  # rises kept per worker (a window's worth; older ones fall out first)
+MAX_WORKERS = 4096  # workers tracked (discovery churns them): the longest unseen are forgotten
 
 
 class KvQuarantine:
@@ -50,8 +51,12 @@ class KvQuarantine:
         if worker.role != "decode":
             return False
         now = self.clock()
-        seen = self._last.get(worker.ordinal)
-        self._last[worker.ordinal] = (value, now)
+        seen = self._last.pop(worker.ordinal, None)
+        self._last[worker.ordinal] = (value, now)  # last in order: the most recently seen
+        if len(self._last) > MAX_WORKERS:
+            gone = next(iter(self._last))
+            for table in (self._last, self._rises, self._blamed):
+                table.pop(gone, None)
         # the first look, or the first after a gap (down, quarantined) longer than the window:
         # a baseline; mismatches of unknown time are not counted
         if seen is None or seen[1] < now - self.spec.window_s:
@@ -79,7 +84,10 @@ class KvQuarantine:
         if prefill is None or mismatched <= 0:
             return False
         now = self.clock()
-        blamed = self._blamed.setdefault(prefill.ordinal, deque(maxlen=MAX_EVENTS))
+        blamed = self._blamed.pop(prefill.ordinal, None) or deque(maxlen=MAX_EVENTS)
+        self._blamed[prefill.ordinal] = blamed  # last in order: the most recently blamed
+        if len(self._blamed) > MAX_WORKERS:
+            self._blamed.pop(next(iter(self._blamed)))
         blamed.append((now, decode.ordinal))
         while blamed and blamed[0][0] < now - self.spec.window_s:
             blamed.popleft()

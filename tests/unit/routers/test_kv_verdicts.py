@@ -277,3 +277,18 @@ def test_the_proxy_hands_mismatched_verdicts_to_the_attribution():
     clean = KvVerdict(verdict="verified", blocks=4, mismatched=0, transport="pull")
     proxy._kv_verdict(answer(clean.into(None)), d)
     assert calls == [(d.prefill, d.decode, 1)]
+
+
+def test_the_tables_stay_bounded_when_workers_churn(monkeypatch):
+    import pd_plugins.routers.kv_quarantine as module
+    monkeypatch.setattr(module, "MAX_WORKERS", 4)
+    clock, pool = Clock(), WorkerPool()
+    kv = KvQuarantine(KvVerifySpec(failures=3, window_s=60, quarantine_s=300), clock)
+    first = pool.add(WorkerSpec(url="http://d-first"), "decode")
+    kv.observe(first, 0.0, pool)
+    for i in range(10):
+        d = pool.add(WorkerSpec(url=f"http://d{i}"), "decode")
+        kv.observe(d, 0.0, pool)
+        kv.verdict(pool.add(WorkerSpec(url=f"http://p{i}"), "prefill"), d, 1, pool)
+    assert len(kv._last) == 4 and len(kv._blamed) == 4
+    assert first.ordinal not in kv._last  # forgotten: its next look is a baseline again
