@@ -279,19 +279,23 @@ def test_every_injected_kv_fault_is_caught_by_the_page_digests(backend, pool_env
     assert sorted(order) == sorted(faulted + clean)
     env = {**pool_env, "PD_KV_FAULTS_ALLOWED": "1",
            "PD_KV_FAULTS": "corrupt:match=room:71;drop_write:match=room:72"}
-    # two pages a room, each room its own pages on the prefill (pull holds them until read)
-    prefill, port, published = start_prefill(roles, env, backend, [
-        {"room": room, "pages": [2 * i, 2 * i + 1], "aux_index": i % 16}
-        for i, room in enumerate(order)], num_pages=2 * len(order))
     # every other clean room after a cached first page (the decode checks the digests' tail)
     jobs = []
     for i, room in enumerate(order):
         cached = room in clean and clean.index(room) % 2
         jobs.append({"room": room, "dest": [2 * i + 1] if cached else [2 * i, 2 * i + 1],
                      "aux_index": i % 16, "prefix_len": PAGE_SIZE if cached else 0})
-    env, name = variant(env, backend)
+    port, (env, name) = free_port(), variant(env, backend)
+    # two pages a room, each room its own pages on the prefill (pull holds them until read);
+    # both processes start at once (imports take ~15 s each), the decode waits for the registry
+    prefill = roles(env, "prefill", {
+        "bootstrap_port": port, "backend": name, "then_sleep_s": 120, "num_pages": 2 * len(order),
+        "rooms": [{"room": room, "pages": [2 * i, 2 * i + 1], "aux_index": i % 16}
+                  for i, room in enumerate(order)]})
     decode = roles(env, "decode", {"bootstrap_port": port, "backend": name, "receives": jobs,
                                    "together": True, "num_pages": 2 * len(order)})
+    assert prefill.next_event()["event"] == "ready"
+    published = {e["room"]: e for e in (prefill.next_event() for _ in order)}
     events = [decode.next_event() for _ in jobs]  # in the order the rooms concluded
     got = {e["room"]: e for e in events}
 
