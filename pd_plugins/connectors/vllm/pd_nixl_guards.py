@@ -80,20 +80,18 @@ class NotifTap:
         return getattr(self._agent, name)
 
 
-class _BoundedSet:
-    """Remembers the last `size` ids (for dropping late reports of settled requests)."""
+class BoundedDict(OrderedDict):
+    """An insertion-ordered dict of at most `size` entries: a new one pushes out the oldest (as a
+    set: keys mapped to None)."""
 
-    def __init__(self, size: int = 10_000) -> None:
-        self._ids: OrderedDict[str, None] = OrderedDict()
+    def __init__(self, size: int) -> None:
+        super().__init__()
         self._size = size
 
-    def add(self, item: str) -> None:
-        self._ids[item] = None
-        while len(self._ids) > self._size:
-            self._ids.popitem(last=False)
-
-    def __contains__(self, item: str) -> bool:
-        return item in self._ids
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self._size:
+            self.popitem(last=False)
 
 
 class PushDeadlines:
@@ -101,7 +99,7 @@ class PushDeadlines:
 
     def __init__(self) -> None:
         self._deadlines: dict[str, float] = {}
-        self._given_up = _BoundedSet()
+        self._given_up = BoundedDict(10_000)  # ids of requests given up (values None)
 
     def expect(self, waits: dict[str, float], now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -121,7 +119,7 @@ class PushDeadlines:
         timed_out = {r for r, deadline in self._deadlines.items() if now >= deadline}
         for request_id in timed_out:
             del self._deadlines[request_id]
-            self._given_up.add(request_id)
+            self._given_up[request_id] = None
         finished_recving |= timed_out
         failed_recving |= timed_out
         return timed_out

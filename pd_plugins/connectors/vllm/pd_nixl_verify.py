@@ -24,7 +24,6 @@ Fault injection: `corrupt` damages one byte of one block a targeted read landed,
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -40,7 +39,7 @@ from pd_plugins.connectors.vllm.kv_verdicts import (
     LoadOutcome,
     count_outcome,
 )
-from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts
+from pd_plugins.connectors.vllm.pd_nixl_guards import BoundedDict, LeaseVerdicts
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import KvFaults, position
 from pd_plugins.transfer.signature_channel import (
@@ -66,19 +65,12 @@ def prompt_completes(request: Request, scheduled: int) -> bool:
     return scheduled > 0 and request.num_computed_tokens + scheduled >= request.num_prompt_tokens
 
 
-class _Bounded(OrderedDict):
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super().__setitem__(key, value)
-        while len(self) > MAX_TRACKED:
-            self.popitem(last=False)
-
-
 # -- producer ---------------------------------------------------------------------------------------
 class DigestPlan:
     """Prefill scheduler side: the PD prefill legs whose prompt is not yet complete."""
 
     def __init__(self) -> None:
-        self._legs: _Bounded = _Bounded()  # req id -> Request
+        self._legs: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> Request
 
     def track(self, request: Request) -> None:
         self._legs[request.request_id] = request
@@ -184,10 +176,11 @@ class PullVerifier:
         self.required = required
         self.faults = faults
         self.stats = stats  # PdNixlStats (swapped by the caller each step)
-        self._reads: _Bounded = _Bounded()
-        self._expected: _Bounded = _Bounded()  # req id -> (encoded | None, why)
+        self._reads: BoundedDict = BoundedDict(MAX_TRACKED)
+        self._expected: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> (encoded | None, why)
         self._invalid: set[int] = set()
-        self._warned: _Bounded = _Bounded()  # prefills already logged as unverified
+        # prefills already logged as unverified
+        self._warned: BoundedDict = BoundedDict(MAX_TRACKED)
         self._outcomes = KvLoadOutcomes()
         self.mismatched_reads = 0  # reads that became failed loads here (for pd_recomputes)
 
