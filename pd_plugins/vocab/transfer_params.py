@@ -124,8 +124,8 @@ def stored_tokens_of(kv_transfer_params: dict[str, Any] | None) -> int | None:
     return stored if isinstance(stored, int) and not isinstance(stored, bool) and stored >= 0 else None
 
 
-# The decode's /metrics counter of loads with a mismatched block (connectors/vllm/kv_verdicts.py
-# names it; streams included): what pd-router's rotation watches.
+# The decode's /metrics counter of loads with a mismatched block (streams included), one name for
+# the connectors that count it (connectors/vllm/kv_verdicts.py) and pd-router's rotation.
 KV_MISMATCHED_REQUESTS_METRIC = "vllm:pd_kv_mismatched_requests_total"
 
 

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from pd_plugins.connectors.vllm.counter_stats import CounterTable
 from pd_plugins.vocab.engines import TransferMode
-from pd_plugins.vocab.transfer_params import KvVerdict, KvVerdictWord
+from pd_plugins.vocab.transfer_params import KV_MISMATCHED_REQUESTS_METRIC, KvVerdict, KvVerdictWord
 
 FAULTS_INJECTED_KEY = "kv_faults_injected"
 VERDICT_WORDS: tuple[str, ...] = get_args(KvVerdictWord)
@@ -45,7 +45,7 @@ KV_VERIFY_COUNTERS: CounterTable = {
         "KV blocks whose bytes did not match the digest their producer stated: never used "
         "(recomputed or failed per kv_load_failure_policy)."),
     "kv_mismatched_requests": (
-        "vllm:pd_kv_mismatched_requests",
+        KV_MISMATCHED_REQUESTS_METRIC.removesuffix("_total"),  # pd-router's rotation watches it
         "KV loads (one per request and load) with at least one mismatched block."),
     "kv_unverified_loads": (
         "vllm:pd_kv_unverified_loads",
