@@ -338,6 +338,18 @@ def test_engines_name_our_connectors_consistently_with_the_router(overlay: str) 
     assert_connectors_match_router(rendered(overlay))
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engines_refuse_kv_fault_injection(overlay: str) -> None:
+    """Every engine runs with PD_PRODUCTION=1 (transfer/kv_faults.py refuses faults under it) and
+    no overlay asks for faults: a copied test setting can never damage a deployment's KV."""
+    for deployment in engines(rendered(overlay)):
+        env = environment(container(deployment, "vllm"))
+        where = deployment["metadata"]["name"]
+        assert env.get("PD_PRODUCTION") == "1", where
+        assert "PD_KV_FAULTS" not in env and "PD_KV_FAULTS_ALLOWED" not in env, where
+        assert "faults" not in json.loads(env["PD_KV_EXTRA_CONFIG"]), where
+
+
 ROUTER_CHECK_ENV = {"PD_ROUTER_ADMIN_TOKEN": "test-admin-token", "PD_ROUTER_API_KEYS": "test-key"}
 
 
