@@ -8,7 +8,8 @@ legs) take a worker out; `success_threshold` consecutive good probes bring it ba
 has never answered a probe is out from the start.
 Metrics: every `metrics_interval_s`, the engine's /metrics: queue length, running requests, KV usage
 (the gauges its profile names), and a decode's KV mismatch counter, which can take it out of
-rotation for a while (`kv_verify`, kv_quarantine.py).
+rotation for a while (`kv_verify`, kv_quarantine.py). A worker whose count of injected KV faults
+(a test setting, transfer/kv_faults.py) is above 0 gets a warning in the log, once.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pd_plugins.routers.config import RouterConfig
 from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.kv_quarantine import KvQuarantine
 from pd_plugins.routers.workers import Worker
-from pd_plugins.vocab.transfer_params import KV_MISMATCHED_REQUESTS_METRIC
+from pd_plugins.vocab.transfer_params import KV_FAULTS_INJECTED_METRIC, KV_MISMATCHED_REQUESTS_METRIC
 
 log = logging.getLogger("pd_router.health")
 
@@ -89,6 +90,7 @@ class PoolUpkeep:
         self._tasks: list[asyncio.Task] = []
         self.on_change = lambda: None  # called after each round of checks
         self._bad_metrics: set[str] = set()  # workers whose last scrape was unusable (logged once)
+        self._injecting: set[str] = set()  # workers seen injecting KV faults (logged once)
         self.kv = KvQuarantine(self.spec.kv_verify) if self.spec.kv_verify is not None else None
 
     def start(self) -> None:
@@ -179,6 +181,10 @@ class PoolUpkeep:
             try:
                 await asyncio.gather(*(self.scrape(w) for w in self.pool if w.healthy),
                                      return_exceptions=True)
+                # What is logged once per worker is forgotten with the worker (churn stays bounded).
+                live = {w.url for w in self.pool}
+                self._bad_metrics &= live
+                self._injecting &= live
             except Exception:  # noqa: BLE001 - logged; the next round runs regardless
                 log.exception("engine metrics round failed")
             await asyncio.sleep(self.spec.metrics_interval_s)
@@ -199,6 +205,7 @@ class PoolUpkeep:
             load = parse_engine_metrics(text, self.profile.name)
             mismatched = (parse_counter(text, KV_MISMATCHED_REQUESTS_METRIC)
                           if self.kv is not None and worker.role == "decode" else None)
+            injected = parse_counter(text, KV_FAULTS_INJECTED_METRIC)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return
         except Exception as exc:  # noqa: BLE001 - whatever the engine sent, scraping goes on
@@ -210,5 +217,10 @@ class PoolUpkeep:
         self._bad_metrics.discard(worker.url)
         worker.engine_waiting, worker.engine_running, worker.kv_usage = load
         worker.last_scrape = asyncio.get_running_loop().time()
+        if injected and worker.url not in self._injecting:
+            self._injecting.add(worker.url)
+            log.warning("worker %s has injected %d KV faults: it runs with fault injection on "
+                        "(PD_KV_FAULTS / the `faults` option, for tests only; engines refuse it "
+                        "under PD_PRODUCTION=1)", worker.url, int(injected))
         if mismatched is not None and self.kv.observe(worker, mismatched, self.pool):
             self.on_change()

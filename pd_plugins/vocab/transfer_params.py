@@ -127,6 +127,9 @@ def stored_tokens_of(kv_transfer_params: dict[str, Any] | None) -> int | None:
 # The decode's /metrics counter of loads with a mismatched block (streams included), one name for
 # the connectors that count it (connectors/vllm/kv_verdicts.py) and pd-router's rotation.
 KV_MISMATCHED_REQUESTS_METRIC = "vllm:pd_kv_mismatched_requests_total"
+# An engine's count of the KV faults it injected (transfer/kv_faults.py, tests only): pd-router warns
+# about a worker where it rises above 0.
+KV_FAULTS_INJECTED_METRIC = "vllm:pd_kv_faults_injected_total"
 
 
 class _PdKvOnly(msgspec.Struct, frozen=True):

@@ -23,7 +23,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from pd_plugins.connectors.vllm.counter_stats import CounterTable
 from pd_plugins.vocab.engines import TransferMode
-from pd_plugins.vocab.transfer_params import KV_MISMATCHED_REQUESTS_METRIC, KvVerdict, KvVerdictWord
+from pd_plugins.vocab.transfer_params import (KV_FAULTS_INJECTED_METRIC, KV_MISMATCHED_REQUESTS_METRIC,
+                                              KvVerdict, KvVerdictWord)
 
 FAULTS_INJECTED_KEY = "kv_faults_injected"
 VERDICT_WORDS: tuple[str, ...] = get_args(KvVerdictWord)
@@ -52,7 +53,7 @@ KV_VERIFY_COUNTERS: CounterTable = {
         "KV loads with nothing to check the bytes against (a pool without checksums, a NIXL "
         "read without digests or in a layout that cannot be checked)."),
     FAULTS_INJECTED_KEY: (
-        "vllm:pd_kv_faults_injected",
+        KV_FAULTS_INJECTED_METRIC.removesuffix("_total"),  # pd-router warns when it rises
         "KV faults this engine injected (the `faults` option, for tests; 0 otherwise)."),
     **{verdict_key(word): (f"vllm:pd_kv_verdicts_{word}",
                            f"Requests whose loaded KV got the verdict `{word}` (pd.kv).")

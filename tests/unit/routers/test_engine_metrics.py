@@ -81,3 +81,34 @@ def test_scrape_loop_survives_every_bad_answer_and_updates_load_after():
                 await session.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_that_injects_kv_faults_is_warned_about_once(caplog):
+    """A worker whose /metrics shows injected KV faults (a test setting) is named in a warning,
+    once; one that shows 0 is not."""
+    async def scenario():
+        injected = {"value": 0.0}
+
+        async def metrics(request):
+            return web.Response(body=f"vllm:num_requests_running 1\n"
+                                     f"vllm:pd_kv_faults_injected_total {injected['value']}\n",
+                                content_type="text/plain")
+
+        async with loopback_server({"/metrics": metrics}) as port:
+            pool = WorkerPool()
+            worker = pool.add(WorkerSpec(url=f"http://127.0.0.1:{port}"), "decode")
+            session = new_session(1.0)
+            upkeep = PoolUpkeep(RouterConfig(decode=[worker.spec]), pool, session)
+            try:
+                with caplog.at_level("WARNING", logger="pd_router.health"):
+                    await upkeep.scrape(worker)
+                    assert "fault injection" not in caplog.text
+                    injected["value"] = 3.0
+                    await upkeep.scrape(worker)
+                    await upkeep.scrape(worker)
+            finally:
+                await session.close()
+        warnings = [r.getMessage() for r in caplog.records if "fault injection" in r.getMessage()]
+        assert len(warnings) == 1 and worker.url in warnings[0] and "3 KV faults" in warnings[0]
+
+    asyncio.run(scenario())
