@@ -23,7 +23,7 @@ from pd_plugins.transfer.paged_kv import block_dim
 
 
 class BlockVerifier:
-    """Digests of whole blocks of every layer; `damage` for fault injection."""
+    """Digests of whole blocks of every layer; `damage` and `overwrite` for fault injection."""
 
     def __init__(self, layer_tensors: Sequence[torch.Tensor], num_blocks: int) -> None:
         self.layers = [t.movedim(block_dim(t, num_blocks), 0) for t in layer_tensors]
@@ -60,6 +60,12 @@ class BlockVerifier:
                 return
             byte -= size
         raise ValueError(f"byte {byte} is outside the block")
+
+    def overwrite(self, block_id: int, source: int) -> None:
+        """Copy block `source` over block `block_id` in every layer, as a block reused by another
+        request before it was read would hold (fault injection only)."""
+        for layer in self.layers:
+            layer[block_id].copy_(layer[source])
 
 
 def first_mismatch(found: np.ndarray, expected: np.ndarray) -> int | None:

@@ -9,6 +9,8 @@ Upstream offers no public way to:
 - ask whether a prefill worker still holds a request's blocks, and until when
   (`_reqs_to_send`, `_reqs_to_process`);
 - refuse a WRITE whose lease ran out (`_do_start_push_kv`, replaced by a wrapper);
+- send a push WRITE's digests to the decode's NIXL agent, whose name upstream learns in the
+  handshake (`_remote_agents` under `_handshake_lock`);
 - tell whether a worker's received blocks hold the prefill's bytes as they were, so a digest
   can check them (`_physical_blocks_per_logical_kv_block`, `use_host_buffer`,
   `enable_permute_local_kv`, `dcp_size`, `pcp_size`).
@@ -36,6 +38,8 @@ PRIVATE_NAMES = (
     ("push_worker", "NixlPushConnectorWorker", "_sending_transfers"),
     ("push_worker", "NixlPushConnectorWorker", "_sending_transfers_lock"),
     ("push_worker", "NixlPushConnectorWorker", "_do_start_push_kv"),
+    ("base_worker", "NixlBaseConnectorWorker", "_remote_agents"),
+    ("base_worker", "NixlBaseConnectorWorker", "_handshake_lock"),
     ("base_worker", "NixlBaseConnectorWorker", "_reqs_to_send"),
     ("base_worker", "NixlBaseConnectorWorker", "_reqs_to_process"),
     ("base_worker", "NixlBaseConnectorWorker", "_physical_blocks_per_logical_kv_block"),
@@ -104,6 +108,12 @@ def replace_push_start(worker: Any, start: Callable[..., None]) -> Callable[...,
     the request id, its local block ids and the decode's registration); returns upstream's."""
     upstream, worker._do_start_push_kv = worker._do_start_push_kv, start
     return upstream
+
+
+def remote_agent(worker: Any, engine_id: str, rank: int) -> str | None:
+    """The NIXL agent name of rank `rank` of a remote engine (None: no handshake with it done)."""
+    with worker._handshake_lock:
+        return (worker._remote_agents.get(engine_id) or {}).get((0, rank))
 
 
 def unverifiable_layout(worker: Any) -> str | None:

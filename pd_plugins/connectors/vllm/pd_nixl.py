@@ -13,10 +13,11 @@ All transfer machinery (handshake, lease, heartbeat, transfers) is upstream's; t
 - push: a deadline on every transfer (`push_timeout_s`) on the decode; on the prefill no WRITE
   after its lease or the decode's deadline, and no freeing of blocks under an in-flight WRITE
   (pd_nixl_guards.py);
-- pull: verified reads (`verify_kv`, on by default; pd_nixl_verify.py): the prefill states a
-  digest of each prompt block in its `pd` section, the decode checks the blocks it read against
-  them; a mismatch is a failed load from the first bad block, and the decode's answer says what
-  happened (`pd.kv`: verified, recomputed, failed or unverified);
+- verified KV (`verify_kv`, on by default; pd_nixl_verify.py): the prefill states a digest of
+  each prompt block (pull: in its `pd` section; push: in a NIXL notification before the WRITE),
+  the decode checks the blocks that landed against them; a mismatch is a failed load from the
+  first bad block, and the decode's answer says what happened (`pd.kv`: verified, recomputed,
+  failed or unverified);
 - counters for all of it on /metrics (pd_nixl_stats.py).
 Every failed load goes through vLLM's `kv_load_failure_policy` (fail | recompute).
 Upstream's private names are used only through nixl_internals.py, for checked vLLM versions.
@@ -50,7 +51,7 @@ from pd_plugins.vocab.engines import TransferMode
 from pd_plugins.vocab.transfer_params import PD_SECTION_KEY, PdSection
 from pd_plugins.connectors.vllm.block_verifier import BlockVerifier
 from pd_plugins.connectors.vllm.counter_stats import REJECTED_PARAMS_KEY
-from pd_plugins.connectors.vllm.kv_verdicts import VerdictBook, verdict_key
+from pd_plugins.connectors.vllm.kv_verdicts import FAULTS_INJECTED_KEY, VerdictBook, verdict_key
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
@@ -71,10 +72,13 @@ from pd_plugins.connectors.vllm.nixl_internals import (
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
 from pd_plugins.connectors.vllm.pd_nixl_verify import (
     DigestChannel,
+    DigestInbox,
     DigestPlan,
+    LoadVerifier,
     PdNixlWorkerMeta,
-    PullVerifier,
+    PushDigestSender,
     expected_digests,
+    group0,
 )
 from pd_plugins.transfer.kv_faults import KvFaults
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
@@ -186,12 +190,12 @@ class _PdAdditions(_PdStatsClassMethods):
 
     def _set_up_verification(self, vllm_config: VllmConfig, role: KVConnectorRole,
                              kv_cache_config: KVCacheConfig, options: NixlOptions) -> None:
-        """Verified pull reads (pd_nixl_verify.py); push verifies nothing yet."""
+        """Verified KV (pd_nixl_verify.py): pull reads and push WRITEs."""
         config = vllm_config.kv_transfer_config
         # refused at start unless allowed (transfer/kv_faults.py), in every process of the engine
         self._faults = KvFaults.from_spec(
             extra_options(KvFaultOptions, config, "PdNixlConnector").faults, "PdNixlConnector")
-        verify = options.verify_kv if self.pd_mode == "pull" else "off"
+        verify = options.verify_kv
         tp = vllm_config.parallel_config.tensor_parallel_size
         scheduler = role == KVConnectorRole.SCHEDULER
         self._kv_cache_config = kv_cache_config
@@ -201,28 +205,39 @@ class _PdAdditions(_PdStatsClassMethods):
         self._verdicts: VerdictBook | None = None
         self._digests_to_send: dict[str, tuple[str | None, str | None]] = {}
         self._block_verifier: BlockVerifier | None = None
-        self._pull_verifier: PullVerifier | None = None
+        self._load_verifier: LoadVerifier | None = None
+        self._push_digests: PushDigestSender | None = None
         if verify == "off":
             return
-        if self._serves and tp == 1:  # digests of TP > 1 ranks: not yet (decodes: unverified)
+        fixed = (f"TP {tp} (only TP 1 is checked)" if tp != 1
+                 else "several KV cache groups" if len(kv_cache_config.kv_cache_groups) != 1
+                 else None)
+        worker = self.connector_worker
+        layout_why = lambda: fixed or unverifiable_layout(worker)  # noqa: E731
+        if self._serves and tp == 1 and self.pd_mode == "pull":
+            # digests of TP > 1 ranks: not yet (decodes: unverified)
             self._digest_plan = DigestPlan() if scheduler else None
             self._digest_channel = DigestChannel(config.engine_id, scheduler=scheduler)
+        if self._serves and tp == 1 and self._write_gate is not None:  # push prefill worker
+            self._push_digests = PushDigestSender(worker, lambda: self._block_verifier,
+                                                  layout_why, self._faults)
+            self._write_gate.before_write = self._push_digests.before_write
         if self._reads and scheduler:
-            self._verdicts = VerdictBook("pull", recompute=self._recompute_failed_loads)
+            self._verdicts = VerdictBook(self.pd_mode, recompute=self._recompute_failed_loads)
         if self._reads and not scheduler:
-            fixed = (f"TP {tp} (only TP 1 is checked)" if tp != 1
-                     else "several KV cache groups" if len(kv_cache_config.kv_cache_groups) != 1
-                     else None)
-            worker = self.connector_worker
-            self._pull_verifier = PullVerifier(lambda: self._block_verifier,
-                                               lambda: fixed or unverifiable_layout(worker),
+            inbox = None
+            if self.pd_mode == "push":  # the prefills' digests come by NIXL notification
+                worker.nixl_wrapper = inbox = DigestInbox(worker.nixl_wrapper)
+            self._load_verifier = LoadVerifier(lambda: self._block_verifier, layout_why,
                                                required=verify == "required",
                                                faults=self._faults,
-                                               stats=self.connector_worker.xfer_stats)
+                                               stats=self.connector_worker.xfer_stats,
+                                               inbox=inbox)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
-        if self._digest_channel is None and self._pull_verifier is None:
+        if (self._digest_channel is None and self._load_verifier is None
+                and self._push_digests is None):
             return
         config = self._kv_cache_config
         try:
@@ -332,6 +347,12 @@ class _PdAdditions(_PdStatsClassMethods):
                                           checked=expected[0] is not None)
             else:
                 self._push_waits_to_send[request.request_id] = self._push_timeout_s
+                if self._verdicts is not None:
+                    # whether the prefill sends digests shows only when they come: clean is
+                    # `unverified` until the worker says otherwise
+                    self._verdicts.expect(request.request_id,
+                                          -(-num_external_tokens // self._block_size),
+                                          checked=False)
         result = super().update_state_after_alloc(request, blocks, num_external_tokens)
         registration = (pending_push_registration(self.connector_scheduler, request.request_id)
                         if self.pd_mode == "push" else None)
@@ -461,13 +482,18 @@ class _PdAdditions(_PdStatsClassMethods):
 
     def _verify_reads(self, results: KVConnectorTransferResults, meta: Any,
                       finished_req_ids: set[str], stats: PdNixlStats) -> int:
-        """Prefill: digest the prompts completed in this step's forward pass. Decode: check the
-        reads released this step (after their lease verdict); returns the reads that failed
-        their check (reported as invalid blocks, not failed receives)."""
+        """Prefill: digest the prompts completed in this step's forward pass (pull). Decode:
+        check the reads released this step (after their lease verdict) and the finished pushes
+        (once their digests are in); returns the loads that failed their check (reported as
+        invalid blocks, not failed receives)."""
         due = getattr(meta, "pd_digest_blocks", None)
         if due and self._digest_channel is not None and self._block_verifier is not None:
             self._digest_channel.send(self._block_verifier, due)
-        verifier = self._pull_verifier
+        if self._push_digests is not None:
+            missing, dropped = self._push_digests.take_counts()
+            stats.count("pd_missing_digests", missing)
+            stats.count(FAULTS_INJECTED_KEY, dropped)
+        verifier = self._load_verifier
         if verifier is None:
             return 0
         verifier.stats = stats
@@ -477,24 +503,29 @@ class _PdAdditions(_PdStatsClassMethods):
         return verifier.take_mismatched_reads()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        verifier = self._pull_verifier
+        verifier = self._load_verifier
         if verifier is not None and self.has_connector_metadata():
             # upstream consumes the reads' metadata in its own calls: keep what a check needs
             meta = self._get_connector_metadata()
             verifier.expect(getattr(meta, "pd_expected_digests", None) or {})
+            pushed = self.pd_mode == "push"
             for req_id, read in getattr(meta, "reqs_to_recv", {}).items():
-                if not read.awaiting_kvs or read.remote is None or not read.local_block_ids:
+                # a push's decode is not `awaiting_kvs` in upstream's sense (it waits all the same)
+                if (not read.awaiting_kvs and not pushed) or read.remote is None:
                     continue
+                local = group0(read.local_block_ids)
                 peer_why = (f"the prefill has TP {read.tp_size}" if read.tp_size != 1
                             else None)
-                verifier.remember(req_id, list(read.local_block_ids[0]),
-                                  len(read.remote.block_ids[0]), read.remote.engine_id, peer_why)
+                # a push prefill digests the blocks it writes: as many as the decode's
+                remote = len(local) if pushed else len(group0(read.remote.block_ids))
+                verifier.remember(req_id, local, remote, read.remote.engine_id, peer_why,
+                                  pushed=pushed)
         return super().start_load_kv(forward_context, **kwargs)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid = super().get_block_ids_with_load_errors()
-        if self._pull_verifier is not None:
-            invalid = set(invalid) | self._pull_verifier.take_invalid()
+        if self._load_verifier is not None:
+            invalid = set(invalid) | self._load_verifier.take_invalid()
         return invalid
 
     def _check_leases(self, results: KVConnectorTransferResults,
@@ -534,7 +565,7 @@ class _PdAdditions(_PdStatsClassMethods):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         self._experts.after_step()  # called once per step, after the forward pass
         lease = self._notif_tap.take_verdicts() if self._notif_tap is not None else None
-        loads = (self._pull_verifier.take_outcomes() if self._pull_verifier is not None
+        loads = (self._load_verifier.take_outcomes() if self._load_verifier is not None
                  else None)
         if loads is not None and loads.outcomes:
             return PdNixlWorkerMeta(lease=lease or LeaseVerdicts(), loads=loads)

@@ -161,7 +161,9 @@ class WriteGate:
     A WRITE starts only while the prefill still leases the blocks (its lease deadline, not only
     the reaping, which a stalled engine step can delay) and before the decode's write-by time.
     `lock` is held around the start and around upstream's lease reaping, so a WRITE either starts
-    (and is in flight, see SendHold) before its lease is reaped, or not at all.
+    (and is in flight, see SendHold) before its lease is reaped, or not at all. `before_write`
+    (the WRITE's digests, pd_nixl_verify.PushDigestSender) runs just before an allowed start
+    and may skip it (a fault).
     """
 
     def __init__(self, worker: Any) -> None:
@@ -169,13 +171,16 @@ class WriteGate:
         self._worker = worker
         self._start_write = replace_push_start(worker, self._guarded_start)
         self._refused = 0
+        self.before_write: Callable[[str, Any, dict[str, Any]], bool] | None = None
 
     def _guarded_start(self, request_id: str, local_block_ids: Any,
                        registration: dict[str, Any]) -> None:
         with self.lock:
             why = self._refusal(request_id, registration)
             if why is None:
-                self._start_write(request_id, local_block_ids, registration)
+                hook = self.before_write
+                if hook is None or hook(request_id, local_block_ids, registration):
+                    self._start_write(request_id, local_block_ids, registration)
                 return
             self._refused += 1
         logger.warning("PdNixlConnector: no WRITE for request %s: %s", request_id, why)

@@ -9,21 +9,34 @@ them into the `pd` section of the prefill's answer (`kv_digest`).
 Consumer (decode): the scheduler ships each read's expected digests to the workers with the read
 (`expected_digests`, a peer's value: checked, bounded; unusable ones make the read `unverified`).
 When a read is finished, not failed and (where checked) on time by its lease, the worker
-(`PullVerifier`) digests the blocks it read and compares them with the tail of the prefill's list
+(`LoadVerifier`) digests the blocks it read and compares them with the tail of the prefill's list
 (a decode with a local prefix hit reads only its suffix, block_verifier.paired_expected). A
 mismatch at block k makes blocks k.. invalid (vLLM's `get_block_ids_with_load_errors`): vLLM
 recomputes them (kv_load_failure_policy `recompute`) or fails the request (`fail`). Each read's
 outcome goes to the scheduler as worker metadata (`PdNixlWorkerMeta`), which puts the request's
 verdict into its answer (`pd.kv`, kv_verdicts.VerdictBook).
 
+Push (§4.2): the prefill digests the blocks a WRITE is about to copy, just before it starts
+(`PushDigestSender`, on upstream's writer thread, through pd_nixl_guards.WriteGate), and sends them
+to the decode's NIXL agent as a notification (`PDKVD:` + msgpack [decode request id, rank,
+encoded]), once per request, once the handshake named the agent. The decode's `DigestInbox` takes
+those notifications out of what upstream fetches (upstream parses every other one as
+"<request id>:<count>"). A finished push is checked as a pull read is; its digests may arrive after
+the WRITE's own completion notification (NIXL does not order the two), so the push is held until
+they do, or `PUSH_DIGEST_WAIT_S` (then `unverified`, or failed under `required`).
+
 Only equal layouts can be checked (one KV cache group, TP 1 on both ends, equal block sizes, no
 upstream post-processing: nixl_internals.unverifiable_layout); any other read is `unverified`
 (or failed under `verify_kv: required`), never `verified`.
-Fault injection: `corrupt` damages one byte of one block a targeted read landed, before the check.
+Fault injection (decode, before the check): `corrupt` damages one byte of one block a targeted load
+landed, `reuse` overwrites one with another block's bytes; (push prefill) `drop_write` sends the
+digests and the WRITE's completion notification without the WRITE.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -39,6 +52,7 @@ from pd_plugins.connectors.vllm.kv_verdicts import (
     LoadOutcome,
     count_outcome,
 )
+from pd_plugins.connectors.vllm.nixl_internals import remote_agent
 from pd_plugins.connectors.vllm.pd_nixl_guards import BoundedDict, LeaseVerdicts
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import KvFaults, position
@@ -57,6 +71,16 @@ logger = init_logger(__name__)
 
 PURPOSE = "kv-digests"
 MAX_TRACKED = 65536  # requests remembered between steps (oldest forgotten first)
+PUSH_DIGESTS_PREFIX = b"PDKVD:"
+MAX_PUSH_DIGESTS_BYTES = 1 << 21  # one notification: ~11 bytes (base64) a block, 128 k tokens fit
+PUSH_DIGEST_WAIT_S = 2.0  # a finished push waits this long for its digests
+
+
+def group0(block_ids: Any) -> list[int]:
+    """KV cache group 0's block ids of upstream's BlockIds (per-group lists, or one flat list)."""
+    if block_ids and isinstance(block_ids[0], (list, tuple)):
+        return list(block_ids[0])
+    return list(block_ids or ())
 
 
 def prompt_completes(request: Request, scheduled: int) -> bool:
@@ -144,10 +168,11 @@ class _Read:
     """A read the decode worker started: where it landed, and what to compare it with."""
 
     local: list[int]            # local blocks (group 0), in order
-    remote_blocks: int          # blocks the prefill holds for it
+    remote_blocks: int          # blocks the prefill holds for it (push: sends digests of)
     peer: str                   # the prefill's engine id
     expected: str | None = None  # encoded digests
     why: str | None = None       # why it cannot be checked
+    pushed: bool = False         # push: the digests come by notification (DigestInbox)
 
 
 @dataclass
@@ -165,17 +190,22 @@ class PdNixlWorkerMeta(KVConnectorWorkerMetadata):
         return self
 
 
-class PullVerifier:
-    """Decode worker side: checks finished reads, reports bad blocks and outcomes."""
+class LoadVerifier:
+    """Decode worker side: checks finished reads (pull) and pushes, reports bad blocks and
+    outcomes."""
 
     def __init__(self, verifier: Callable[[], BlockVerifier | None],
                  layout_why: Callable[[], str | None], required: bool, faults: KvFaults,
-                 stats: Any) -> None:
+                 stats: Any, inbox: DigestInbox | None = None,
+                 hold_s: float = PUSH_DIGEST_WAIT_S) -> None:
         self._verifier = verifier  # None until the KV caches are registered
         self._layout_why = layout_why  # asked per read: upstream settles its layout late
         self.required = required
         self.faults = faults
         self.stats = stats  # PdNixlStats (swapped by the caller each step)
+        self._inbox = inbox  # push: where the prefills' digests arrive
+        self.hold_s = hold_s
+        self._held: BoundedDict = BoundedDict(MAX_TRACKED)  # push req id -> monotonic deadline
         self._reads: BoundedDict = BoundedDict(MAX_TRACKED)
         self._expected: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> (encoded | None, why)
         self._invalid: set[int] = set()
@@ -190,48 +220,91 @@ class PullVerifier:
             self._expected[req_id] = value
 
     def remember(self, req_id: str, local: list[int], remote_blocks: int, peer: str,
-                 peer_why: str | None) -> None:
-        """A read starts (from upstream's metadata, before upstream consumes it)."""
+                 peer_why: str | None, pushed: bool = False) -> None:
+        """A read or push starts (from upstream's metadata, before upstream consumes it). A push's
+        prefill digests the `remote_blocks` == len(local) blocks it writes."""
         expected, why = self._expected.pop(req_id, (None, "the prefill stated no digests"))
         if not local:
             return  # a full local prefix hit: nothing is read
+        if pushed:
+            expected, why = None, None
         self._reads[req_id] = _Read(local, remote_blocks, peer, expected,
-                                    self._layout_why() or peer_why or why)
+                                    self._layout_why() or peer_why or why, pushed)
 
     def forget(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self._reads.pop(req_id, None)
             self._expected.pop(req_id, None)
+            self._held.pop(req_id, None)
 
-    def settle(self, finished: set[str], failed: set[str]) -> set[str]:
-        """Check this step's finished reads (finished, not failed, released by the lease check);
-        returns the reads that failed here as whole requests (`required` without a check)."""
+    def settle(self, finished: set[str], failed: set[str], now: float | None = None) -> set[str]:
+        """Check this step's finished loads (finished, not failed, released by the lease check);
+        returns the loads that failed here as whole requests (`required` without a check).
+        Pushes whose digests are not in yet leave `finished` until they are (or their wait ends);
+        held pushes released now join it."""
+        now = time.monotonic() if now is None else now
         failed_here: set[str] = set()
         for req_id in failed:
+            self._held.pop(req_id, None)
             read = self._reads.pop(req_id, None)
             if read is not None:
                 self._record(req_id, LoadOutcome(len(read.local), len(read.local), 0,
                                                  read.why is None))
         for req_id in finished - failed:
-            read = self._reads.pop(req_id, None)
+            read = self._reads.get(req_id)
             if read is None:
                 continue  # no read of ours (rejected params, a notify-only hit)
-            self._inject(req_id, read)
-            outcome = self._check(req_id, read)
-            if outcome.failed and not outcome.checked:
-                failed_here.add(req_id)  # `required`: nothing to check it against
-            self._record(req_id, outcome)
+            if self._awaits_digests(req_id, read):
+                finished.discard(req_id)
+                self._held[req_id] = now + self.hold_s
+                continue
+            del self._reads[req_id]
+            self._finish(req_id, read, failed_here)
+        for req_id, until in list(self._held.items()):
+            read = self._reads.get(req_id)
+            if read is None:
+                del self._held[req_id]  # forgotten (aborted)
+                continue
+            if self._awaits_digests(req_id, read) and now < until:
+                continue
+            if read.expected is None and read.why is None:
+                read.why = f"no digests from the prefill within {self.hold_s:g} s"
+            del self._held[req_id], self._reads[req_id]
+            finished.add(req_id)
+            self._finish(req_id, read, failed_here)
         return failed_here
+
+    def _awaits_digests(self, req_id: str, read: _Read) -> bool:
+        """A push whose prefill's digests have not arrived (takes them when they have)."""
+        if not read.pushed or read.expected is not None or read.why is not None:
+            return False
+        got = self._inbox.take(req_id) if self._inbox is not None else None
+        if got is None:
+            return True
+        read.expected = got
+        return False
+
+    def _finish(self, req_id: str, read: _Read, failed_here: set[str]) -> None:
+        self._inject(req_id, read)
+        outcome = self._check(req_id, read)
+        if outcome.failed and not outcome.checked:
+            failed_here.add(req_id)  # `required`: nothing to check it against
+        self._record(req_id, outcome)
 
     def _inject(self, req_id: str, read: _Read) -> None:
         verifier = self._verifier()
         if verifier is None or not self.faults.enabled:
             return
         rule = self.faults.take("corrupt", req_id)
-        if rule is None:
-            return
-        block = read.local[position(rule, req_id, len(read.local))]
-        verifier.damage(block, position(rule, req_id + "/byte", verifier.block_bytes))
+        if rule is not None:
+            block = read.local[position(rule, req_id, len(read.local))]
+            verifier.damage(block, position(rule, req_id + "/byte", verifier.block_bytes))
+        else:
+            rule = self.faults.take("reuse", req_id)
+            if rule is None:
+                return
+            block = read.local[position(rule, req_id, len(read.local))]
+            verifier.overwrite(block, other_block(verifier, block))
         self.stats.count(FAULTS_INJECTED_KEY)
 
     def _check(self, req_id: str, read: _Read) -> LoadOutcome:
@@ -290,3 +363,157 @@ class PullVerifier:
 
     def __len__(self) -> int:
         return len(self._reads)
+
+
+def other_block(verifier: BlockVerifier, block: int) -> int:
+    """The next block after `block` (cyclically) whose bytes differ from it: what a reused block
+    would hold (`reuse`); `block` itself if every block holds the same bytes."""
+    mine = verifier.digests([block])[0]
+    for step in range(1, verifier.num_blocks):
+        candidate = (block + step) % verifier.num_blocks
+        if verifier.digests([candidate])[0] != mine:
+            return candidate
+    return block
+
+
+# -- push ---------------------------------------------------------------------------------------------
+def push_digests_notif(decode_req_id: str, rank: int, encoded: str) -> bytes:
+    """The notification that carries a push's digests to its decode."""
+    return PUSH_DIGESTS_PREFIX + msgspec.msgpack.encode([decode_req_id, rank, encoded])
+
+
+def parse_push_digests(message: bytes) -> tuple[str, int, str] | None:
+    """(decode request id, rank, encoded digests) of a notification; None if malformed or too
+    large (a peer's bytes)."""
+    if not message.startswith(PUSH_DIGESTS_PREFIX) or len(message) > MAX_PUSH_DIGESTS_BYTES:
+        return None
+    try:
+        req_id, rank, encoded = msgspec.msgpack.decode(message[len(PUSH_DIGESTS_PREFIX):],
+                                                       type=tuple[str, int, str])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return req_id, rank, encoded
+
+
+class DigestInbox:
+    """Decode side of push: wraps the worker's NIXL agent (upstream's push writer thread fetches its
+    notifications) and takes the prefills' digest notifications out before upstream sees them;
+    keeps the digests by decode request id (bounded, oldest forgotten; locked: the writer thread
+    adds, the engine's main thread takes)."""
+
+    def __init__(self, agent: Any, size: int = MAX_TRACKED) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._digests: BoundedDict = BoundedDict(size)  # req id -> encoded (rank 0: TP 1 only)
+        self.malformed = 0
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        notifs = self._agent.get_new_notifs(*args, **kwargs)
+        passed: dict[str, list[bytes]] = {}
+        for peer, messages in notifs.items():
+            passed[peer] = [m for m in messages if not m.startswith(PUSH_DIGESTS_PREFIX)]
+            for message in messages:
+                if message.startswith(PUSH_DIGESTS_PREFIX):
+                    self._keep(peer, message)
+        return passed
+
+    def _keep(self, peer: str, message: bytes) -> None:
+        parsed = parse_push_digests(message)
+        if parsed is None or parsed[1] != 0:
+            self.malformed += 1
+            if self.malformed == 1:
+                logger.warning("PdNixlConnector: unusable KV digest notification from agent %s "
+                               "(%d bytes; only TP rank 0's are used); ignored", peer,
+                               len(message))
+            return
+        with self._lock:
+            self._digests[parsed[0]] = parsed[2]
+
+    def take(self, req_id: str) -> str | None:
+        with self._lock:
+            return self._digests.pop(req_id, None)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+class PushDigestSender:
+    """Prefill side of push: `before_write` (pd_nixl_guards.WriteGate, on upstream's writer thread,
+    just before a WRITE starts) sends the digests of the blocks the WRITE copies to the decode's
+    agent, once per request. Before the handshake names that agent it does nothing: upstream defers
+    the WRITE and starts it (through the gate) again once the handshake is done."""
+
+    def __init__(self, worker: Any, verifier: Callable[[], BlockVerifier | None],
+                 layout_why: Callable[[], str | None], faults: KvFaults) -> None:
+        self._worker = worker
+        self._verifier = verifier
+        self._layout_why = layout_why
+        self._faults = faults
+        self._sent: BoundedDict = BoundedDict(MAX_TRACKED)  # prefill req ids (values None)
+        self._lock = threading.Lock()
+        self._missing = 0   # WRITEs without digests, not yet counted
+        self._injected = 0  # `drop_write`s, not yet counted
+        self._warned: BoundedDict = BoundedDict(1024)  # decode engines logged as unverified
+
+    def before_write(self, request_id: str, local_block_ids: Any,
+                     registration: dict[str, Any]) -> bool:
+        """Send the digests; False: do not start the WRITE (`drop_write`, its notification sent)."""
+        worker = self._worker
+        engine = registration.get("decode_engine_id")
+        agent = remote_agent(worker, engine, worker.tp_rank) if isinstance(engine, str) else None
+        if agent is None:
+            return True  # handshake pending (upstream defers the WRITE) or no usable engine id
+        decode_req_id = str(registration.get("request_id"))
+        with self._lock:
+            first = request_id not in self._sent
+            self._sent[request_id] = None
+        if first:
+            encoded, why = self._digests(local_block_ids, registration)
+            if encoded is None:
+                self._unsent(engine, request_id, why)
+            else:
+                worker.nixl_wrapper.send_notif(
+                    agent, notif_msg=push_digests_notif(decode_req_id, worker.tp_rank, encoded))
+        if self._faults.take("drop_write", request_id) is None:
+            return True
+        # the WRITE's own completion notification (upstream's format), with no WRITE before it
+        worker.nixl_wrapper.send_notif(
+            agent, notif_msg=f"{decode_req_id}:{worker.world_size}".encode())
+        with self._lock:
+            self._injected += 1
+        return False
+
+    def _digests(self, local_block_ids: Any, registration: dict[str, Any]
+                 ) -> tuple[str | None, str | None]:
+        """(encoded digests of the blocks the WRITE copies, None) or (None, why not)."""
+        verifier = self._verifier()
+        why = self._layout_why() or (None if verifier is not None else "no KV caches registered")
+        if why is None and registration.get("decode_tp_size") != 1:
+            why = f"the decode has TP {registration.get('decode_tp_size')} (only TP 1 is checked)"
+        if why is not None:
+            return None, why
+        mine, theirs = group0(local_block_ids), group0(registration.get("local_block_ids"))
+        if not 0 < len(theirs) <= len(mine):
+            return None, f"{len(theirs)} decode blocks for {len(mine)} prefill blocks"
+        # upstream WRITEs the tail of the prefill's blocks into the decode's (prefix caching)
+        return kv_digest.encode(verifier.digests(mine[len(mine) - len(theirs):])), None
+
+    def _unsent(self, engine: str, request_id: str, why: str | None) -> None:
+        with self._lock:
+            self._missing += 1
+            first = engine not in self._warned
+            self._warned[engine] = None
+        if first:
+            logger.warning("PdNixlConnector: pushes to decode %s carry no KV digests (%s, first "
+                           "seen on request %s): it loads them unverified", engine, why,
+                           request_id)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(WRITEs without digests, `drop_write`s) since the last call."""
+        with self._lock:
+            counts = self._missing, self._injected
+            self._missing = self._injected = 0
+        return counts

@@ -97,3 +97,21 @@ def test_write_gate_starts_only_leased_writes_the_decode_still_waits_for():
     worker._do_start_push_kv("released", [[1]], {})
     assert worker.started == ["leased", "finishing"]
     assert gate.take_refused() == 3 and gate.take_refused() == 0
+
+
+def test_write_gate_asks_before_write_and_skips_the_write_it_declines():
+    import time as clock
+
+    from pd_plugins.connectors.vllm.pd_nixl_guards import WriteGate
+
+    worker = FakePushWorker()
+    gate = WriteGate(worker)
+    asked = []
+    gate.before_write = lambda r, blocks, reg: asked.append(r) or r != "dropped"
+    worker._reqs_to_send.update({"kept": clock.perf_counter() + 60,
+                                 "dropped": clock.perf_counter() + 60})
+    worker._reqs_to_process.update({"kept", "dropped"})
+    for request_id in ("kept", "dropped", "released"):
+        worker._do_start_push_kv(request_id, [[1]], {})
+    assert asked == ["kept", "dropped"]  # a refused WRITE is not asked about
+    assert worker.started == ["kept"] and gate.take_refused() == 1

@@ -1,7 +1,8 @@
-"""Verified NIXL pull reads (pd_nixl_verify.py): the prefill's digests, their way to the decode
-(the digest channel, the `pd` section, the decode scheduler's metadata), the decode worker's
-check of what it read (pairing with a partial local prefix hit, the `corrupt` fault, unverified
-reads, `required`), and the verdict in the answer through vLLM's real scheduler."""
+"""Verified NIXL KV (pd_nixl_verify.py): the prefill's digests, their way to the decode (pull: the
+digest channel, the `pd` section, the decode scheduler's metadata; push: the notification before
+the WRITE, the decode's inbox, the hold), the decode worker's check of what landed (pairing with a
+partial local prefix hit, the `corrupt`, `reuse` and `drop_write` faults, unverified loads,
+`required`), and the verdict in the answer through vLLM's real scheduler."""
 
 from __future__ import annotations
 
@@ -16,12 +17,17 @@ from pd_plugins.connectors.vllm.kv_verdicts import FAULTS_INJECTED_KEY, KvLoadOu
 from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlStats
 from pd_plugins.connectors.vllm.pd_nixl_verify import (
+    PUSH_DIGESTS_PREFIX,
     DigestChannel,
+    DigestInbox,
     DigestPlan,
+    LoadVerifier,
     PdNixlWorkerMeta,
-    PullVerifier,
+    PushDigestSender,
     expected_digests,
+    parse_push_digests,
     prompt_completes,
+    push_digests_notif,
 )
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import KvFaults
@@ -61,12 +67,13 @@ class Pair:
                 mine[dst] = theirs[src]
 
     def verifier(self, faults: str | None = None, layout_why: str | None = None,
-                 required: bool = False) -> PullVerifier:
+                 required: bool = False, inbox: DigestInbox | None = None) -> LoadVerifier:
         decode = BlockVerifier(self.decode, NUM_BLOCKS)
-        return PullVerifier(lambda: decode, lambda: layout_why, required,
-                            KvFaults.from_spec(faults, "test", ALLOWED), self.stats)
+        return LoadVerifier(lambda: decode, lambda: layout_why, required,
+                            KvFaults.from_spec(faults, "test", ALLOWED), self.stats,
+                            inbox=inbox, hold_s=2.0)
 
-    def start(self, verifier: PullVerifier, req_id: str, local: list[int],
+    def start(self, verifier: LoadVerifier, req_id: str, local: list[int],
               digests: str | None = "stated", peer_why: str | None = None) -> None:
         encoded = kv_digest.encode(self.stated) if digests == "stated" else digests
         verifier.expect({req_id: (encoded, None if encoded else "no digests")})
@@ -118,9 +125,12 @@ def test_a_mismatch_at_block_k_invalidates_the_blocks_from_k():
     assert pair.count("kv_mismatched_requests") == 1 and pair.count("kv_verified_blocks") == 2
 
 
-def test_the_corrupt_fault_hits_only_matching_reads_and_is_always_caught():
+@pytest.mark.parametrize("kind", ["corrupt", "reuse"])
+def test_each_landed_block_fault_hits_only_matching_reads_and_is_always_caught(kind):
+    # corrupt: one byte of one block flipped; reuse: one block holds another block's bytes
+    other = "reuse" if kind == "corrupt" else "corrupt"
     pair = Pair()
-    verifier = pair.verifier("corrupt:match=kvfault-")
+    verifier = pair.verifier(f"{kind}:match=kvfault-;{other}:match=nothing-matches")
     ids = [f"cmpl-kvfault-{i}" for i in range(20)] + [f"cmpl-clean-{i}" for i in range(5)]
     local = [5, 6, 7, 8, 10]
     for req_id in ids:
@@ -131,7 +141,7 @@ def test_the_corrupt_fault_hits_only_matching_reads_and_is_always_caught():
     assert [r for r, o in outcomes.items() if o.mismatched] == ids[:20]
     assert all(o.mismatched == 1 and o.checked for o in list(outcomes.values())[:20])
     assert pair.count(FAULTS_INJECTED_KEY) == 20 == pair.count("kv_mismatched_requests")
-    assert verifier.faults.injected["corrupt"] == 20
+    assert (verifier.faults.injected[kind], verifier.faults.injected[other]) == (20, 0)
 
 
 def test_reads_without_usable_digests_are_unverified_never_verified():
@@ -407,3 +417,195 @@ def test_layouts_upstream_post_processes_are_not_checked():
                         ({"dcp_size": 2}, "context parallelism"),
                         ({"enable_heterogeneous_attn_post_process": True}, "heterogeneous")]:
         assert why in unverifiable_layout(SimpleNamespace(**{**plain, **change}))
+
+
+# -- push -------------------------------------------------------------------------------------------
+class FakeDecodeAgent:
+    """A NIXL agent's notification queue (a named fake: what upstream's writer thread fetches)."""
+
+    name = "decode-agent"
+
+    def __init__(self):
+        self.notifs: dict[str, list[bytes]] = {}
+
+    def get_new_notifs(self):
+        notifs, self.notifs = self.notifs, {}
+        return notifs
+
+
+def test_the_inbox_takes_digest_notifications_out_before_upstream_sees_them():
+    agent = FakeDecodeAgent()
+    inbox = DigestInbox(agent)
+    agent.notifs = {"prefill-a": [b"req-1:1", push_digests_notif("req-1", 0, "AAAAAAAAAAA="),
+                                  b"HB:req-9", b"PUSH_REG:x"],
+                    "prefill-b": [push_digests_notif("req-2", 0, "BBBBBBBBBBB=")]}
+    # upstream parses the rest as "<request id>:<count>" (or heartbeats, registrations)
+    assert inbox.get_new_notifs() == {"prefill-a": [b"req-1:1", b"HB:req-9", b"PUSH_REG:x"],
+                                      "prefill-b": []}
+    assert inbox.name == "decode-agent"
+    assert inbox.take("req-1") == "AAAAAAAAAAA=" and inbox.take("req-1") is None
+    assert inbox.take("req-2") == "BBBBBBBBBBB="
+    # a peer's bytes: malformed, oversized, another rank's (TP 1 only) are dropped and counted
+    agent.notifs = {"p": [PUSH_DIGESTS_PREFIX + b"\xc1garbage",
+                          PUSH_DIGESTS_PREFIX + b"\x93\x01\x02\x03",
+                          push_digests_notif("big", 0, "A" * (1 << 21)),
+                          push_digests_notif("rank-1", 1, "AAAAAAAAAAA=")]}
+    assert inbox.get_new_notifs() == {"p": []}
+    assert inbox.malformed == 4 and len(inbox) == 0
+    assert parse_push_digests(push_digests_notif("r", 0, "x")) == ("r", 0, "x")
+
+
+def test_the_inbox_is_bounded_oldest_forgotten():
+    agent = FakeDecodeAgent()
+    inbox = DigestInbox(agent, size=3)
+    agent.notifs = {"p": [push_digests_notif(f"req-{i}", 0, str(i)) for i in range(5)]}
+    inbox.get_new_notifs()
+    assert len(inbox) == 3
+    assert [inbox.take(f"req-{i}") for i in range(5)] == [None, None, "2", "3", "4"]
+
+
+def push_start(pair: Pair, verifier: LoadVerifier, req_id: str, local: list[int]) -> None:
+    verifier.remember(req_id, local, len(local), "prefill-engine", None, pushed=True)
+
+
+def deliver(agent: FakeDecodeAgent, inbox: DigestInbox, req_id: str, digests) -> None:
+    agent.notifs = {"prefill-agent": [push_digests_notif(req_id, 0, kv_digest.encode(digests))]}
+    inbox.get_new_notifs()
+
+
+def test_a_push_finished_before_its_digests_is_held_until_they_arrive():
+    pair, agent = Pair(), FakeDecodeAgent()
+    inbox = DigestInbox(agent)
+    verifier = pair.verifier(inbox=inbox)
+    local = [5, 6, 7, 8, 10]
+    pair.read(local)  # what the WRITE landed
+    push_start(pair, verifier, "early", local)
+    push_start(pair, verifier, "late", local)
+    deliver(agent, inbox, "early", pair.stated)  # its digests came before its completion
+    finished = {"early", "late"}
+    assert verifier.settle(finished, set(), now=100.0) == set()
+    assert finished == {"early"}  # `late` waits for its digests
+    assert verifier.take_outcomes().outcomes == {"early": LoadOutcome(5, 0, 0, True)}
+    finished = set()
+    verifier.settle(finished, set(), now=101.0)
+    assert finished == set()  # still nothing, still within the wait
+    deliver(agent, inbox, "late", pair.stated)
+    verifier.settle(finished, set(), now=101.5)
+    assert finished == {"late"}
+    assert verifier.take_outcomes().outcomes == {"late": LoadOutcome(5, 0, 0, True)}
+    assert len(verifier) == 0
+
+
+def test_a_push_whose_digests_never_come_is_unverified_or_failed_under_required():
+    for required, failed in [(False, set()), (True, {"silent"})]:
+        pair = Pair()
+        inbox = DigestInbox(FakeDecodeAgent())
+        verifier = pair.verifier(inbox=inbox, required=required)
+        push_start(pair, verifier, "silent", [5, 6])
+        finished = {"silent"}
+        assert verifier.settle(finished, set(), now=10.0) == set() and finished == set()
+        assert verifier.settle(finished, set(), now=11.9) == set() and finished == set()
+        assert verifier.settle(finished, set(), now=12.0) == failed  # the 2 s wait is over
+        assert finished == {"silent"}
+        outcome = verifier.take_outcomes().outcomes["silent"]
+        assert outcome == (LoadOutcome(2, 2, 0, False) if required else
+                           LoadOutcome(2, 0, 0, False))
+        assert pair.count("kv_unverified_loads") == 1
+
+
+def test_a_held_push_that_is_aborted_or_times_out_upstream_is_not_reported_twice():
+    pair = Pair()
+    verifier = pair.verifier(inbox=DigestInbox(FakeDecodeAgent()))
+    push_start(pair, verifier, "aborted", [5])
+    finished = {"aborted"}
+    verifier.settle(finished, set(), now=0.0)
+    verifier.forget({"aborted"})
+    verifier.settle(finished, set(), now=5.0)
+    assert finished == set() and verifier.take_outcomes().outcomes == {}
+
+
+def test_pushes_are_checked_as_reads_are_and_every_dropped_or_damaged_one_is_caught():
+    pair, agent = Pair(), FakeDecodeAgent()
+    inbox = DigestInbox(agent)
+    verifier = pair.verifier("corrupt:match=kvfault-c", inbox=inbox)
+    local = [5, 6, 7, 8, 10]
+    ids = ([f"kvfault-c-{i}" for i in range(10)] + [f"kvfault-d-{i}" for i in range(10)]
+           + [f"clean-{i}" for i in range(5)])
+    for req_id in ids:
+        pair.read(local)
+        if "-d-" in req_id:  # a dropped WRITE: the decode's blocks keep other bytes
+            for layer in pair.decode:
+                layer[local] = torch.randn_like(layer[local])
+        push_start(pair, verifier, req_id, local)
+        deliver(agent, inbox, req_id, pair.stated)
+        verifier.settle({req_id}, set())
+    outcomes = verifier.take_outcomes().outcomes
+    assert [r for r, o in outcomes.items() if o.mismatched] == ids[:20]
+    assert [outcomes[r].mismatched for r in ids[:20]] == [1] * 10 + [5] * 10
+    assert all(outcomes[r] == LoadOutcome(5, 0, 0, True) for r in ids[20:])
+    assert pair.count("kv_mismatched_requests") == 20
+
+
+class FakePushPrefill:
+    """The parts of an upstream push worker a digest sender uses (a named fake)."""
+
+    tp_rank = 0
+    world_size = 1
+
+    def __init__(self, agents: dict[str, str]):
+        self._handshake_lock = __import__("threading").RLock()
+        self._remote_agents = {engine: {(0, 0): name} for engine, name in agents.items()}
+        self.sent: list[tuple[str, bytes]] = []
+        self.nixl_wrapper = self
+
+    def send_notif(self, agent: str, notif_msg: bytes) -> None:
+        self.sent.append((agent, notif_msg))
+
+
+def registration(engine: str, decode_blocks: list[int], req_id: str = "decode-req") -> dict:
+    return {"request_id": req_id, "decode_engine_id": engine, "decode_tp_size": 1,
+            "local_block_ids": [decode_blocks]}
+
+
+def test_the_prefill_sends_the_digests_of_the_blocks_it_writes_once_and_after_the_handshake():
+    pair = Pair()
+    worker = FakePushPrefill({"decode-1": "agent-d1"})
+    prefill = BlockVerifier(pair.prefill, NUM_BLOCKS)
+    sender = PushDigestSender(worker, lambda: prefill, lambda: None, KvFaults.none())
+    blocks = [pair.prefill_blocks]
+    # handshake with decode-2 pending: nothing sent, upstream starts (defers) the WRITE
+    assert sender.before_write("p-0", blocks, registration("decode-2", [1, 2, 3, 4, 5]))
+    assert worker.sent == []
+    # the decode had 3 blocks cached: the WRITE copies the prefill's last 2 into its 2
+    assert sender.before_write("p-1", blocks, registration("decode-1", [13, 14]))
+    assert sender.before_write("p-1", blocks, registration("decode-1", [13, 14]))  # again
+    assert len(worker.sent) == 1
+    agent, message = worker.sent[0]
+    req_id, rank, encoded = parse_push_digests(message)
+    assert (agent, req_id, rank) == ("agent-d1", "decode-req", 0)
+    assert list(kv_digest.decode(encoded, 5)) == list(pair.stated[3:])
+    assert sender.take_counts() == (0, 0)
+    # no pairing (more decode blocks than the prefill's), or an unverifiable layout: no digests
+    assert sender.before_write("p-2", blocks, registration("decode-1", list(range(6))))
+    unverifiable = PushDigestSender(worker, lambda: prefill, lambda: "host buffer",
+                                    KvFaults.none())
+    assert unverifiable.before_write("p-3", blocks, registration("decode-1", [1]))
+    assert len(worker.sent) == 1
+    assert sender.take_counts() == (1, 0) and unverifiable.take_counts() == (1, 0)
+
+
+def test_drop_write_sends_the_digests_and_the_completion_but_no_write():
+    pair = Pair()
+    worker = FakePushPrefill({"decode-1": "agent-d1"})
+    prefill = BlockVerifier(pair.prefill, NUM_BLOCKS)
+    sender = PushDigestSender(worker, lambda: prefill, lambda: None,
+                              KvFaults.from_spec("drop_write:match=kvfault-", "test", ALLOWED))
+    assert not sender.before_write("cmpl-kvfault-1", [pair.prefill_blocks],
+                                   registration("decode-1", [1, 2, 3, 4, 5], "d-kvfault-1"))
+    assert sender.before_write("cmpl-clean-1", [pair.prefill_blocks],
+                               registration("decode-1", [1, 2, 3, 4, 5], "d-clean-1"))
+    messages = [m for _, m in worker.sent]
+    assert parse_push_digests(messages[0])[0] == "d-kvfault-1"
+    assert messages[1] == b"d-kvfault-1:1"  # upstream's completion: "<decode request id>:<TP>"
+    assert parse_push_digests(messages[2])[0] == "d-clean-1" and len(messages) == 3
+    assert sender.take_counts() == (0, 1)
