@@ -324,13 +324,13 @@ class LoadVerifier:
                            f"local blocks")
         if why is not None:
             if self.required:
-                logger.error("PdNixlConnector: request %s's read from %s cannot be verified "
+                logger.error("PdNixlConnector: request %s's load from %s cannot be verified "
                              "(%s) and verify_kv is `required`: its KV load failed",
                              req_id, read.peer, why)
                 return LoadOutcome(n, n, 0, False)
             if read.peer not in self._warned:  # once per prefill (bounded): counted always
                 self._warned[read.peer] = None
-                logger.warning("PdNixlConnector: reads from prefill %s are not verified (%s, "
+                logger.warning("PdNixlConnector: loads from prefill %s are not verified (%s, "
                                "first seen on request %s)", read.peer, why, req_id)
             return LoadOutcome(n, 0, 0, False)
         found = verifier.digests(read.local)
@@ -340,8 +340,8 @@ class LoadVerifier:
         mismatched = int(np.count_nonzero(found != expected))
         self._invalid.update(read.local[k:])
         self.mismatched_reads += 1
-        logger.error("PdNixlConnector: request %s: %d of %d blocks read from %s do not match "
-                     "the prefill's digests (first: block %d of the read); blocks from there "
+        logger.error("PdNixlConnector: request %s: %d of %d blocks loaded from %s do not match "
+                     "the prefill's digests (first: block %d of the load); blocks from there "
                      "are not used (kv_load_failure_policy)", req_id, mismatched, n, read.peer, k)
         return LoadOutcome(n, n - k, mismatched, True)
 
