@@ -145,14 +145,15 @@ class ShmOptions(msgspec.Struct, kw_only=True, frozen=True):
         "the answer (`pd.kv`) and on /metrics (`vllm:pd_kv_*`). `on`: a pool this engine creates "
         "has checksums (unless `checksums` is false), and loads from a pool without them are "
         "`unverified`; `required`: such a pool is refused at start; `off`: `checksums` alone "
-        "decides")] = "on"
+        "decides. SGLang's pd-shm: also against the sums in the room's manifest; a mismatch "
+        "fails the room", env="PD_VERIFY_KV")] = "on"
     checksums: Annotated[bool | None, doc(
         "writers sum every block, readers check the sums (fixed when the pool is created; an "
         "engine follows an existing pool's setting and logs if it differs). Auto: on unless "
         "`verify_kv` is off; then on for a DAX device (CXL memory that hosts share may not be "
         "cache coherent), off for a file on one host (the generation check alone catches a "
-        "slot reused while it is read, but not a damaged byte). SGLang's pd-shm: always auto "
-        "with verify_kv off (it does not verify yet)", default="auto")] = None
+        "slot reused while it is read, but not a damaged byte). SGLang's pd-shm has no key of its "
+        "own: on unless PD_VERIFY_KV is off", default="auto")] = None
     lookup: Annotated[bool, doc("load prefix blocks found in the pool (any role)")] = True
     store: Annotated[Literal["pd", "all"], doc(
         "a producer stores PD prefill legs only (`pd`) or every request (`all`)")] = "pd"
@@ -199,8 +200,9 @@ class KvFaultOptions(msgspec.Struct, kw_only=True, frozen=True):
     faults: Annotated[str | None, doc(
         "inject KV faults: `kind[:match=ID-PART,every=N,limit=N,seed=N]`, `;`-separated, kinds "
         "corrupt, reuse, drop_write, stale_chunk, flip_slot (each transport injects those it has "
-        "a hook for; PdShmConnector: flip_slot). Refused unless PD_KV_FAULTS_ALLOWED=1 is in the "
-        "engine's environment, and always under PD_PRODUCTION=1", env="PD_KV_FAULTS")] = None
+        "a hook for; PdShmConnector and SGLang pd-shm: flip_slot, reuse). Refused unless "
+        "PD_KV_FAULTS_ALLOWED=1 is in the engine's environment, and always under PD_PRODUCTION=1",
+        env="PD_KV_FAULTS")] = None
 
 
 class HostEnvironment(msgspec.Struct, kw_only=True, frozen=True):

@@ -81,9 +81,9 @@ class PageChecks:
         of them are read). Returns the verdict; raises KvDigestMismatch naming the room and the
         first bad page (in the producer's numbering), ValueError for a malformed list."""
         if stated is None or not kv_rows:
-            self._count("unverified")
+            self.count("unverified")
             why = "the prefill stated no page digests" if stated is None else "device KV"
-            self._warn_once(peer, f"room {room}: KV from {peer} used unverified ({why})")
+            self.warn_once(peer, f"room {room}: KV from {peer} used unverified ({why})")
             return "unverified"
         expected = kv_digest.decode(stated, max_pages)
         want = expected[first_page:first_page + len(pages)]
@@ -93,19 +93,19 @@ class PageChecks:
         got = kv_digest.block_digests(kv_rows, pages)
         bad = np.flatnonzero(got != want)
         if bad.size:
-            self._count("mismatched")
+            self.count("mismatched")
             raise KvDigestMismatch(
                 f"room {room}: KV digest mismatch at page {first_page + int(bad[0])} "
                 f"({bad.size} of {len(pages)} pages differ from what the prefill at {peer} "
                 "stated); the KV is not used")
-        self._count("verified")
+        self.count("verified")
         return "verified"
 
-    def _count(self, verdict: str) -> None:
+    def count(self, verdict: str) -> None:
         with self._lock:
             self.counts[verdict] += 1
 
-    def _warn_once(self, peer: str, message: str) -> None:
+    def warn_once(self, peer: str, message: str) -> None:
         with self._lock:
             first = peer not in self._warned
             if first:

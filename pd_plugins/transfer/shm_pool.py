@@ -934,6 +934,21 @@ class ShmKVPool:
             same = kernels.unpin(c["state"], c["seq"], c["readers"], pinned.slots, pinned.seqs)
         return same.tolist()
 
+    def reuse_pinned(self, pinned: PinnedSlot, data: np.ndarray | None = None) -> None:
+        """Fault injection only (transfer/kv_faults.py `reuse`): do to a pinned slot what a reuse
+        between pin and copy would (the pool never allows one while a pin is live): a new
+        generation, and with `data` another block's bytes and their checksum in the header. The
+        reader's `unpin` must then report the copy torn (and `read_many` its sum wrong)."""
+        self._require_writable()
+        with self._file_lock():
+            c, seq = self._cols, self._next_seq[0]
+            self._next_seq[0] = seq + np.uint64(1)
+            c["seq"][pinned.slot] = seq
+            if data is not None:
+                data = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+                self.data[pinned.slot, :data.size] = data
+                c["checksum"][pinned.slot] = checksum(data) if self.checksums else 0
+
     def discard(self, pinned: Iterable[PinnedSlot] | PinnedSlots) -> int:
         """Drop published slots whose bytes failed their checksum (after `unpin`), so that no
         later reader loads them again (a writer skips keys the pool has: the bad copy would stay

@@ -5,7 +5,8 @@ output equals aggregated output; the swap test exchanges two prompts' blocks ins
 the decode then answers with the other prompt's output, so the KV it used came from the pool.
 
 Verified hand-off (issue 28): the prefill injects `flip_slot` faults into requests whose id holds
-`kvfault-` (PD_KV_FAULTS_ALLOWED=1 in its environment only); the decode must catch every one.
+`kvfault-flip-`, the first decode `reuse` faults into those whose id holds `kvfault-reuse-`
+(PD_KV_FAULTS_ALLOWED=1 in those two environments only); the decode must catch every one.
 """
 
 from __future__ import annotations
@@ -74,8 +75,9 @@ class ShmTrio:
         remove_pool(self.pool_path)
 
 
-FAULT_SPEC = "flip_slot:match=kvfault-"
-INJECTED = 50
+FAULT_SPECS = {"prefill": "flip_slot:match=kvfault-flip-",
+               "decode-1": "reuse:match=kvfault-reuse-"}
+INJECTED = 50  # of each kind
 
 
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
@@ -87,8 +89,8 @@ def trio(request, pool):
 
     def server(name, role, cpu):
         # checksums on explicitly (verify_kv's default turns them on too): the corruption tests
-        # need them; the prefill damages the slots of `kvfault-` requests only
-        faults = {"faults": FAULT_SPEC} if role == "prefill" else {}
+        # need them; the prefill and decode-1 damage the slots of `kvfault-` requests only
+        faults = {"faults": FAULT_SPECS[name]} if name in FAULT_SPECS else {}
         kv = shm_config(role, path, save_mode=case.save_mode, checksums=True, **faults)
         kv["kv_load_failure_policy"] = case.failure_policy
         kv["engine_id"] = f"{name}-{uuid.uuid4().hex[:6]}"
@@ -232,43 +234,55 @@ def test_router_routes_on_the_pools_contents(trio, references):
 @FULL_MATRIX_ONLY
 def test_every_injected_flip_is_caught_and_nothing_is_answered_from_it(trio):
     """50 requests, each with one byte of one of its pool slots flipped by the prefill right
-    after publishing (`flip_slot`): the decode catches every one (its checksum), recomputes
-    (output equal to aggregated serving) or fails clearly, per kv_load_failure_policy, and says
-    so in the answer's `pd.kv`; 10 untouched requests are all verified (no false positive)."""
+    after publishing (`flip_slot`), and 50 whose decode finds one pinned slot reused between its
+    pin and its copy (`reuse`): the decode catches every one (the checksum, the generation),
+    recomputes (output equal to aggregated serving) or fails clearly, per
+    kv_load_failure_policy, and says so in the answer's `pd.kv` (a flip as a mismatch, a reuse as
+    a failed block that matched nothing); 10 untouched requests are all verified (no false
+    positive)."""
     target, decode, reference_engine = PrefillTarget(url=trio.prefill.url), *trio.decodes
     run = uuid.uuid4().hex[:8]
-    prompts = [token_prompt(80, seed=7000 + i) for i in range(INJECTED + 10)]  # 2 full blocks
+    kinds = ["flip"] * INJECTED + ["reuse"] * INJECTED + ["clean"] * 10
+    prompts = [token_prompt(80, seed=7000 + i) for i in range(len(kinds))]  # 2 full blocks
     # aggregated outputs: decode-2 computes each new prompt itself (nothing in the pool yet)
     loaded = trio.counter(reference_engine, "loaded_blocks")
     expected = [output_ids(completion(reference_engine.url, completion_body(p))) for p in prompts]
     assert trio.counter(reference_engine, "loaded_blocks") == loaded
     before = {name: trio.kv_counter(decode, name) for name in (
         "mismatched_blocks", "mismatched_requests", "verdicts_verified", "verdicts_recomputed",
-        "verdicts_failed")}
+        "verdicts_failed", "faults_injected")}
+    failed_before = trio.counter(decode, "failed_blocks")
     injected = trio.kv_counter(trio.prefill, "faults_injected")
-    verdicts, errors = [], 0
-    for i, prompt in enumerate(prompts):
-        request_id = f"kvfault-{run}-{i}" if i < INJECTED else f"clean-{run}-{i}"
+    verdicts, errors = {"flip": [], "reuse": [], "clean": []}, {"flip": 0, "reuse": 0}
+    for i, (kind, prompt) in enumerate(zip(kinds, prompts)):
+        request_id = f"kvfault-{kind}-{run}-{i}" if kind != "clean" else f"clean-{run}-{i}"
         params = prefill(target, completion_body(prompt), request_id=request_id)
-        resp = completion(decode.url, {**completion_body(prompt), "kv_transfer_params": params})
-        if i < INJECTED and trio.case.failure_policy == "fail":
-            errors += resp.status_code >= 500 or (
+        resp = completion(decode.url, {**completion_body(prompt), "kv_transfer_params": params},
+                          request_id=request_id)
+        if kind != "clean" and trio.case.failure_policy == "fail":
+            errors[kind] += resp.status_code >= 500 or (
                 resp.status_code == 200
                 and resp.json()["choices"][0]["finish_reason"] == "error")
             continue
-        assert output_ids(resp) == expected[i], f"request {i} answered from bad KV"
-        verdicts.append(kv_verdict_of(resp.json()["kv_transfer_params"]))
-    assert trio.kv_counter(trio.prefill, "faults_injected") - injected == INJECTED
+        assert output_ids(resp) == expected[i], f"request {i} ({kind}) answered from bad KV"
+        verdicts[kind].append(kv_verdict_of(resp.json()["kv_transfer_params"]))
+    assert trio.kv_counter(trio.prefill, "faults_injected") - injected == INJECTED  # flips
     after = {name: trio.kv_counter(decode, name) for name in before}
+    assert after["faults_injected"] - before["faults_injected"] == INJECTED  # reuses
+    # a flip is a checksum mismatch; a reuse a torn copy (failed, not mismatched)
     assert after["mismatched_blocks"] - before["mismatched_blocks"] == INJECTED
     assert after["mismatched_requests"] - before["mismatched_requests"] == INJECTED
-    clean = verdicts[-10:]
+    assert trio.counter(decode, "failed_blocks") - failed_before == 2 * INJECTED
+    clean = verdicts["clean"]
+    assert len(clean) == 10
     assert all(v is not None and v.verdict == "verified" and v.mismatched == 0 for v in clean)
     assert after["verdicts_verified"] - before["verdicts_verified"] == 10
     if trio.case.failure_policy == "recompute":
-        assert [(v.verdict, v.mismatched) for v in verdicts[:INJECTED]] == (
+        assert [(v.verdict, v.mismatched) for v in verdicts["flip"]] == (
             [("recomputed", 1)] * INJECTED)
-        assert after["verdicts_recomputed"] - before["verdicts_recomputed"] == INJECTED
+        assert [(v.verdict, v.mismatched) for v in verdicts["reuse"]] == (
+            [("recomputed", 0)] * INJECTED)
+        assert after["verdicts_recomputed"] - before["verdicts_recomputed"] == 2 * INJECTED
     else:
-        assert errors == INJECTED
-        assert after["verdicts_failed"] - before["verdicts_failed"] == INJECTED
+        assert errors == {"flip": INJECTED, "reuse": INJECTED}
+        assert after["verdicts_failed"] - before["verdicts_failed"] == 2 * INJECTED

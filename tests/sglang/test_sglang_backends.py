@@ -258,19 +258,29 @@ def test_a_decode_that_does_not_fit_its_prefill_fails_clearly(pool_env, roles):
     assert got["failure"].startswith("PermissionError") and "bad signature" in got["failure"], got
 
 
-@pytest.mark.parametrize("backend", ["pd-nixl", "pd-nixl:push"])
+# per backend: the faults (kind, room numbers from, rooms, which side injects) and the failure
+FAULTS = {
+    "pd-nixl": [("corrupt", 71000, 50, "decode")],
+    "pd-nixl:push": [("corrupt", 71000, 25, "decode"), ("drop_write", 72000, 25, "prefill")],
+    "pd-shm": [("flip_slot", 73000, 25, "prefill"), ("reuse", 74000, 25, "decode")],
+}
+MISMATCH = {"pd-nixl": "KV digest mismatch at page", "pd-nixl:push": "KV digest mismatch at page",
+            "pd-shm": "does not match what the prefill published"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_every_injected_kv_fault_is_caught_by_the_page_digests(backend, pool_env, roles):
-    """Issue 28, one prefill and one decode: 50 rooms whose KV is damaged by PD_KV_FAULTS
-    (`corrupt`: a byte of a landed page, on the decode; push also `drop_write`: the prefill's
-    notification without its WRITE, so the decode's pages keep what they held) each end Failed
-    with a digest mismatch, and the 10 clean rooms among them arrive verified and whole. The
+    """Issue 28, one prefill and one decode: 50 rooms whose KV is damaged by PD_KV_FAULTS each
+    end Failed with a mismatch, and the 10 clean rooms among them arrive verified and whole.
+    pd-nixl: `corrupt` (a byte of a landed page, on the decode); push also `drop_write` (the
+    prefill's notification without its WRITE, so the decode's pages keep what they held).
+    pd-shm: `flip_slot` (the prefill flips a byte of a page it published: the pool's checksum)
+    and `reuse` (a page's slot reused between the decode's pin and copy: the generation). The
     faults are targeted by room number, the processes count what they injected, and injected ==
     detected exactly. The decode receives all rooms at once, as its scheduler would."""
-    push = backend.endswith(":push")
-    corrupted = [71000 + i for i in range(25 if push else 50)]
-    dropped = [72000 + i for i in range(25)] if push else []
+    faults = FAULTS[backend]
+    faulted = [base + i for _, base, count, _ in faults for i in range(count)]
     clean = [10000 + i for i in range(10)]
-    faulted = corrupted + dropped
     order = []  # clean rooms between faulted ones: a fault must hit its own room only
     for i, room in enumerate(faulted):
         order.append(room)
@@ -278,7 +288,8 @@ def test_every_injected_kv_fault_is_caught_by_the_page_digests(backend, pool_env
             order.append(clean[i // 5])
     assert sorted(order) == sorted(faulted + clean)
     env = {**pool_env, "PD_KV_FAULTS_ALLOWED": "1",
-           "PD_KV_FAULTS": "corrupt:match=room:71;drop_write:match=room:72"}
+           "PD_KV_FAULTS": ";".join(f"{kind}:match=room:{base // 1000}"
+                                    for kind, base, _, _ in faults)}
     # every other clean room after a cached first page (the decode checks the digests' tail)
     jobs = []
     for i, room in enumerate(order):
@@ -301,7 +312,12 @@ def test_every_injected_kv_fault_is_caught_by_the_page_digests(backend, pool_env
 
     for room in faulted:
         assert got[room]["state"] == KV_POLL_FAILED, got[room]
-        assert f"room {room}: KV digest mismatch at page" in got[room]["failure"], got[room]
+        assert f"room {room}: " in got[room]["failure"], got[room]
+        assert MISMATCH[backend] in got[room]["failure"], got[room]
+    if backend == "pd-shm":  # each fault caught by the check that exists for it
+        for kind, base, count, _ in faults:
+            why = "bytes changed in the pool" if kind == "flip_slot" else "reused while it was"
+            assert all(why in got[base + i]["failure"] for i in range(count)), kind
     for room, job in zip(order, jobs):
         if room in clean:
             assert got[room]["state"] == KV_POLL_SUCCESS, got[room]
@@ -312,9 +328,10 @@ def test_every_injected_kv_fault_is_caught_by_the_page_digests(backend, pool_env
     sent = sent_events(prefill, len(order))
     assert all(e["state"] == KV_POLL_SUCCESS for e in sent.values()), sent  # reads/writes done
     decoded = events[-1]  # each process's counters as its last event saw them
-    injected = (decoded["faults_injected"]["corrupt"]
-                + max(e["faults_injected"]["drop_write"] for e in sent.values()))
-    assert decoded["faults_injected"]["corrupt"] == len(corrupted)
-    assert injected == len(faulted) == decoded["kv_checks"]["mismatched"] >= 50
+    for kind, _, count, side in faults:
+        counted = (decoded["faults_injected"][kind] if side == "decode"
+                   else max(e["faults_injected"][kind] for e in sent.values()))
+        assert counted == count, kind
+    assert len(faulted) == decoded["kv_checks"]["mismatched"] >= 50
     assert decoded["kv_checks"] == {"verified": len(clean), "mismatched": len(faulted),
                                     "unverified": 0}

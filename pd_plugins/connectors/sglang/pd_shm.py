@@ -12,12 +12,24 @@ Over host_kv.py's SGLang contract and the room channel (transfer/shm_rooms.py):
 
 Options: `ShmOptions` (transfer/options.py, PdShmConnector's too) from the environment, every
 engine of a deployment alike: PD_SHM_POOL (path), PD_SHM_POOL_GB, PD_SHM_HOLD_S, PD_SHM_POOL_GROUP,
-PD_SHM_REMOVE_WHEN_UNUSED; docs/connectors.md has their table.
+PD_SHM_REMOVE_WHEN_UNUSED, PD_VERIFY_KV; docs/connectors.md has their table.
+
+Verified hand-off (issue 28, PD_VERIFY_KV, default `on`; transfer/shm_rooms.py): a pool this
+engine creates has checksums, the manifest states every page's sum, and the decode uses a page
+only if its bytes match the pool header, its slot kept its generation, and the header matches the
+manifest; otherwise the room fails (KVPoll.Failed, "page N does not match what the prefill
+published": SGLang aborts the request, pd-router retries it with a fresh prefill). A pool created
+without checksums is refused under `required` and used `unverified` (counted, warned once) under
+`on`. Fault injection (PD_KV_FAULTS, for tests, refused unless PD_KV_FAULTS_ALLOWED=1):
+`flip_slot` on the prefill, `reuse` on the decode; rooms are matched as `room:<number>`.
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
+from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from pd_plugins.connectors.sglang.host_kv import (
     HostKVManager,
@@ -26,9 +38,13 @@ from pd_plugins.connectors.sglang.host_kv import (
     RegistryBootstrapServer,
     layout_of,
 )
-from pd_plugins.transfer.options import ShmOptions, from_env
-from pd_plugins.transfer.shm_pool import ShmKVPool
+from pd_plugins.transfer.kv_faults import KvFaults
+from pd_plugins.transfer.options import KvFaultOptions, ShmOptions, from_env
+from pd_plugins.transfer.page_digests import PageChecks
+from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool
 from pd_plugins.transfer.shm_rooms import RoomManifest, RoomReader, RoomTransferError, RoomWriter
+
+logger = logging.getLogger("pd_plugins.sglang")
 
 BACKEND_NAME = "pd-shm"
 DEFAULT_POOL_PATH = "/dev/shm/pd-sglang-kv"
@@ -39,14 +55,29 @@ class PdShmKVManager(HostKVManager):
 
     def _open(self) -> None:
         options = from_env(ShmOptions, BACKEND_NAME)
-        self.pool = ShmKVPool(options.pool_path or DEFAULT_POOL_PATH,
-                              slot_bytes=self.buffers.page_bytes,
+        # refused (the engine does not start) unless PD_KV_FAULTS_ALLOWED=1, never in production
+        self.faults = KvFaults.from_spec(from_env(KvFaultOptions, BACKEND_NAME).faults,
+                                         f"{BACKEND_NAME} (SGLang)")
+        self.checks = PageChecks()  # decode: what its receivers found
+        self.verify = options.verify_kv
+        path = options.pool_path or DEFAULT_POOL_PATH
+        self.pool = ShmKVPool(path, slot_bytes=self.buffers.page_bytes,
                               layout=layout_of(self.kv_args), size_bytes=options.pool_size_bytes,
-                              checksums=None,  # on for a DAX device, off for a file
+                              # verification needs the writers' sums; off: on for a DAX device
+                              checksums=True if self.verify != "off" else None,
                               group=options.pool_group,
                               remove_when_unused=options.remove_when_unused)
+        if self.verify != "off" and not self.pool.checksums:
+            why = (f"pd-shm: pool {path} has no checksums, so its pages cannot be verified "
+                   f"(`pd-pool remove {path}` while no engine uses it, then restart: a new pool "
+                   "gets them)")
+            if self.verify == "required":
+                self.pool.close()
+                raise PoolError(why + "; PD_VERIFY_KV is `required`")
+            if self.mode == DisaggregationMode.DECODE:
+                logger.warning("%s; rooms are used `unverified`", why)
         self.scope = f"{self.pool.pool_id}|{self.bootstrap_addr}|{self.rank_key}"
-        self.writer = RoomWriter(self.pool, self.scope, options.hold_s)
+        self.writer = RoomWriter(self.pool, self.scope, options.hold_s, self.faults)
 
     def _record(self) -> dict:
         return {"pool_path": self.pool.path, "pool_id": self.pool.pool_id, "scope": self.scope}
@@ -56,17 +87,25 @@ class PdShmKVManager(HostKVManager):
 
 
 class PdShmKVSender(HostKVSender):
+    page_sums: list[np.ndarray]  # each chunk's pool checksums, for the manifest
+
     def _put_pages(self, pages: np.ndarray) -> None:
-        self.bytes_moved += self.mgr.writer.put_pages(self.room, self.next_page,
-                                                      self.mgr.buffers.gather_pages(pages))
+        rows = self.mgr.buffers.gather_pages(pages)
+        sums = self.mgr.writer.put_pages(self.room, self.next_page, rows)
+        self.page_sums = [*getattr(self, "page_sums", []), sums]
+        self.bytes_moved += int(rows.nbytes)
 
     def _finish(self, aux: bytes) -> None:
+        sums = getattr(self, "page_sums", [])
         self.mgr.writer.put_manifest(self.room, RoomManifest(
-            num_pages=self.next_page, page_bytes=self.mgr.buffers.page_bytes, aux=aux))
+            num_pages=self.next_page, page_bytes=self.mgr.buffers.page_bytes, aux=aux),
+            np.concatenate(sums) if sums else np.zeros(0, dtype=np.uint64))
         self._succeed()
 
 
 class PdShmKVReceiver(HostKVReceiver):
+    kv_verdict: str | None = None  # verified / unverified once the KV is in (a mismatch fails)
+
     def _accept(self, record: dict) -> None:
         if record.get("pool_id") != self.mgr.pool.pool_id:
             raise RuntimeError(
@@ -74,7 +113,8 @@ class PdShmKVReceiver(HostKVReceiver):
                 f"{record.get('pool_path')} ({record.get('pool_id')}); this decode maps "
                 f"{self.mgr.pool.path} ({self.mgr.pool.pool_id}). Give both engines the same "
                 "PD_SHM_POOL on one host")
-        self.reader = RoomReader(self.mgr.pool, record["scope"])
+        self.reader = RoomReader(self.mgr.pool, record["scope"], self.mgr.verify, self.mgr.checks,
+                                 self.mgr.faults, peer=self.prefill_addr)
 
     def _progress(self) -> None:
         manifest = self.reader.manifest(self.room)
@@ -86,7 +126,8 @@ class PdShmKVReceiver(HostKVReceiver):
                 f"room {self.room}: the prefill published {manifest.num_pages} pages; this "
                 f"decode needs pages {wanted.start}..{wanted.stop - 1}")
         rows = np.empty((len(self.pages), manifest.page_bytes), dtype=np.uint8)
-        self.bytes_moved = self.reader.get_pages(self.room, list(wanted), rows)
+        self.kv_verdict = self.reader.get_pages(self.room, list(wanted), rows, manifest)
+        self.bytes_moved = int(rows.nbytes)
         self.mgr.buffers.scatter_pages(rows, self.pages)
         self.mgr.buffers.set_aux_row(self.aux_index, manifest.aux)
         self.reader.release(self.room, manifest.num_pages)

@@ -24,7 +24,8 @@ landed in its KV cache in the same pass as its copy and compares. A slot that fa
 used, and is dropped from the pool (`ShmKVPool.discard`) so no later request loads it again.
 Each loading request's verdict goes into its answer (`pd.kv`) and onto /metrics
 (kv_verdicts.py). Fault injection (`faults`, transfer/kv_faults.py): `flip_slot` damages a byte
-of a slot the prefill just published, which the decode must then catch.
+of a slot the prefill just published, which the decode must then catch; `reuse` gives a slot
+the decode pinned a new generation before its copy, which its generation check must catch.
 """
 
 from __future__ import annotations
@@ -337,6 +338,8 @@ class _WorkerSide(PoolWorkerSide):
         torn, mismatched = 0, []
         if have:
             keep = [pinned[i] for i in have]
+            if self.c.faults.enabled:
+                self._reuse_slot(op.req_id, keep)
             # straight into the KV cache; a block is only used if it checks out afterwards
             sums = kv.load(pool.data, [p.slot for p in keep], [op.block_ids[i] for i in have],
                            checksums=checked)
@@ -363,6 +366,14 @@ class _WorkerSide(PoolWorkerSide):
         if self.c.options.verify_kv != "off":
             self.record_load(op.req_id, LoadOutcome(len(op.block_ids), len(failed),
                                                     len(mismatched), checked))
+
+    def _reuse_slot(self, req_id: str, pinned: list) -> None:
+        """Fault injection (`reuse`): one pinned slot gets a new generation between pin and copy,
+        as a reuse would; `unpin` must report the copy torn."""
+        rule = self.c.faults.take("reuse", req_id)
+        if rule is not None:
+            self.c.pool.reuse_pinned(pinned[position(rule, req_id, len(pinned))])
+            self.stats.count(FAULTS_INJECTED_KEY)
 
 
 class PdShmConnector(SyncPoolConnector):

@@ -180,20 +180,55 @@ def test_a_flipped_slot_is_caught_dropped_and_never_used(engines, monkeypatch, p
     assert prefill.counted("kv_faults_injected") == 1
 
 
-def test_fifty_injected_flips_are_all_detected(engines, monkeypatch):
+@pytest.mark.parametrize("kind", ["flip_slot", "reuse"])
+def test_fifty_injected_faults_are_all_detected(engines, monkeypatch, kind):
+    """`flip_slot` on the prefill, caught by the checksum (a mismatched block); `reuse` on the
+    decode, caught by the generation (a failed block, no mismatch)."""
     monkeypatch.setenv(ALLOWED_VAR, "1")
     monkeypatch.delenv(PRODUCTION_VAR, raising=False)
-    prefill = engines("kv_producer", faults="flip_slot:match=kvfault-")
-    decode = engines("kv_consumer")
+    faults = {"faults": f"{kind}:match=kvfault-"}
+    prefill = engines("kv_producer", **(faults if kind == "flip_slot" else {}))
+    decode = engines("kv_consumer", **(faults if kind == "reuse" else {}))
+    injector = prefill if kind == "flip_slot" else decode
     verdicts = []
     for i in range(50):
         prompt = [2000 + i] + PROMPT[1:]
         params = prefill_leg(prefill, prompt, f"cmpl-kvfault-{i}-0")
         out = decode_leg(decode, prompt, params, req_id=f"cmpl-kvfault-{i}-0")
         verdicts.append(kv_verdict_of(out.kv_transfer_params).verdict)
-    assert prefill.counted("kv_faults_injected") == 50
-    assert decode.counted("kv_mismatched_blocks") == 50
+    assert injector.counted("kv_faults_injected") == 50 == decode.counted("failed_blocks")
+    assert decode.counted("kv_mismatched_blocks") == (50 if kind == "flip_slot" else 0)
     assert verdicts == ["recomputed"] * 50
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_slot_reused_between_pin_and_copy_is_never_used(engines, monkeypatch, policy):
+    """`reuse` on the decode: a pinned slot gets a new generation before the copy, as a reuse
+    would; the generation check (unpin) catches it, the block is recomputed (or the request
+    fails), and it is no checksum mismatch: the slot's bytes are whatever the reuse left."""
+    monkeypatch.setenv(ALLOWED_VAR, "1")
+    monkeypatch.delenv(PRODUCTION_VAR, raising=False)
+    prefill = engines("kv_producer")
+    decode = engines("kv_consumer", failure_policy=policy, faults="reuse:match=kvfault-")
+    clean = prefill_leg(prefill, [600] + PROMPT[1:], "cmpl-clean-0")
+    params = prefill_leg(prefill, PROMPT, "cmpl-kvfault-2-0")
+    out = decode_leg(decode, PROMPT, params, req_id="cmpl-kvfault-2-0")
+    assert decode.counted("kv_faults_injected") == 1
+    verdict = kv_verdict_of(out.kv_transfer_params)
+    if policy == "recompute":
+        assert verdict == KvVerdict(verdict="recomputed", blocks=2, mismatched=0,
+                                    transport="shm")
+        assert len(decode.metas) == 2  # the load step's output dropped, then recomputed
+    else:
+        from vllm.v1.engine import FinishReason
+
+        assert out.finish_reason == FinishReason.ERROR
+        assert decode.counted("kv_verdicts_failed") == 1
+    assert decode.counted("failed_blocks") == 1 and decode.counted("kv_mismatched_blocks") == 0
+    assert decode.counted("discarded_blocks") == 0  # a torn copy says nothing about the slot
+    assert kv_verdict_of(decode_leg(decode, [600] + PROMPT[1:], clean, "cmpl-clean-0")
+                         .kv_transfer_params).verdict == "verified"
+    assert decode.counted("kv_faults_injected") == 1
 
 
 def test_verify_off_reports_nothing(engines):
