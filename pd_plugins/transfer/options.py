@@ -65,6 +65,10 @@ def truthy(value: Any) -> bool:
 
 
 # -- the transports -------------------------------------------------------------------------------
+# every transport's `verify_kv` (docs/plans/kv-verification.md)
+VerifyKv = Literal["off", "on", "required"]
+
+
 class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
     """NIXL: PdNixlConnector (upstream's NIXL connector plus guards) and SGLang's pd-nixl."""
 
@@ -94,7 +98,7 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
         "the engine's own core; section \"Under load\"); null (SGLang: `none`) leaves them alone",
         env="PD_TRANSFER_THREADS_NICE",
         default=f"{TRANSFER_THREADS_NICE} on a CPU engine, unset on a GPU")] = UNSET
-    verify_kv: Annotated[Literal["off", "on", "required"], doc(
+    verify_kv: Annotated[VerifyKv, doc(
         "vLLM pull: the prefill states a digest of every prompt block (`pd.kv_digest`), the "
         "decode checks the blocks it read and says so in its answer (`pd.kv`) and on /metrics "
         "(`vllm:pd_kv_*`); a mismatch is a failed load (kv_load_failure_policy). `on`: a read "
@@ -140,7 +144,7 @@ class ShmOptions(msgspec.Struct, kw_only=True, frozen=True):
         "a reader (or writer) that dies mid-copy pins its slots at most this long")] = 30.0
     save_mode: Annotated[Literal["layer", "step"], doc(
         "`layer`: write each layer as it is computed; `step`: all layers after the step")] = "layer"
-    verify_kv: Annotated[Literal["off", "on", "required"], doc(
+    verify_kv: Annotated[VerifyKv, doc(
         "check every block loaded from the pool against the sum its writer stated, and say so in "
         "the answer (`pd.kv`) and on /metrics (`vllm:pd_kv_*`). `on`: a pool this engine creates "
         "has checksums (unless `checksums` is false), and loads from a pool without them are "
@@ -187,6 +191,14 @@ class LMCacheOptions(msgspec.Struct, kw_only=True, frozen=True):
     lookup: Annotated[bool, doc("retrieve prefix chunks found in the pool (any role)")] = True
     store: Annotated[Literal["pd", "all"], doc(
         "a producer stores PD prefill legs only (`pd`) or every request (`all`)")] = "pd"
+    verify_kv: Annotated[VerifyKv, doc(
+        "the prefill states a digest of every block of the prompt's full chunks (`pd.kv_digest`, "
+        "over its own KV after the store), the decode checks the blocks it retrieved and says "
+        "so in its answer (`pd.kv`) and on /metrics (`vllm:pd_kv_*`); a mismatch (a stale or "
+        "damaged chunk) is a failed load (kv_load_failure_policy). `on`: a load with nothing "
+        "to check against (no digests: an older prefill, TP > 1, a plain prefix hit) is "
+        "`unverified`; `required`: such pool hits are not used (computed instead); `off`: "
+        "neither end digests")] = "on"
 
     @property
     def shared(self) -> bool:

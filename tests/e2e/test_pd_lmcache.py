@@ -3,8 +3,9 @@
 Shared backends (a directory through LMCache's fs:// connector, a real redis-server, LMCache's
 lm:// server, an LMCache MP server over ZMQ and shared memory): one prefill and two decodes on one pool. Gold standard as for the other
 connectors: greedy float32 PD output equals aggregated output, the decode's counters show the KV
-came from the pool, and a swap test (two prompts' chunks exchanged inside the store) makes the
-decode answer with the other prompt's output. Then the backend dies: requests still get the
+came from the pool, and a swap test (two prompts' chunks exchanged inside the store) makes a
+decode that does not check (no digests) answer with the other prompt's output, while one that
+checks (verify_kv) catches the stale chunk and recomputes. Then the backend dies: requests still get the
 aggregated answer by recomputing, and nothing hangs, engine shutdown included.
 
 Per-engine backends (LMCache's local CPU and local disk tiers) cannot carry KV between engines;
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pd_plugins.vocab.transfer_params import pd_section_of
+from pd_plugins.vocab.transfer_params import kv_verdict_of, pd_section_of
 from pd_plugins.testing.engine_harness import VllmServer, lmcache_config, metric_value, start_all
 from pd_plugins.testing.kv_servers import REDIS_SERVER, LMCacheServer, RedisServer
 from pd_plugins.testing.lmcache_mp_server import LMCacheMPServer
@@ -222,10 +223,19 @@ def test_swap_inside_the_store_proves_the_decode_used_pool_kv(trio, references):
     _, entries_a = _new_entries(trio, LM_SWAP_A)
     params_b, entries_b = _new_entries(trio, LM_SWAP_B)
     _swap(trio.backend, entries_a, entries_b)
-    # B's chunk now holds A's KV; B differs from A only before its (shared) last token
+    # B's chunk now holds A's KV; B differs from A only before its (shared) last token. Without
+    # the prefill's digests the decode cannot tell: it answers A's output from A's KV
+    unchecked = {**params_b, "pd": {**params_b["pd"], "kv_digest": None}}
     resp = completion(trio.decodes[0].url,
-                      {**completion_body(LM_SWAP_B), "kv_transfer_params": params_b})
+                      {**completion_body(LM_SWAP_B), "kv_transfer_params": unchecked})
     assert output_ids(resp) == refs[tuple(LM_SWAP_A)]
+    assert kv_verdict_of(resp.json()["kv_transfer_params"]).verdict == "unverified"
+    # with them (verify_kv, on by default), the other decode catches the stale chunk and
+    # recomputes B
+    resp = completion(trio.decodes[1].url,
+                      {**completion_body(LM_SWAP_B), "kv_transfer_params": params_b})
+    assert output_ids(resp) == refs[tuple(LM_SWAP_B)]
+    assert kv_verdict_of(resp.json()["kv_transfer_params"]).verdict == "recomputed"
 
 
 def test_router_routes_on_the_pools_contents(trio, references):

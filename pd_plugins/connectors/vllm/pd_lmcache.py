@@ -24,6 +24,20 @@ The LMCache side (its engine, our CPU copy of paged KV) is in pd_plugins/transfe
 and, for `mp://`, pd_plugins/transfer/lmcache_mp.py. The LMCache engine lives in the worker
 process; the scheduler asks it over transfer/lookup_channel.py (an LMCache server, mp://, is
 asked directly).
+
+Verification (`verify_kv`, on by default; issue 28, docs/plans/kv-verification.md §4.4): after
+its store, a prefill digests the blocks of the prompt's full chunks in its own KV cache (stored
+now or found present: its bytes for those came from the pool itself, `lookup`), sends them to
+its scheduler over the signature channel (purpose "kv-digests", as PdNixlConnector's pull does)
+and states them in its answer (`pd.kv_digest`). The decode ships them with the retrieval and,
+right after it, digests the blocks it retrieved (block_verifier.py, the same ws64 over the
+decode's own paged blocks, so mp:// is checked the same way): a mismatch at block k (a stale
+chunk under this prompt's key, damaged bytes) makes blocks k.. failed loads, recomputed or failed
+per kv_load_failure_policy. Each loading request's verdict goes into its answer (`pd.kv`) and
+onto /metrics (kv_verdicts.py); a load with no digests (a plain prefix hit, an older prefill,
+TP > 1) is `unverified`. Faults (`faults`, transfer/kv_faults.py): `stale_chunk` (prefill: one
+chunk of a targeted prompt is stored from other blocks) and `corrupt` (decode: one byte of one
+retrieved block, before the check).
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -41,14 +56,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from pd_plugins.connectors.transfer_params import asks_remote_decode
+from pd_plugins.connectors.vllm.block_verifier import BlockVerifier, first_mismatch
 from pd_plugins.connectors.vllm.counter_stats import CounterPromMetrics, CounterStats
 from pd_plugins.connectors.vllm.kv_layout import kv_layout
+from pd_plugins.connectors.vllm.kv_verdicts import (
+    FAULTS_INJECTED_KEY,
+    KV_VERIFY_COUNTERS,
+    LoadOutcome,
+    VerdictBook,
+)
+from pd_plugins.connectors.vllm.options import extra_options
+from pd_plugins.connectors.vllm.pd_nixl_verify import DigestChannel, expected_digests
 from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
 from pd_plugins.connectors.vllm.pool_scheduler import PoolSchedulerSide, Storing
 from pd_plugins.transfer.lmcache_client import LMCacheClient
+from pd_plugins.transfer import kv_digest
+from pd_plugins.transfer.kv_faults import KvFaults, position
 from pd_plugins.transfer.lookup_channel import LookupClient, LookupServer, lookup_address
-from pd_plugins.transfer.options import SHARED_LMCACHE_BACKENDS, LMCacheOptions
-from pd_plugins.vocab.transfer_params import STORED_TOKENS_KEY, stored_tokens_of
+from pd_plugins.transfer.options import SHARED_LMCACHE_BACKENDS, KvFaultOptions, LMCacheOptions
+from pd_plugins.vocab.transfer_params import STORED_TOKENS_KEY, KvDigest, stored_tokens_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,6 +99,13 @@ LMCACHE_COUNTERS = {
     "unpooled_requests": ("vllm:pd_lmcache_unpooled_requests",
                           "Requests the pool cannot key (prompt embeddings): neither looked up "
                           "nor stored."),
+    "missing_digests": ("vllm:pd_lmcache_missing_digests",
+                        "Prefill legs answered without KV digests (none came from the worker in "
+                        "time): their decodes load unverified."),
+    "unverifiable_hits": ("vllm:pd_lmcache_unverifiable_hits",
+                          "Pool hits not used because verify_kv is `required` and no digests "
+                          "state their bytes (computed instead)."),
+    **KV_VERIFY_COUNTERS,
 }
 
 
@@ -159,6 +193,10 @@ class RetrieveOp:
     skip_tokens: int       # already in the engine's own prefix cache: not overwritten
     needed_tokens: int     # what the scheduler counted on (skip_tokens + external tokens)
     namespace: str = ""    # pool_namespace
+    # the prefill's digests of blocks skip_tokens // block_size .. len(block_ids) (None: the load
+    # is not checked, `why`)
+    expected: list[int] | None = None
+    why: str | None = None
 
 
 @dataclass
@@ -167,12 +205,20 @@ class StoreOp:
     tokens: list[int]      # the prompt's full chunks
     block_ids: list[int]
     namespace: str = ""    # pool_namespace
+    digest: bool = False   # a PD prefill leg: its blocks' digests go to the scheduler
 
 
 @dataclass
 class PdLMCacheMetadata(KVConnectorMetadata):
     retrieves: list[RetrieveOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
+
+
+def loaded_blocks(op: RetrieveOp, block_size: int) -> tuple[int, int]:
+    """The first block a retrieval loads for vLLM (below it: the engine's own prefix cache) and
+    how many it loads: up to the block holding the last token the scheduler counted on."""
+    first = op.skip_tokens // block_size
+    return first, max(0, -(-op.needed_tokens // block_size) - first)
 
 
 # -- scheduler side ---------------------------------------------------------------------------------
@@ -187,6 +233,9 @@ class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
         super().__init__(connector)
         self._stored: dict[str, int] = {}  # req id -> prompt tokens sent to the pool
         self._namespaces: dict[str, str | None] = {}  # req id -> pool_namespace
+        # req id -> the prefill's digests of the prompt's blocks, or None and why not
+        self._expected: dict[str, tuple[np.ndarray | None, str | None]] = {}
+        self._digested: set[str] = set()  # prefill legs whose worker sends their digests
 
     def _namespace(self, request: Request) -> str | None:
         req_id = request.request_id
@@ -205,7 +254,33 @@ class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
         prompt = request.prompt_token_ids or []
         hit = (self.c.lookup(prompt, self._namespace(request))
                if len(prompt) >= self.c.chunk_size else 0)
+        if hit and self.c.options.verify_kv == "required":
+            digests, why = self._digests(request, hit)
+            if digests is None:
+                self.c.count_on_scheduler("unverifiable_hits")
+                logger.warning("PdLMCacheConnector: request %s: %d prompt tokens in the pool "
+                               "not used (%s; verify_kv is `required`)", request.request_id,
+                               hit, why)
+                hit = 0
         return hit, (num_computed_tokens, hit)
+
+    def _digests(self, request: Request, present: int) -> tuple[np.ndarray | None, str | None]:
+        """The prefill's digests of the request's blocks (at least those of the `present`
+        tokens the pool holds), or None and why there are none."""
+        req_id, bs = request.request_id, self.c.block_size
+        if req_id not in self._expected:
+            encoded, why = expected_digests(request.kv_transfer_params, bs)
+            stated = None
+            if encoded is not None:
+                try:  # a client's value: bounded by the prompt
+                    stated = kv_digest.decode(encoded, -(-request.num_prompt_tokens // bs))
+                except ValueError as exc:
+                    why = f"unusable digests: {exc}"
+            self._expected[req_id] = (stated, why)
+        stated, why = self._expected[req_id]
+        if stated is not None and len(stated) < present // bs:
+            return None, f"{len(stated)} digests for {present // bs} blocks in the pool"
+        return stated, why
 
     def prefill_stored(self, params: dict[str, Any]) -> int | None:
         return stored_tokens_of(params)
@@ -217,9 +292,26 @@ class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
         needed = computed + num_external_tokens
         end = min(present, -(-needed // c.chunk_size) * c.chunk_size)
         block_ids = blocks.get_block_ids()[0][:-(-end // c.block_size)]
+        expected, why = None, "verify_kv is off"
+        if self.verdicts is not None:
+            stated, why = self._digests(request, end)
+            if stated is not None:
+                expected = [int(d) for d in stated[computed // c.block_size:len(block_ids)]]
         return RetrieveOp(request.request_id, list(request.prompt_token_ids[:end]),
                           list(block_ids), skip_tokens=computed, needed_tokens=needed,
-                          namespace=self._namespaces.get(request.request_id) or "")
+                          namespace=self._namespaces.get(request.request_id) or "",
+                          expected=expected, why=why)
+
+    def verdict_book(self) -> VerdictBook | None:
+        if self.c.options.verify_kv == "off":
+            return None
+        return VerdictBook("lmcache", recompute=self.c.failure_policy == "recompute")
+
+    def load_checked(self, op: RetrieveOp) -> bool:
+        return op.expected is not None
+
+    def load_blocks(self, op: RetrieveOp) -> int:
+        return loaded_blocks(op, self.c.block_size)[1]
 
     def store_op(self, storing: Storing, done: int) -> StoreOp | None:
         c, req = self.c, storing.request
@@ -228,9 +320,12 @@ class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
             return None
         block_ids = c.kv_cache_manager.get_block_ids(req.request_id)[0]
         self._stored[req.request_id] = full
+        digest = c.digests is not None and asks_remote_decode(req.kv_transfer_params)
+        if digest:
+            self._digested.add(req.request_id)
         return StoreOp(req.request_id, list(req.prompt_token_ids[:full]),
                        list(block_ids[:full // c.block_size]),
-                       self._namespaces.get(req.request_id) or "")
+                       self._namespaces.get(req.request_id) or "", digest=digest)
 
     def metadata(self, loads: list[RetrieveOp], stores: list[StoreOp]) -> PdLMCacheMetadata:
         return PdLMCacheMetadata(retrieves=loads, stores=stores)
@@ -238,9 +333,21 @@ class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
     def answer(self, request: Request) -> dict[str, Any]:
         return {STORED_TOKENS_KEY: self._stored.get(request.request_id, 0)}
 
+    def kv_digest(self, request: Request) -> KvDigest | None:
+        if request.request_id not in self._digested:
+            return None  # nothing stored (a prompt shorter than a chunk), or verify_kv off
+        digests = self.c.digests.take(request.request_id, self.c.block_size)
+        if digests is None:
+            self.c.count_on_scheduler("missing_digests")
+            logger.warning("PdLMCacheConnector: no KV digests for prefill %s in time; its "
+                           "decode loads it unverified", request.request_id)
+        return digests
+
     def forget(self, request_id: str) -> None:
         self._namespaces.pop(request_id, None)
         self._stored.pop(request_id, None)
+        self._expected.pop(request_id, None)
+        self._digested.discard(request_id)
 
 
 # -- worker side ------------------------------------------------------------------------------------
@@ -251,11 +358,18 @@ class _WorkerSide(PoolWorkerSide):
         super().__init__()
         self.c = connector
         self.lookup_server: LookupServer | None = None
+        self.verifier: BlockVerifier | None = None  # verify_kv on: digests of our paged blocks
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         c = self.c
-        c.pool.attach_kv([kv_caches[n] for n in c.layout.layer_names],
-                         c.kv_cache_config.num_blocks)
+        layers = [kv_caches[n] for n in c.layout.layer_names]
+        c.pool.attach_kv(layers, c.kv_cache_config.num_blocks)
+        if c.options.verify_kv != "off":
+            try:
+                self.verifier = BlockVerifier(layers, c.kv_cache_config.num_blocks)
+            except ValueError as exc:
+                logger.warning("PdLMCacheConnector: KV blocks cannot be digested (%s): loads "
+                               "are unverified, prefills state no digests", exc)
         if c.lookup_address is not None:  # the scheduler asks this process's LMCache engine
             self.lookup_server = LookupServer(
                 c.lookup_address, lambda message: c.pool.lookup(*split_lookup_message(message)))
@@ -272,19 +386,89 @@ class _WorkerSide(PoolWorkerSide):
                                        namespace=op.namespace)
             self.stats.count("retrieve_seconds", time.perf_counter() - start)
             self.stats.count("retrieved_tokens", max(0, got - op.skip_tokens))
+            lost = 0
             if got < op.needed_tokens:
                 first_bad = max(got, op.skip_tokens) // bs
-                self._invalid.update(op.block_ids[first_bad:-(-op.needed_tokens // bs)])
+                lost = len(self._fail(op, first_bad))
                 self.stats.count("failed_tokens", op.needed_tokens - max(got, op.skip_tokens))
                 logger.warning("PdLMCacheConnector: request %s: retrieved %d of %d prompt tokens "
                                "from %s", op.req_id, got, op.needed_tokens, self.c.options.backend)
+            if self.c.options.verify_kv != "off":
+                self._verify(op, got, lost)
+
+    def _fail(self, op: RetrieveOp, first_bad: int) -> list[int]:
+        """Blocks first_bad.. of the load are not used (vLLM recomputes or fails them)."""
+        bad = op.block_ids[first_bad:-(-op.needed_tokens // self.c.block_size)]
+        self._invalid.update(bad)
+        return bad
+
+    def _verify(self, op: RetrieveOp, got: int, lost: int) -> None:
+        """Checks the retrieved blocks vLLM will use against the prefill's digests."""
+        bs = self.c.block_size
+        first, n = loaded_blocks(op, bs)
+        landed = op.block_ids[first:first + n - lost]  # retrieved and counted on
+        self._inject_corrupt(op, landed)
+        checked = (op.expected is not None and self.verifier is not None
+                   and len(op.expected) >= len(landed))  # the scheduler sends enough
+        if not checked or not landed:
+            self.record_load(op.req_id, LoadOutcome(n, lost, 0, checked))
+            return
+        expected = np.asarray(op.expected[:len(landed)], dtype=np.uint64)
+        found = self.verifier.digests(landed)
+        k = first_mismatch(found, expected)
+        if k is None:
+            self.record_load(op.req_id, LoadOutcome(n, lost, 0, True))
+            return
+        mismatched = int(np.count_nonzero(found != expected))
+        failed = len(self._fail(op, first + k))
+        logger.error("PdLMCacheConnector: request %s: %d of %d blocks retrieved from %s do not "
+                     "match the prefill's digests (first: block %d of the load); blocks from "
+                     "there are not used (kv_load_failure_policy)", op.req_id, mismatched,
+                     len(landed), self.c.options.backend, k)
+        self.record_load(op.req_id, LoadOutcome(n, failed, mismatched, True))
+
+    def _inject_corrupt(self, op: RetrieveOp, landed: list[int]) -> None:
+        """Fault `corrupt`: one byte of one retrieved block, before the check."""
+        faults = self.c.faults
+        if not faults.enabled or not landed or self.verifier is None:
+            return
+        rule = faults.take("corrupt", op.req_id)
+        if rule is not None:
+            self.verifier.damage(landed[position(rule, op.req_id, len(landed))],
+                                 position(rule, op.req_id + "/byte", self.verifier.block_bytes))
+            self.stats.count(FAULTS_INJECTED_KEY)
 
     def wait_for_save(self, meta: PdLMCacheMetadata) -> None:
+        due: dict[str, list[int]] = {}
         for op in meta.stores:
             start = time.perf_counter()
-            self.stats.count("stored_tokens", self.c.pool.store(op.tokens, op.block_ids,
-                                                                op.namespace))
+            self.stats.count("stored_tokens", self.c.pool.store(
+                op.tokens, self._stale_chunk(op), op.namespace))
             self.stats.count("store_seconds", time.perf_counter() - start)
+            if op.digest and self.verifier is not None:
+                due[op.req_id] = op.block_ids  # ours: computed, or loaded by this leg (lookup)
+        if due:
+            self.c.digests.send(self.verifier, due)
+
+    def _stale_chunk(self, op: StoreOp) -> list[int]:
+        """The blocks to store `op` from: its own, except under fault `stale_chunk`, where one
+        chunk of a targeted prompt comes from other blocks (another prompt's KV, or none yet),
+        so the pool holds KV under this prompt's key that is not this prompt's."""
+        faults = self.c.faults
+        per_chunk = self.c.chunk_size // self.c.block_size
+        chunks = len(op.block_ids) // per_chunk
+        if not faults.enabled or not chunks:
+            return op.block_ids
+        rule = faults.take("stale_chunk", op.req_id)
+        if rule is None:
+            return op.block_ids
+        chunk = position(rule, op.req_id, chunks)
+        own = set(op.block_ids)
+        others = [b for b in range(1, self.c.kv_cache_config.num_blocks) if b not in own]
+        ids = list(op.block_ids)
+        ids[chunk * per_chunk:(chunk + 1) * per_chunk] = others[:per_chunk]
+        self.stats.count(FAULTS_INJECTED_KEY)
+        return ids
 
 
 class PdLMCacheConnector(SyncPoolConnector):
@@ -301,6 +485,16 @@ class PdLMCacheConnector(SyncPoolConnector):
         par = vllm_config.parallel_config
         dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
         in_server = self.options.backend.startswith("mp://")
+        # refused at start unless allowed (transfer/kv_faults.py), in every process of the engine
+        self.faults = KvFaults.from_spec(
+            extra_options(KvFaultOptions, vllm_config.kv_transfer_config,
+                          "PdLMCacheConnector").faults, "PdLMCacheConnector")
+        # the prefill's digests, worker -> scheduler (one TP rank: a TP > 1 prefill states none,
+        # its decodes load unverified)
+        self.digests: DigestChannel | None = None
+        if self.stores and self.options.verify_kv != "off" and par.world_size == 1:
+            self.digests = DigestChannel(self.engine_id,
+                                         scheduler=role == KVConnectorRole.SCHEDULER)
 
         def pool():
             return open_pool(
@@ -347,6 +541,6 @@ class PdLMCacheConnector(SyncPoolConnector):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
-        for part in (self.pool, self.lookups):
+        for part in (self.pool, self.lookups, self.digests):
             if part is not None:
                 part.close()

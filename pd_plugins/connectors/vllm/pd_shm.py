@@ -191,7 +191,7 @@ class _SchedulerSide(PoolSchedulerSide[int]):
             return None
         return VerdictBook("shm", recompute=self.c.failure_policy == "recompute")
 
-    def load_checked(self) -> bool:
+    def load_checked(self, op: LoadOp) -> bool:
         return self.c.pool.checksums
 
 

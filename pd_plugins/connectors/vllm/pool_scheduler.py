@@ -23,7 +23,7 @@ from vllm.v1.request import RequestStatus
 from pd_plugins.connectors.transfer_params import asks_remote_decode
 from pd_plugins.connectors.vllm.kv_verdicts import VerdictBook, verdict_key
 from pd_plugins.vocab.engines import TransferMode
-from pd_plugins.vocab.transfer_params import PdSection
+from pd_plugins.vocab.transfer_params import KvDigest, PdSection
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -99,9 +99,17 @@ class PoolSchedulerSide(Generic[HitT]):
         """Where this transport's load verdicts are kept (None: it reports none)."""
         return None
 
-    def load_checked(self) -> bool:
-        """Whether the workers check the bytes of the loads handed to them now."""
+    def load_checked(self, op: Any) -> bool:
+        """Whether the workers check the bytes of this load."""
         return False
+
+    def load_blocks(self, op: Any) -> int:
+        """How many blocks this load brings from the pool (its verdict's `blocks`)."""
+        return len(op.block_ids)
+
+    def kv_digest(self, request: Request) -> KvDigest | None:
+        """The digests a prefill leg states of its prompt's KV (`pd.kv_digest`; None: none)."""
+        return None
 
     def experts(self, request: Request) -> dict | None:
         """The prompt's experts for the `pd` section (None: not captured)."""
@@ -142,7 +150,7 @@ class PoolSchedulerSide(Generic[HitT]):
             op = self.load_op(request, blocks, hit, num_external_tokens)
             self._loads.append(op)
             if self.verdicts is not None:
-                self.verdicts.expect(req_id, len(op.block_ids), self.load_checked())
+                self.verdicts.expect(req_id, self.load_blocks(op), self.load_checked(op))
         if (self.c.stores and req_id not in self._storing and self.poolable(request)
                 and (self.c.options.store == "all"
                      or asks_remote_decode(request.kv_transfer_params))):
@@ -178,6 +186,7 @@ class PoolSchedulerSide(Generic[HitT]):
         cached = self._cached.pop(req_id, 0)
         answers = self.c.stores and asks_remote_decode(request.kv_transfer_params)
         own = self.answer(request) if answers else None
+        digest = self.kv_digest(request) if answers else None
         self.forget(req_id)
         verdict = (self.verdicts.verdict(req_id, request.status == RequestStatus.FINISHED_ERROR)
                    if self.verdicts is not None else None)
@@ -189,7 +198,8 @@ class PoolSchedulerSide(Generic[HitT]):
             return verdict.into(None) if verdict is not None else None
         section = PdSection(prompt_tokens=request.num_prompt_tokens, cached_tokens=cached,
                             engine_id=self.c.engine_id, mode=self.MODE,
-                            block_size=self.c.block_size, experts=self.experts(request))
+                            block_size=self.c.block_size, experts=self.experts(request),
+                            kv_digest=digest)
         return section.into({
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": self.c.engine_id, "remote_request_id": req_id,
