@@ -62,14 +62,15 @@ class Cell:
     kinds: tuple[str, str]  # the first kind's requests come first
     prefill_faults: str = ""
     decode_faults: str = ""
+    policy: str = "recompute"  # kv_load_failure_policy
 
 
-CELLS = [
-    Cell("pull", ("corrupt", "reuse"),
-         decode_faults="corrupt:match=kvfault-corrupt-;reuse:match=kvfault-reuse-"),
-    Cell("push", ("corrupt", "drop_write"), prefill_faults="drop_write:match=kvfault-drop_write-",
-         decode_faults="corrupt:match=kvfault-corrupt-"),
-]
+PULL = Cell("pull", ("corrupt", "reuse"),
+            decode_faults="corrupt:match=kvfault-corrupt-;reuse:match=kvfault-reuse-")
+PUSH = Cell("push", ("corrupt", "drop_write"), prefill_faults="drop_write:match=kvfault-drop_write-",
+            decode_faults="corrupt:match=kvfault-corrupt-")
+PUSH_FAIL = Cell("push", ("corrupt", "corrupt"), decode_faults="corrupt:match=kvfault-corrupt-",
+                 policy="fail")
 
 
 @dataclass
@@ -105,10 +106,9 @@ class Pair:
         return params, resp
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(CELLS[0], id="pull"),
-    pytest.param(CELLS[1], id="push", marks=FULL_MATRIX_ONLY)])
+@pytest.fixture(scope="module")
 def pair(request, pool):
+    """The pair of a test's cell (indirect parameter)."""
     pool.discard()  # at most two vLLM servers at a time on two cores
     cell: Cell = request.param
     model = model_path("tiny-llama")
@@ -118,7 +118,7 @@ def pair(request, pool):
         faults = {"faults": spec} if spec else {}
         lease = PUSH_LEASE_S if cell.mode == "push" else DEFAULT_TEST_LEASE_S
         kv = nixl_config(role, cell.mode, kv_lease_duration=lease, **faults)
-        kv["kv_load_failure_policy"] = "recompute"
+        kv["kv_load_failure_policy"] = cell.policy
         kv["engine_id"] = f"{role}-{uuid.uuid4().hex[:8]}"
         return VllmServer(f"verify-{cell.mode}-{role}", model, cpu, kv,
                           env={ALLOWED_VAR: "1"} if faults else {})
@@ -161,6 +161,9 @@ def counters_settled(server: VllmServer, names: tuple[str, ...]) -> dict[str, fl
     return last
 
 
+@pytest.mark.parametrize("pair", [pytest.param(PULL, id="pull"),
+                                  pytest.param(PUSH, id="push", marks=FULL_MATRIX_ONLY)],
+                         indirect=True)
 def test_every_injected_fault_is_caught_and_recomputed(pair):
     cell, decode = pair.cell, pair.decode
     run = uuid.uuid4().hex[:8]
@@ -212,3 +215,32 @@ def test_every_injected_fault_is_caught_and_recomputed(pair):
     # every block of the clean loads was checked (and those of the damaged loads before theirs)
     clean_blocks = sum(v.blocks for v in verdicts[injected:])
     assert kv_counter(decode, "verified_blocks") - before["verified_blocks"] >= clean_blocks
+
+
+FAILED = 10  # policy fail: faulted requests, each followed by a clean one
+
+
+@pytest.mark.parametrize("pair", [pytest.param(PUSH_FAIL, id="push-fail", marks=FULL_MATRIX_ONLY)],
+                         indirect=True)
+def test_under_policy_fail_a_faulted_request_fails_and_the_next_one_is_served(pair):
+    decode, run = pair.decode, uuid.uuid4().hex[:8]
+    prompts = [token_prompt(80, seed=9300 + i) for i in range(2 * FAILED)]
+    body = lambda p: completion_body(p, max_tokens=MAX_TOKENS)  # noqa: E731
+    assert pair.legs(body(token_prompt(40, seed=9299)))[1].status_code == 200  # handshake
+    expected = [output_ids(completion(pair.prefill.url, body(p))) for p in prompts[1::2]]
+    names = ("faults_injected", "mismatched_requests", "verdicts_failed", "verdicts_verified")
+    before = counters_settled(decode, names)
+    for i in range(FAILED):
+        _, resp = pair.legs(body(prompts[2 * i]), f"kvfault-corrupt-{run}-{i}")
+        failed = resp.status_code >= 400 or (
+            resp.json()["choices"][0].get("finish_reason") == "error")
+        assert failed, f"faulted request {i} answered: {resp.status_code} {resp.text[:300]}"
+        _, resp = pair.legs(body(prompts[2 * i + 1]), f"clean-{run}-{i}")
+        assert resp.status_code == 200, resp.text
+        assert output_ids(resp) == expected[i]
+        assert kv_verdict_of(resp.json().get("kv_transfer_params")).verdict == "verified"
+    wanted = {"faults_injected": FAILED, "mismatched_requests": FAILED,
+              "verdicts_failed": FAILED, "verdicts_verified": FAILED}
+    after = counters_reach(decode, {name: before[name] + n for name, n in wanted.items()})
+    assert {name: after[name] - before[name] for name in wanted} == wanted
+    assert decode.alive() and pair.prefill.alive()

@@ -471,12 +471,16 @@ class PushDigestSender:
             first = request_id not in self._sent
             self._sent[request_id] = None
         if first:
-            encoded, why = self._digests(local_block_ids, registration)
+            try:
+                encoded, why = self._digests(local_block_ids, registration)
+                if encoded is not None:
+                    worker.nixl_wrapper.send_notif(
+                        agent, notif_msg=push_digests_notif(decode_req_id, worker.tp_rank,
+                                                            encoded))
+            except Exception as exc:  # noqa: BLE001 - the WRITE must not be lost with them
+                encoded, why = None, f"sending them failed: {exc!r}"
             if encoded is None:
                 self._unsent(engine, request_id, why)
-            else:
-                worker.nixl_wrapper.send_notif(
-                    agent, notif_msg=push_digests_notif(decode_req_id, worker.tp_rank, encoded))
         if self._faults.take("drop_write", request_id) is None:
             return True
         # the WRITE's own completion notification (upstream's format), with no WRITE before it

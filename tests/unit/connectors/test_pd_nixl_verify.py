@@ -609,3 +609,17 @@ def test_drop_write_sends_the_digests_and_the_completion_but_no_write():
     assert messages[1] == b"d-kvfault-1:1"  # upstream's completion: "<decode request id>:<TP>"
     assert parse_push_digests(messages[2])[0] == "d-clean-1" and len(messages) == 3
     assert sender.take_counts() == (0, 1)
+
+
+def test_digests_that_cannot_be_sent_never_cost_the_write():
+    pair = Pair()
+    worker = FakePushPrefill({"decode-1": "agent-d1"})
+
+    def broken(agent, notif_msg):
+        raise RuntimeError("NIXL send failed")
+
+    worker.send_notif = broken
+    prefill = BlockVerifier(pair.prefill, NUM_BLOCKS)
+    sender = PushDigestSender(worker, lambda: prefill, lambda: None, KvFaults.none())
+    assert sender.before_write("p-1", [pair.prefill_blocks], registration("decode-1", [1]))
+    assert sender.take_counts() == (1, 0)  # counted as a WRITE without digests
