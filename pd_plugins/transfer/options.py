@@ -99,11 +99,12 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
         env="PD_TRANSFER_THREADS_NICE",
         default=f"{TRANSFER_THREADS_NICE} on a CPU engine, unset on a GPU")] = UNSET
     verify_kv: Annotated[VerifyKv, doc(
-        "vLLM pull: the prefill states a digest of every prompt block (`pd.kv_digest`), the "
-        "decode checks the blocks it read and says so in its answer (`pd.kv`) and on /metrics "
-        "(`vllm:pd_kv_*`); a mismatch is a failed load (kv_load_failure_policy). `on`: a read "
+        "vLLM: the prefill states a digest of every block it hands over (pull: `pd.kv_digest`; "
+        "push: a NIXL notification before the WRITE, waited for at most 2 s), the decode checks "
+        "the blocks that landed and says so in its answer (`pd.kv`) and on /metrics "
+        "(`vllm:pd_kv_*`); a mismatch is a failed load (kv_load_failure_policy). `on`: a load "
         "with no digest, or a layout that cannot be checked, is `unverified`; `required`: such "
-        "a read is a failed load; `off`: neither end digests. vLLM push verifies nothing yet")] = "on"
+        "a load is a failed load; `off`: neither end digests")] = "on"
 
     def nice_on(self, cpu_engine: bool) -> int | None:
         """transfer_threads_nice with its default for this kind of engine."""
