@@ -180,7 +180,7 @@ def model_traffic(c: Control, roles: RouterRoles, zero: float) -> RouterTraffic:
         return dataclasses.replace(r, arrival_s=(r.arrival_s - zero) * c.speedup)
 
     return RouterTraffic((wall.now_s - zero) * c.speedup, [model(r) for r in wall.window],
-                         [model(r) for r in wall.in_flight])
+                         [model(r) for r in wall.in_flight], [model(r) for r in wall.decoding])
 
 
 def move_many(roles: RouterRoles, to: str, count: int, say) -> None:
@@ -247,13 +247,13 @@ def control_loop(c: Control, ready, stop) -> None:
             # how much of what was sent the window holds, and how much of it the record alone
             # (written as requests end) holds
             sent = sum(1 for a in c.arrivals if now_s - c.window_s <= a < now_s)
-            running = sum(1 for r in traffic.in_flight if r.arrival_s >= traffic.now_s - c.window_s
-                          ) if traffic is not None else 0
+            running = sum(1 for r in traffic.in_flight + traffic.decoding
+                          if r.arrival_s >= traffic.now_s - c.window_s) if traffic is not None else 0
             say("split", split=[split.prefill, split.decode], moving=moving,
                 window=[len(window), sent, len(window) - running])
             if c.strategy == "live":
                 apply_once(planner, roles, traffic.window, traffic.now_s, say=say,
-                           in_flight=traffic.in_flight)
+                           in_flight=traffic.in_flight, decoding=traffic.decoding)
             elif c.strategy == "dynamo" and not moving:
                 if len(window) >= 2:
                     # the budget: the healthy workers (one failing its health checks cannot serve)

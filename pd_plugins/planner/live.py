@@ -2,10 +2,11 @@
 not flap (`pd-planner --apply URL`; docs/planner.md, "Live role changes").
 
 Every `interval_s` the planner predicts how each split would serve the next `window_s`: it
-simulates (cluster_sim, the router's own policy) the requests in flight now, all arriving at once
-with the work they have left (the state the next window inherits: a queue left by an overload or
-by the previous split), followed by the last `window_s` of arrivals again (the traffic expected
-next). It scores each split by goodput: the window's requests served within both SLOs per
+simulates (cluster_sim, the router's own policy) the requests in flight now with the work they
+have left (the state the next window inherits: a queue left by an overload or by the previous
+split; the answers in progress replay their prompts first, `lead_s`, so that the window does not
+queue behind prefills already done), followed by the last `window_s` of arrivals again (the
+traffic expected next). It scores each split by goodput: the window's requests served within both SLOs per
 second, averaged over the window at its own rate and `headroom` times faster (of two splits that
 serve the window, the one with room to spare: the mix moves on past the window). It starts on
 the current split and, unless that serves the window at both rates, climbs from there: both
@@ -21,7 +22,8 @@ one move of several workers instead of one worker per interval. Hysteresis:
   at least `min_requests` requests;
 - at most one re-plan per interval, none while a move is still draining, and a move goes no
   farther than `max_step` instances;
-- a move that reverses the previous one waits `min_dwell_s` after it.
+- a move that reverses the previous one waits `min_dwell_s` after it, unless it predicts
+  `reverse_margin` more or the current split misses the window at its own rate.
 
 Applying: in the simulator, `sim_controller()` is a `SimConfig.role_controller`; against pd-router,
 `RouterRoles` reads the split from `GET /admin/workers` and moves kv_both workers through
@@ -47,6 +49,7 @@ from typing import Callable, Literal, Sequence
 
 from pd_plugins.perf.cluster_sim import SimConfig, TrafficWindow, simulate
 from pd_plugins.perf.report import Slo
+from pd_plugins.planner.dynamo_rule import prefill_throughput
 from pd_plugins.planner.split import Split, dynamo_hint, policy_for_slo
 from pd_plugins.routers.policy.scheduler import PREFIX_SOURCE
 from pd_plugins.workloads import TraceRequest
@@ -103,6 +106,7 @@ class LivePlanner:
     # serves the window with room to spare beats one that just serves it (1: the window alone)
     headroom: float = 1.5
     peer_candidate: bool = True  # also simulate Dynamo's rule's split for the window
+    replay_lead: bool = True  # the answers in progress replay their prefill ahead of the window
     log: list[Decision] = field(default_factory=list)
     _last_move: tuple[float, int] | None = None  # (when, +1 toward prefill / -1 toward decode)
 
@@ -132,13 +136,18 @@ class LivePlanner:
         return met / span_s, done / max(span_s, result.sim_span_s)
 
     def decide(self, now_s: float, window: Sequence[TraceRequest], current: Split,
-               in_flight: Sequence[TraceRequest] = ()) -> Decision:
+               in_flight: Sequence[TraceRequest] = (),
+               decoding: Sequence[TraceRequest] = ()) -> Decision:
         """`window`: the requests that arrived in the last window_s (any time origin): the
         traffic expected next. `in_flight`: the requests not ended yet (where known): the state
         each split starts from, each as the work it has left (`left_to_do`). Each split is
         simulated on the in-flight requests, all arriving at once (a queue left by an overload
         or by the previous split weighs as it will), then the window's arrivals again, at their
-        own pace and `headroom` times faster; only the window counts toward goodput."""
+        own pace and `headroom` times faster; only the window counts toward goodput.
+        `decoding`: the requests in flight whose prompt is prefilled (answers in progress, each
+        with the tokens it still lacks): the simulator starts every request at its prefill, so
+        their prompts are replayed ahead of the window (`lead_s`), and the window starts once
+        they hold their KV where they decode, as they do now."""
         def stay(reason: str, scores: dict | None = None) -> Decision:
             d = Decision(now_s, current, current, scores or {}, reason)
             self.log.append(d)
@@ -150,24 +159,33 @@ class LivePlanner:
         # the oldest in flight, at most as many as the window: enough to tell which split works
         # a queue off, and each re-plan stays a few simulations of at most twice the window
         keep = min(len(window), MAX_WINDOW_REQUESTS - len(window))
-        backlog = sorted(in_flight, key=lambda r: r.arrival_s)[:keep] if keep > 0 else []
+        tagged = sorted([(r, False) for r in in_flight] + [(r, True) for r in decoding],
+                        key=lambda t: t[0].arrival_s)[:max(0, keep)]
         # their own copies: a request in flight and in the window must not find its prompt
         # cached by itself
-        queue = [dataclasses.replace(r, request_id=i, arrival_s=0.0, session_id=None,
-                                     block_hashes=tuple(h + IN_FLIGHT_KEY_OFFSET
-                                                        for h in r.block_hashes))
-                 for i, r in enumerate(backlog)]
+        queue = [(dataclasses.replace(r, request_id=i, arrival_s=0.0, session_id=None,
+                                      block_hashes=tuple(h + IN_FLIGHT_KEY_OFFSET
+                                                         for h in r.block_hashes)), answering)
+                 for i, (r, answering) in enumerate(tagged)]
         span = max(self.window_s, window[-1].arrival_s)
-        paced = {pace: queue + [dataclasses.replace(r, request_id=len(queue) + r.request_id,
-                                                    arrival_s=r.arrival_s / pace) for r in window]
-                 for pace in {1.0, self.headroom}}
         rate = len(window) / span
         sims: dict[tuple[Split, float], tuple[float, float]] = {}
+
+        def requests_for(split: Split, pace: float) -> list[TraceRequest]:
+            lead = self.lead_s([r for r, answering in queue if answering], split)
+            tpot = self.slo.tpot_s
+            return ([r if not answering else
+                     dataclasses.replace(r, output_tokens=r.output_tokens + int(lead / tpot))
+                     for r, answering in queue if answering]
+                    + [dataclasses.replace(r, arrival_s=lead) for r, answering in queue
+                       if not answering]
+                    + [dataclasses.replace(r, request_id=len(queue) + r.request_id,
+                                           arrival_s=lead + r.arrival_s / pace) for r in window])
 
         def run(split: Split, pace: float = 1.0) -> tuple[float, float]:
             """(goodput, work-off rate) at `pace` x the window's rate, in req/s of the window."""
             if (split, pace) not in sims:
-                g, w = self.score(paced[pace], split, span / pace, len(queue))
+                g, w = self.score(requests_for(split, pace), split, span / pace, len(queue))
                 sims[split, pace] = (g / pace, w)
             return sims[split, pace]
 
@@ -187,7 +205,10 @@ class LivePlanner:
         if best == current or score(best) <= score(current) * gain + 1e-12:
             return stay("no other split gains the margin", scores)
         direction = 1 if best.prefill > current.prefill else -1
-        if (self._last_move is not None and self._last_move[1] != direction
+        # the dwell holds back flapping between splits that both serve the window; a split that
+        # misses the window at its own rate is a mistake to correct, not a choice to keep
+        failing = run(current)[0] * gain < rate
+        if (self._last_move is not None and self._last_move[1] != direction and not failing
                 and now_s - self._last_move[0] < self.hysteresis.min_dwell_s
                 and score(best) <= score(current) * (1 + self.hysteresis.reverse_margin) + 1e-12):
             return stay(f"would reverse the move at {self._last_move[0]:.0f} s (dwell)", scores)
@@ -198,6 +219,20 @@ class LivePlanner:
                      f"{'worked off' if worked_off else 'within SLO'} vs {score(current):.3g}")
         self.log.append(d)
         return d
+
+    def lead_s(self, decoding: Sequence[TraceRequest], split: Split) -> float:
+        """How long `split`'s prefill pool takes to replay the prompts of the answers in
+        progress (at the engine profile's throughput for their mean prompt): the window's
+        arrivals start after it, so that they queue behind the work that is really there (the
+        answers, holding their KV on the decode pool) and not behind prefills done already.
+        Charged at the window's start instead, those prefills (300-odd chat prompts in the
+        chat phase of bench/planner.py) delayed the window by seconds on a small prefill pool
+        and the planner held 3P:5D where 2P:6D served the phase."""
+        if not decoding or not self.replay_lead:
+            return 0.0
+        tokens = sum(r.input_tokens for r in decoding)
+        tps = prefill_throughput(self._base.hardware, tokens / len(decoding))
+        return min(self.window_s, tokens / split.prefill / tps)
 
     def _peer_split(self, window: Sequence[TraceRequest], current: Split) -> Split | None:
         """Dynamo's rule's split for the window (dynamo_rule.py), a candidate beside the climb's
@@ -268,10 +303,12 @@ class LivePlanner:
                 recent.popleft()
             if window.moving:  # a move still draining: the split is not settled yet
                 return None
-            in_flight = [left_to_do(unfinished[o.request_id], o, window.end_s, tpot.value)
-                         for o in window.in_flight if o.request_id in unfinished]
+            mine = [o for o in window.in_flight if o.request_id in unfinished]
+            waiting = [unfinished[o.request_id] for o in mine if o.ttft_s is None]
+            decoding = [left_to_do(unfinished[o.request_id], o, window.end_s, tpot.value)
+                        for o in mine if o.ttft_s is not None]
             d = self.decide(window.end_s, list(recent), Split(window.prefill, window.decode),
-                            in_flight)
+                            waiting, decoding)
             return (d.want.prefill, d.want.decode) if d.moves else None
 
         return control
@@ -407,7 +444,9 @@ class RouterTraffic:
 
     now_s: float
     window: list[TraceRequest]     # arrived in the last window_s: ended (the record) or not
-    in_flight: list[TraceRequest]  # not ended (GET /admin/in_flight), as the work each has left
+    in_flight: list[TraceRequest]  # not ended (GET /admin/in_flight), prompt not prefilled yet
+    # not ended, prompt prefilled: answers in progress, as the tokens each still lacks
+    decoding: list[TraceRequest] = field(default_factory=list)
 
 
 def read_traffic(roles: RouterRoles, record: str, window_s: float,
@@ -433,17 +472,18 @@ def read_traffic(roles: RouterRoles, record: str, window_s: float,
     rows.sort(key=lambda r: r["t"])  # requests_of_records keeps this order (a stable sort)
     requests = requests_of_records(rows, origin=0.0)
     window = [r for r, row in zip(requests, rows) if row["t"] >= now - window_s]
-    in_flight = [r if row["produced"] is None else
-                 dataclasses.replace(r, output_tokens=max(1, r.output_tokens - row["produced"]))
-                 for r, row in zip(requests, rows) if "produced" in row]
-    return RouterTraffic(now, window, in_flight)
+    in_flight = [r for r, row in zip(requests, rows) if row.get("produced", 0) is None]
+    decoding = [dataclasses.replace(r, output_tokens=max(1, r.output_tokens - row["produced"]))
+                for r, row in zip(requests, rows) if row.get("produced") is not None]
+    return RouterTraffic(now, window, in_flight, decoding)
 
 
 def apply_once(planner: LivePlanner, roles: RouterRoles, window: Sequence[TraceRequest],
                now_s: float, dry_run: bool = False, say: Callable[[str], None] = print,
-               in_flight: Sequence[TraceRequest] = ()) -> Decision | None:
+               in_flight: Sequence[TraceRequest] = (),
+               decoding: Sequence[TraceRequest] = ()) -> Decision | None:
     """One re-plan against the router: decide (on `read_traffic`'s window and requests in
-    flight), and move workers one at a time if the decision says so."""
+    flight, not prefilled and answering), and move workers one at a time if it says so."""
     split, moving = roles.split()
     if moving:
         say("a move is in progress: not re-planning")
@@ -451,9 +491,10 @@ def apply_once(planner: LivePlanner, roles: RouterRoles, window: Sequence[TraceR
     if split.prefill < 1 or split.decode < 1:
         say(f"router split {split}: nothing to plan (both pools need a worker)")
         return None
-    decision = planner.decide(now_s, window, split, in_flight)
+    decision = planner.decide(now_s, window, split, in_flight, decoding)
     scores = ", ".join(f"{s}: {v:.3g}" for s, v in sorted(decision.scores.items()))
-    say(f"split {split}, {len(window)} requests in the window, {len(in_flight)} in flight: "
+    say(f"split {split}, {len(window)} requests in the window, "
+        f"{len(in_flight) + len(decoding)} in flight ({len(decoding)} answering): "
         f"{'move to ' + str(decision.want) if decision.moves else 'stay'} ({decision.reason})"
         + (f" [{scores}]" if scores else ""))
     if decision.moves and not dry_run:
@@ -528,7 +569,7 @@ def run_apply(args: argparse.Namespace) -> int:
             try:
                 traffic = read_traffic(roles, args.record, args.window_s, args.model)
                 apply_once(planner, roles, traffic.window, traffic.now_s, args.dry_run, say,
-                           traffic.in_flight)
+                           traffic.in_flight, traffic.decoding)
             except (AdminError, OSError, ValueError) as e:
                 say(f"this interval failed: {e}")
                 if args.once:

@@ -54,21 +54,35 @@ def test_a_window_the_split_already_serves_with_room_to_spare_moves_nothing_and_
     assert not d.moves and list(d.scores) == [Split(2, 2)]
 
 
-def test_a_move_is_not_reversed_within_the_dwell_but_is_after_it():
+def test_a_move_is_not_reversed_within_the_dwell_while_the_split_serves_but_is_after_it():
     p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60, reverse_margin=100))
-    chat, code = steady(600, 0.033, 256, 300), steady(400, 0.05, 8000, 4)
+    chat = steady(600, 0.033, 256, 300)
+    code = steady(100, 0.2, 8000, 4)  # 1P:3D serves it, but not at 1.5x its rate
     assert p.decide(20.0, chat, Split(2, 2)).want == Split(1, 3)
     held = p.decide(30.0, code, Split(1, 3))
     assert not held.moves and "dwell" in held.reason
     assert held.scores[Split(2, 2)] > 1.05 * held.scores[Split(1, 3)]  # it would gain, but waits
-    assert p.decide(90.0, code, Split(1, 3)).want == Split(3, 1)
+    assert p.decide(90.0, code, Split(1, 3)).want.prefill > 1
 
 
-def test_within_the_dwell_only_a_reversal_that_predicts_reverse_margin_more_goes_ahead():
-    chat, code = steady(600, 0.033, 256, 300), steady(400, 0.05, 8000, 4)
-    p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60, reverse_margin=1.0))
+def test_within_the_dwell_a_reversal_goes_ahead_when_it_predicts_reverse_margin_more():
+    chat, code = steady(600, 0.033, 256, 300), steady(100, 0.2, 8000, 4)
+    for reverse_margin, moves in ((1.0, False), (0.25, True)):
+        p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60,
+                                          reverse_margin=reverse_margin))
+        assert p.decide(20.0, chat, Split(2, 2)).want == Split(1, 3)
+        d = p.decide(30.0, code, Split(1, 3))
+        assert d.moves == moves, d.reason
+        assert 1.25 < max(d.scores.values()) / d.scores[Split(1, 3)] < 2
+
+
+def test_within_the_dwell_a_split_that_fails_the_window_is_corrected_at_once():
+    """The dwell holds back flapping between splits that serve the window; a split that misses
+    the window at its own rate is reversed whatever the gain."""
+    p = planner(hysteresis=Hysteresis(margin=0.05, min_dwell_s=60, reverse_margin=100))
+    chat, heavy = steady(600, 0.033, 256, 300), steady(200, 0.1, 8000, 4)
     assert p.decide(20.0, chat, Split(2, 2)).want == Split(1, 3)
-    way_out = p.decide(30.0, code, Split(1, 3))   # an overload: many times the goodput
+    way_out = p.decide(30.0, heavy, Split(1, 3))
     assert way_out.want == Split(3, 1)
     assert way_out.scores[Split(3, 1)] > 2 * way_out.scores[Split(1, 3)]
 
@@ -80,6 +94,21 @@ def test_the_work_in_flight_counts_a_queue_of_answers_moves_toward_decode():
     queue = steady(300, 0.0, prompt=256, output=300, first_id=10_000)  # ... not after this queue
     d = planner().decide(20.0, light, Split(3, 1), in_flight=queue)
     assert d.want == Split(1, 3) and d.scores[Split(1, 3)] > 1.05 * d.scores[Split(2, 2)]
+
+
+def test_answers_in_progress_replay_their_prompts_ahead_of_the_window_not_in_its_way():
+    """A prefilled request in flight holds its KV where it decodes; the simulator starts it at
+    its prefill again, and that prefill must not delay the window as if it were new work."""
+    chat = steady(600, 0.033, 256, 300)
+    answering = steady(100, 0.0, prompt=4000, output=100, first_id=10_000)
+    ahead = planner().decide(20.0, chat, Split(2, 2), decoding=answering)
+    in_the_way = planner(replay_lead=False).decide(20.0, chat, Split(2, 2), decoding=answering)
+    assert ahead.want == Split(1, 3)
+    assert ahead.scores[Split(1, 3)] == pytest.approx(len(chat) / 20, rel=0.05)  # all served
+    assert ahead.scores[Split(1, 3)] > 2 * in_the_way.scores[Split(1, 3)]
+    p = planner()
+    assert p.lead_s(answering, Split(2, 2)) == pytest.approx(p.lead_s(answering, Split(1, 3)) / 2)
+    assert p.lead_s([], Split(1, 3)) == 0.0
 
 
 def test_a_request_in_flight_has_left_what_its_answer_still_lacks():
@@ -200,12 +229,13 @@ def test_the_window_adds_the_requests_in_flight_and_each_counts_the_work_it_has_
     assert traffic.now_s >= now
     assert [(r.input_tokens, r.output_tokens) for r in traffic.window] == [
         (64, 10), (48, 20), (32, 30), (80, 20), (96, 50), (64, 30)]
-    # as left_to_do in the simulator: a prefilled prompt stays (the KV its answer holds)
-    assert [(r.input_tokens, r.output_tokens) for r in traffic.in_flight] == [
-        (128, 40), (80, 20), (96, 38), (64, 30)]
+    # not prefilled yet: all of their work; prefilled: as left_to_do in the simulator, the
+    # prompt stays (the KV its answer holds) and the answer is what it still lacks
+    assert [(r.input_tokens, r.output_tokens) for r in traffic.in_flight] == [(80, 20), (64, 30)]
+    assert [(r.input_tokens, r.output_tokens) for r in traffic.decoding] == [(128, 40), (96, 38)]
     assert traffic.window[-2].block_hashes[0] == 7 and len(traffic.window[-2].block_hashes) == 6
     # every block neither list has a key for is its own: no two requests share one by accident
-    requests = {r.request_id: r for r in (*traffic.window, *traffic.in_flight)}
+    requests = {r.request_id: r for r in (*traffic.window, *traffic.in_flight, *traffic.decoding)}
     assert len(requests) == 7
     own = [h for r in requests.values() for h in r.block_hashes if h != 7]
     assert len(own) == len(set(own)) == sum(len(r.block_hashes) for r in requests.values()) - 4
