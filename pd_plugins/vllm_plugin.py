@@ -8,8 +8,9 @@ whose optional dependency is missing is logged and skipped.
 from __future__ import annotations
 
 import logging
+import os
 
-from pd_plugins.connectors.registry import VLLM_CONNECTORS
+from pd_plugins.connectors.registry import VLLM_CONNECTORS, allowed_test_connectors
 
 logger = logging.getLogger("pd_plugins")
 
@@ -23,7 +24,7 @@ def register() -> list[str]:
         return []
 
     registered = []
-    for spec in VLLM_CONNECTORS:
+    for spec in (*VLLM_CONNECTORS, *allowed_test_connectors(os.environ)):
         if spec.name in KVConnectorFactory._registry:
             continue
         missing = spec.missing_requirements()

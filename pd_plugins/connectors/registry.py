@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Mapping
+
+from pd_plugins.transfer.kv_faults import refusal
 
 
 @dataclass(frozen=True)
@@ -40,3 +43,19 @@ VLLM_CONNECTORS: tuple[ConnectorSpec, ...] = (
         requires=("lmcache",),
     ),
 )
+
+# Test only (upstream's NIXL connector with our fault hooks, no verification: the upstream
+# comparison of issue 28), registered only where the engine's environment allows KV faults.
+TEST_CONNECTORS: tuple[ConnectorSpec, ...] = (
+    ConnectorSpec(
+        name="FaultyNixlConnector",
+        module_path="pd_plugins.testing.fault_connectors",
+        class_name="FaultyNixlConnector",
+        requires=("nixl",),
+    ),
+)
+
+
+def allowed_test_connectors(environ: Mapping[str, str]) -> tuple[ConnectorSpec, ...]:
+    """TEST_CONNECTORS where `environ` allows KV faults (transfer/kv_faults.py), else none."""
+    return TEST_CONNECTORS if refusal(environ) is None else ()

@@ -64,16 +64,17 @@ def push_decode_params(target: PrefillTarget, request_id: str) -> dict[str, Any]
 
 def pd_push(target: PrefillTarget, decode_url: str, body: dict[str, Any],
             prefill_body: dict[str, Any] | None = None, registration_head_start: float = 0.3,
-            timeout: float = 120.0, prefill_first: bool = False,
+            timeout: float = 120.0, prefill_first: bool = False, request_id: str | None = None,
             ) -> tuple[dict[str, Any], requests.Response]:
     """Both legs of a push-mode request: (prefill's kv_transfer_params, decode response).
 
     `prefill_body` lets the swap test prefill a different prompt than the decode serves.
     A push-mode prefill whose blocks no decode claims keeps its engine stepping until the lease
     expires, so callers should always run both legs. `prefill_first` sends the prefill leg
-    `registration_head_start` before the decode leg instead of after it.
+    `registration_head_start` before the decode leg instead of after it. `request_id`: both legs'
+    X-Request-Id (default: a fresh one).
     """
-    request_id = uuid.uuid4().hex
+    request_id = request_id or uuid.uuid4().hex
     decode_body = {**body, "kv_transfer_params": push_decode_params(target, request_id)}
     with ThreadPoolExecutor(1) as pool:
         if prefill_first:
