@@ -49,9 +49,10 @@ PD_COUNTERS: CounterTable = {
         "Failed KV loads that end their request with an error (kv_load_failure_policy=fail)."),
     "pd_missing_digests": (
         "vllm:pd_nixl_missing_digests",
-        "Prefills answered without their blocks' digests (none came from the worker in time): "
-        "their decodes load them `unverified` (prefill side)."),
-    # verified pull reads (vllm:pd_kv_*, shared with every verifying transport; decode side)
+        "Prefills whose decode gets no digests of their blocks (pull: none came from the "
+        "worker in time; push: a WRITE sent without them): their decodes load them "
+        "`unverified` (prefill side)."),
+    # verified loads (vllm:pd_kv_*, shared with every verifying transport; decode side)
     **KV_VERIFY_COUNTERS,
 }
 
