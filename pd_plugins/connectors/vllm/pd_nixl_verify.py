@@ -295,17 +295,8 @@ class LoadVerifier:
         verifier = self._verifier()
         if verifier is None or not self.faults.enabled:
             return
-        rule = self.faults.take("corrupt", req_id)
-        if rule is not None:
-            block = read.local[position(rule, req_id, len(read.local))]
-            verifier.damage(block, position(rule, req_id + "/byte", verifier.block_bytes))
-        else:
-            rule = self.faults.take("reuse", req_id)
-            if rule is None:
-                return
-            block = read.local[position(rule, req_id, len(read.local))]
-            verifier.overwrite(block, other_block(verifier, block))
-        self.stats.count(FAULTS_INJECTED_KEY)
+        if damage_landed(self.faults, verifier, req_id, read.local) is not None:
+            self.stats.count(FAULTS_INJECTED_KEY)
 
     def _check(self, req_id: str, read: _Read) -> LoadOutcome:
         n = len(read.local)
@@ -363,6 +354,23 @@ class LoadVerifier:
 
     def __len__(self) -> int:
         return len(self._reads)
+
+
+def damage_landed(faults: KvFaults, blocks: BlockVerifier, req_id: str,
+                  landed: list[int]) -> str | None:
+    """Apply a `corrupt` or `reuse` fault to one of the blocks a load of `req_id` landed (the
+    decode, before its check); returns the kind injected (None: none)."""
+    if not landed:
+        return None
+    if (rule := faults.take("corrupt", req_id)) is not None:
+        block = landed[position(rule, req_id, len(landed))]
+        blocks.damage(block, position(rule, req_id + "/byte", blocks.block_bytes))
+        return "corrupt"
+    if (rule := faults.take("reuse", req_id)) is not None:
+        block = landed[position(rule, req_id, len(landed))]
+        blocks.overwrite(block, other_block(blocks, block))
+        return "reuse"
+    return None
 
 
 def other_block(verifier: BlockVerifier, block: int) -> int:
