@@ -11,7 +11,6 @@ kv_load_failure_policy). Only the forward pass is missing: the test plays the mo
 
 from __future__ import annotations
 
-import copy
 import uuid
 
 import pytest
@@ -19,17 +18,15 @@ import torch
 
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import ALLOWED_VAR, PRODUCTION_VAR
-from pd_plugins.vocab.transfer_params import (
-    KvVerdict,
-    kv_verdict_of,
-    pd_section_of,
-    prefill_flags,
-)
+from pd_plugins.vocab.transfer_params import KvVerdict, kv_verdict_of, pd_section_of
 from tests.unit.connectors.vllm_scheduler import (
     BLOCK_SIZE,
     NUM_BLOCKS,
-    make_request,
+    counted,
+    decode_leg,
+    keep_scheduler_stats,
     make_scheduler,
+    prefill_leg,
     sample_one_token,
 )
 
@@ -59,6 +56,8 @@ class Engine:
                                         engine_id=f"lmv-{uuid.uuid4().hex[:8]}",
                                         failure_policy=failure_policy)
         self.connector = self.scheduler.connector
+        if self.connector.digests is not None:
+            self.connector.digests.wait_s = 10  # a loaded host may deliver them late
         config = self.scheduler.kv_cache_config
         self.worker = PdLMCacheConnector(self.scheduler.vllm_config, KVConnectorRole.WORKER,
                                          config)
@@ -67,15 +66,7 @@ class Engine:
         self.worker.register_kv_caches({config.kv_cache_groups[0].layer_names[0]: self.cache})
         self.reports: list = []
         self.metas: list = []
-        collect = self.connector.get_kv_connector_stats  # vLLM collects them every step
-
-        def keep_a_copy():
-            stats = collect()
-            if stats is not None:
-                self.reports.append(copy.deepcopy(stats))
-            return stats
-
-        self.connector.get_kv_connector_stats = keep_a_copy
+        keep_scheduler_stats(self.connector, self.reports)
 
     def step(self) -> dict:
         from vllm.v1.outputs import KVConnectorOutput
@@ -94,7 +85,7 @@ class Engine:
         return sample_one_token(self.scheduler, output, kv_connector_output=report)
 
     def counted(self, key: str) -> float:
-        return sum(sum(r.data.get(key, ())) for r in self.reports if r is not None)
+        return counted(self.reports, key)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -118,23 +109,6 @@ def engines(tmp_path):
 def faults_allowed(monkeypatch):
     monkeypatch.setenv(ALLOWED_VAR, "1")
     monkeypatch.delenv(PRODUCTION_VAR, raising=False)
-
-
-def prefill_leg(prefill: Engine, tokens: list[int], req_id: str) -> dict:
-    prefill.scheduler.add_request(make_request(req_id, tokens,
-                                               {"kv_transfer_params": prefill_flags()},
-                                               max_tokens=1))
-    return prefill.step()[req_id].kv_transfer_params
-
-
-def decode_leg(decode: Engine, tokens: list[int], params: dict | None, req_id: str = "d"):
-    extra = {"kv_transfer_params": params} if params is not None else None
-    decode.scheduler.add_request(make_request(req_id, tokens, extra, max_tokens=1))
-    for _ in range(3):
-        finished = decode.step()
-        if req_id in finished:
-            return finished[req_id]
-    raise AssertionError("the decode leg did not finish in three steps")
 
 
 def test_a_clean_hand_off_is_verified_and_says_so(engines):

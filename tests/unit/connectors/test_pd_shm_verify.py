@@ -8,7 +8,6 @@ and counted on both sides. Only the forward pass is missing: the test plays the 
 
 from __future__ import annotations
 
-import copy
 import uuid
 
 import numpy as np
@@ -17,10 +16,14 @@ import torch
 
 from pd_plugins.transfer.kv_faults import ALLOWED_VAR, PRODUCTION_VAR
 from pd_plugins.transfer.options import OptionError
-from pd_plugins.vocab.transfer_params import KvVerdict, kv_verdict_of, prefill_flags
+from pd_plugins.vocab.transfer_params import KvVerdict, kv_verdict_of
 from tests.unit.connectors.vllm_scheduler import (
     BLOCK_SIZE,
     NUM_BLOCKS,
+    counted,
+    decode_leg,
+    keep_scheduler_stats,
+    prefill_leg,
     make_request,
     make_scheduler,
     sample_one_token,
@@ -57,15 +60,7 @@ class Engine:
         self.worker_stats: list = []
         self.scheduler_stats: list = []
         self.metas: list = []
-        collect = self.connector.get_kv_connector_stats  # vLLM collects them every step
-
-        def keep_a_copy():
-            stats = collect()
-            if stats is not None:
-                self.scheduler_stats.append(copy.deepcopy(stats))
-            return stats
-
-        self.connector.get_kv_connector_stats = keep_a_copy
+        keep_scheduler_stats(self.connector, self.scheduler_stats)
 
     def step(self) -> dict:
         """One engine step: schedule, the worker's loads and stores, the model's one token."""
@@ -84,9 +79,7 @@ class Engine:
         return sample_one_token(self.scheduler, output, kv_connector_output=report)
 
     def counted(self, key: str) -> float:
-        """A counter as /metrics would show it: the worker's and the scheduler's reports."""
-        reports = [*self.worker_stats, *self.scheduler_stats]
-        return sum(sum(r.data.get(key, ())) for r in reports if r is not None)
+        return counted([*self.worker_stats, *self.scheduler_stats], key)
 
     def close(self) -> None:
         self.scheduler.shutdown()
@@ -103,24 +96,6 @@ def engines(tmp_path):
     yield engine
     for e in made:
         e.close()
-
-
-def prefill_leg(prefill: Engine, prompt: list[int], req_id: str) -> dict:
-    prefill.scheduler.add_request(make_request(req_id, prompt,
-                                               {"kv_transfer_params": prefill_flags()},
-                                               max_tokens=1))
-    return prefill.step()[req_id].kv_transfer_params
-
-
-def decode_leg(decode: Engine, prompt: list[int], params: dict, req_id: str = "d") -> list:
-    """Run the decode leg (max 1 token) until it ends; its outputs, step by step."""
-    decode.scheduler.add_request(make_request(req_id, prompt, {"kv_transfer_params": params},
-                                              max_tokens=1))
-    for _ in range(3):
-        finished = decode.step()
-        if req_id in finished:
-            return finished[req_id]
-    raise AssertionError("the decode leg did not finish in three steps")
 
 
 def test_a_clean_hand_off_is_verified_and_says_so(engines):

@@ -94,3 +94,48 @@ def sample_one_token(scheduler, output, token: int = 7, kv_connector_output=None
         sampled_token_ids=sampled, kv_connector_output=kv_connector_output))
     return {out.request_id: out for outs in engine_outputs.values() for out in outs.outputs
             if out.finish_reason is not None}
+
+
+def keep_scheduler_stats(connector, reports: list) -> None:
+    """Appends a copy of every counter report the scheduler-side `connector` hands vLLM (vLLM
+    collects and resets them each step) to `reports`."""
+    import copy
+
+    collect = connector.get_kv_connector_stats
+
+    def keep_a_copy():
+        stats = collect()
+        if stats is not None:
+            reports.append(copy.deepcopy(stats))
+        return stats
+
+    connector.get_kv_connector_stats = keep_a_copy
+
+
+def counted(reports: list, key: str) -> float:
+    """A counter as /metrics would show it: the sum over the workers' and the scheduler's
+    reports (None: a step without any)."""
+    return sum(sum(r.data.get(key, ())) for r in reports if r is not None)
+
+
+def prefill_leg(engine, prompt: list[int], req_id: str) -> dict:
+    """A PD prefill leg (max 1 token) through `engine` (its `scheduler` and `step()`, which plays
+    one engine step with the connector's worker side); the leg's answer (kv_transfer_params)."""
+    from pd_plugins.vocab.transfer_params import prefill_flags
+
+    engine.scheduler.add_request(make_request(req_id, prompt,
+                                              {"kv_transfer_params": prefill_flags()},
+                                              max_tokens=1))
+    return engine.step()[req_id].kv_transfer_params
+
+
+def decode_leg(engine, prompt: list[int], params: dict | None, req_id: str = "d"):
+    """A decode leg (max 1 token; `params`: its kv_transfer_params, None for a plain request)
+    run until it ends; its final output."""
+    extra = {"kv_transfer_params": params} if params is not None else None
+    engine.scheduler.add_request(make_request(req_id, prompt, extra, max_tokens=1))
+    for _ in range(3):
+        finished = engine.step()
+        if req_id in finished:
+            return finished[req_id]
+    raise AssertionError("the decode leg did not finish in three steps")
