@@ -7,6 +7,7 @@ init -> poll -> send_metadata -> poll until Success). The engine's KV and metada
 host arrays filled with bytes derived from the room, so the other process can check them.
 
     python -m tests.sglang.sglang_roles registration
+    python -m tests.sglang.sglang_roles startup
     python -m tests.sglang.sglang_roles prefill '<json spec>'   (prints one JSON line per event)
     python -m tests.sglang.sglang_roles decode '<json spec>'
 """
@@ -297,17 +298,51 @@ def device_memory() -> None:
         gather_on_device = "gathered"
     except RuntimeError as exc:
         gather_on_device = f"RuntimeError: {exc}"
-    emit(memory=found, shm_on_cuda=shm_on_cuda, gather_on_device=gather_on_device,
+    emit(event="device_memory", memory=found, shm_on_cuda=shm_on_cuda,
+         gather_on_device=gather_on_device,
          host_ranges=host.page_ranges(pages), device_ranges=device.page_ranges(pages),
          row_views=[[buf[p].ctypes.data, buf.shape[1]] for buf in memory.kv for p in pages],
          device_row_views=len(device.kv))
+
+
+def pool_verification() -> None:
+    """pd-shm's PD_VERIFY_KV at a manager's start, on the pool PD_SHM_POOL names: which pools
+    get checksums, which are refused; and PD_KV_FAULTS without permission."""
+    from pd_plugins.transfer.shm_pool import remove_pool
+
+    memory, sa = EngineMemory(), server_args("decode", 8998, "pd-shm")
+
+    def manager(verify: str, **env: str):
+        os.environ.update(PD_VERIFY_KV=verify, **env)
+        try:
+            return kv_class(KVClassType.MANAGER, "pd-shm")(
+                memory.kv_args(), DisaggregationMode.DECODE, sa, False)
+        except (RuntimeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            for name in env:
+                del os.environ[name]
+
+    off = manager("off")  # creates the pool
+    required, on = manager("required"), manager("on")
+    faults = manager("on", PD_KV_FAULTS="flip_slot", PD_KV_FAULTS_ALLOWED="")
+    found = {"off": off.pool.checksums, "required": required, "on_existing": on.pool.checksums,
+             "faults": faults}
+    for opened in (off, on):
+        opened.close()
+    remove_pool(os.environ["PD_SHM_POOL"])
+    created = manager("on")
+    found["on_new"] = created.pool.checksums
+    created.close()
+    emit(event="pool_verification", **found)
 
 
 if __name__ == "__main__":
     role = sys.argv[1]
     if role == "registration":
         registration()
-    elif role == "device_memory":
+    elif role == "startup":  # the managers' start-time checks, in one process
         device_memory()
+        pool_verification()
     else:
         {"prefill": prefill, "decode": decode}[role](json.loads(sys.argv[2]))

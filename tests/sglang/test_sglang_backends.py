@@ -105,8 +105,23 @@ def test_sglang_accepts_and_resolves_the_backends(pool_env, roles):
         assert got["nixl_manager"] == "NixlKVManager"  # SGLang's own backends untouched
 
 
-def test_device_kv_goes_to_pd_nixl_only(pool_env, roles):
-    got = roles(pool_env, "device_memory").next_event()
+@pytest.fixture(scope="module")
+def startup_events():
+    """The managers' start-time checks, run in one process (a start costs ~11 s of imports):
+    its events by name."""
+    path = f"/dev/shm/pd-test-sglang-{os.getpid()}-startup"
+    env = {**os.environ, "PD_SHM_POOL": path, "PD_SHM_POOL_GB": "0.01",
+           "SGLANG_PLUGINS": "pd_plugins", "PYTHONWARNINGS": "ignore"}
+    role = Role(env, "startup")
+    try:
+        yield {e.pop("event"): e for e in (role.next_event() for _ in range(2))}
+    finally:
+        role.stop()
+        remove_pool(path)
+
+
+def test_device_kv_goes_to_pd_nixl_only(startup_events):
+    got = startup_events["device_memory"]
     assert got["memory"]["cpu"] == ["DRAM", 0]
     assert got["memory"]["cuda"] == ["VRAM", 3]  # NIXL's memory type, SGLang's gpu_id
     assert got["memory"]["None"] == ["DRAM", 0]  # --device omitted: what torch sees (no GPU here)
@@ -118,6 +133,18 @@ def test_device_kv_goes_to_pd_nixl_only(pool_env, roles):
     assert got["host_ranges"] == got["row_views"] == got["device_ranges"]
     assert got["device_row_views"] == 0
     assert got["gather_on_device"].startswith("RuntimeError") and "VRAM" in got["gather_on_device"]
+
+
+def test_pd_shm_verification_follows_the_pool(startup_events):
+    """PD_VERIFY_KV at start: `off` creates a file pool without checksums; `required` refuses
+    that pool (saying how to fix it), `on` uses it (its rooms are then unverified); a pool
+    created under `on` has checksums. Faults need PD_KV_FAULTS_ALLOWED=1."""
+    got = startup_events["pool_verification"]
+    assert got["off"] is False
+    assert got["required"].startswith("PoolError") and "has no checksums" in got["required"]
+    assert "pd-pool remove" in got["required"] and "`required`" in got["required"]
+    assert got["on_existing"] is False and got["on_new"] is True
+    assert got["faults"].startswith("OptionError") and "PD_KV_FAULTS_ALLOWED=1" in got["faults"]
 
 
 def start_prefill(roles, env, backend, rooms, **spec):
