@@ -49,31 +49,14 @@ from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_nixl import _PdStatsClassMethods, transfer_mode_of
 from pd_plugins.connectors.vllm.pd_nixl_guards import BoundedDict
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlStats
-from pd_plugins.connectors.vllm.pd_nixl_verify import other_block
-from pd_plugins.transfer.kv_faults import KvFaults, position
+from pd_plugins.connectors.vllm.pd_nixl_verify import damage_landed
+from pd_plugins.transfer.kv_faults import KvFaults
 from pd_plugins.transfer.options import KvFaultOptions
 
 logger = init_logger(__name__)
 
 NAME = "FaultyNixlConnector"
 MAX_TRACKED = 65536  # landed reads remembered between steps (oldest forgotten first)
-
-
-def damage_landed(faults: KvFaults, blocks: BlockVerifier, req_id: str,
-                  landed: list[int]) -> str | None:
-    """Apply a `corrupt` or `reuse` fault to one of the blocks a read of `req_id` landed, as
-    PdNixlConnector's decode does before its check; returns the kind injected (None: none)."""
-    if not landed:
-        return None
-    if (rule := faults.take("corrupt", req_id)) is not None:
-        block = landed[position(rule, req_id, len(landed))]
-        blocks.damage(block, position(rule, req_id + "/byte", blocks.block_bytes))
-        return "corrupt"
-    if (rule := faults.take("reuse", req_id)) is not None:
-        block = landed[position(rule, req_id, len(landed))]
-        blocks.overwrite(block, other_block(blocks, block))
-        return "reuse"
-    return None
 
 
 class _FaultHooks(_PdStatsClassMethods):
