@@ -60,7 +60,7 @@ def test_verdict_words():
     noisy = kv.summarise({"rows": [row(r, v, 0.05 * ((1.0 + d) if v == "on" else 1))
                                    for r, d in enumerate((-0.2, -0.1, 0.03, 0.1, 0.2))
                                    for v in ("off", "on")]})
-    assert kv.verdict_of(noisy).startswith("not met (2 % lies inside")
+    assert kv.verdict_of(noisy).startswith("not resolved (the median says not met, but 2 % lies")
 
 
 def test_every_transport_has_a_line_in_the_section_even_unrun():
