@@ -13,7 +13,7 @@ engine's digests are fixed at start, so one pair cannot switch); the prefills sh
 decodes core 1. Every round sends the same fresh prompt through both pairs, one right after the
 other, the order swapped each round, so the host's noise falls on both settings alike and the
 on/off ratio is taken within a round (paired). Per request: the prefill leg's and the decode
-leg's wall time (pull: the decode request; push: from the prefill's answer to the decode's),
+leg's wall time (pull: the decode request; push: from the prefill's start to the decode's answer),
 the transport's own copy counters (as bench/kv_transfer.py reads them) and the decode's verdict
 (`pd.kv`: how many blocks it verified). Each run writes bench/data/kv_verify/<transport>.json;
 the docs section (`kv-verify`) and docs/img/kv_verify.png are drawn from every saved transport.
@@ -200,7 +200,10 @@ def send(pair: Pair, mode: str, tokens: list[int]) -> dict[str, Any]:
             finally:
                 prefilled = time.perf_counter()
                 resp, done = leg.result()
-    row: dict[str, Any] = {"prefill_s": prefilled - start, "decode_s": done - prefilled}
+    # push: the legs overlap and the decode may answer before the prefill's own answer arrives,
+    # so its leg runs from the prefill's start (what the user waits for after registering)
+    row: dict[str, Any] = {"prefill_s": prefilled - start,
+                           "decode_s": done - (prefilled if mode == "pull" else start)}
     if resp.status_code != 200:
         return {**row, "failed": resp.status_code}
     verdict = kv_verdict_of(resp.json().get("kv_transfer_params"))
@@ -359,8 +362,9 @@ def markdown(runs: dict[str, dict[str, Any]]) -> str:
         "NIXL engine's digests are fixed at start), prefills on core 0, decodes on core 1; each "
         "round sends the same fresh prompt through both, one right after the other, the order "
         "swapped every round, and the overhead is on/off - 1 within a round (paired). Decode "
-        "leg: pull, the decode request's wall time; push, from the prefill's answer to the "
-        "decode's. Median (p10 to p90) over the rounds. ms/GB: the extra ms of a leg divided by "
+        "leg: pull, the decode request's wall time; push, from the prefill leg's start to the "
+        "decode's answer (the legs overlap: the decode can answer before the prefill's own "
+        "answer arrives, so the prefill's compute is inside it). Median (p10 to p90) over the rounds. ms/GB: the extra ms of a leg divided by "
         "the GB the decode verified (its `pd.kv` blocks x 1 MiB); copies: the transport's own "
         "store + load counters, on minus off.",
         "",

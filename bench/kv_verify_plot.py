@@ -37,7 +37,9 @@ def main(results_path: str, out: str) -> None:
             for dx, verify, color in ((-0.15, "off", "C1"), (0.15, "on", "C2")):
                 right.bar(x + dx, s[verify]["decode_s"]["p50"] * 1e3, width=0.3, color=color,
                           label=f"verify_kv {verify}" if x == 0 else None)
-            labels.append(f"{run['name']}\n{length} tok")
+            short = (run["name"].replace("PdNixlConnector", "NIXL").replace("PdShmConnector", "shm")
+                     .replace("PdLMCacheConnector", "LMCache"))
+            labels.append(f"{short}\n{length} tok")
             x += 1
     left.axhline(GOAL_PCT, color="red", linestyle="--", label="goal: 2 %")
     left.axhline(0, color="grey", linewidth=0.5)
