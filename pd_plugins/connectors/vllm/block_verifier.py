@@ -13,6 +13,8 @@ Engine-agnostic: torch and numpy only.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Sequence
 
 import numpy as np
@@ -36,6 +38,10 @@ class BlockVerifier:
         # zero-copy [num_blocks, bytes] views where every layer's block is one host row
         self._rows = ([v.reshape(num_blocks, -1).view(torch.uint8).numpy() for v in self.layers]
                       if host else None)
+        # what digesting cost since the last `take_cost` (a push prefill digests on its writer
+        # thread, the stats are taken on the main one)
+        self._cost_lock = threading.Lock()
+        self._seconds, self._bytes = 0.0, 0
 
     def digests(self, block_ids: Sequence[int]) -> np.ndarray:
         """ws64 of each block (np.uint64, in the order given)."""
@@ -43,9 +49,22 @@ class BlockVerifier:
             return np.zeros(0, dtype=np.uint64)
         if any(not 0 <= b < self.num_blocks for b in block_ids):
             raise ValueError(f"block ids outside 0..{self.num_blocks - 1}")
+        start = time.perf_counter()
         if self._rows is not None:
-            return block_digests(self._rows, block_ids)
-        return torch_block_digests(self.layers, block_ids)
+            found = block_digests(self._rows, block_ids)
+        else:
+            found = torch_block_digests(self.layers, block_ids)
+        with self._cost_lock:
+            self._seconds += time.perf_counter() - start
+            self._bytes += len(block_ids) * self.block_bytes
+        return found
+
+    def take_cost(self) -> tuple[float, int]:
+        """Seconds spent digesting and bytes digested since the last call."""
+        with self._cost_lock:
+            cost = (self._seconds, self._bytes)
+            self._seconds, self._bytes = 0.0, 0
+        return cost
 
     def damage(self, block_id: int, byte: int) -> None:
         """XOR byte `byte` (0 .. block_bytes-1) of block `block_id` with 0xFF, as a stray write

@@ -52,6 +52,13 @@ KV_VERIFY_COUNTERS: CounterTable = {
         "vllm:pd_kv_unverified_loads",
         "KV loads with nothing to check the bytes against (a pool without checksums, a NIXL "
         "read without digests or in a layout that cannot be checked)."),
+    "kv_digest_seconds": (
+        "vllm:pd_kv_digest_seconds",
+        "Time spent computing KV digests, producer (stating them) and consumer (checking them) "
+        "alike: what verification costs this engine."),
+    "kv_digested_bytes": (
+        "vllm:pd_kv_digested_bytes",
+        "KV bytes digested (see vllm:pd_kv_digest_seconds)."),
     FAULTS_INJECTED_KEY: (
         KV_FAULTS_INJECTED_METRIC.removesuffix("_total"),  # pd-router warns when it rises
         "KV faults this engine injected (the `faults` option, for tests; 0 otherwise)."),
@@ -92,6 +99,15 @@ class KvLoadOutcomes(KVConnectorWorkerMetadata):
             for req_id, outcome in other.outcomes.items():
                 self.record(req_id, outcome)
         return self
+
+
+def count_digest_cost(stats, verifier) -> None:
+    """Count what a BlockVerifier (or None) spent since the last call on a stats object whose
+    table has KV_VERIFY_COUNTERS."""
+    if verifier is not None:
+        seconds, nbytes = verifier.take_cost()
+        stats.count("kv_digest_seconds", seconds)
+        stats.count("kv_digested_bytes", nbytes)
 
 
 def count_outcome(stats, outcome: LoadOutcome) -> None:

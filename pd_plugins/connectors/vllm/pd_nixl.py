@@ -51,7 +51,12 @@ from pd_plugins.vocab.engines import TransferMode
 from pd_plugins.vocab.transfer_params import PD_SECTION_KEY, PdSection
 from pd_plugins.connectors.vllm.block_verifier import BlockVerifier
 from pd_plugins.connectors.vllm.counter_stats import REJECTED_PARAMS_KEY
-from pd_plugins.connectors.vllm.kv_verdicts import FAULTS_INJECTED_KEY, VerdictBook, verdict_key
+from pd_plugins.connectors.vllm.kv_verdicts import (
+    FAULTS_INJECTED_KEY,
+    VerdictBook,
+    count_digest_cost,
+    verdict_key,
+)
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
@@ -281,6 +286,7 @@ class _PdAdditions(_PdStatsClassMethods):
 
     def get_kv_connector_stats(self) -> PdNixlStats | None:
         if self.connector_worker is not None:
+            count_digest_cost(self.connector_worker.xfer_stats, self._block_verifier)
             return super().get_kv_connector_stats()
         if self._malformed_params:
             self._count_on_scheduler(REJECTED_PARAMS_KEY, self._malformed_params)

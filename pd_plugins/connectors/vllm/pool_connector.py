@@ -27,7 +27,12 @@ from pd_plugins.connectors.vllm.counter_stats import (
     CounterPromMetrics,
     CounterStats,
 )
-from pd_plugins.connectors.vllm.kv_verdicts import KvLoadOutcomes, LoadOutcome
+from pd_plugins.connectors.vllm.kv_verdicts import (
+    KvLoadOutcomes,
+    LoadOutcome,
+    count_digest_cost,
+    count_outcome,
+)
 from pd_plugins.connectors.vllm.options import extra_options
 
 if TYPE_CHECKING:
@@ -56,6 +61,7 @@ class PoolWorkerSide:
         self._invalid: set[int] = set()
         self._outcomes = KvLoadOutcomes()
         self.stats = self.STATS()
+        self.verifier: Any = None  # a BlockVerifier where the transport digests blocks (LMCache)
 
     def take_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -65,12 +71,7 @@ class PoolWorkerSide:
         """A checked transport's load: counted (kv_verdicts.KV_VERIFY_COUNTERS) and reported to
         the scheduler, which puts the request's verdict into its answer."""
         self._outcomes.record(req_id, outcome)
-        if outcome.checked:
-            self.stats.count("kv_verified_blocks", outcome.blocks - outcome.failed)
-            self.stats.count("kv_mismatched_blocks", outcome.mismatched)
-            self.stats.count("kv_mismatched_requests", 1 if outcome.mismatched else 0)
-        else:
-            self.stats.count("kv_unverified_loads")
+        count_outcome(self.stats, outcome)
 
     def take_outcomes(self) -> KvLoadOutcomes | None:
         if not self._outcomes.outcomes:
@@ -79,6 +80,7 @@ class PoolWorkerSide:
         return out
 
     def take_stats(self) -> CounterStats | None:
+        count_digest_cost(self.stats, self.verifier)
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, self.STATS()

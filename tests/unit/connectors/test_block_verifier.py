@@ -81,3 +81,22 @@ def test_first_mismatch():
     found = np.array([1, 2, 3, 4], dtype=np.uint64)
     assert first_mismatch(found, found.copy()) is None
     assert first_mismatch(found, np.array([1, 2, 9, 9], dtype=np.uint64)) == 2
+
+
+def test_what_digesting_cost_is_taken_once_and_lands_on_the_shared_counters():
+    from pd_plugins.connectors.vllm.counter_stats import CounterStats
+    from pd_plugins.connectors.vllm.kv_verdicts import KV_VERIFY_COUNTERS, count_digest_cost
+
+    class Stats(CounterStats):
+        COUNTERS = KV_VERIFY_COUNTERS
+
+    verifier = BlockVerifier(cpu_layers(3), NUM_BLOCKS)
+    verifier.digests([1, 2, 3])
+    verifier.digests([4])
+    stats = Stats()
+    count_digest_cost(stats, verifier)
+    count_digest_cost(stats, None)  # a transport without a verifier counts nothing
+    reduced = stats.reduce()
+    assert reduced["pd_kv_digested_bytes"] == 4 * verifier.block_bytes
+    assert reduced["pd_kv_digest_seconds"] > 0
+    assert verifier.take_cost() == (0.0, 0)  # taken: the next step starts from zero
