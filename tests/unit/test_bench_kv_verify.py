@@ -69,3 +69,19 @@ def test_every_transport_has_a_line_in_the_section_even_unrun():
         "<!-- kv-verify:end -->")
     for transport in kv.TRANSPORTS.values():
         assert f"- {transport.name}: **not run yet**" in text
+
+
+def test_digest_share_is_the_counted_time_over_the_on_pairs_legs():
+    from bench.kv_verify import TIME_COUNTERS, digest_share
+
+    seconds, nbytes = TIME_COUNTERS
+    rows = [{"verify": "on", "decode_s": 0.5, "prefill_s": 1.0},
+            {"verify": "on", "decode_s": 0.5, "prefill_s": 1.0},
+            {"verify": "on", "failed": 500, "decode_s": 9.0, "prefill_s": 9.0},  # not counted
+            {"verify": "off", "decode_s": 0.4, "prefill_s": 1.0}]
+    run = {"rows": rows, "digest": {"on": {"decode": {seconds: 0.01, nbytes: 2e9},
+                                           "prefill": {seconds: 0.04, nbytes: 2e9}}}}
+    share = digest_share(run)
+    assert share["decode"] == {"ms_per_request": 5.0, "share": 0.01, "ms_per_gb": 5.0}
+    assert share["prefill"]["share"] == 0.02 and share["prefill"]["ms_per_gb"] == 20.0
+    assert digest_share({"rows": rows}) is None  # a run saved before the counters existed
