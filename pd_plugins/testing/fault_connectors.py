@@ -50,8 +50,8 @@ from pd_plugins.connectors.vllm.pd_nixl import _PdStatsClassMethods, transfer_mo
 from pd_plugins.connectors.vllm.pd_nixl_guards import BoundedDict
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlStats
 from pd_plugins.connectors.vllm.pd_nixl_verify import damage_landed
-from pd_plugins.transfer.kv_faults import KvFaults
-from pd_plugins.transfer.options import KvFaultOptions
+from pd_plugins.transfer.kv_faults import KvFaults, refusal
+from pd_plugins.transfer.options import KvFaultOptions, OptionError
 
 logger = init_logger(__name__)
 
@@ -66,7 +66,11 @@ class _FaultHooks(_PdStatsClassMethods):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         config = vllm_config.kv_transfer_config
-        # refused here (the engine does not start) unless allowed, in every engine process
+        # refused here (the engine does not start) unless allowed, in every engine process, with
+        # or without faults set: this connector exists only for tests
+        why = refusal(os.environ)
+        if why is not None:
+            raise OptionError(f"{NAME}: a test connector, refused: {why}")
         self._faults = KvFaults.from_spec(extra_options(KvFaultOptions, config, NAME).faults, NAME)
         worker = role == KVConnectorRole.WORKER
         bound = os.sched_getaffinity(0) if worker and hasattr(os, "sched_getaffinity") else None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -73,6 +74,7 @@ PURPOSE = "kv-digests"
 MAX_TRACKED = 65536  # requests remembered between steps (oldest forgotten first)
 PUSH_DIGESTS_PREFIX = b"PDKVD:"
 MAX_PUSH_DIGESTS_BYTES = 1 << 21  # one notification: ~11 bytes (base64) a block, 128 k tokens fit
+MAX_INBOX_BYTES = 64 << 20  # digests kept for pushes not yet checked (oldest forgotten first)
 PUSH_DIGEST_WAIT_S = 2.0  # a finished push waits this long for its digests
 
 
@@ -236,6 +238,8 @@ class LoadVerifier:
             self._reads.pop(req_id, None)
             self._expected.pop(req_id, None)
             self._held.pop(req_id, None)
+            if self._inbox is not None:
+                self._inbox.take(req_id)  # a push that ended unchecked (aborted, failed)
 
     def settle(self, finished: set[str], failed: set[str], now: float | None = None) -> set[str]:
         """Check this step's finished loads (finished, not failed, released by the lease check);
@@ -246,6 +250,8 @@ class LoadVerifier:
         failed_here: set[str] = set()
         for req_id in failed:
             self._held.pop(req_id, None)
+            if self._inbox is not None:
+                self._inbox.take(req_id)
             read = self._reads.pop(req_id, None)
             if read is not None:
                 self._record(req_id, LoadOutcome(len(read.local), len(read.local), 0,
@@ -406,13 +412,16 @@ def parse_push_digests(message: bytes) -> tuple[str, int, str] | None:
 class DigestInbox:
     """Decode side of push: wraps the worker's NIXL agent (upstream's push writer thread fetches its
     notifications) and takes the prefills' digest notifications out before upstream sees them;
-    keeps the digests by decode request id (bounded, oldest forgotten; locked: the writer thread
-    adds, the engine's main thread takes)."""
+    keeps the digests by decode request id (bounded in entries and bytes, oldest forgotten: a
+    push that is aborted or fails leaves its digests behind; locked: the writer thread adds, the
+    engine's main thread takes)."""
 
-    def __init__(self, agent: Any, size: int = MAX_TRACKED) -> None:
+    def __init__(self, agent: Any, size: int = MAX_TRACKED,
+                 max_bytes: int = MAX_INBOX_BYTES) -> None:
         self._agent = agent
         self._lock = threading.Lock()
-        self._digests: BoundedDict = BoundedDict(size)  # req id -> encoded (rank 0: TP 1 only)
+        self._digests: OrderedDict[str, str] = OrderedDict()  # req id -> encoded (rank 0: TP 1)
+        self._size, self._max_bytes, self._bytes = size, max_bytes, 0
         self.malformed = 0
 
     def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
@@ -435,11 +444,21 @@ class DigestInbox:
                                len(message))
             return
         with self._lock:
+            self._pop(parsed[0])
             self._digests[parsed[0]] = parsed[2]
+            self._bytes += len(parsed[2])
+            while len(self._digests) > self._size or self._bytes > self._max_bytes:
+                self._bytes -= len(self._digests.popitem(last=False)[1])
+
+    def _pop(self, req_id: str) -> str | None:
+        encoded = self._digests.pop(req_id, None)
+        if encoded is not None:
+            self._bytes -= len(encoded)
+        return encoded
 
     def take(self, req_id: str) -> str | None:
         with self._lock:
-            return self._digests.pop(req_id, None)
+            return self._pop(req_id)
 
     def __len__(self) -> int:
         return len(self._digests)

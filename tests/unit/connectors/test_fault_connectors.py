@@ -52,15 +52,16 @@ def test_the_plugin_registers_it_only_where_faults_are_allowed(monkeypatch, env,
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("faults", ["corrupt:match=kvfault-", None])  # none set: refused all the same
 @pytest.mark.parametrize("env, why", [
     ({}, f"needs {ALLOWED_VAR}=1"),
     ({ALLOWED_VAR: "1", PRODUCTION_VAR: "1"}, "never allowed in production")])
-def test_the_connector_refuses_to_start_unless_allowed(monkeypatch, mode, env, why):
+def test_the_connector_refuses_to_start_unless_allowed(monkeypatch, mode, faults, env, why):
     for var in (ALLOWED_VAR, PRODUCTION_VAR):
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    extra = {"mode": mode, "faults": "corrupt:match=kvfault-"}
+    extra = {"mode": mode, "faults": faults}
     kv = SimpleNamespace(get_from_extra_config=lambda key, default: extra.get(key, default))
     config = SimpleNamespace(kv_transfer_config=kv)
     with pytest.raises(OptionError, match=why):  # before upstream's connector is built

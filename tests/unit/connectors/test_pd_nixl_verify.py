@@ -464,6 +464,28 @@ def test_the_inbox_is_bounded_oldest_forgotten():
     assert [inbox.take(f"req-{i}") for i in range(5)] == [None, None, "2", "3", "4"]
 
 
+def test_the_inbox_is_bounded_in_bytes_too():
+    agent = FakeDecodeAgent()
+    inbox = DigestInbox(agent, max_bytes=25)
+    agent.notifs = {"p": [push_digests_notif(f"req-{i}", 0, "x" * 10) for i in range(4)]}
+    inbox.get_new_notifs()
+    assert len(inbox) == 2 and inbox.take("req-1") is None and inbox.take("req-3") == "x" * 10
+
+
+def test_digests_of_a_push_that_ended_unchecked_are_dropped():
+    """An aborted or failed push leaves no digests behind (they can be MiBs each)."""
+    pair, agent = Pair(), FakeDecodeAgent()
+    inbox = DigestInbox(agent)
+    verifier = pair.verifier(inbox=inbox)
+    for req_id in ("aborted", "failed"):
+        push_start(pair, verifier, req_id, [5])
+        deliver(agent, inbox, req_id, np.zeros(1, dtype=np.uint64))
+    assert len(inbox) == 2
+    verifier.forget({"aborted"})
+    verifier.settle(set(), {"failed"}, now=0.0)
+    assert len(inbox) == 0
+
+
 def push_start(pair: Pair, verifier: LoadVerifier, req_id: str, local: list[int]) -> None:
     verifier.remember(req_id, local, len(local), "prefill-engine", None, pushed=True)
 
