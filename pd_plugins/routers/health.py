@@ -122,8 +122,9 @@ class PoolUpkeep:
     async def check(self, worker: Worker) -> bool:
         worker.last_probe = asyncio.get_running_loop().time()
         worker.probing = True
-        try:
-            await asyncio.wait_for(self._probe(worker), self.spec.timeout_s)
+        try:  # not wait_for: on Python 3.11 it can swallow the cancel that stops the health loop
+            async with asyncio.timeout(self.spec.timeout_s):
+                await self._probe(worker)
         except Exception as exc:  # noqa: BLE001 - any failure of the probe counts against the worker
             reason = "timed out" if isinstance(exc, asyncio.TimeoutError) else f"{type(exc).__name__}: {exc}"
             if not worker.ever_up:  # never seen working: not routable until a probe succeeds

@@ -184,7 +184,8 @@ class ReplicaSync:
             if not batch:  # most rounds: nothing for Redis, and no task made for it
                 continue
             try:
-                await asyncio.wait_for(self._publish(batch), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await self._publish(batch)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any Redis trouble: local state only
@@ -230,10 +231,13 @@ class ReplicaSync:
         block_ms = max(1, int(self.interval_s * 2000))
         while True:
             try:
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel that
+                # arrives as its awaitable finishes, and this loop would then outlive aclose()
                 if self._live_from is None:  # at start and after an outage: where history ends
-                    self._live_from = _id(await asyncio.wait_for(self.log.last_id(), self.timeout_s))
-                entries = await asyncio.wait_for(self.log.read(self._last_id, block_ms),
-                                                 self.timeout_s + block_ms / 1000)
+                    async with asyncio.timeout(self.timeout_s):
+                        self._live_from = _id(await self.log.last_id())
+                async with asyncio.timeout(self.timeout_s + block_ms / 1000):
+                    entries = await self.log.read(self._last_id, block_ms)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001

@@ -162,9 +162,10 @@ class PodWatcher:
                                    server_timeout=self.watch_timeout_s).__aiter__()
         try:
             while True:
-                try:
-                    kind, pod = await asyncio.wait_for(events.__anext__(), self.idle_limit_s)
-                except asyncio.TimeoutError:
+                try:  # not wait_for: on Python 3.11 it can swallow the cancel that stops us
+                    async with asyncio.timeout(self.idle_limit_s):
+                        kind, pod = await events.__anext__()
+                except TimeoutError:
                     return
                 self.counts["events"] += 1
                 self._gone_streak = 0
