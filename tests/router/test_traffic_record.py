@@ -166,17 +166,19 @@ def test_requests_in_flight_are_listed_until_they_end_and_the_planner_plans_from
         # pd-planner --apply's view: the window's arrivals and the work in flight
         roles = RouterRoles(router.url, token)
         traffic = read_traffic(roles, str(path), window_s=60)
-        assert len(traffic.window) == n and len(traffic.in_flight) == n
+        # every one streams: prompt prefilled, so an answer in progress, none waiting for a prefill
+        assert len(traffic.window) == n and len(traffic.decoding) == n and traffic.in_flight == []
         assert all(r.input_tokens == 120 and r.output_tokens == 250 for r in traffic.window)
         # what each still lacks, its prompt (the KV it holds) kept, as left_to_do in the simulator
-        assert all(1 <= r.output_tokens <= 247 and r.input_tokens == 120 for r in traffic.in_flight)
+        assert all(1 <= r.output_tokens <= 247 and r.input_tokens == 120 for r in traffic.decoding)
         planner = LivePlanner(Slo(1.0, 0.05), SimConfig(hardware_preset("llama-3.1-8b@h100")), "round_robin",
                               window_s=60, interval_s=30, hysteresis=Hysteresis(min_requests=n))
         said: list[str] = []
         decision = apply_once(planner, roles, traffic.window, traffic.now_s, dry_run=True,
-                              say=said.append, in_flight=traffic.in_flight)
+                              say=said.append, in_flight=traffic.in_flight,
+                              decoding=traffic.decoding)
         assert decision is not None and decision.scores, said  # it simulated the window
-        assert f"{n} requests in the window, {n} in flight" in said[0], said
+        assert f"{n} requests in the window, {n} in flight ({n} answering)" in said[0], said
         # the command line, once: the same two sources
         cli = subprocess.run(
             [sys.executable, "-m", "pd_plugins.planner", "--apply", router.url, "--record", str(path),
@@ -190,5 +192,5 @@ def test_requests_in_flight_are_listed_until_they_end_and_the_planner_plans_from
         wait_until(lambda: listing(router).json()["total"] == 0 and len(lines(path)) == n,
                    timeout=10, what="the requests to end")
         traffic = read_traffic(roles, str(path), window_s=60)
-        assert len(traffic.window) == n and traffic.in_flight == []
+        assert len(traffic.window) == n and traffic.in_flight == [] and traffic.decoding == []
         assert all(r.output_tokens == 250 for r in traffic.window)
