@@ -10,7 +10,7 @@ from aiohttp import web
 
 from pd_plugins.routers.config import ConfigError, WorkerConflict, WorkerSpec
 from pd_plugins.routers.model_group import ModelNotFound, MoveRefused
-from pd_plugins.routers.proxy import error_response
+from pd_plugins.routers.errors import error_response
 
 log = logging.getLogger("pd_router.admin")
 

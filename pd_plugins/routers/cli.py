@@ -16,6 +16,7 @@ after it (up to the next --model) are its workers:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -186,14 +187,9 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         logging.getLogger("pd_router").info("uvloop not installed; using asyncio's event loop")
-    from aiohttp import web
-
     from pd_plugins.routers.server import Router
     router = Router(config)
-    # handler_cancellation: a client that disconnects cancels its handler, which closes both
-    # legs, so the engines abort the request and free its KV (aiohttp's default is off).
-    web.run_app(router.app(), host=config.host, port=config.port, access_log=None,
-                print=None, handle_signals=True, handler_cancellation=True, ssl_context=router.tls)
+    asyncio.run(router.serve())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Awaitable, Callable
 from aiohttp import web
 
 from pd_plugins.routers.config import ConfigError, RouterConfig
-from pd_plugins.routers.proxy import error_body
+from pd_plugins.routers.errors import error_body
 
 MAX_KEYS = 10_000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -43,24 +43,34 @@ def load_api_keys(config: RouterConfig) -> list[bytes]:
     return [key.encode() for key in dict.fromkeys(keys)]
 
 
-def api_key_middleware(keys: list[bytes], cover_metrics: bool):
+def api_key_check(keys: list[bytes], cover_metrics: bool) -> Callable[[str, str], web.Response | None]:
+    """check(path, Authorization header) -> a 401 to send, or None if the request may pass.
+    Used by the aiohttp middleware and by the front server's inference path (http_server.py)."""
     digests = frozenset(hashlib.sha256(key).digest() for key in keys)
     protected = ("/v1/", "/metrics") if cover_metrics else ("/v1/",)
 
+    def check(path: str, given: str) -> web.Response | None:
+        if not path.startswith(protected):
+            return None
+        token = given[7:].strip().encode("utf-8", "surrogateescape") \
+            if given[:7].lower() == "bearer " else b""
+        # a digest lookup: no timing hint about which key was close, O(1) in the key count
+        if token and hashlib.sha256(token).digest() in digests:
+            return None
+        return web.Response(
+            status=401, content_type="application/json",
+            headers={"WWW-Authenticate": 'Bearer realm="pd-router"'},
+            body=error_body(401, "a valid API key is needed: 'Authorization: Bearer <key>'",
+                            kind="authentication_error"))
+
+    return check
+
+
+def api_key_middleware(check: Callable[[str, str], web.Response | None]):
     @web.middleware
     async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith(protected):
-            given = request.headers.get("Authorization", "")
-            token = given[7:].strip().encode("utf-8", "surrogateescape") \
-                if given[:7].lower() == "bearer " else b""
-            # a digest lookup: no timing hint about which key was close, O(1) in the key count
-            if not token or hashlib.sha256(token).digest() not in digests:
-                return web.Response(
-                    status=401, content_type="application/json",
-                    headers={"WWW-Authenticate": 'Bearer realm="pd-router"'},
-                    body=error_body(401, "a valid API key is needed: 'Authorization: Bearer <key>'",
-                                    kind="authentication_error"))
-        return await handler(request)
+        refusal = check(request.path, request.headers.get("Authorization", ""))
+        return refusal if refusal is not None else await handler(request)
 
     return check_api_key
 

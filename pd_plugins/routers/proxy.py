@@ -32,6 +32,8 @@ from pd_plugins.routers.replica_channels import ReplicaShare
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
+from pd_plugins.routers.errors import error_body, error_response
+from pd_plugins.routers.http_server import stream_response
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
 from pd_plugins.vocab.expert_signature import ExpertSignature
 from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of, stored_tokens_of
@@ -45,17 +47,6 @@ MEASURED_KEY = "pd_measured"  # on the aiohttp request: what the traffic record 
 
 class ClientTooSlow(Exception):
     """A write to the client did not complete within timeouts.client_write_s."""
-
-
-def error_body(status: int, message: str, param: str | None = None, kind: str | None = None) -> bytes:
-    kind = kind or ("invalid_request_error" if status < 500 else "upstream_error")
-    return _encode({"error": {"message": message, "type": kind, "param": param, "code": status}})
-
-
-def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(status, message, param),
-                        content_type="application/json", headers=headers)
 
 
 class Proxy:
@@ -380,7 +371,7 @@ class Proxy:
     async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: Response,
                             first_chunk: bytes, header: str, started: float,
                             decode_started: float) -> web.StreamResponse:
-        out = web.StreamResponse(headers={**SSE_HEADERS, "x-pd-route": header})
+        out = stream_response(http, {**SSE_HEADERS, "x-pd-route": header})
         first_at = time.monotonic()
         last_at, events = first_at, first_chunk.count(b"data:")
         idle_s, deadline = self.timeouts.decode_idle_s, decode_started + self.timeouts.decode_total_s
@@ -458,7 +449,7 @@ class Proxy:
     async def _send_whole(self, http: web.Request, payload: bytes,
                           headers: dict[str, str]) -> web.StreamResponse:
         """A non-streaming answer, written under the client write timeout."""
-        out = web.StreamResponse(headers=headers)
+        out = stream_response(http, headers)
         out.content_length = len(payload)
         try:
             await self._to_client(http, out, payload, eof=True)

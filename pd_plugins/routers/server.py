@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from typing import Iterator
 
 import aiohttp
 from aiohttp import web
 
 from pd_plugins.routers.admin import AdminApi
-from pd_plugins.routers.client_auth import api_key_middleware, load_api_keys, tls_context
+from pd_plugins.routers.client_auth import api_key_check, api_key_middleware, load_api_keys, tls_context
 from pd_plugins.routers.config import RouterConfig, WorkerConflict, WorkerSpec
 from pd_plugins.routers.discovery import kubernetes_watcher, plan_kubernetes
 from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.health import PoolUpkeep
+from pd_plugins.routers.http_server import FastRequest, FrontServer
 from pd_plugins.routers.kv_sources.pools import PoolView
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.replica_channels import LoadChannel
 from pd_plugins.routers.replica_sync import RedisLog, ReplicaSync, replica_sync_for
 from pd_plugins.routers.model_group import ModelGroup, ModelNotFound, MoveRefused, RoleMove
-from pd_plugins.routers.proxy import error_response
+from pd_plugins.routers.errors import error_response
 from pd_plugins.routers.request import BadRequest, Tokenize, parse_request
 from pd_plugins.routers.tokenizer import load_tokenizer
 from pd_plugins.routers.traffic_record import TrafficRecorder
@@ -82,6 +84,8 @@ class Router:
         self.admin = AdminApi(self, config.admin_token)
         # the edge: both read here, so --check-config and startup fail on a bad key file or cert
         self.api_keys = load_api_keys(config)
+        self.api_key_check = (api_key_check(self.api_keys, config.metrics_need_api_key)
+                              if self.api_keys else None)
         self.tls = tls_context(config.tls_cert, config.tls_key) if config.tls_cert else None
         # Kubernetes discovery: checked here (selector, kubeconfig), watching from startup
         self.discovery_plan = plan_kubernetes(config.discovery) if config.discovery else None
@@ -244,7 +248,7 @@ class Router:
         raise BadRequest(404, f"model {model!r} is not served here; available: {self._known}",
                          param="model")
 
-    async def generate(self, http: web.Request) -> web.StreamResponse:
+    async def generate(self, http: web.Request | FastRequest) -> web.StreamResponse:
         path = http.path
         try:
             raw = await http.read()
@@ -294,8 +298,7 @@ class Router:
                             headers={"Content-Type": "text/plain; version=0.0.4"})
 
     def app(self) -> web.Application:
-        middlewares = ([api_key_middleware(self.api_keys, self.config.metrics_need_api_key)]
-                       if self.api_keys else [])
+        middlewares = [api_key_middleware(self.api_key_check)] if self.api_key_check else []
         app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=middlewares)
         app.add_routes([web.post(path, self.generate) for path in ENDPOINTS])
         app.add_routes([web.get("/v1/models", self.models), web.get("/health", self.health),
@@ -304,3 +307,30 @@ class Router:
         app.on_startup.append(self.startup)
         app.on_cleanup.append(self.cleanup)
         return app
+
+    async def serve(self, shutdown_timeout_s: float = 60.0) -> None:
+        """Listen until SIGTERM or SIGINT, then drain: the inference endpoints on the front
+        server (http_server.py), every other request on the aiohttp app it hands over to."""
+        # handler_cancellation: a client that disconnects cancels its handler, which closes both
+        # legs, so the engines abort the request and free its KV (aiohttp's default is off).
+        runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                               shutdown_timeout=shutdown_timeout_s)
+        await runner.setup()  # the app's startup: workers probed, upkeep and sync running
+        assert runner.server is not None
+        front = FrontServer(self.generate, runner.server, max_body=self.config.max_body_bytes,
+                            authorize=self.api_key_check)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        try:
+            listener = await loop.create_server(front, self.config.host, self.config.port,
+                                                ssl=self.tls, reuse_address=True, backlog=1024)
+            try:
+                await stop.wait()
+            finally:
+                listener.close()  # no new connections; those open finish what they hold
+                await front.shutdown(shutdown_timeout_s)
+        finally:
+            await runner.cleanup()
+

@@ -1,0 +1,492 @@
+"""pd-router's front HTTP/1.1 server: inference requests on asyncio.Protocol + httptools,
+everything else handed to the aiohttp app.
+
+Why: aiohttp's server costs more CPU per PD request than the rest of the router together
+(docs/benchmarks.md, "Choosing the router's HTTP stack"); the two inference endpoints carry nearly
+all traffic, so they are served here with the same C parser (llhttp) the legs' client uses
+(http_client.py), and the admin API, /metrics, /ready, /v1/models and the rest stay on aiohttp,
+unchanged.
+
+Per connection: while no request is in progress, the first bytes of the next one decide. A request
+line `POST /v1/completions` or `POST /v1/chat/completions` is served here; anything else hands the
+connection (with the bytes read so far) to aiohttp's own protocol for good: a client that mixes
+calls on one connection is served correctly, the later inference calls at aiohttp's cost. Requests
+pipelined behind an inference request in the same read are served here if they are inference
+requests too, and answered 400 otherwise (no mainstream client pipelines).
+
+Limits, as aiohttp's and tighter: the body (413 past `max_body`, answered at once and the
+connection closed), the request line (414) and the headers (431), one timeout for reading a
+request once it has begun (408) and one for an idle keep-alive connection. A client that
+disconnects cancels its handler (the proxy closes both legs); writes wait for the socket to drain
+(flow control), so a client that does not read holds back its own answer, never the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import logging
+import re
+from typing import Any, Awaitable, Callable
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from pd_plugins.routers.errors import error_body
+
+log = logging.getLogger("pd_router.http")
+
+__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "stream_response"]
+
+# The request lines served here (the path may carry a query string, as aiohttp's routes allow).
+HOT_REQUEST_LINE = re.compile(rb"POST /v1/(?:chat/)?completions[ ?]")
+HOT_PATHS = ("/v1/completions", "/v1/chat/completions")
+DECIDE_BYTES = len(b"POST /v1/chat/completions ")  # enough of a request line to decide
+
+MAX_URL_BYTES = 8190  # aiohttp's max_line_size
+MAX_HEADER_BYTES = 64 * 1024
+MAX_HEADERS = 128
+READ_TIMEOUT_S = 60.0  # a request's first byte to its last
+KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default
+REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+
+
+class FastRequest:
+    """What pd-router's inference handler reads of a request (the subset of aiohttp's
+    web.Request it uses: path, headers, read(), remote, transport, and per-request state)."""
+
+    __slots__ = ("method", "path", "query_string", "headers", "version", "keep_alive", "remote",
+                 "transport", "_body", "_too_large", "_state", "_conn")
+
+    def __init__(self, conn: _FrontConnection, method: str, path: str, query_string: str,
+                 headers: CIMultiDictProxy, version: str, keep_alive: bool, body: bytes,
+                 too_large: int) -> None:
+        self.method, self.path, self.query_string = method, path, query_string
+        self.headers, self.version, self.keep_alive = headers, version, keep_alive
+        self.remote, self.transport = conn.remote, conn.transport
+        self._body, self._too_large, self._state, self._conn = body, too_large, {}, conn
+
+    async def read(self) -> bytes:
+        if self._too_large:  # what aiohttp raises past client_max_size: the handler answers 413
+            raise web.HTTPRequestEntityTooLarge(max_size=self._conn.server.max_body,
+                                                actual_size=self._too_large)
+        return self._body
+
+    def __getitem__(self, key: str) -> Any:
+        return self._state[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._state[key] = value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._state.get(key, default)
+
+
+class FastStreamResponse:
+    """A response written piece by piece (aiohttp's StreamResponse's calls the proxy makes):
+    chunked unless `content_length` is set before prepare()."""
+
+    __slots__ = ("status", "headers", "content_length", "_conn", "_chunked", "_head", "prepared",
+                 "_ended")
+
+    def __init__(self, conn: _FrontConnection, headers: dict[str, str], status: int = 200) -> None:
+        self.status, self.headers, self._conn = status, headers, conn
+        self.content_length: int | None = None
+        self.prepared = self._ended = self._chunked = False
+        self._head = b""  # the status line and headers until the first write sends them
+
+    async def prepare(self, request: FastRequest | None = None) -> None:
+        """The status line and headers, sent with the first piece of the body (one write)."""
+        if self.prepared:
+            return
+        self.prepared = True
+        conn = self._conn
+        framing = None
+        if self.content_length is not None:
+            framing = b"Content-Length: %d\r\n" % self.content_length
+        elif conn.http11:
+            self._chunked = True
+            framing = b"Transfer-Encoding: chunked\r\n"
+        else:  # HTTP/1.0 without a length: the body ends with the connection
+            conn.keep_alive = False
+        self._head = conn.head(self.status, self.headers, framing)
+
+    async def write(self, data: bytes) -> None:
+        if not self.prepared:
+            await self.prepare()
+        if not data:
+            return
+        if self._chunked:
+            data = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._head:
+            data, self._head = self._head + data, b""
+        self._conn.write(data)
+        await self._conn.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._ended:
+            return
+        if data:
+            await self.write(data)
+        elif not self.prepared:
+            await self.prepare()
+        self._ended = True
+        tail = b"0\r\n\r\n" if self._chunked else b""
+        if self._head or tail:
+            tail, self._head = self._head + tail, b""
+            self._conn.write(tail)
+            await self._conn.drain()
+        self._conn.response_ended()
+
+
+def stream_response(request: Any, headers: dict[str, str]) -> FastStreamResponse | web.StreamResponse:
+    """A streamed answer for `request`, whichever server read it."""
+    if isinstance(request, FastRequest):
+        return FastStreamResponse(request._conn, headers)
+    return web.StreamResponse(headers=headers)
+
+
+Handler = Callable[[FastRequest], Awaitable[Any]]  # returns a web.Response or FastStreamResponse
+Authorize = Callable[[str, str], "web.Response | None"]  # (path, Authorization) -> a refusal
+
+
+class FrontServer:
+    """The listening socket's protocol factory: one _FrontConnection per client connection."""
+
+    def __init__(self, handler: Handler, fallback: Callable[[], asyncio.Protocol], *,
+                 max_body: int, authorize: Authorize | None = None,
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
+        self.handler, self.fallback, self.authorize = handler, fallback, authorize
+        self.max_body = max_body
+        self.read_timeout_s, self.keepalive_timeout_s = read_timeout_s, keepalive_timeout_s
+        self.connections: set[_FrontConnection] = set()
+        self.closing = False
+
+    def __call__(self) -> _FrontConnection:
+        return _FrontConnection(self)
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Close idle connections now; let requests in progress finish, up to `timeout_s`."""
+        self.closing = True
+        for conn in list(self.connections):
+            if conn.task is None:
+                conn.close()
+        tasks = [c.task for c in self.connections if c.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        for conn in list(self.connections):
+            conn.close()
+
+
+class _FrontConnection(asyncio.Protocol):
+    def __init__(self, server: FrontServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.remote: str | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.undecided = b""  # bytes of a request line not yet long enough to decide on
+        self.held: list[bytes] = []  # data that arrived while a request was being answered
+        self.queue: list[FastRequest | str] = []  # parsed requests (a str: a refusal to send)
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.in_message = False
+        self.keep_alive = True
+        self.http11 = True
+        self.closed = False
+        self.handed_off = False
+        self.write_paused = False
+        self.drain_waiter: asyncio.Future | None = None
+        self._reset_message()
+
+    def _reset_message(self) -> None:
+        self.url = b""
+        self.header_bytes = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.body_bytes = 0
+        self.too_large = 0
+        self.refusal: str | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.remote = peer[0] if isinstance(peer, (tuple, list)) and peer else None
+        self.server.connections.add(self)
+        self._arm(self.server.keepalive_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self._disarm()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # the client left: the handler closes both legs
+        waiter = self.drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(ConnectionResetError("the client closed the connection"))
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        waiter = self.drain_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self.task is not None or self.queue:  # answering: the next request waits its turn
+            self.held.append(data)
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        self._consume(data)
+
+    # -- reading ---------------------------------------------------------------------------
+    def _consume(self, data: bytes) -> None:
+        if not self.in_message:  # between requests: this one's request line decides
+            if self.undecided:
+                data, self.undecided = self.undecided + data, b""
+            if not HOT_REQUEST_LINE.match(data):
+                if len(data) < DECIDE_BYTES and any(
+                        line.startswith(data) for line in (b"POST /v1/completions",
+                                                           b"POST /v1/chat/completions")):
+                    self.undecided = data  # too short to tell yet
+                    return
+                self._hand_off(data)
+                return
+            self._arm(self.server.read_timeout_s)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._refuse_now(400, f"malformed HTTP request: {exc}")
+            return
+        self._next()
+
+    def _hand_off(self, data: bytes) -> None:
+        """The rest of this connection is aiohttp's (see the module's docstring)."""
+        self._disarm()
+        self.handed_off = True
+        self.server.connections.discard(self)
+        protocol = self.server.fallback()
+        transport = self.transport
+        assert transport is not None
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+        if data:
+            protocol.data_received(data)
+        transport.resume_reading()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.in_message = True
+        self._reset_message()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        if len(self.url) > MAX_URL_BYTES and self.refusal is None:
+            self.refusal = "414"
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > MAX_HEADER_BYTES or len(self.raw_headers) >= MAX_HEADERS:
+            self.refusal = self.refusal or "431"
+            return
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        length = 0
+        for name, value in self.raw_headers:
+            lname = name.lower()
+            if lname == b"content-length":
+                length = int(value) if value.strip().isdigit() else 0
+            elif lname == b"expect" and value.lower() == b"100-continue" and self.refusal is None:
+                if length <= self.server.max_body:  # a body past the limit is refused unread
+                    self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if length > self.server.max_body:
+            self.too_large = length
+            self._complete()  # answered now; the body is never read
+
+    def on_body(self, body: bytes) -> None:
+        if self.too_large:
+            return
+        self.body_bytes += len(body)
+        if self.body_bytes > self.server.max_body:
+            self.too_large = self.body_bytes
+            self.body = []
+            self._complete()
+            return
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        if not self.too_large:
+            self._complete()
+        self.in_message = False
+
+    def _complete(self) -> None:
+        """One request read (or refused): queue it for answering."""
+        if self.refusal is not None:
+            self.queue.append(self.refusal)
+            return
+        url = self.url.decode("latin-1")
+        path, _, query = url.partition("?")
+        method = self.parser.get_method().decode("latin-1")
+        if method != "POST" or path not in HOT_PATHS:  # pipelined behind an inference request
+            self.queue.append("400 pipelined")
+            return
+        headers = CIMultiDictProxy(CIMultiDict(
+            (n.decode("latin-1"), v.decode("latin-1")) for n, v in self.raw_headers))
+        body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
+        self.queue.append(FastRequest(self, method, path, query, headers,
+                                      self.parser.get_http_version(),
+                                      self.parser.should_keep_alive(), body, self.too_large))
+
+    def _next(self) -> None:
+        """Start answering the next queued request, or go back to reading."""
+        if self.task is not None or self.closed:
+            return
+        if self.queue:
+            item = self.queue.pop(0)
+            self._disarm()
+            if isinstance(item, str):
+                self._refuse_now(*_REFUSALS[item])
+                return
+            self.keep_alive = item.keep_alive and not item._too_large
+            self.http11 = item.version == "1.1"
+            self.task = self.loop.create_task(self._answer(item))
+            return
+        if self.held:  # what the client sent meanwhile: read at a request boundary
+            held, self.held = b"".join(self.held), []
+            if self.transport is not None and not self.closed:
+                self.transport.resume_reading()
+            self._consume(held)
+            return
+        if not self.in_message:
+            self._arm(self.server.keepalive_timeout_s)
+
+    # -- answering -------------------------------------------------------------------------
+    async def _answer(self, request: FastRequest) -> None:
+        self.ended = False
+        try:
+            authorize = self.server.authorize
+            refusal = authorize(request.path, request.headers.get("Authorization", "")) \
+                if authorize is not None else None
+            response = refusal if refusal is not None else await self.server.handler(request)
+            if isinstance(response, FastStreamResponse):
+                if not response._ended:  # a handler that returned mid-answer: end it cleanly
+                    await response.write_eof()
+            elif not self.ended:
+                await self._send(response)
+        except asyncio.CancelledError:
+            self.task = None
+            self.close()
+            return
+        except (ConnectionResetError, TimeoutError):
+            self.task = None
+            self.close()
+            return
+        except Exception:  # noqa: BLE001 - as aiohttp: log it, answer 500, keep serving others
+            log.exception("error answering %s %s", request.method, request.path)
+            if not self.ended and not self._started:
+                await self._send(web.Response(status=500, content_type="application/json",
+                                              body=error_body(500, "internal server error")))
+            self.keep_alive = False
+        self.task = None
+        if not self.keep_alive or self.server.closing:
+            self.close()
+            return
+        self._next()
+
+    async def _send(self, response: web.Response) -> None:
+        body = response.body
+        if body is None:
+            body = b""
+        elif not isinstance(body, (bytes, bytearray)):
+            body = bytes(body._value)  # an aiohttp payload (json_response gives bytes)
+        headers = {k: v for k, v in response.headers.items()
+                   if k.lower() not in ("content-length", "transfer-encoding")}
+        self.write(self.head(response.status, headers, b"Content-Length: %d\r\n" % len(body)) + body)
+        self.response_ended()
+        await self.drain()
+
+    # -- writing ---------------------------------------------------------------------------
+    _started = False
+
+    def head(self, status: int, headers: Any, framing: bytes | None) -> bytes:
+        self._started = True
+        lines = [b"HTTP/1.1 %d %b\r\n" % (status, REASONS.get(status, b"Unknown"))]
+        for name, value in headers.items():
+            lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
+        if framing:
+            lines.append(framing)
+        if not self.keep_alive or self.server.closing:
+            lines.append(b"Connection: close\r\n")
+        elif not self.http11:
+            lines.append(b"Connection: keep-alive\r\n")
+        lines.append(b"\r\n")
+        return b"".join(lines)
+
+    def write(self, data: bytes) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("cannot write to a closing connection")
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if not self.write_paused:
+            return
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        self.drain_waiter = self.loop.create_future()
+        try:
+            await self.drain_waiter
+        finally:
+            self.drain_waiter = None
+
+    def response_ended(self) -> None:
+        self.ended = True
+        self._started = False
+
+    def _refuse_now(self, status: int, message: str) -> None:
+        """Answer a request that never reaches the handler, and close the connection."""
+        body = error_body(status, message)
+        self.keep_alive = False
+        try:
+            self.write(self.head(status, {"Content-Type": "application/json"},
+                                 b"Content-Length: %d\r\n" % len(body)) + body)
+        except ConnectionResetError:
+            pass
+        self.close()
+
+    def close(self) -> None:
+        self._disarm()
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    # -- timers ----------------------------------------------------------------------------
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self.timer = self.loop.call_later(seconds, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self.in_message:  # a request begun and not finished in time (slow loris)
+            self._refuse_now(408, f"the request was not received within {self.server.read_timeout_s:g} s")
+        elif self.task is None:  # idle keep-alive
+            self.close()
+
+
+_REFUSALS = {
+    "414": (414, f"request line longer than {MAX_URL_BYTES} bytes"),
+    "431": (431, f"request headers larger than {MAX_HEADER_BYTES} bytes or more than {MAX_HEADERS}"),
+    "400 pipelined": (400, "a request pipelined behind an inference request must be one too "
+                           "(POST /v1/completions or /v1/chat/completions); send it on its own"),
+}

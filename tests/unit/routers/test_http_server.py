@@ -1,0 +1,261 @@
+"""The router's front HTTP server (inference requests on httptools, the rest handed to aiohttp),
+on a real loopback socket, driven by aiohttp's client and by raw bytes where framing matters."""
+
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from pd_plugins.routers.http_server import (MAX_HEADERS, FastRequest, FrontServer,
+                                            stream_response)
+
+BODY = json.dumps({"prompt": "hi"}).encode()
+
+
+class App:
+    """The inference handler and the aiohttp fallback, recording what each served."""
+
+    def __init__(self) -> None:
+        self.fast: list[FastRequest] = []
+        self.fallback: list[str] = []
+        self.cancelled = asyncio.Event()
+        self.written = 0
+        self.blocked = asyncio.Event()
+
+    async def handle(self, request: FastRequest):
+        self.fast.append(request)
+        mode = request.headers.get("X-Mode", "")
+        if mode == "hang":  # until the client leaves
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        body = await request.read()
+        if mode == "stream":
+            out = stream_response(request, {"Content-Type": "text/event-stream"})
+            for i in range(3):
+                await out.write(b"data: %d\n\n" % i)
+            await out.write_eof()
+            return out
+        if mode == "flood":  # a big answer to a client that does not read
+            out = stream_response(request, {})
+            try:
+                while True:
+                    await asyncio.wait_for(out.write(b"x" * 65536), 0.5)
+                    self.written += 65536
+            except TimeoutError:
+                self.blocked.set()
+                request.transport.abort()
+                return out
+        return web.json_response({"path": request.path, "query": request.query_string,
+                                  "len": len(body)}, headers={"X-Served": "fast"})
+
+    async def other(self, request: web.BaseRequest) -> web.Response:
+        self.fallback.append(f"{request.method} {request.path}")
+        return web.json_response({"path": request.path}, headers={"X-Served": "aiohttp"})
+
+
+@contextlib.asynccontextmanager
+async def front(app: App, **kwargs):
+    fallback = web.Server(app.other)
+    server = FrontServer(app.handle, fallback, max_body=kwargs.pop("max_body", 1 << 20), **kwargs)
+    listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
+    try:
+        yield listener.sockets[0].getsockname()[1]
+    finally:
+        listener.close()
+        await server.shutdown(1.0)
+        await fallback.shutdown(1.0)
+
+
+def run(scenario, **kwargs):
+    async def main():
+        app = App()
+        async with front(app, **kwargs) as port:
+            await scenario(app, port)
+    asyncio.run(main())
+
+
+async def exchange(port: int, raw: bytes, wait_s: float = 0.5) -> bytes:
+    """Send raw bytes; everything the server sends back until it closes or `wait_s` passes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    got = b""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(wait_s):
+            while chunk := await reader.read(65536):
+                got += chunk
+    writer.close()
+    return got
+
+
+def post(path: str = "/v1/completions", body: bytes = BODY, extra: bytes = b"") -> bytes:
+    return (b"POST %b HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%b\r\n%b"
+            % (path.encode(), len(body), extra, body))
+
+
+def test_inference_requests_are_served_here_and_the_rest_by_aiohttp_on_one_connection():
+    async def scenario(app, port):
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as s:
+            for path in ("/v1/completions", "/v1/chat/completions?x=1"):
+                async with s.post(path, data=BODY) as r:
+                    assert r.status == 200 and r.headers["X-Served"] == "fast"
+                    assert (await r.json())["len"] == len(BODY)
+            async with s.get("/v1/models") as r:  # same keep-alive connection: handed over
+                assert r.headers["X-Served"] == "aiohttp"
+            async with s.post("/v1/completions", data=BODY) as r:  # aiohttp's from now on
+                assert r.status == 200 and r.headers["X-Served"] == "aiohttp"
+            async with s.post("/v1/completions/", data=BODY) as r:  # not an inference path
+                assert r.headers["X-Served"] == "aiohttp"
+        assert [r.path for r in app.fast] == ["/v1/completions", "/v1/chat/completions"]
+        assert app.fast[1].query_string == "x=1"
+        assert app.fallback == ["GET /v1/models", "POST /v1/completions", "POST /v1/completions/"]
+    run(scenario)
+
+
+def test_a_request_line_split_across_reads_is_still_decided_right():
+    async def scenario(app, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        raw = post()
+        for piece in (raw[:3], raw[3:12], raw[12:]):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200") and b"X-Served: fast" in head
+        writer.close()
+    run(scenario)
+
+
+def test_streamed_answers_are_chunked_and_http10_ones_end_with_the_connection():
+    async def scenario(app, port):
+        got = await exchange(port, post(extra=b"X-Mode: stream\r\n"))
+        assert b"Transfer-Encoding: chunked" in got and got.endswith(b"0\r\n\r\n")
+        assert got.count(b"data: ") == 3
+        got = await exchange(port, post(extra=b"X-Mode: stream\r\n").replace(b"HTTP/1.1", b"HTTP/1.0"))
+        assert b"Transfer-Encoding" not in got and b"Connection: close" in got
+        assert got.endswith(b"data: 2\n\n")
+    run(scenario)
+
+
+def test_pipelined_inference_requests_are_answered_in_order_and_others_refused():
+    async def scenario(app, port):
+        got = await exchange(port, post("/v1/completions?n=1") + post("/v1/completions?n=2"))
+        assert got.count(b"HTTP/1.1 200") == 2
+        assert [r.query_string for r in app.fast] == ["n=1", "n=2"]
+        got = await exchange(port, post() + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert got.count(b"HTTP/1.1 200") == 1 and b"HTTP/1.1 400" in got
+        assert b"pipelined" in got and app.fallback == []
+    run(scenario)
+
+
+def test_a_body_past_the_limit_is_refused_unread_and_the_connection_closed():
+    async def scenario(app, port):
+        # announced: answered before the body is sent (the client waits for 100-continue)
+        got = await exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                   b"Content-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
+        assert b"100 Continue" not in got and b"Connection: close" in got
+        assert app.fast and app.fast[-1]._too_large == 5000
+        with pytest.raises(web.HTTPRequestEntityTooLarge):
+            await app.fast[-1].read()
+        # chunked: refused as soon as the pieces pass the limit
+        chunk = b"800\r\n" + b"y" * 0x800 + b"\r\n"
+        got = await exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                   b"Transfer-Encoding: chunked\r\n\r\n" + chunk * 3)
+        assert app.fast[-1]._too_large > 4096
+    run(scenario, max_body=4096)
+
+
+def test_expect_continue_is_answered_for_a_body_within_the_limit():
+    async def scenario(app, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n"
+                     b"Expect: 100-continue\r\n\r\n" % len(BODY))
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100 Continue")
+        writer.write(BODY)
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
+    run(scenario)
+
+
+def test_oversized_request_lines_and_headers_and_malformed_requests_get_4xx():
+    async def scenario(app, port):
+        got = await exchange(port, post("/v1/completions?" + "q" * 9000))
+        assert got.startswith(b"HTTP/1.1 414")
+        headers = b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_HEADERS + 1))
+        assert (await exchange(port, post(extra=headers))).startswith(b"HTTP/1.1 431")
+        got = await exchange(port, b"POST /v1/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 400")
+        assert app.fast == []
+    run(scenario)
+
+
+def test_a_client_that_leaves_cancels_its_handler():
+    async def scenario(app, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post(extra=b"X-Mode: hang\r\n"))
+        await asyncio.sleep(0.2)
+        writer.close()
+        async with asyncio.timeout(2):
+            await app.cancelled.wait()
+    run(scenario)
+
+
+def test_a_client_that_does_not_read_holds_back_its_own_answer():
+    async def scenario(app, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1024)
+        writer.write(post(extra=b"X-Mode: flood\r\n"))
+        async with asyncio.timeout(10):
+            await app.blocked.wait()  # the writes waited on the socket instead of buffering
+        assert app.written < 64 << 20
+        writer.close()
+    run(scenario)
+
+
+def test_a_request_begun_and_not_finished_times_out_and_idle_connections_close():
+    async def scenario(app, port):
+        got = await exchange(port, post()[:-5], wait_s=1.5)  # the body never completes
+        assert got.startswith(b"HTTP/1.1 408")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        async with asyncio.timeout(2):
+            assert await reader.read() == b""  # idle: closed by the server
+    run(scenario, read_timeout_s=0.5, keepalive_timeout_s=0.5)
+
+
+def test_the_authorize_hook_refuses_before_the_handler():
+    def authorize(path, given):
+        return None if given == "Bearer k" else web.Response(status=401, text="no")
+
+    async def scenario(app, port):
+        assert (await exchange(port, post())).startswith(b"HTTP/1.1 401")
+        got = await exchange(port, post(extra=b"Authorization: Bearer k\r\n"))
+        assert got.startswith(b"HTTP/1.1 200") and len(app.fast) == 1
+    run(scenario, authorize=authorize)
+
+
+def test_shutdown_lets_a_request_in_progress_finish():
+    async def main():
+        app = App()
+        fallback = web.Server(app.other)
+        server = FrontServer(app.handle, fallback, max_body=1 << 20)
+        listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        slow = asyncio.Event()
+
+        async def handle(request):
+            await asyncio.sleep(0.3)
+            slow.set()
+            return web.Response(text="done")
+        server.handler = handle
+        pending = asyncio.create_task(exchange(port, post(), wait_s=2))
+        await asyncio.sleep(0.1)
+        listener.close()
+        await server.shutdown(2.0)
+        got = await pending
+        assert slow.is_set() and got.startswith(b"HTTP/1.1 200") and got.endswith(b"done")
+        assert b"Connection: close" in got
+    asyncio.run(main())
