@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Router overhead: pd-router against vllm-router and sglang-router on mock engines.
 
-    .venv/bin/python -m bench.router_overhead            # full run, about 8-10 minutes
-    .venv/bin/python -m bench.router_overhead --quick    # smoke run, about a minute
+    .venv/bin/python -m bench.router_overhead            # full run, about 11 minutes
+    .venv/bin/python -m bench.router_overhead --quick    # smoke run, about 2 minutes
+    .venv/bin/python -m bench.router_overhead --quick --no-docs   # results under bench/results only
 
 Mock prefill and decode engines (pd-mock-engine, zero delays) and the load generator share core 1;
 each router runs alone on core 0. For every target and concurrency the closed-loop load generator
@@ -10,7 +11,10 @@ measures requests/s and latency over a fixed window, and the router's CPU time (
 /proc/PID/stat) over the same window gives CPU per request. Targets: the decode engine directly
 (no router: the latency baseline), pd-router (vLLM pull flow), vllm-router, pd-router --engine
 sglang, sglang-router, and bench/naive_proxy.py (the least an aiohttp PD proxy can do: the floor
-under pd-router on this machine). Every request is disaggregated (round_robin everywhere).
+under pd-router on this machine). Every request is disaggregated (round_robin everywhere), except
+in one more row: pd-router's default policy, which prefills a short prompt on the decode itself.
+Each target runs non-streaming and streaming (`--streaming`; the naive proxy non-streaming only),
+and the end of the run checks issue 30's goals against the Rust routers of the same run.
 
 The peer routers are installed on demand into bench/.venv-peers (matplotlib too, for the plots),
 so the project's .venv stays as its lock file says. Results: the "Router overhead" section of
@@ -27,6 +31,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -53,12 +58,19 @@ CONCURRENCY = (1, 16, 64)
 PROMPT = ("In a disaggregated serving system the router first sends the prompt to a prefill "
           "worker, which computes the KV cache and hands it to a decode worker that streams "
           "the answer back to the client; this sentence only has to be long enough.")
-BODY = json.dumps({"model": "mock", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                   "stream": False}).encode()
+BODIES = {stream: json.dumps({"model": "mock", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                               "stream": stream}).encode() for stream in (False, True)}
+SSE_END = b"data: [DONE]"
+ROUTE_RE = re.compile(r"route=(\w+)")  # pd-router's x-pd-route: route=disaggregated|local
 HEADERS = {"Content-Type": "application/json"}
 ENGINE_ARGS = ("--ttft-ms", "0", "--tpot-ms", "0")
 PD_ROUTER_CONFIG = {"health": {"interval_s": 3600, "canary": False, "metrics_interval_s": 3600}}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+STREAM_SUFFIX = ":stream"
+STREAMING = {"both": (False, True), "off": (False,), "only": (True,)}
+# Issue 30's goals, checked for these pd-router rows (both flows, every request disaggregated).
+CHECKED = (("pd-vllm", "pd-router (vLLM pull)"), ("pd-sglang", "pd-router --engine sglang"))
+CPU_GOAL = 0.8  # CPU per request at most this times vllm-router's
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -188,11 +200,24 @@ def ensure_peers_venv() -> tuple[dict[str, str | None], bool]:
 # -- load generation ------------------------------------------------------------------------
 @dataclass
 class Target:
-    key: str
+    key: str                     # base key and mode: "pd-vllm", "pd-vllm:stream"
     label: str
     url: str
     proc: ManagedProcess | None  # whose CPU is counted (None: no router)
     broken: str | None = None
+    stream: bool = False
+
+    @property
+    def base(self) -> str:
+        return base_key(self.key)
+
+
+def mode_key(base: str, stream: bool) -> str:
+    return base + STREAM_SUFFIX if stream else base
+
+
+def base_key(key: str) -> str:
+    return key.removesuffix(STREAM_SUFFIX)
 
 
 @dataclass
@@ -205,8 +230,10 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
     """Closed loop with `concurrency` clients; latency and CPU over [warm_s, warm_s + window_s]."""
     url = target.url + "/v1/completions"
     win, stop = Window(), asyncio.Event()
+    body = BODIES[target.stream]
     latencies: list[float] = []
     errors: list[str] = []
+    routes: dict[str, int] = {}  # pd-router's decisions in the window (x-pd-route)
     sent = 0
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=30)
@@ -218,9 +245,11 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
                 sent += 1
                 t0 = time.perf_counter()
                 try:
-                    async with session.post(url, data=BODY, headers=HEADERS) as resp:
-                        payload = await resp.read()
-                        ok = resp.status == 200 and b'"choices"' in payload
+                    async with session.post(url, data=body, headers=HEADERS) as resp:
+                        payload = await resp.read()  # streaming: the whole SSE stream, to its end
+                        route = resp.headers.get("x-pd-route")
+                        ok = resp.status == 200 and b'"choices"' in payload and (
+                            not target.stream or payload.rstrip().endswith(SSE_END))
                         problem = None if ok else f"HTTP {resp.status}: {payload[:200]!r}"
                 except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
                     problem = f"{type(exc).__name__}: {exc}"
@@ -230,6 +259,8 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
                     await asyncio.sleep(0.01)  # do not spin on a dead target
                 elif win.start is not None and t1 >= win.start and (win.end is None or t1 <= win.end):
                     latencies.append(t1 - t0)
+                    if route and (m := ROUTE_RE.search(route)):
+                        routes[m[1]] = routes.get(m[1], 0) + 1
 
         tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
         try:
@@ -254,7 +285,7 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
         "p99_ms": percentile(latencies, 99) * 1e3 if n else None,
         "cpu_us": (cpu1 - cpu0) / n * 1e6 if (pid and n) else None,
         "cpu_s": cpu1 - cpu0 if pid else None,
-        "window_s": elapsed,
+        "window_s": elapsed, "routes": routes,
         # The router's core busy with anything but the router: other load on the machine.
         "foreign_pct": max(0.0, (core1 - core0) - (cpu1 - cpu0)) / elapsed * 100,
     }
@@ -277,11 +308,11 @@ def summarize(targets: list[Target], runs: dict[tuple[str, int], list[dict]]) ->
             reps = runs.get((t.key, c), [])
             if not reps:
                 continue
-            direct = runs.get(("direct", c), [])
+            direct = runs.get((mode_key("direct", t.stream), c), [])
             added50, added99 = [], []
-            for r, rep in enumerate(reps):  # paired with the direct run of the same repeat
+            for r, rep in enumerate(reps):  # paired with the direct run of the same repeat and mode
                 base = direct[r] if r < len(direct) else None
-                if t.key != "direct" and base and base["p50_ms"] is not None and rep["p50_ms"] is not None:
+                if t.base != "direct" and base and base["p50_ms"] is not None and rep["p50_ms"] is not None:
                     added50.append(rep["p50_ms"] - base["p50_ms"])
                     added99.append(rep["p99_ms"] - base["p99_ms"])
             out[t.key][str(c)] = {
@@ -291,6 +322,8 @@ def summarize(targets: list[Target], runs: dict[tuple[str, int], list[dict]]) ->
                 "added_p50_ms": spread(added50), "added_p99_ms": spread(added99),
                 "cpu_us": spread([r["cpu_us"] for r in reps]),
                 "errors": sum(r["errors"] for r in reps), "requests": sum(r["n"] for r in reps),
+                "routes": {k: sum(r.get("routes", {}).get(k, 0) for r in reps)
+                           for k in sorted({k for r in reps for k in r.get("routes", {})})},
                 "error_samples": sorted({e for r in reps for e in r["error_samples"]})[:5],
             }
     return out
@@ -305,24 +338,49 @@ def fmt(s: dict | None, digits: int = 2, signed: bool = False) -> str:
     return f"{f.format(s['median'])} ({f.format(s['min'])}–{f.format(s['max'])})"
 
 
-def ratio(a: dict | None, b: dict | None) -> str:
+def ratio_value(a: dict | None, b: dict | None) -> float | None:
     if a is None or b is None or b["median"] <= 0:
-        return "—"
-    return f"{a['median'] / b['median']:.2f}×"
+        return None
+    return a["median"] / b["median"]
+
+
+def ratio(a: dict | None, b: dict | None) -> str:
+    v = ratio_value(a, b)
+    return "—" if v is None else f"{v:.2f}×"
+
+
+def mode_name(stream: bool) -> str:
+    return "streaming" if stream else "non-streaming"
+
+
+def cell(summary: dict, key: str, c: int, metric: str) -> dict | None:
+    return summary.get(key, {}).get(str(c), {}).get(metric)
+
+
+def local_share(s: dict) -> str:
+    """The share of requests pd-router prefilled on the decode itself (x-pd-route route=local)."""
+    routes = s.get("routes") or {}
+    total = sum(routes.values())
+    return f"{routes.get('local', 0) / total * 100:.0f}%" if total else "—"
 
 
 def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
     lines = [f"<!-- {SECTION}:start -->", "## Router overhead", "",
              "What a PD router costs per request: pd-router against the Rust routers that ship with vLLM "
              "(`vllm-router`) and SGLang (`sglang-router`), all on the same mock engines "
-             "(`pd-mock-engine`, zero prefill and decode time, non-streaming, a ~60-token prompt, "
-             "`max_tokens` 8), every request disaggregated (round robin, one prefill and one decode "
-             "engine). The routers' own health checks and metric scrapes are turned off or set to an "
-             "hour so that only request work is counted. A reference row, `bench/naive_proxy.py`, is "
-             "the least an aiohttp PD proxy can do (prefill, then decode, relay; no policy, metrics, "
-             "timeouts or failover): the floor under any aiohttp-based router on this machine.", "",
+             "(`pd-mock-engine`, zero prefill and decode time, a ~60-token prompt, `max_tokens` 8), "
+             "non-streaming and streaming (`\"stream\": true`: the load generator reads the SSE stream "
+             "to its end, and latency is the whole response's). Every request is disaggregated (round "
+             "robin, one prefill and one decode engine), except in the row \"pd-router (vLLM pull, "
+             "default policy)\": pd-router's default policy prefills prompts under 1024 uncached tokens "
+             "on the decode worker, so this repeated short prompt is served on the decode alone (column "
+             "\"served local\", from pd-router's `x-pd-route` header). The routers' own health checks "
+             "and metric scrapes are turned off or set to an hour so that only request work is counted. "
+             "A reference row, `bench/naive_proxy.py` (non-streaming only), is the least an aiohttp PD "
+             "proxy can do (prefill, then decode, relay; no policy, metrics, timeouts or failover): the "
+             "floor under any aiohttp-based router on this machine.", "",
              f"Rerun: `make bench-router` (or `.venv/bin/python -m bench.router_overhead [--quick] "
-             f"[--repeats N]`). This run: `{meta['command']}`, {meta['date']}, "
+             f"[--repeats N] [--streaming both|off|only]`). This run: `{meta['command']}`, {meta['date']}, "
              f"{meta['runtime_s'] / 60:.1f} min.", "",
              f"- Machine: {meta['machine']}.",
              "- Pinning: each router alone on core 0; the mock prefill and decode engines and the "
@@ -330,9 +388,10 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              f"- Versions: {meta['versions']}.",
              f"- Method: closed loop with 1, 16 and 64 concurrent clients; per measurement "
              f"{meta['warm_s']:g} s of ramp-up (not counted), then a {meta['window_s']:g} s window. "
-             f"{meta['repeats']} repeat(s), targets interleaved within each repeat (order rotated) "
-             "to spread the machine's noise; each cell is the median over repeats with the min–max "
-             "in brackets. Every response is checked (HTTP 200 with `choices`).",
+             f"{meta['repeats']} repeat(s), targets and modes interleaved within each repeat (order "
+             "rotated) to spread the machine's noise; each cell is the median over repeats with the "
+             "min–max in brackets. Every response is checked (HTTP 200 with `choices`; a stream must "
+             "end with `data: [DONE]`).",
              "- CPU µs/request: the router process's utime + stime (`/proc/PID/stat`, all threads) "
              "over the window divided by the requests completed in it.",
              f"- Other load: core 0 was busy with processes other than the router for "
@@ -340,32 +399,40 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "some spread between runs. Ratios between targets are steadier than absolute numbers, "
              "since the targets are interleaved.",
              "- Added p50/p99: the target's latency percentile minus the direct-to-decode one of the "
-             "same repeat and concurrency. It includes the prefill leg and the KV hand-off of the PD "
-             "flow, not only router code (vllm-router and pd-router's vLLM flow run the legs one "
+             "same repeat, concurrency and mode. It includes the prefill leg and the KV hand-off of the "
+             "PD flow, not only router code (vllm-router and pd-router's vLLM flow run the legs one "
              "after the other; sglang-router and pd-router's SGLang flow run them together).",
              "- Requests/s are bounded by core 1 (client + two Python mock engines) for the faster "
              "routers, so compare routers by CPU/request first; at concurrency 64 latency is mostly "
              "queueing (≈ concurrency / throughput).", ""]
-    lines += ["| target | conc. | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | "
-              "router CPU µs/req | CPU vs vllm-router | added p50 vs vllm-router | errors |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    ncols = 13
+    lines += ["| target | mode | conc. | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | "
+              "router CPU µs/req | CPU vs vllm-router | CPU vs sglang-router | served local | errors |",
+              "|---|---|" + "---:|" * (ncols - 2)]
     for t in targets:
+        stream = t.get("stream", False)
         rows = summary.get(t["key"], {})
         if t.get("broken"):
-            lines.append(f"| {t['label']} | — | skipped: {t['broken']} |||||||||")
+            cells = [t["label"], mode_name(stream), "—", f"skipped: {t['broken']}"] + [""] * (ncols - 4)
+            lines.append("| " + " | ".join(cells) + " |")
             continue
         for c in CONCURRENCY:
             s = rows.get(str(c))
             if s is None:
                 continue
-            ref = summary.get("vllm-router", {}).get(str(c))
+            vr = cell(summary, mode_key("vllm-router", stream), c, "cpu_us")
+            sr = cell(summary, mode_key("sglang-router", stream), c, "cpu_us")
             lines.append(
-                f"| {t['label']} | {c} | {fmt(s['rps'], 0)} | {fmt(s['p50_ms'])} | {fmt(s['p99_ms'])} | "
-                f"{fmt(s['added_p50_ms'], signed=True)} | {fmt(s['added_p99_ms'], signed=True)} | "
-                f"{fmt(s['cpu_us'], 0)} | "
-                f"{ratio(s['cpu_us'], ref['cpu_us']) if ref else '—'} | "
-                f"{ratio(s['added_p50_ms'], ref['added_p50_ms']) if ref else '—'} | "
+                f"| {t['label']} | {mode_name(stream)} | {c} | {fmt(s['rps'], 0)} | {fmt(s['p50_ms'])} | "
+                f"{fmt(s['p99_ms'])} | {fmt(s['added_p50_ms'], signed=True)} | "
+                f"{fmt(s['added_p99_ms'], signed=True)} | {fmt(s['cpu_us'], 0)} | "
+                f"{ratio(s['cpu_us'], vr)} | {ratio(s['cpu_us'], sr)} | {local_share(s)} | "
                 f"{s['errors']} / {s['requests']} |")
+    lines.append("")
+    lines += ratio_table(targets, summary)
+    lines += ["", "Done when (issue 30; judged on the medians of this run, so a verdict whose ranges "
+              "overlap is not settled by it):", ""]
+    lines += [f"- [{'x' if ok else ' '}] {verdict_word(ok)}: {text}" for ok, text in checks(summary)]
     lines.append("")
     lines += comparison(summary)
     if meta.get("plots"):
@@ -373,44 +440,115 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
                   "![Added latency vs direct](img/router_added_latency.png)"]
     else:
         lines += ["", f"(No plots this run: {meta.get('plot_problem', 'matplotlib unavailable')}.)"]
-    errors = [(t["label"], c, summary[t["key"]][str(c)]["error_samples"]) for t in targets
+    errors = [(t["label"], mode_name(t.get("stream", False)), c,
+               summary[t["key"]][str(c)]["error_samples"]) for t in targets
               if t["key"] in summary for c in CONCURRENCY
               if str(c) in summary[t["key"]] and summary[t["key"]][str(c)]["errors"]]
     if errors:
         lines += ["", "Errors seen:", ""]
-        lines += [f"- {label} at {c}: {'; '.join(samples)}" for label, c, samples in errors]
+        lines += [f"- {label} ({mode}) at {c}: {'; '.join(samples)}" for label, mode, c, samples in errors]
     lines.append(f"<!-- {SECTION}:end -->")
     return "\n".join(lines) + "\n"
 
 
-def comparison(summary: dict) -> list[str]:
-    """One line per pair: ours against the peer with the same engine flow."""
-    out = []
-    for ours, peer, label in (("pd-vllm", "vllm-router", "pd-router (vLLM pull) vs vllm-router"),
-                              ("pd-sglang", "sglang-router", "pd-router (SGLang) vs sglang-router")):
-        if ours not in summary or peer not in summary:
+def ratio_table(targets: list[dict], summary: dict) -> list[str]:
+    """pd-router's rows against both Rust routers of the same mode: ratios of the medians."""
+    head = ["pd-router against the Rust routers of the same run and mode (ratio of medians; each "
+            "cell: vs vllm-router / vs sglang-router; below 1× is pd-router better):", "",
+            "| pd-router | mode | CPU/req c=1 | CPU/req c=16 | CPU/req c=64 | p99 c=64 | added p50 c=1 |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    rows = []
+    for t in targets:
+        if not t["key"].startswith("pd-") or t["key"] not in summary:
             continue
-        parts = []
-        for c in CONCURRENCY:
-            a, b = summary[ours].get(str(c)), summary[peer].get(str(c))
-            if not a or not b:
+        stream = t.get("stream", False)
+        peers = [mode_key(p, stream) for p in ("vllm-router", "sglang-router")]
+
+        def pair(c: int, metric: str) -> str:
+            return " / ".join(ratio(cell(summary, t["key"], c, metric), cell(summary, p, c, metric))
+                              for p in peers)
+        rows.append(f"| {t['label']} | {mode_name(stream)} | " + " | ".join(
+            [pair(c, "cpu_us") for c in CONCURRENCY] + [pair(64, "p99_ms"), pair(1, "added_p50_ms")])
+            + " |")
+    return head + rows if rows else []
+
+
+def settled(ours: dict, goal: dict, factor: float = 1.0) -> bool:
+    """Whether ours and factor x goal have disjoint min-max ranges (one repeat: no range, True)."""
+    return ours["max"] < factor * goal["min"] or ours["min"] > factor * goal["max"]
+
+
+def checks(summary: dict) -> list[tuple[bool | None, str]]:
+    """Issue 30's goals for each CHECKED row and mode: (met, the numbers); met None: not measured."""
+    out: list[tuple[bool | None, str]] = []
+    for base, label in CHECKED:
+        for stream in (False, True):
+            key = mode_key(base, stream)
+            if key not in summary:
                 continue
-            parts.append(f"{c}: CPU {ratio(a['cpu_us'], b['cpu_us'])}, added p50 "
-                         f"{fmt(a['added_p50_ms'], signed=True)} vs {fmt(b['added_p50_ms'], signed=True)} ms")
-        if parts:
-            out.append(f"- {label}, by concurrency: " + "; ".join(parts) + ".")
+            where = f"{label}, {mode_name(stream)}"
+            vr = mode_key("vllm-router", stream)
+            parts, oks = [], []
+            for c in CONCURRENCY:
+                a, b = cell(summary, key, c, "cpu_us"), cell(summary, vr, c, "cpu_us")
+                if a is None or b is None:
+                    parts.append(f"{c}: not measured")
+                    oks.append(None)
+                    continue
+                oks.append(a["median"] <= CPU_GOAL * b["median"])
+                parts.append(f"{c}: {ratio(a, b)} ({a['median']:.0f} vs {b['median']:.0f} µs"
+                             f"{'' if settled(a, b, CPU_GOAL) else ', ranges overlap'})")
+            out.append((all_met(oks), f"{where}: CPU per request at most {CPU_GOAL:g}× vllm-router's at "
+                        f"concurrency 1, 16, 64: " + "; ".join(parts)))
+            for c, metric, what, unit in ((64, "p99_ms", "p99 at concurrency 64", "ms"),
+                                          (1, "added_p50_ms", "added p50 at concurrency 1", "ms")):
+                out.append(no_worse_than_best(summary, key, stream, c, metric, f"{where}: {what}"))
+    return out
+
+
+def no_worse_than_best(summary: dict, key: str, stream: bool, c: int, metric: str,
+                       what: str) -> tuple[bool | None, str]:
+    ours = cell(summary, key, c, metric)
+    peers = {p: cell(summary, mode_key(p, stream), c, metric) for p in ("vllm-router", "sglang-router")}
+    measured = {p: s for p, s in peers.items() if s is not None}
+    text = f"{what} no worse than the better Rust router's"
+    if ours is None or not measured:
+        return None, f"{text}: not measured"
+    best = min(measured, key=lambda p: measured[p]["median"])
+    numbers = ", ".join(f"{p} {s['median']:.2f}" for p, s in measured.items())
+    missing = [p for p, s in peers.items() if s is None]
+    note = "" if settled(ours, measured[best]) else ", ranges overlap"
+    return (ours["median"] <= measured[best]["median"],
+            f"{text}: {ours['median']:.2f} ms vs {numbers} ms{note}"
+            + (f" ({', '.join(missing)} not measured)" if missing else ""))
+
+
+def all_met(oks: list[bool | None]) -> bool | None:
+    if any(ok is False for ok in oks):
+        return False
+    return None if any(ok is None for ok in oks) else True
+
+
+def verdict_word(ok: bool | None) -> str:
+    return {True: "met", False: "not met", None: "not measured"}[ok]
+
+
+def comparison(summary: dict) -> list[str]:
+    """pd-router (vLLM pull) against the naive aiohttp proxy (non-streaming)."""
+    out = []
     if "pd-vllm" in summary and "naive" in summary:
-        parts = []
+        parts, cheaper = [], True
         for c in CONCURRENCY:
-            a, b = summary["pd-vllm"].get(str(c)), summary["naive"].get(str(c))
-            if a and b and a["cpu_us"] and b["cpu_us"]:
-                parts.append(f"{c}: {a['cpu_us']['median'] - b['cpu_us']['median']:+.0f} µs "
-                             f"({ratio(a['cpu_us'], b['cpu_us'])})")
+            a, b = cell(summary, "pd-vllm", c, "cpu_us"), cell(summary, "naive", c, "cpu_us")
+            if a and b:
+                parts.append(f"{c}: {a['median'] - b['median']:+.0f} µs ({ratio(a, b)})")
+                cheaper = cheaper and a["median"] < b["median"]
         if parts:
             out.append("- pd-router (vLLM pull, with its policy, metrics, timeouts and failover) against the "
-                       "naive aiohttp proxy, CPU per request by concurrency: " + "; ".join(parts)
-                       + ". pd-router's legs run on its own httptools client (see \"Choosing the "
-                       "router's HTTP stack\" below), which is why it costs less than the naive proxy.")
+                       "naive aiohttp proxy, CPU per request by concurrency: " + "; ".join(parts) + "."
+                       + (" pd-router's legs run on its own httptools client (see \"Choosing the "
+                          "router's HTTP stack\" below), which is why it costs less than the naive proxy."
+                          if cheaper else ""))
     return out
 
 
@@ -459,12 +597,15 @@ def start_checked(procs: list[ManagedProcess], timeout: float = 60.0) -> list[st
     return failed
 
 
-def publish(results: Path, meta: dict, target_info: list[dict], summary: dict, can_plot: bool) -> None:
-    """Plots into docs/img/ and the section of docs/benchmarks.md, from one run's numbers."""
+def publish(results: Path, meta: dict, target_info: list[dict], summary: dict, can_plot: bool,
+            docs: bool = True) -> None:
+    """Plots and the section, from one run's numbers: into docs/img/ and docs/benchmarks.md, or
+    (docs False) beside results.json (section.md), leaving docs/ as it is."""
+    img = IMG if docs else results.parent
     if can_plot:
-        IMG.mkdir(parents=True, exist_ok=True)
+        img.mkdir(parents=True, exist_ok=True)
         res = subprocess.run([str(PEERS_PY), str(ROOT / "bench" / "router_overhead_plot.py"),
-                              str(results), str(IMG)], capture_output=True, text=True)
+                              str(results), str(img)], capture_output=True, text=True)
         meta["plots"] = res.returncode == 0
         if res.returncode != 0:
             meta["plot_problem"] = "plotting failed"
@@ -472,9 +613,19 @@ def publish(results: Path, meta: dict, target_info: list[dict], summary: dict, c
         else:
             print(res.stdout.strip(), flush=True)
     section = markdown(meta, target_info, summary)
-    common.write_section(SECTION, section)
-    print(f"wrote {DOC.relative_to(ROOT)}", flush=True)
+    if docs:
+        common.write_section(SECTION, section)
+        print(f"wrote {DOC.relative_to(ROOT)}", flush=True)
+    else:
+        (results.parent / "section.md").write_text(section)
+        print(f"wrote {(results.parent / 'section.md').relative_to(ROOT)} (docs/ untouched)", flush=True)
     print(section, flush=True)
+
+
+def print_checks(summary: dict) -> None:
+    print("Done when (issue 30), on this run's medians:", flush=True)
+    for ok, text in checks(summary):
+        print(f"  {verdict_word(ok).upper():12s} {text}", flush=True)
 
 
 def render(results: Path) -> int:
@@ -482,24 +633,29 @@ def render(results: Path) -> int:
     raw = json.loads(results.read_text())
     _, can_plot = ensure_peers_venv()
     publish(results, raw["meta"], raw["targets"], raw["summary"], can_plot)
+    print_checks(raw["summary"])
     return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short windows (~1 min)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short windows (~2 min)")
     ap.add_argument("--repeats", type=int,
-                    help="measurements per target and concurrency (default 3; 1 with --quick)")
+                    help="measurements per target, mode and concurrency (default 3; 1 with --quick)")
     ap.add_argument("--window-s", type=float,
-                    help="measured window per measurement in s (default 7; 1.5 with --quick)")
-    ap.add_argument("--no-docs", action="store_true", help="do not touch docs/ (raw results only)")
+                    help="measured window per measurement in s (default 4; 1.5 with --quick)")
+    ap.add_argument("--streaming", choices=sorted(STREAMING), default="both",
+                    help="non-streaming and streaming requests (both, the default), or one of them")
+    ap.add_argument("--no-docs", action="store_true",
+                    help="do not touch docs/: the section (section.md) and plots go beside results.json")
     ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
                     help="only rewrite docs/ from a saved bench/results/.../results.json")
     args = ap.parse_args()
     if args.render:
         return render(args.render)
     repeats = args.repeats or (1 if args.quick else 3)
-    window_s = args.window_s or (1.5 if args.quick else 7.0)
+    # 13 target-mode rows x 3 concurrencies x 3 repeats x 5 s: about 10 minutes of measuring.
+    window_s = args.window_s or (1.5 if args.quick else 4.0)
     warm_s = 0.5 if args.quick else 1.0
     began = time.monotonic()
 
@@ -521,10 +677,15 @@ def main() -> int:
 
     vp, vd = engine("vllm-prefill", "prefill", "vllm"), engine("vllm-decode", "decode", "vllm")
     sp, sd = engine("sglang-prefill", "prefill", "sglang"), engine("sglang-decode", "decode", "sglang")
-    router_flags = ("--policy", "round_robin", "--log-level", "warning", "--log-format", "text")
+    log_flags = ("--log-level", "warning", "--log-format", "text")
+    router_flags = ("--policy", "round_robin", *log_flags)
     pd_vllm = RouterProcess("pd-router-vllm", prefill=[vp.worker_arg()], decode=[vd.worker_arg()],
                             args=("--engine", "vllm", "--transfer", "pull", *router_flags),
                             config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
+    pd_default = RouterProcess("pd-router-vllm-default", prefill=[vp.worker_arg()],
+                               decode=[vd.worker_arg()],
+                               args=("--engine", "vllm", "--transfer", "pull", *log_flags),
+                               config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
     pd_sglang = RouterProcess("pd-router-sglang", prefill=[sp.worker_arg()], decode=[sd.worker_arg()],
                               args=("--engine", "sglang", *router_flags),
                               config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
@@ -534,19 +695,28 @@ def main() -> int:
                                       cpu=ROUTER_CPU, log_dir=run_dir)
     naive = NaiveProxyProcess("naive-proxy", prefill=vp, decode=vd, cpu=ROUTER_CPU, log_dir=run_dir)
 
-    targets = [Target("direct", "direct to decode (no router)", vd.url, None),
-               Target("pd-vllm", "pd-router (vLLM pull)", pd_vllm.url, pd_vllm),
-               Target("vllm-router", "vllm-router", vllm_router.url, vllm_router),
-               Target("pd-sglang", "pd-router --engine sglang", pd_sglang.url, pd_sglang),
-               Target("sglang-router", "sglang-router", sglang_router.url, sglang_router),
-               Target("naive", "naive aiohttp proxy (reference)", naive.url, naive)]
-    routers: list[ManagedProcess] = [pd_vllm, pd_sglang, naive]
-    for t, peer in ((targets[2], "vllm-router"), (targets[4], "sglang-router")):
+    rows = [("direct", "direct to decode (no router)", vd.url, None),
+            ("pd-vllm", "pd-router (vLLM pull)", pd_vllm.url, pd_vllm),
+            ("pd-vllm-default", "pd-router (vLLM pull, default policy)", pd_default.url, pd_default),
+            ("vllm-router", "vllm-router", vllm_router.url, vllm_router),
+            ("pd-sglang", "pd-router --engine sglang", pd_sglang.url, pd_sglang),
+            ("sglang-router", "sglang-router", sglang_router.url, sglang_router),
+            ("naive", "naive aiohttp proxy (reference)", naive.url, naive)]
+    # Mode-major, so that the table reads non-streaming first; the naive proxy does not stream.
+    targets = [Target(mode_key(key, stream), label, url, proc, stream=stream)
+               for stream in STREAMING[args.streaming] for key, label, url, proc in rows
+               if not (stream and key == "naive")]
+    routers: list[ManagedProcess] = [pd_vllm, pd_default, pd_sglang]
+    if False in STREAMING[args.streaming]:
+        routers.append(naive)
+    for peer, proc in (("vllm-router", vllm_router), ("sglang-router", sglang_router)):
         if peers.get(peer):
-            routers.append(t.proc)
-        else:
-            t.broken = f"{peer} not installed"
-            print(f"skipping {peer}: not installed in {PEERS_VENV.relative_to(ROOT)}", flush=True)
+            routers.append(proc)
+            continue
+        for t in targets:
+            if t.base == peer:
+                t.broken = f"{peer} not installed"
+        print(f"skipping {peer}: not installed in {PEERS_VENV.relative_to(ROOT)}", flush=True)
     engines: list[ManagedProcess] = [vp, vd, sp, sd]
     everything = [*engines, *routers]
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -568,7 +738,8 @@ def main() -> int:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             for t in live:  # warm-up: connections, caches, the router's first-request paths
                 res = runner.run(measure(t, 16, 0.5 if args.quick else 1.5, 0.5))
-                print(f"warm-up {t.label:32s} {res['rps']:7.0f} req/s, {res['errors']} errors", flush=True)
+                print(f"warm-up {t.label:38s} {mode_name(t.stream):13s} {res['rps']:7.0f} req/s, "
+                      f"{res['errors']} errors", flush=True)
                 if res["n"] == 0:
                     t.broken = f"no successful request in warm-up ({'; '.join(res['error_samples'])})"
                     print(f"  skipping {t.label}: {t.broken}\n{t.proc.log_tail(20) if t.proc else ''}",
@@ -583,7 +754,8 @@ def main() -> int:
                         if t.proc is not None and not t.proc.alive():
                             if not t.broken:
                                 t.broken = "process died (see its log)"
-                                print(f"{t.label} died:\n{t.proc.log_tail(20)}", flush=True)
+                                print(f"{t.label} ({mode_name(t.stream)}) died:\n{t.proc.log_tail(20)}",
+                                      flush=True)
                             continue
                         res = runner.run(measure(t, c, warm_s, window_s))
                         runs.setdefault((t.key, c), []).append(res)
@@ -593,7 +765,8 @@ def main() -> int:
                         p99 = f"{res['p99_ms']:7.2f}" if res["p99_ms"] is not None else "    n/a"
                         noisy = (f"  (core {ROUTER_CPU} {res['foreign_pct']:.0f}% busy with other "
                                  "processes)" if res["foreign_pct"] > 5 else "")
-                        print(f"[{done:2d}/{total}] repeat {r + 1} c={c:<3d} {t.label:32s} "
+                        print(f"[{done:3d}/{total}] repeat {r + 1} c={c:<3d} {t.label:38s} "
+                              f"{'stream ' if t.stream else '       '}"
                               f"{res['rps']:6.0f} req/s  p50 {p50} ms  p99 {p99} ms  {cpu}  "
                               f"errors {res['errors']}{noisy}", flush=True)
                         for e in res["error_samples"][:2]:
@@ -609,10 +782,12 @@ def main() -> int:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": common.machine(), "versions": versions(peers), "repeats": repeats,
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
+        "streaming": args.streaming,
         "runtime_s": time.monotonic() - began,
         "foreign_pct": spread([r["foreign_pct"] for reps in runs.values() for r in reps]),
     }
-    target_info = [{"key": t.key, "label": t.label, "broken": t.broken} for t in targets]
+    target_info = [{"key": t.key, "label": t.label, "broken": t.broken, "stream": t.stream}
+                   for t in targets]
     raw = {"meta": meta, "targets": target_info, "summary": summary,
            "runs": {f"{k}@{c}": v for (k, c), v in runs.items()}}
     (run_dir / "results.json").write_text(json.dumps(raw, indent=1))
@@ -620,9 +795,9 @@ def main() -> int:
         if any(w in tail for w in ("Traceback", "ERROR", "error", "WARNING")):
             print(f"--- {name} log tail (has warnings/errors) ---\n{tail}", flush=True)
 
-    if not args.no_docs:
-        meta["runtime_s"] = time.monotonic() - began
-        publish(run_dir / "results.json", meta, target_info, summary, can_plot)
+    meta["runtime_s"] = time.monotonic() - began
+    publish(run_dir / "results.json", meta, target_info, summary, can_plot, docs=not args.no_docs)
+    print_checks(summary)
     noise = meta.get("foreign_pct")
     if noise and noise["median"] > 10:
         print(f"WARNING: core {ROUTER_CPU} was {noise['median']:.0f}% busy with other processes "

@@ -3,7 +3,8 @@
     bench/.venv-peers/bin/python bench/router_overhead_plot.py RESULTS.json OUT_DIR
 
 Writes OUT_DIR/router_cpu_per_request.png and OUT_DIR/router_added_latency.png: grouped bars by
-concurrency, one bar per router, the median over repeats with min-max error bars.
+concurrency, one bar per router, the median over repeats with min-max error bars; one panel per
+mode (non-streaming, streaming) that the run measured.
 """
 
 from __future__ import annotations
@@ -17,14 +18,24 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"pd-vllm": "#1f77b4", "vllm-router": "#aec7e8", "pd-sglang": "#d62728",
-          "sglang-router": "#ff9896", "naive": "#bbbbbb"}
+COLORS = {"pd-vllm": "#1f77b4", "pd-vllm-default": "#2ca02c", "vllm-router": "#aec7e8",
+          "pd-sglang": "#d62728", "sglang-router": "#ff9896", "naive": "#bbbbbb"}
+STREAM_SUFFIX = ":stream"  # bench/router_overhead.py's key for a target's streaming rows
 
 
-def bars(ax, results: dict, metric: str, ylabel: str, title: str) -> None:
+def modes(results: dict) -> list[bool]:
+    return sorted({t.get("stream", False) for t in results["targets"]})
+
+
+def mode_name(stream: bool) -> str:
+    return "streaming" if stream else "non-streaming"
+
+
+def bars(ax, results: dict, metric: str, ylabel: str, title: str, stream: bool) -> None:
     meta, summary = results["meta"], results["summary"]
     conc = [str(c) for c in meta["concurrency"]]
-    routers = [t for t in results["targets"] if t["key"] in COLORS and t["key"] in summary]
+    routers = [t for t in results["targets"] if t.get("stream", False) == stream
+               and t["key"].removesuffix(STREAM_SUFFIX) in COLORS and t["key"] in summary]
     width = 0.8 / max(1, len(routers))
     for i, t in enumerate(routers):
         xs, ys, lo, hi = [], [], [], []
@@ -36,7 +47,8 @@ def bars(ax, results: dict, metric: str, ylabel: str, title: str) -> None:
             ys.append(s["median"])
             lo.append(s["median"] - s["min"])
             hi.append(s["max"] - s["median"])
-        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=t["label"], color=COLORS[t["key"]],
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=t["label"],
+               color=COLORS[t["key"].removesuffix(STREAM_SUFFIX)],
                edgecolor="black", linewidth=0.5)
         for x, y, up, down in zip(xs, ys, hi, lo):  # above the error bar, not on it
             ax.annotate(f"{y:.0f}" if abs(y) >= 10 else f"{y:.2f}",
@@ -57,16 +69,21 @@ def main() -> None:
     meta = results["meta"]
     note = f"{meta['repeats']} repeat(s), median with min–max; {meta['date']}"
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bars(ax, results, "cpu_us", "router CPU time per request (µs)",
-         f"Router CPU per PD request (router pinned to one core)\n{note}")
+    ms = modes(results)
+    fig, axes = plt.subplots(len(ms), 1, figsize=(10, 4.5 * len(ms)), squeeze=False)
+    for ax, stream in zip(axes[:, 0], ms):
+        bars(ax, results, "cpu_us", "router CPU time per request (µs)",
+             f"Router CPU per PD request, {mode_name(stream)} (router pinned to one core)\n{note}",
+             stream)
     fig.tight_layout()
     fig.savefig(out / "router_cpu_per_request.png", dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    bars(axes[0], results, "added_p50_ms", "ms", f"Added p50 latency vs direct to decode\n{note}")
-    bars(axes[1], results, "added_p99_ms", "ms", f"Added p99 latency vs direct to decode\n{note}")
+    fig, axes = plt.subplots(len(ms), 2, figsize=(14, 4.5 * len(ms)), squeeze=False)
+    for row, stream in zip(axes, ms):
+        for ax, metric, what in zip(row, ("added_p50_ms", "added_p99_ms"), ("p50", "p99")):
+            bars(ax, results, metric, "ms",
+                 f"Added {what} latency vs direct to decode, {mode_name(stream)}\n{note}", stream)
     fig.tight_layout()
     fig.savefig(out / "router_added_latency.png", dpi=110)
     plt.close(fig)

@@ -1,0 +1,83 @@
+"""bench/router_overhead.py's pure parts: the pairing with the direct run of the same mode, the
+ratios to both Rust routers and issue 30's "Done when" checks."""
+
+from __future__ import annotations
+
+from bench import router_overhead as ro
+
+
+def rep(p50, p99, cpu=None, routes=None):
+    return {"n": 100, "sent": 100, "errors": 0, "error_samples": [], "rps": 1000.0,
+            "p50_ms": p50, "p99_ms": p99, "cpu_us": cpu, "cpu_s": None, "window_s": 1.0,
+            "foreign_pct": 0.0, "routes": routes or {}}
+
+
+def target(key, stream=False):
+    return ro.Target(ro.mode_key(key, stream), key, "http://unused", None, stream=stream)
+
+
+# per (base key, concurrency): (p50, p99, cpu); streaming rows are 1 ms slower at p50
+ROWS = {"direct": {1: (0.3, 0.5, None), 16: (2.5, 5.0, None), 64: (11.0, 20.0, None)},
+        "pd-vllm": {1: (1.0, 2.0, 200), 16: (8.0, 12.0, 150), 64: (30.0, 50.0, 170)},
+        "vllm-router": {1: (1.2, 2.0, 300), 16: (8.0, 13.0, 180), 64: (36.0, 60.0, 230)},
+        "sglang-router": {1: (1.1, 1.8, 280), 16: (8.0, 14.0, 180), 64: (34.0, 55.0, 200)}}
+
+
+def run_all(streams=(False, True)):
+    targets, runs = [], {}
+    for stream in streams:
+        for key, by_c in ROWS.items():
+            t = target(key, stream)
+            targets.append(t)
+            for c, (p50, p99, cpu) in by_c.items():
+                runs[(t.key, c)] = [rep(p50 + stream, p99 + stream, cpu,
+                                        {"disaggregated": 10} if key.startswith("pd-") else None)]
+    return targets, runs
+
+
+def test_added_latency_pairs_each_mode_with_its_own_direct_run():
+    targets, runs = run_all()
+    summary = ro.summarize(targets, runs)
+    for key in ("pd-vllm", "pd-vllm:stream"):
+        assert summary[key]["1"]["added_p50_ms"]["median"] == 1.0 - 0.3  # +1 ms on both sides
+    assert summary["pd-vllm"]["1"]["routes"] == {"disaggregated": 10}
+
+
+def test_checks_judge_cpu_against_vllm_router_and_latency_against_the_better_peer():
+    targets, runs = run_all()
+    checks = ro.checks(ro.summarize(targets, runs))
+    # pd-vllm only (pd-sglang did not run): CPU, p99 at 64, added p50 at 1, for each mode
+    assert len(checks) == 6
+    cpu, p99, added = checks[:3]
+    # CPU: 200/300 = 0.67 and 170/230 = 0.74 meet 0.8x, but 150/180 = 0.83 does not
+    assert cpu[0] is False and "16: 0.83×" in cpu[1]
+    # p99 at 64: 50 ms against the better of 60 and 55
+    assert p99[0] is True and "sglang-router 55.00" in p99[1]
+    # added p50 at 1: 0.7 ms against sglang-router's 0.8
+    assert added[0] is True
+    assert [ok for ok, _ in checks[3:]] == [False, True, True]  # streaming the same
+
+
+def test_a_missing_peer_or_row_is_not_measured_rather_than_met():
+    targets, runs = run_all(streams=(False,))
+    targets = [t for t in targets if t.base != "vllm-router"]
+    checks = ro.checks(ro.summarize(targets, runs))
+    assert checks[0][0] is None and "not measured" in checks[0][1]
+    assert checks[1][0] is True and "vllm-router not measured" in checks[1][1]
+
+
+def test_markdown_has_both_modes_the_ratio_table_and_the_check_list():
+    targets, runs = run_all()
+    summary = ro.summarize(targets, runs)
+    info = [{"key": t.key, "label": t.label, "broken": None, "stream": t.stream} for t in targets]
+    meta = {"command": "x", "date": "d", "runtime_s": 60, "machine": "m", "versions": "v",
+            "warm_s": 1, "window_s": 4, "repeats": 1, "foreign_pct": None}
+    text = ro.markdown(meta, info, summary)
+    assert text.startswith(f"<!-- {ro.SECTION}:start -->") and text.endswith(f"<!-- {ro.SECTION}:end -->\n")
+    assert "| pd-vllm | streaming | 64 |" in text
+    assert "| pd-vllm | non-streaming | 0.67× / 0.71× | 0.83× / 0.83× |" in text
+    assert "- [ ] not met: pd-router (vLLM pull), streaming: CPU per request" in text
+    assert "- [x] met: pd-router (vLLM pull), non-streaming: p99 at concurrency 64" in text
+    # every table row has as many cells as its header
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len({line.count(" | ") for line in rows if "---" not in line}) == 2  # two tables
