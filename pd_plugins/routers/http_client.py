@@ -160,6 +160,10 @@ class _Conn(asyncio.Protocol):
             self.waiter = None
 
 
+def _no_data(conn: _Conn, timeout: float) -> None:
+    conn.fail(UpstreamTimeout(f"no data within {timeout:g}s"))  # built only when it happens
+
+
 class Response:
     """Status and headers of an upstream answer; the body via read() or `async for`."""
 
@@ -205,8 +209,7 @@ class Response:
         conn = self._conn
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = conn.loop.call_later(timeout, conn.fail, UpstreamTimeout(
-            f"no data within {timeout:g}s"))
+        self._timer = conn.loop.call_later(timeout, _no_data, conn, timeout)
 
     def disarm(self) -> None:
         """Stop the timeout until the next rearm: time the caller spends elsewhere (writing to a
@@ -311,8 +314,7 @@ class Upstream:
         conn._reset()
         timer = None
         if timeout is not None:
-            timer = conn.loop.call_later(timeout, conn.fail, UpstreamTimeout(
-                f"{self.host}:{self.port} did not answer within {timeout:g}s"))
+            timer = conn.loop.call_later(timeout, self._timed_out, conn, timeout)
         try:
             conn.transport.write(data)
             if on_sent is not None:
@@ -325,6 +327,9 @@ class Upstream:
             conn.abort()
             raise
         return Response(conn, self, timer)
+
+    def _timed_out(self, conn: _Conn, timeout: float) -> None:
+        conn.fail(UpstreamTimeout(f"{self.host}:{self.port} did not answer within {timeout:g}s"))
 
     async def close(self) -> None:
         """Close the idle connections."""

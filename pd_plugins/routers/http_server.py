@@ -97,6 +97,9 @@ class FastStreamResponse:
         self._head = b""  # the status line and headers until the first write sends them
 
     async def prepare(self, request: FastRequest | None = None) -> None:
+        self._prepare()
+
+    def _prepare(self) -> None:
         """The status line and headers, sent with the first piece of the body (one write)."""
         if self.prepared:
             return
@@ -112,32 +115,37 @@ class FastStreamResponse:
             conn.keep_alive = False
         self._head = conn.head(self.status, self.headers, framing)
 
-    async def write(self, data: bytes) -> None:
-        if not self.prepared:
-            await self.prepare()
-        if not data:
-            return
-        if self._chunked:
+    def send(self, data: bytes, eof: bool = False) -> bool:
+        """Hand `data` (and the end, if `eof`) to the socket without waiting; True if the socket
+        is full and the caller should await drained() before writing more."""
+        if self._ended:
+            return False
+        self._prepare()
+        if data and self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
+        if eof:
+            self._ended = True
+            if self._chunked:
+                data += b"0\r\n\r\n"
         if self._head:
             data, self._head = self._head + data, b""
-        self._conn.write(data)
+        conn = self._conn
+        if data:
+            conn.write(data)
+        if eof:
+            conn.response_ended()
+        return conn.write_paused
+
+    async def drained(self) -> None:
         await self._conn.drain()
 
-    async def write_eof(self, data: bytes = b"") -> None:
-        if self._ended:
-            return
-        if data:
-            await self.write(data)
-        elif not self.prepared:
-            await self.prepare()
-        self._ended = True
-        tail = b"0\r\n\r\n" if self._chunked else b""
-        if self._head or tail:
-            tail, self._head = self._head + tail, b""
-            self._conn.write(tail)
+    async def write(self, data: bytes) -> None:
+        if data and self.send(data):
             await self._conn.drain()
-        self._conn.response_ended()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if not self._ended and self.send(data, eof=True):
+            await self._conn.drain()
 
 
 def stream_response(request: Any, headers: dict[str, str]) -> FastStreamResponse | web.StreamResponse:
@@ -337,8 +345,8 @@ class _FrontConnection(asyncio.Protocol):
         if method != "POST" or path not in HOT_PATHS:  # pipelined behind an inference request
             self.queue.append("400 pipelined")
             return
-        headers = CIMultiDictProxy(CIMultiDict(
-            (n.decode("latin-1"), v.decode("latin-1")) for n, v in self.raw_headers))
+        headers = CIMultiDictProxy(CIMultiDict(  # values decoded as aiohttp does
+            (n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in self.raw_headers))
         body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
         self.queue.append(FastRequest(self, method, path, query, headers,
                                       self.parser.get_http_version(),

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: they double the scrape for nothing
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+LOOP_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+LOOP_LAG_PERIOD_S = 0.1
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -38,6 +42,10 @@ class RouterMetrics:
         # or other (malformed); streams carry none (docs/plans/kv-verification.md §5)
         self.kv_verdicts = Counter("pd_router_kv_verdicts", "Verdicts decodes gave on the KV they "
                                    "loaded (non-streamed answers)", ["verdict"], registry=r)
+        # how late a 100 ms timer fires: the event loop's stalls (GC, a slow callback, saturation)
+        self.loop_lag = Histogram("pd_router_event_loop_lag_seconds", "How late the event loop "
+                                  f"runs a timer due every {LOOP_LAG_PERIOD_S:g} s",
+                                  buckets=LOOP_LAG_BUCKETS, registry=r)
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
         r.register(_PoolCollector(pool, by_model))
@@ -47,6 +55,20 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_loop(self) -> _ChainHandle:
+        """Observe the loop's lag from now on (a timer chain: no task); cancel the handle to stop."""
+        loop = asyncio.get_running_loop()
+        holder: list[asyncio.TimerHandle] = []
+
+        def tick(due: float) -> None:
+            now = loop.time()
+            self.loop_lag.observe(max(0.0, now - due))
+            holder[0] = loop.call_at(now + LOOP_LAG_PERIOD_S, tick, now + LOOP_LAG_PERIOD_S)
+
+        start = loop.time() + LOOP_LAG_PERIOD_S
+        holder.append(loop.call_at(start, tick, start))
+        return _ChainHandle(holder)
 
 
 class _PoolCollector:
@@ -88,3 +110,14 @@ class _SessionCollector:
         for event, count in totals.items():
             events.add_metric([event], count)
         yield events
+
+
+class _ChainHandle:
+    """Cancels whichever timer of a chain is pending."""
+
+    def __init__(self, holder: list) -> None:
+        self.holder = holder
+
+    def cancel(self) -> None:
+        self.holder[0].cancel()
+

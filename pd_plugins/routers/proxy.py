@@ -33,7 +33,7 @@ from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.errors import error_body, error_response
-from pd_plugins.routers.http_server import stream_response
+from pd_plugins.routers.http_server import FastStreamResponse, stream_response
 from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
 from pd_plugins.vocab.expert_signature import ExpertSignature
 from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of, stored_tokens_of
@@ -436,6 +436,14 @@ class Proxy:
     async def _to_client(self, http: web.Request, out: web.StreamResponse, data: bytes,
                          eof: bool = False) -> None:
         """One write to the client under `timeouts.client_write_s` (ClientTooSlow past it)."""
+        if isinstance(out, FastStreamResponse):  # the front server: only a full socket waits
+            if out.send(data, eof):
+                try:
+                    async with asyncio.timeout(self.timeouts.client_write_s):
+                        await out.drained()
+                except TimeoutError:
+                    raise ClientTooSlow from None
+            return
         try:
             async with asyncio.timeout(self.timeouts.client_write_s):
                 if not out.prepared:

@@ -259,3 +259,4 @@ def test_shutdown_lets_a_request_in_progress_finish():
         assert slow.is_set() and got.startswith(b"HTTP/1.1 200") and got.endswith(b"done")
         assert b"Connection: close" in got
     asyncio.run(main())
+
