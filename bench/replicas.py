@@ -243,7 +243,13 @@ def multi_turn_reading(by_setup: dict) -> str:
     if base and med(base, "ttft2_p50") and med(one, "ttft2_p50") < med(base, "ttft2_p50"):
         kept = (1 - med(two, "ttft2_p50") / med(base, "ttft2_p50")) / (1 - med(one, "ttft2_p50") / med(base, "ttft2_p50"))
     conclusion_met = ("So the first version's gap did not come back; single runs move by as much "
-                      "as the target's margin (95% of a ~35 ms cut leaves under 2 ms).")
+                      "as the target's margin (95% of a ~35 ms cut leaves under 2 ms). The run of "
+                      "2026-12-04 that met it had the machine to itself (load under 1; the earlier "
+                      "ones shared it with other benchmarks at load 5-8) and pd-router's own front "
+                      "server for the inference endpoints (docs/router.md; it started on 98b4f6e, "
+                      "and 3a49759, which only trims the hot path's CPU, landed during its first "
+                      "repeat): the time outside the engines fell from ~9 to ~2 ms in every setup, "
+                      "so a replica's extra process no longer shows.")
     conclusion_missed = ("So the gap comes back in full runs but not in isolated pairs, and it is "
                          "time outside the engines; what makes it, on a machine shared with other "
                          "benchmarks, is not pinned down.")
