@@ -37,8 +37,9 @@ test-e2e: bootstrap
 test-gpu:
 	@bash scripts/test_gpu.sh
 
-# pd-router vs vllm-router and sglang-router on mock engines: docs/benchmarks.md, docs/img/ (~8 min;
-# `$(PY) -m bench.router_overhead --quick` for a 1-minute smoke run). Peers go in bench/.venv-peers.
+# pd-router vs vllm-router and sglang-router on mock engines: docs/benchmarks.md, docs/img/ (~11 min;
+# `$(PY) -m bench.router_overhead --quick` for a 2.5-minute smoke run). Load from wrk where installed
+# (apt-get install wrk), else aiohttp. Peers go in bench/.venv-peers.
 bench-router: bootstrap
 	$(PY) -m bench.router_overhead
 

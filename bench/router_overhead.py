@@ -2,13 +2,14 @@
 """Router overhead: pd-router against vllm-router and sglang-router on mock engines.
 
     .venv/bin/python -m bench.router_overhead            # full run, about 11 minutes
-    .venv/bin/python -m bench.router_overhead --quick    # smoke run, about 2 minutes
+    .venv/bin/python -m bench.router_overhead --quick    # smoke run, about 2.5 minutes
     .venv/bin/python -m bench.router_overhead --quick --no-docs   # results under bench/results only
 
 Mock prefill and decode engines (pd-mock-engine, zero delays) and the load generator share core 1;
 each router runs alone on core 0. For every target and concurrency the closed-loop load generator
-measures requests/s and latency over a fixed window, and the router's CPU time (utime + stime from
-/proc/PID/stat) over the same window gives CPU per request. Targets: the decode engine directly
+(`--loadgen`: wrk where installed, the default, or an aiohttp loop in this process, which saturates
+core 1 before the routers) measures requests/s and latency over a fixed window, and the router's CPU
+time (utime + stime from /proc/PID/stat) over the same window gives CPU per request. Targets: the decode engine directly
 (no router: the latency baseline), pd-router (vLLM pull flow), vllm-router, pd-router --engine
 sglang, sglang-router, and bench/naive_proxy.py (the least an aiohttp PD proxy can do: the floor
 under pd-router on this machine). Every request is disaggregated (round_robin everywhere), except
@@ -32,11 +33,13 @@ import json
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +74,16 @@ STREAMING = {"both": (False, True), "off": (False,), "only": (True,)}
 # Issue 30's goals, checked for these pd-router rows (both flows, every request disaggregated).
 CHECKED = (("pd-vllm", "pd-router (vLLM pull)"), ("pd-sglang", "pd-router --engine sglang"))
 CPU_GOAL = 0.8  # CPU per request at most this times vllm-router's
+LOADGENS = ("wrk", "aiohttp")
+# wrk POSTs the body from the environment (one script for both modes).
+WRK_LUA = ('wrk.method = "POST"\n'
+           'wrk.headers["Content-Type"] = "application/json"\n'
+           'wrk.body = os.getenv("WRK_BODY")\n')
+WRK_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
+WRK_TIME = r"([\d.]+)(us|ms|s|m|h)\b"
+# pd-router's request counter by decision: the served-local share when wrk cannot see x-pd-route.
+REQUESTS_SERIES_RE = re.compile(r"^pd_router_requests_total\{([^}]*)\}\s+(\S+)", re.M)
+LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
 
 
 # -- processes ------------------------------------------------------------------------------
@@ -226,13 +239,45 @@ class Window:
     end: float | None = None
 
 
+class CpuWindow:
+    """The router's CPU and both cores' busy time from construction to stop()."""
+
+    def __init__(self, target: Target) -> None:
+        self.pid = target.proc.proc.pid if target.proc is not None else None
+        self.cpu0 = cpu_seconds(self.pid) if self.pid else 0.0
+        self.core0 = core_busy_seconds(ROUTER_CPU)
+        self.load0 = core_busy_seconds(LOAD_CPU)
+
+    def stop(self, elapsed: float) -> dict:
+        cpu = (cpu_seconds(self.pid) if self.pid else 0.0) - self.cpu0
+        core = core_busy_seconds(ROUTER_CPU) - self.core0
+        return {"cpu_s": cpu if self.pid else None,
+                # The router's core busy with anything but the router: other load on the machine.
+                "foreign_pct": max(0.0, core - cpu) / elapsed * 100,
+                "router_pct": cpu / elapsed * 100 if self.pid else None,
+                # Core 1: load generator + mock engines; near 100 it is the bottleneck.
+                "load_core_pct": (core_busy_seconds(LOAD_CPU) - self.load0) / elapsed * 100}
+
+
+def result(n: int, sent: int, errors: Counter, elapsed: float, latencies_ms: tuple, cpu: dict,
+           routes: dict) -> dict:
+    """One measurement's record (errors: how many of each kind)."""
+    return {"n": n, "sent": sent, "errors": errors.total(),
+            "error_samples": sorted(f"{e} (x{k})" if k > 1 else e for e, k in errors.items() if k)[:5],
+            "rps": n / elapsed if elapsed > 0 else 0.0,
+            "p50_ms": latencies_ms[0] if n else None, "p99_ms": latencies_ms[1] if n else None,
+            "cpu_us": cpu["cpu_s"] / n * 1e6 if (cpu["cpu_s"] is not None and n) else None,
+            "window_s": elapsed, "routes": routes, **cpu}
+
+
 async def measure(target: Target, concurrency: int, warm_s: float, window_s: float) -> dict:
-    """Closed loop with `concurrency` clients; latency and CPU over [warm_s, warm_s + window_s]."""
+    """Closed loop with `concurrency` aiohttp clients in this process; latency and CPU over
+    [warm_s, warm_s + window_s]."""
     url = target.url + "/v1/completions"
     win, stop = Window(), asyncio.Event()
     body = BODIES[target.stream]
     latencies: list[float] = []
-    errors: list[str] = []
+    errors: Counter[str] = Counter()
     routes: dict[str, int] = {}  # pd-router's decisions in the window (x-pd-route)
     sent = 0
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -255,7 +300,7 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
                     problem = f"{type(exc).__name__}: {exc}"
                 t1 = time.perf_counter()
                 if problem is not None:
-                    errors.append(problem)
+                    errors[problem] += 1
                     await asyncio.sleep(0.01)  # do not spin on a dead target
                 elif win.start is not None and t1 >= win.start and (win.end is None or t1 <= win.end):
                     latencies.append(t1 - t0)
@@ -265,30 +310,85 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
         tasks = [asyncio.create_task(client()) for _ in range(concurrency)]
         try:
             await asyncio.sleep(warm_s)
-            pid = target.proc.proc.pid if target.proc is not None else None
-            cpu0 = cpu_seconds(pid) if pid else 0.0
-            core0 = core_busy_seconds(ROUTER_CPU)
+            cpu_win = CpuWindow(target)
             win.start = time.perf_counter()
             await asyncio.sleep(window_s)
             win.end = time.perf_counter()
-            cpu1 = cpu_seconds(pid) if pid else 0.0
-            core1 = core_busy_seconds(ROUTER_CPU)
+            cpu = cpu_win.stop(win.end - win.start)
         finally:
             stop.set()
             await asyncio.gather(*tasks, return_exceptions=True)
     n = len(latencies)
-    elapsed = win.end - win.start
-    return {
-        "n": n, "sent": sent, "errors": len(errors), "error_samples": sorted(set(errors))[:5],
-        "rps": n / elapsed,
-        "p50_ms": percentile(latencies, 50) * 1e3 if n else None,
-        "p99_ms": percentile(latencies, 99) * 1e3 if n else None,
-        "cpu_us": (cpu1 - cpu0) / n * 1e6 if (pid and n) else None,
-        "cpu_s": cpu1 - cpu0 if pid else None,
-        "window_s": elapsed, "routes": routes,
-        # The router's core busy with anything but the router: other load on the machine.
-        "foreign_pct": max(0.0, (core1 - core0) - (cpu1 - cpu0)) / elapsed * 100,
-    }
+    pcts = (percentile(latencies, 50) * 1e3, percentile(latencies, 99) * 1e3) if n else (None, None)
+    return result(n, sent, errors, win.end - win.start, pcts, cpu, routes)
+
+
+def wrk_ms(value: str, unit: str) -> float:
+    return float(value) * WRK_UNITS_MS[unit]
+
+
+def parse_wrk(out: str) -> dict:
+    """wrk's summary (with --latency): completed requests, run time, p50/p99 in ms, non-2xx/3xx
+    responses and socket errors. ValueError if there is no summary."""
+    total = re.search(rf"(\d+) requests in {WRK_TIME}", out)
+    if total is None:
+        raise ValueError(f"no wrk summary in: {out[-500:]!r}")
+    pcts = {p: wrk_ms(v, u) for p, v, u in re.findall(rf"^\s*(50|99)(?:\.0+)?%\s+{WRK_TIME}", out, re.M)}
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    return {"requests": int(total[1]), "duration_s": wrk_ms(total[2], total[3]) / 1e3,
+            "p50_ms": pcts.get("50"), "p99_ms": pcts.get("99"),
+            "non2xx": int(non2xx[1]) if non2xx else 0,
+            "socket_errors": dict(zip(("connect", "read", "write", "timeout"),
+                                      map(int, sock.groups()))) if sock else {}}
+
+
+def pd_router_decisions(target: Target) -> dict[str, float] | None:
+    """pd-router's answered requests by decision (its /metrics counter), None for other targets."""
+    if not isinstance(target.proc, RouterProcess):
+        return None
+    try:
+        text = requests.get(target.url + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return None  # a dead router shows in the run's errors
+    out: dict[str, float] = {}
+    for labels, value in REQUESTS_SERIES_RE.findall(text):
+        lab = dict(LABEL_RE.findall(labels))
+        if lab.get("outcome") == "ok":
+            out[lab["decision"]] = out.get(lab["decision"], 0.0) + float(value)
+    return out
+
+
+def run_wrk(target: Target, concurrency: int, seconds: int, lua: Path) -> subprocess.CompletedProcess:
+    cmd = pinned(["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(lua),
+                  target.url + "/v1/completions"], LOAD_CPU)
+    env = {**os.environ, "WRK_BODY": BODIES[target.stream].decode()}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60)
+
+
+def measure_wrk(target: Target, concurrency: int, warm_s: float, window_s: float, lua: Path) -> dict:
+    """wrk on core 1: a warm-up run (not counted), then the measured run; the router's CPU over
+    the measured run divided by its successful requests. No per-response body check (wrk only
+    counts non-2xx/3xx statuses); a stream is read to its end, so latency is the whole response."""
+    if round(warm_s) > 0:
+        run_wrk(target, concurrency, round(warm_s), lua)
+    before = pd_router_decisions(target)
+    cpu_win, t0 = CpuWindow(target), time.perf_counter()
+    proc = run_wrk(target, concurrency, max(1, round(window_s)), lua)
+    cpu = cpu_win.stop(time.perf_counter() - t0)
+    after = pd_router_decisions(target)
+    try:
+        w = parse_wrk(proc.stdout)
+    except ValueError:
+        problem = f"wrk exited {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-300:]}"
+        return result(0, 0, Counter({problem: 1}), 1.0, (None, None), cpu, {})
+    errors = Counter({"non-2xx/3xx responses": w["non2xx"]})
+    errors.update({f"socket {kind} errors": k for kind, k in w["socket_errors"].items()})
+    routes = ({d: int(after.get(d, 0) - before.get(d, 0)) for d in after}
+              if before is not None and after is not None else {})
+    n = w["requests"] - w["non2xx"]
+    return result(n, w["requests"], errors, w["duration_s"], (w["p50_ms"], w["p99_ms"]), cpu,
+                  {d: k for d, k in routes.items() if k})
 
 
 # -- summary --------------------------------------------------------------------------------
@@ -364,7 +464,44 @@ def local_share(s: dict) -> str:
     return f"{routes.get('local', 0) / total * 100:.0f}%" if total else "—"
 
 
+LOADGEN_DESC = {
+    "wrk": "`wrk`, C, one thread: `taskset -c 1 wrk -t1 -cN -dNs --latency -s post.lua`, the Lua "
+           "script POSTs the body",
+    "aiohttp": "an aiohttp closed loop in the benchmark process, uvloop"}
+WARM_DESC = {"wrk": "a wrk warm-up run", "aiohttp": "ramp-up"}
+CHECK_DESC = {
+    "wrk": "wrk counts non-2xx/3xx responses and socket errors as errors but does not check bodies; "
+           "it reads a chunked (streaming) answer to its end, so a stream's latency is the whole "
+           "response. \"served local\" is the change in pd-router's `pd_router_requests_total"
+           "{decision=...}` counter (`/metrics`, read outside the window) over the run.",
+    "aiohttp": "Every response is checked (HTTP 200 with `choices`; a stream must end with "
+               "`data: [DONE]`); \"served local\" counts pd-router's `x-pd-route` headers."}
+
+
+def loadgen_notes(meta: dict) -> list[str]:
+    """Which load generator ran, how the two harnesses differ, and this run's core load."""
+    loadgen = meta.get("loadgen", "aiohttp")  # results from before --loadgen: aiohttp
+    other = "aiohttp" if loadgen == "wrk" else "wrk"
+    busy = meta.get("core_busy_c64") or {}
+    load, router = busy.get("load_core_pct"), busy.get("router_pct")
+    this_run = (f" In this run, at concurrency 64, core 1 was {load['median']:.0f}% busy and the "
+                f"routers {router['median']:.0f}% of core 0 (medians over the router rows; ranges "
+                f"{load['min']:.0f}–{load['max']:.0f}% and {router['min']:.0f}–{router['max']:.0f}%)."
+                if load and router else "")
+    return [f"- Load generator: `{loadgen}` (`--loadgen {other}` for the other harness). With the "
+            "aiohttp client, core 1 (the Python client plus both Python mock engines) is the "
+            "bottleneck at every concurrency, so every router gets about the same requests/s, its "
+            "CPU per request is taken at partial router load (fewer requests per wake-up, so more "
+            "µs each) and p99 is mostly core 1's queueing. wrk (C) needs a fraction of that CPU, so "
+            "core 1 goes mostly to the mock engines and the routers get more requests/s: CPU per "
+            "request is taken under more router load (lower, as in the issue's own wrk numbers) and "
+            "p99 at concurrency 64 includes more of the router's own queueing; where core 1 still "
+            "saturates (the mock engines), the routers stay short of their own limit. Compare routers "
+            "within one harness, CPU/request first." + this_run]
+
+
 def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
+    loadgen = meta.get("loadgen", "aiohttp")
     lines = [f"<!-- {SECTION}:start -->", "## Router overhead", "",
              "What a PD router costs per request: pd-router against the Rust routers that ship with vLLM "
              "(`vllm-router`) and SGLang (`sglang-router`), all on the same mock engines "
@@ -374,26 +511,26 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "robin, one prefill and one decode engine), except in the row \"pd-router (vLLM pull, "
              "default policy)\": pd-router's default policy prefills prompts under 1024 uncached tokens "
              "on the decode worker, so this repeated short prompt is served on the decode alone (column "
-             "\"served local\", from pd-router's `x-pd-route` header). The routers' own health checks "
+             "\"served local\"; see Method for how it is counted). The routers' own health checks "
              "and metric scrapes are turned off or set to an hour so that only request work is counted. "
              "A reference row, `bench/naive_proxy.py` (non-streaming only), is the least an aiohttp PD "
              "proxy can do (prefill, then decode, relay; no policy, metrics, timeouts or failover): the "
              "floor under any aiohttp-based router on this machine.", "",
              f"Rerun: `make bench-router` (or `.venv/bin/python -m bench.router_overhead [--quick] "
-             f"[--repeats N] [--streaming both|off|only]`). This run: `{meta['command']}`, {meta['date']}, "
+             f"[--repeats N] [--streaming both|off|only] [--loadgen wrk|aiohttp]`). This run: `{meta['command']}`, {meta['date']}, "
              f"{meta['runtime_s'] / 60:.1f} min.", "",
              f"- Machine: {meta['machine']}.",
              "- Pinning: each router alone on core 0; the mock prefill and decode engines and the "
-             "load generator (an aiohttp closed loop in the benchmark process, uvloop) share core 1.",
+             f"load generator ({LOADGEN_DESC[loadgen]}) share core 1.",
              f"- Versions: {meta['versions']}.",
-             f"- Method: closed loop with 1, 16 and 64 concurrent clients; per measurement "
-             f"{meta['warm_s']:g} s of ramp-up (not counted), then a {meta['window_s']:g} s window. "
-             f"{meta['repeats']} repeat(s), targets and modes interleaved within each repeat (order "
-             "rotated) to spread the machine's noise; each cell is the median over repeats with the "
-             "min–max in brackets. Every response is checked (HTTP 200 with `choices`; a stream must "
-             "end with `data: [DONE]`).",
+             f"- Method: closed loop with 1, 16 and 64 concurrent clients (connections); per "
+             f"measurement {meta['warm_s']:g} s of {WARM_DESC[loadgen]} (not counted), then a "
+             f"{meta['window_s']:g} s window. {meta['repeats']} repeat(s), targets and modes "
+             "interleaved within each repeat (order rotated) to spread the machine's noise; each cell "
+             f"is the median over repeats with the min–max in brackets. {CHECK_DESC[loadgen]}",
              "- CPU µs/request: the router process's utime + stime (`/proc/PID/stat`, all threads) "
              "over the window divided by the requests completed in it.",
+             *loadgen_notes(meta),
              f"- Other load: core 0 was busy with processes other than the router for "
              f"{noise_note(meta)} of each window (`/proc/stat`); the machine is shared, so expect "
              "some spread between runs. Ratios between targets are steadier than absolute numbers, "
@@ -401,10 +538,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "- Added p50/p99: the target's latency percentile minus the direct-to-decode one of the "
              "same repeat, concurrency and mode. It includes the prefill leg and the KV hand-off of the "
              "PD flow, not only router code (vllm-router and pd-router's vLLM flow run the legs one "
-             "after the other; sglang-router and pd-router's SGLang flow run them together).",
-             "- Requests/s are bounded by core 1 (client + two Python mock engines) for the faster "
-             "routers, so compare routers by CPU/request first; at concurrency 64 latency is mostly "
-             "queueing (≈ concurrency / throughput).", ""]
+             "after the other; sglang-router and pd-router's SGLang flow run them together).", ""]
     ncols = 13
     lines += ["| target | mode | conc. | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms | "
               "router CPU µs/req | CPU vs vllm-router | CPU vs sglang-router | served local | errors |",
@@ -639,11 +773,15 @@ def render(results: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short windows (~2 min)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, short windows (~2.5 min)")
     ap.add_argument("--repeats", type=int,
                     help="measurements per target, mode and concurrency (default 3; 1 with --quick)")
     ap.add_argument("--window-s", type=float,
-                    help="measured window per measurement in s (default 4; 1.5 with --quick)")
+                    help="measured window per measurement in s (default 4; 1.5 with --quick, "
+                         "rounded to whole seconds for wrk)")
+    ap.add_argument("--loadgen", choices=LOADGENS,
+                    help="load generator on core 1: wrk (the default where installed) or this "
+                         "process's aiohttp closed loop (checks every response body)")
     ap.add_argument("--streaming", choices=sorted(STREAMING), default="both",
                     help="non-streaming and streaming requests (both, the default), or one of them")
     ap.add_argument("--no-docs", action="store_true",
@@ -657,6 +795,14 @@ def main() -> int:
     # 13 target-mode rows x 3 concurrencies x 3 repeats x 5 s: about 10 minutes of measuring.
     window_s = args.window_s or (1.5 if args.quick else 4.0)
     warm_s = 0.5 if args.quick else 1.0
+    loadgen = args.loadgen or ("wrk" if shutil.which("wrk") else "aiohttp")
+    if loadgen == "wrk":
+        if not shutil.which("wrk"):
+            sys.exit("router_overhead: --loadgen wrk, but wrk is not installed (apt-get install wrk)")
+        window_s, warm_s = max(1, round(window_s)), max(1, round(warm_s))  # wrk: whole seconds
+    elif args.loadgen is None:
+        print("note: wrk not found, so the load generator is aiohttp in this process; it saturates "
+              "core 1 before the routers do (apt-get install wrk for the default)", flush=True)
     began = time.monotonic()
 
     # Load generator (this process) on core 1 with the engines; routers get core 0 to themselves.
@@ -669,7 +815,9 @@ def main() -> int:
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = RESULTS_DIR / stamp
     run_dir.mkdir(parents=True, exist_ok=True)
-    print(f"logs and raw results: {run_dir.relative_to(ROOT)}", flush=True)
+    print(f"logs and raw results: {run_dir.relative_to(ROOT)}; load generator: {loadgen}", flush=True)
+    lua = run_dir / "post.lua"
+    lua.write_text(WRK_LUA)
 
     def engine(name: str, role: str, kind: str) -> MockEngineProcess:
         return MockEngineProcess(name, role=role, engine=kind, args=ENGINE_ARGS, cpu=LOAD_CPU,
@@ -736,8 +884,14 @@ def main() -> int:
                     t.broken = "did not start (see its log)"
         live = [t for t in targets if not t.broken]
         with asyncio.Runner(loop_factory=loop_factory) as runner:
+            def one(t: Target, c: int, warm: float, window: float) -> dict:
+                if loadgen == "wrk":
+                    return measure_wrk(t, c, warm, window, lua)
+                return runner.run(measure(t, c, warm, window))
+
             for t in live:  # warm-up: connections, caches, the router's first-request paths
-                res = runner.run(measure(t, 16, 0.5 if args.quick else 1.5, 0.5))
+                res = (one(t, 16, 0, 1) if loadgen == "wrk"
+                       else one(t, 16, 0.5 if args.quick else 1.5, 0.5))
                 print(f"warm-up {t.label:38s} {mode_name(t.stream):13s} {res['rps']:7.0f} req/s, "
                       f"{res['errors']} errors", flush=True)
                 if res["n"] == 0:
@@ -757,7 +911,7 @@ def main() -> int:
                                 print(f"{t.label} ({mode_name(t.stream)}) died:\n{t.proc.log_tail(20)}",
                                       flush=True)
                             continue
-                        res = runner.run(measure(t, c, warm_s, window_s))
+                        res = one(t, c, warm_s, window_s)
                         runs.setdefault((t.key, c), []).append(res)
                         done += 1
                         cpu = f"{res['cpu_us']:6.0f} µs/req CPU" if res["cpu_us"] is not None else " " * 15
@@ -768,6 +922,7 @@ def main() -> int:
                         print(f"[{done:3d}/{total}] repeat {r + 1} c={c:<3d} {t.label:38s} "
                               f"{'stream ' if t.stream else '       '}"
                               f"{res['rps']:6.0f} req/s  p50 {p50} ms  p99 {p99} ms  {cpu}  "
+                              f"core {LOAD_CPU} {res['load_core_pct']:3.0f}%  "
                               f"errors {res['errors']}{noisy}", flush=True)
                         for e in res["error_samples"][:2]:
                             print(f"      error: {e}", flush=True)
@@ -782,9 +937,12 @@ def main() -> int:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": common.machine(), "versions": versions(peers), "repeats": repeats,
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
-        "streaming": args.streaming,
+        "streaming": args.streaming, "loadgen": loadgen,
         "runtime_s": time.monotonic() - began,
         "foreign_pct": spread([r["foreign_pct"] for reps in runs.values() for r in reps]),
+        "core_busy_c64": {m: spread([r.get(m) for (key, c), reps in runs.items() if c == 64
+                                     and base_key(key) != "direct" for r in reps])
+                          for m in ("load_core_pct", "router_pct")},
     }
     target_info = [{"key": t.key, "label": t.label, "broken": t.broken, "stream": t.stream}
                    for t in targets]

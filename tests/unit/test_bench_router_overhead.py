@@ -1,9 +1,29 @@
 """bench/router_overhead.py's pure parts: the pairing with the direct run of the same mode, the
-ratios to both Rust routers and issue 30's "Done when" checks."""
+ratios to both Rust routers, issue 30's "Done when" checks and the wrk output parser."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench import router_overhead as ro
+
+# wrk 4.1.0 with --latency, captured format (one unit of each kind among the percentiles).
+WRK_OUT = """Running 2s test @ http://127.0.0.1:41234/v1/completions
+  1 threads and 64 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency    22.62ms    3.10ms   1.02s    90.12%
+    Req/Sec     2.84k   150.21     3.01k    85.00%
+  Latency Distribution
+     50%  812.00us
+     75%   23.40ms
+     90%   25.12ms
+     99%    1.20s
+  5664 requests in 2.00s, 2.61MB read
+  Socket errors: connect 0, read 2, write 0, timeout 1
+  Non-2xx or 3xx responses: 3
+Requests/sec:   2829.54
+Transfer/sec:      1.30MB
+"""
 
 
 def rep(p50, p99, cpu=None, routes=None):
@@ -81,3 +101,39 @@ def test_markdown_has_both_modes_the_ratio_table_and_the_check_list():
     # every table row has as many cells as its header
     rows = [line for line in text.splitlines() if line.startswith("| ")]
     assert len({line.count(" | ") for line in rows if "---" not in line}) == 2  # two tables
+
+
+def test_parse_wrk_reads_requests_percentiles_in_every_unit_and_errors():
+    w = ro.parse_wrk(WRK_OUT)
+    assert w["requests"] == 5664 and w["duration_s"] == 2.0
+    assert w["p50_ms"] == pytest.approx(0.812) and w["p99_ms"] == pytest.approx(1200.0)
+    assert w["non2xx"] == 3
+    assert w["socket_errors"] == {"connect": 0, "read": 2, "write": 0, "timeout": 1}
+    # a clean run prints neither error line; a ms p99 and a run time in ms
+    clean = (WRK_OUT.replace("  Socket errors: connect 0, read 2, write 0, timeout 1\n", "")
+             .replace("  Non-2xx or 3xx responses: 3\n", "").replace("1.20s", "3.50ms")
+             .replace("requests in 2.00s", "requests in 999.50ms"))
+    w = ro.parse_wrk(clean)
+    assert w["non2xx"] == 0 and w["socket_errors"] == {}
+    assert w["p99_ms"] == pytest.approx(3.5) and w["duration_s"] == pytest.approx(0.9995)
+
+
+def test_parse_wrk_refuses_output_without_a_summary():
+    with pytest.raises(ValueError):
+        ro.parse_wrk("unable to connect to 127.0.0.1:1 Connection refused\n")
+
+
+def test_markdown_names_the_load_generator_and_how_it_counts():
+    targets, runs = run_all()
+    summary = ro.summarize(targets, runs)
+    info = [{"key": t.key, "label": t.label, "broken": None, "stream": t.stream} for t in targets]
+    meta = {"command": "x", "date": "d", "runtime_s": 60, "machine": "m", "versions": "v",
+            "warm_s": 1, "window_s": 2, "repeats": 1, "foreign_pct": None, "loadgen": "wrk",
+            "core_busy_c64": {"load_core_pct": ro.spread([97.0, 99.0]),
+                              "router_pct": ro.spread([60.0, 90.0])}}
+    text = ro.markdown(meta, info, summary)
+    assert "- Load generator: `wrk`" in text and "does not check bodies" in text
+    assert "pd_router_requests_total" in text and "core 1 was 98% busy" in text
+    meta = {**meta, "loadgen": "aiohttp", "core_busy_c64": {}}
+    text = ro.markdown(meta, info, summary)
+    assert "- Load generator: `aiohttp`" in text and "Every response is checked" in text
