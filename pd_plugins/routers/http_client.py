@@ -167,12 +167,19 @@ def _no_data(conn: _Conn, timeout: float) -> None:
 class Response:
     """Status and headers of an upstream answer; the body via read() or `async for`."""
 
-    __slots__ = ("status", "headers", "_conn", "_pool", "_timer")
+    __slots__ = ("status", "headers", "_conn", "_pool", "_timer", "_timer_at", "_due", "_timeout")
+
 
     def __init__(self, conn: _Conn, pool: Upstream, timer: asyncio.TimerHandle | None) -> None:
         self.status: int = conn.status
         self.headers: list[tuple[bytes, bytes]] = conn.headers  # raw (name, value) pairs
         self._conn, self._pool, self._timer = conn, pool, timer
+        # rearm() (once per streamed chunk) only moves `_due`; the pending timer, due at
+        # `_timer_at`, re-arms itself to `_due` when it fires early (one timer per request, not
+        # one per chunk). `_due` None: disarmed.
+        # The first timer (connect and headers, from _send) is not one of these: inf marks it,
+        # so the first rearm or disarm cancels it.
+        self._timer_at, self._due, self._timeout = float("inf"), None, 0.0
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of a header, matched case-insensitively."""
@@ -206,15 +213,32 @@ class Response:
 
     def rearm(self, timeout: float) -> None:
         """Replace the request's timeout: from now on the rest must arrive within `timeout`."""
-        conn = self._conn
-        if self._timer is not None:
+        loop = self._conn.loop
+        due = loop.time() + timeout
+        self._due, self._timeout = due, timeout
+        if self._timer is not None and self._timer_at > due:  # the pending one is too late
             self._timer.cancel()
-        self._timer = conn.loop.call_later(timeout, _no_data, conn, timeout)
+            self._timer = None
+        if self._timer is None:
+            self._timer_at = due
+            self._timer = loop.call_at(due, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        conn, due = self._conn, self._due
+        if conn is None or due is None:  # released, or disarmed meanwhile
+            return
+        if conn.loop.time() < due:  # rearmed meanwhile: wait for the new due time
+            self._timer_at = due
+            self._timer = conn.loop.call_at(due, self._expire)
+            return
+        _no_data(conn, self._timeout)
 
     def disarm(self) -> None:
         """Stop the timeout until the next rearm: time the caller spends elsewhere (writing to a
         slow client) is not the upstream's."""
-        if self._timer is not None:
+        self._due = None
+        if self._timer is not None and self._timer_at == float("inf"):
             self._timer.cancel()
             self._timer = None
 

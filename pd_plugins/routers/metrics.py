@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 disable_created_metrics()  # no *_created series: they double the scrape for nothing
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -21,16 +23,17 @@ class RouterMetrics:
     def __init__(self, pool, sessions=None, by_model: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("pd_router_requests", "Requests by PD decision and outcome",
-                                ["decision", "outcome"], registry=r)
-        self.ttft = Histogram("pd_router_ttft_seconds", "Router-measured time to first token "
-                              "(streaming requests)", buckets=LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pd_router_tpot_seconds", "Router-measured time per output token "
-                              "(streaming requests)", buckets=TPOT_BUCKETS, registry=r)
-        self.e2e = Histogram("pd_router_e2e_seconds", "Request latency, arrival to last byte",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.leg = Histogram("pd_router_leg_seconds", "Latency of each leg", ["leg"],
-                             buckets=LATENCY_BUCKETS, registry=r)
+        # Updated on every request: loop-local series (no lock per update, summed at scrape).
+        self.requests = LoopCounter(r, "pd_router_requests", "Requests by PD decision and outcome",
+                                    ["decision", "outcome"])
+        self.ttft = LoopHistogram(r, "pd_router_ttft_seconds", "Router-measured time to first "
+                                  "token (streaming requests)", LATENCY_BUCKETS)
+        self.tpot = LoopHistogram(r, "pd_router_tpot_seconds", "Router-measured time per output "
+                                  "token (streaming requests)", TPOT_BUCKETS)
+        self.e2e = LoopHistogram(r, "pd_router_e2e_seconds", "Request latency, arrival to last byte",
+                                 LATENCY_BUCKETS)
+        self.leg = LoopHistogram(r, "pd_router_leg_seconds", "Latency of each leg", LATENCY_BUCKETS,
+                                 ["leg"])
         self.retries = Counter("pd_router_retries", "Legs retried on another worker", ["leg"], registry=r)
         self.rejections = Counter("pd_router_rejections", "Requests rejected before routing",
                                   ["reason"], registry=r)
@@ -43,9 +46,9 @@ class RouterMetrics:
         self.kv_verdicts = Counter("pd_router_kv_verdicts", "Verdicts decodes gave on the KV they "
                                    "loaded (non-streamed answers)", ["verdict"], registry=r)
         # how late a 100 ms timer fires: the event loop's stalls (GC, a slow callback, saturation)
-        self.loop_lag = Histogram("pd_router_event_loop_lag_seconds", "How late the event loop "
-                                  f"runs a timer due every {LOOP_LAG_PERIOD_S:g} s",
-                                  buckets=LOOP_LAG_BUCKETS, registry=r)
+        self.loop_lag = LoopHistogram(r, "pd_router_event_loop_lag_seconds", "How late the event "
+                                      f"loop runs a timer due every {LOOP_LAG_PERIOD_S:g} s",
+                                      LOOP_LAG_BUCKETS)
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
         r.register(_PoolCollector(pool, by_model))
@@ -120,4 +123,94 @@ class _ChainHandle:
 
     def cancel(self) -> None:
         self.holder[0].cancel()
+
+
+class _LoopSeries:
+    """One label set's values; written only from the event loop's thread."""
+
+    __slots__ = ("counts", "sum")
+
+    def __init__(self, buckets: int) -> None:
+        self.counts = [0] * buckets
+        self.sum = 0.0
+
+
+class LoopHistogram:
+    """A Prometheus histogram for values observed on the event loop: observe() is a bisect and
+    two additions, where prometheus_client takes a lock and walks every bucket in Python. The
+    router observes from its loop only (the scrape runs there too), so nothing else writes."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, documentation: str,
+                 buckets: tuple[float, ...], labelnames: list[str] | None = None) -> None:
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.labelnames = list(labelnames or [])
+        self.children: dict[tuple[str, ...], LoopHistogram._Child] = {}
+        self._own = None if self.labelnames else self.labels()
+        registry.register(self)
+
+    class _Child(_LoopSeries):
+        __slots__ = ("bounds",)
+
+        def __init__(self, bounds: list[float]) -> None:
+            super().__init__(len(bounds) + 1)  # the last: above every bound (+Inf only)
+            self.bounds = bounds
+
+        def observe(self, value: float) -> None:
+            self.counts[bisect_left(self.bounds, value)] += 1
+            self.sum += value
+
+    def labels(self, *values: str) -> LoopHistogram._Child:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
+            child = self.children[values] = LoopHistogram._Child(self.bounds)
+        return child
+
+    def observe(self, value: float) -> None:
+        self._own.observe(value)
+
+    def collect(self):
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            running, buckets = 0, []
+            for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], child.counts):
+                running += count
+                buckets.append((bound, running))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
+
+
+class LoopCounter:
+    """A Prometheus counter incremented on the event loop (see LoopHistogram: no lock)."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, documentation: str,
+                 labelnames: list[str]) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, labelnames
+        self.children: dict[tuple[str, ...], LoopCounter._Child] = {}
+        registry.register(self)
+
+    class _Child:
+        __slots__ = ("value",)
+
+        def __init__(self) -> None:
+            self.value = 0.0
+
+        def inc(self, amount: float = 1.0) -> None:
+            self.value += amount
+
+    def labels(self, *values: str) -> LoopCounter._Child:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
+            child = self.children[values] = LoopCounter._Child()
+        return child
+
+    def collect(self):
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, child in self.children.items():
+            family.add_metric(list(values), child.value)
+        yield family
 

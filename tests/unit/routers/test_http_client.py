@@ -148,3 +148,31 @@ def test_an_unread_body_is_bounded_and_read_whole_later():
             finally:
                 await up.close()
     asyncio.run(main())
+
+
+def test_rearm_moves_the_deadline_both_ways_and_disarm_holds_it():
+    async def scenario(upstream):
+        resp = await upstream.request("GET", "/stall", timeout=5)
+        assert await resp.next_chunk() == b"first"
+        resp.rearm(5)
+        resp.rearm(0.2)  # shorter than the pending timer: it must fire at 0.2 s, not 5 s
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout):
+            await resp.next_chunk()
+        assert time.monotonic() - t0 < 1.0
+        resp.release()
+
+        resp = await upstream.request("GET", "/stall", timeout=0.3)
+        assert await resp.next_chunk() == b"first"
+        resp.disarm()  # the first timer (0.3 s) is cancelled too
+        await asyncio.sleep(0.5)
+        resp.rearm(0.2)
+        for _ in range(3):  # a timer that fires before the moved deadline waits for it
+            await asyncio.sleep(0.1)
+            resp.rearm(0.2)
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout):
+            await resp.next_chunk()
+        assert 0.15 < time.monotonic() - t0 < 1.0
+        resp.release()
+    run(scenario)

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Where pd-router's CPU goes on the PD hot path: py-spy flame graphs under load.
+
+    .venv/bin/python -m bench.router_profile            # three profiles, about 2 minutes
+
+For each case (vLLM pull flow non-streaming and streaming, SGLang flow non-streaming; every
+request disaggregated, `--policy round_robin`) a pd-router runs alone on core 0 and mock prefill
+and decode engines (zero delays) and wrk (Debian's `wrk`: `apt-get install wrk`) on core 1, at 16
+connections; py-spy samples the router for 10 s at 250 Hz. Writes docs/img/router_flame_<case>.svg
+and a table of the largest shares (self time by function, and the parts of the path) to
+bench/results/router_profile.json, which the "Router hot path profile" section of
+docs/benchmarks.md quotes.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import common
+from bench.router_overhead import PD_ROUTER_CONFIG, PROMPT
+from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
+
+CASES = {  # name: (engine, streaming)
+    "vllm_pull": ("vllm", False),
+    "vllm_pull_stream": ("vllm", True),
+    "sglang": ("sglang", False),
+}
+SECONDS, RATE, CONNECTIONS = 10, 250, 16
+WRK_SCRIPT = 'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n' \
+             'wrk.body = os.getenv("PD_BENCH_BODY")\n'
+# the parts of the path, by the function whose frames they are under (first match wins)
+PARTS = (("front server (HTTP in/out)", ("http_server.py",)),
+         ("legs' HTTP client", ("http_client.py", "upstream.py")),
+         ("request checks", ("request.py",)),
+         ("policy and accounting", ("policy/", "accounting.py")),
+         ("proxy and flow", ("proxy.py", "flows/")))
+
+
+def py_spy() -> str:
+    found = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if not found:
+        sys.exit("py-spy is not installed (a test dependency of the project: make bootstrap)")
+    return found
+
+
+def profile(case: str, engine: str, stream: bool, workdir: Path) -> dict:
+    body = json.dumps({"model": "mock", "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+                       "stream": stream})
+    mocks = [MockEngineProcess(name=f"{case}-{role}", role=role, engine=engine, cpu="1",
+                               args=("--ttft-ms", "0", "--tpot-ms", "0"), log_dir=workdir)
+             for role in ("prefill", "decode")]
+    router = None
+    try:
+        for m in mocks:
+            m.start()
+        for m in mocks:
+            m.wait_healthy(60)
+        router = RouterProcess(name=f"{case}-router", prefill=[mocks[0].worker_arg()],
+                               decode=[mocks[1].worker_arg()], config=PD_ROUTER_CONFIG,
+                               args=("--policy", "round_robin", "--engine", engine), cpu="0",
+                               log_dir=workdir)
+        router.start()
+        router.wait_healthy(60)
+        script = workdir / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        load = subprocess.Popen(["taskset", "-c", "1", "wrk", "-t1", f"-c{CONNECTIONS}",
+                                 f"-d{SECONDS + 3}s", "-s", str(script), router.url + "/v1/completions"],
+                                env={**os.environ, "PD_BENCH_BODY": body}, stdout=subprocess.PIPE,
+                                text=True)
+        time.sleep(1.5)
+        raw = workdir / f"{case}.txt"
+        svg = common.IMG / f"router_flame_{case}.svg"
+        for fmt, out in (("raw", raw), ("flamegraph", svg)):
+            subprocess.run([py_spy(), "record", "-p", str(router.proc.pid), "-d", str(SECONDS // 2),
+                            "-r", str(RATE), "-f", fmt, "-o", str(out), "--nonblocking"],
+                           check=True, capture_output=True)
+        wrk_out = load.communicate()[0]
+        print(f"{case}: {wrk_out.splitlines()[-2] if wrk_out else 'no wrk output'}", flush=True)
+        return shares(raw) | {"flame_graph": str(svg.relative_to(common.ROOT))}
+    finally:
+        if router is not None:
+            router.stop()
+        for m in mocks:
+            m.stop()
+
+
+def shares(raw: Path) -> dict:
+    """Self time by function, and by part of the path (py-spy's collapsed stacks)."""
+    own: collections.Counter = collections.Counter()
+    parts: collections.Counter = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        own[frames[-1]] += n
+        part = "event loop (uvloop: sockets, timers, task switching)"
+        for frame in reversed(frames):  # the innermost of our frames names the part
+            match = next((name for name, files in PARTS if any(f in frame for f in files)), None)
+            if match:
+                part = match
+                break
+        parts[part] += n
+    return {"samples": total,
+            "parts": {k: round(v / total * 100, 1) for k, v in parts.most_common()},
+            "top_self": [[f, round(n / total * 100, 1)] for f, n in own.most_common(12)]}
+
+
+def main() -> None:
+    if not shutil.which("wrk"):
+        sys.exit("wrk is not installed: apt-get install wrk")
+    results = {"machine": common.machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "connections": CONNECTIONS, "seconds": SECONDS, "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="pd-router-profile-") as tmp:
+        for case, (engine, stream) in CASES.items():
+            results["cases"][case] = profile(case, engine, stream, Path(tmp))
+    out = common.RESULTS / "router_profile.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
+    for case, r in results["cases"].items():
+        print(case, json.dumps(r["parts"]))
+    print(f"wrote {out} and docs/img/router_flame_*.svg")
+
+
+if __name__ == "__main__":
+    main()
