@@ -26,6 +26,7 @@ class PrefillTarget:
     engine_id: str | None = None  # push needs it up front
     side_channel_port: int | None = None  # push needs it up front
     host: str = "127.0.0.1"
+    tp_size: int = 1  # push: the decode reads the prefill's layout from it
 
 
 def completion(url: str, body: dict[str, Any], request_id: str | None = None,
@@ -58,7 +59,7 @@ def push_decode_params(target: PrefillTarget, request_id: str) -> dict[str, Any]
         "remote_request_id": request_id,
         "remote_host": target.host,
         "remote_port": target.side_channel_port,
-        "tp_size": 1,
+        "tp_size": target.tp_size,
     }
 
 

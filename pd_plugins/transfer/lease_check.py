@@ -8,7 +8,9 @@ request's KV: the decode read garbage and nothing on its side can tell.
 The prefill can tell. When the notification arrives it still holds the blocks or it does not; the
 notification follows the data, and a request's blocks are freed once, so "still held at the
 notification" means "held throughout the read". The prefill records that verdict per (request,
-reader); the reader asks for it before it uses the data: ok -> use it; late -> a failed load (the
+reader, prefill rank); the reader asks for it before it uses the data, saying how many of the
+prefill's TP ranks it read from (a TP 1 decode reads a TP 2 prefill's two head halves, one
+notification each), and only a verdict from every one of them makes it ok: ok -> use it; late -> a failed load (the
 engine recomputes or fails the request); no verdict by the deadline -> a failed load as well
 (fail closed). A late notification that is really on time only costs a recompute.
 
@@ -46,6 +48,8 @@ import zmq
 from pd_plugins.transfer.signature_channel import bounded_socket
 
 Verdict = Literal["ok", "late", "pending"]
+# reader side: where and what to ask (host, port, the prefill's request id, its ranks read)
+LeaseCheck = tuple[str, int, str, int]
 
 MAX_VERDICTS = 100_000          # prefill side: verdicts kept for readers that have yet to ask
 CHECK_TIMEOUT_S = 10.0          # reader side: no verdict by then -> the read counts as late
@@ -56,17 +60,19 @@ HWM = 256                       # messages queued per connection, each way
 HANDSHAKE_S = 5.0               # a connection must complete ZMQ's handshake by then
 HEARTBEAT_S = 5.0               # ZMQ heartbeats; a peer silent for 3 of them is dropped
 MAX_ENDPOINTS = 64              # reader side: prefills it keeps a socket to
+MAX_RANKS = 1024                # a query naming more prefill ranks than this is never ok
 
 
 class VerdictTable:
-    """(request id, reader) -> whether the reader's read finished while the blocks were leased.
+    """(request id, reader) -> per prefill rank, whether the reader's read from that rank finished
+    while the blocks were leased.
 
     Bounded: the oldest verdicts go first (a reader that asks after that gets no verdict and
     fails closed).
     """
 
     def __init__(self, max_entries: int = MAX_VERDICTS) -> None:
-        self._verdicts: OrderedDict[tuple[str, str], bool] = OrderedDict()
+        self._verdicts: OrderedDict[tuple[str, str], dict[int, bool]] = OrderedDict()
         self._released: OrderedDict[str, None] = OrderedDict()
         self._max_entries = max_entries
         self._lock = threading.Lock()
@@ -78,30 +84,38 @@ class VerdictTable:
             while len(self._released) > self._max_entries:
                 self._released.popitem(last=False)
 
-    def record(self, request_id: str, reader: str, on_time: bool) -> None:
+    def record(self, request_id: str, reader: str, on_time: bool, rank: int = 0) -> None:
+        """`rank`: the prefill's TP rank whose worker saw the notification (its own engine's
+        ranks only, so at most its TP size per key)."""
         with self._lock:
             key = (request_id, reader)
+            ranks = self._verdicts.setdefault(key, {})
             # A reader that notifies twice (retried transfer) stays late once it was late.
-            self._verdicts[key] = on_time and self._verdicts.get(key, True)
+            ranks[rank] = on_time and ranks.get(rank, True)
             self._verdicts.move_to_end(key)
             while len(self._verdicts) > self._max_entries:
                 self._verdicts.popitem(last=False)
 
-    def lookup(self, request_id: str, reader: str) -> Verdict:
+    def lookup(self, request_id: str, reader: str, ranks: int = 1) -> Verdict:
+        """ok once `ranks` of the prefill's ranks said on time and none said late."""
         with self._lock:
-            on_time = self._verdicts.get((request_id, reader))
+            seen = dict(self._verdicts.get((request_id, reader), {}))
             released = request_id in self._released
-        if on_time is None:
-            return "late" if released else "pending"
-        return "ok" if on_time else "late"
+        if not all(seen.values()):
+            return "late"
+        if len(seen) >= ranks:
+            return "ok"
+        # The release follows every rank's notification of an on-time read (the engine frees a
+        # request's blocks only when all its workers finished sending): a missing one was late.
+        return "late" if released else "pending"
 
     def __len__(self) -> int:
         return len(self._verdicts)
 
 
-# Wire format (one ZMQ frame each way, msgpack): query [query_id, request_id, reader];
+# Wire format (one ZMQ frame each way, msgpack): query [query_id, request_id, reader, ranks];
 # reply [query_id, verdict].
-_Query = tuple[int, str, str]
+_Query = tuple[int, str, str, int]
 _Reply = tuple[int, str]
 
 
@@ -134,10 +148,11 @@ class LeaseCheckServer:
                 except ValueError:  # wrong frame count: not one of ours
                     continue
                 try:
-                    query_id, request_id, reader = decoder.decode(payload)
+                    query_id, request_id, reader, ranks = decoder.decode(payload)
                 except msgspec.DecodeError:
                     continue  # malformed query: no answer, the asker times out
-                verdict = self.table.lookup(request_id, reader)
+                verdict = (self.table.lookup(request_id, reader, ranks)
+                           if 0 < ranks <= MAX_RANKS else "late")
                 self._socket.send_multipart([identity, encoder.encode((query_id, verdict))])
 
     def close(self) -> None:
@@ -164,6 +179,7 @@ class _HeldRead:
     endpoint: Endpoint
     request_id: str  # the prefill's id for the request (what its notification names)
     deadline: float
+    ranks: int = 1  # how many of the prefill's TP ranks the read came from
     query_id: int | None = None  # the query in flight, if any
     ask_after: float = 0.0
 
@@ -193,13 +209,17 @@ class LateReadGuard:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(_Reply)
 
-    def hold(self, key: str, endpoint: Endpoint, request_id: str, now: float | None = None) -> None:
+    def hold(self, key: str, endpoint: Endpoint, request_id: str, now: float | None = None,
+             ranks: int = 1) -> None:
+        """`ranks`: how many of the prefill's TP ranks this reader read from (prefill TP over
+        decode TP when the prefill's is larger, else 1)."""
         now = time.monotonic() if now is None else now
         if len(request_id.encode()) + len(self.reader.encode()) > MAX_MESSAGE_BYTES - 64:
             # ZMQ would drop the connection (and every query on it): fail this read closed
             self._held[key] = _HeldRead(endpoint, request_id, deadline=now, ask_after=math.inf)
             return
-        self._held[key] = _HeldRead(endpoint, request_id, deadline=now + self.check_timeout_s)
+        self._held[key] = _HeldRead(endpoint, request_id, deadline=now + self.check_timeout_s,
+                                    ranks=ranks)
 
     def held(self) -> set[str]:
         return set(self._held)
@@ -233,7 +253,7 @@ class LateReadGuard:
                 continue
             held.query_id = next(self._query_ids)
             self._by_query[held.query_id] = key
-            query = (held.query_id, held.request_id, self.reader)
+            query = (held.query_id, held.request_id, self.reader, held.ranks)
             sock = self._socket(held.endpoint)
             try:
                 if sock is None:

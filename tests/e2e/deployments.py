@@ -128,12 +128,27 @@ class PdConfig:
     connector: str = "PdNixlConnector"  # or upstream's "NixlConnector", to compare
     num_blocks: int | None = None       # a small KV pool makes freed blocks come back fast
     extra: tuple[tuple[str, object], ...] = ()  # more kv_connector_extra_config
+    prefill_tp: int = 1  # --tensor-parallel-size, one core per rank (TP_CORES)
+    decode_tp: int = 1
 
     @property
     def id(self) -> str:
         cache = "cache" if self.prefix_caching else "nocache"
         upstream = "" if self.connector == "PdNixlConnector" else f"-{self.connector}"
-        return f"{self.model}-{self.mode}-{cache}-{self.failure_policy}{upstream}"
+        tp = "" if (self.prefill_tp, self.decode_tp) == (1, 1) else \
+            f"-tp{self.prefill_tp}to{self.decode_tp}"
+        return f"{self.model}-{self.mode}-{cache}-{self.failure_policy}{upstream}{tp}"
+
+
+# VLLM_CPU_OMP_THREADS_BIND of a server by role and TP size ("|" separates the ranks' lists):
+# prefill on core 0, decode on core 1, a TP 2 engine's two ranks on its one core. An idle TP 2
+# vllm-cpu engine keeps both workers and their NIXL progress threads polling; spread over both
+# cores they starved the other engine's startup for minutes (2026-12-04).
+TP_CORES = {("prefill", 1): "0", ("decode", 1): "1", ("prefill", 2): "0|0", ("decode", 2): "1|1"}
+
+
+def tp_args(tp: int) -> tuple[str, ...]:
+    return () if tp == 1 else ("--tensor-parallel-size", str(tp))
 
 
 # Push-mode and concurrent pull e2e tests run everywhere, CI included. Sessions 5-7 saw them stall
@@ -178,6 +193,7 @@ class PdDeployment:
             url=self.prefill.url,
             engine_id=self.prefill.kv_transfer_config["engine_id"],
             side_channel_port=self.prefill.side_channel_port,
+            tp_size=self.config.prefill_tp,
         )
 
     def complete(self, body: dict[str, Any]) -> requests.Response:
@@ -229,8 +245,10 @@ class PdDeployment:
             kv["kv_load_failure_policy"] = config.failure_policy
             kv["engine_id"] = f"{role}-{uuid.uuid4().hex[:8]}"
             configs[role] = kv
-        prefill_server = VllmServer("prefill", model, "0", configs["prefill"], args)
-        decode_server = VllmServer("decode", model, "1", configs["decode"], args)
+        prefill_server = VllmServer("prefill", model, TP_CORES["prefill", config.prefill_tp],
+                                    configs["prefill"], args + tp_args(config.prefill_tp))
+        decode_server = VllmServer("decode", model, TP_CORES["decode", config.decode_tp],
+                                   configs["decode"], args + tp_args(config.decode_tp))
         deployment = cls(config, prefill_server, decode_server)
         try:
             start_all([prefill_server, decode_server])

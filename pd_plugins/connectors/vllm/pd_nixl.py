@@ -86,7 +86,7 @@ from pd_plugins.connectors.vllm.pd_nixl_verify import (
     group0,
 )
 from pd_plugins.transfer.kv_faults import KvFaults
-from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer
+from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheck, LeaseCheckServer
 from pd_plugins.transfer.options import KvFaultOptions, NixlOptions
 from pd_plugins.transfer.transfer_threads import lowered_new_threads
 
@@ -129,12 +129,14 @@ class _PdStatsClassMethods:
 
 
 def transfer_threads_nice(vllm_config: VllmConfig) -> int | None:
-    """`kv_connector_extra_config.transfer_threads_nice`: by default 19 on CPU (NIXL's progress
-    thread would share the model's core; transfer/transfer_threads.py), untouched elsewhere;
-    null leaves the threads alone."""
+    """`kv_connector_extra_config.transfer_threads_nice`: by default 19 on a CPU engine of one
+    worker (NIXL's progress thread would share the model's core; transfer/transfer_threads.py),
+    untouched elsewhere (TP > 1: NixlOptions.nice_on); null leaves the threads alone."""
     from vllm.platforms import current_platform
 
-    return nixl_options(vllm_config).nice_on(cpu_engine=current_platform.is_cpu())
+    return nixl_options(vllm_config).nice_on(
+        cpu_engine=current_platform.is_cpu(),
+        engine_workers=vllm_config.parallel_config.world_size)
 
 
 class _PdAdditions(_PdStatsClassMethods):
@@ -164,6 +166,7 @@ class _PdAdditions(_PdStatsClassMethods):
             os.sched_setaffinity(0, bound)
         config = vllm_config.kv_transfer_config
         self._block_size = vllm_config.cache_config.block_size
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._recompute_failed_loads = config.kv_load_failure_policy == "recompute"
         self._reads = config.kv_role in ("kv_consumer", "kv_both")   # decode side
         self._serves = config.kv_role in ("kv_producer", "kv_both")  # prefill side
@@ -173,7 +176,7 @@ class _PdAdditions(_PdStatsClassMethods):
         self._local_prefix_hits: dict[str, int] = {}  # request id -> tokens hit locally
         self._params_rejected: set[str] = set()  # await allocation, then reported failed
         self._rejections_to_report: set[str] = set()  # shipped to workers next step
-        self._lease_checks_to_send: dict[str, tuple[str, int, str] | None] = {}
+        self._lease_checks_to_send: dict[str, LeaseCheck | None] = {}
         self._push_waits_to_send: dict[str, float] = {}
         self._malformed_params = 0  # not yet counted on /metrics
         self._lease_server: LeaseCheckServer | None = None
@@ -184,7 +187,7 @@ class _PdAdditions(_PdStatsClassMethods):
         # Worker side.
         self._notif_tap: NotifTap | None = None
         self._late_read_guard: LateReadGuard | None = None
-        self._lease_checks: dict[str, tuple[str, int, str] | None] = {}
+        self._lease_checks: dict[str, LeaseCheck | None] = {}
         self._push_deadlines: PushDeadlines | None = None
         self._send_hold: SendHold | None = None
         self._write_gate: WriteGate | None = None
@@ -263,7 +266,7 @@ class _PdAdditions(_PdStatsClassMethods):
         if self.pd_mode == "pull":
             if self._serves:
                 worker.nixl_wrapper = self._notif_tap = NotifTap(
-                    worker.nixl_wrapper, functools.partial(holds_blocks, worker))
+                    worker.nixl_wrapper, functools.partial(holds_blocks, worker), worker.tp_rank)
             if self._reads:
                 self._late_read_guard = LateReadGuard(reader=worker.nixl_wrapper.name)
         else:
@@ -331,6 +334,16 @@ class _PdAdditions(_PdStatsClassMethods):
         params["pd_rejected_reason"] = error
         return True
 
+    def _lease_check(self, params: dict[str, Any]) -> LeaseCheck | None:
+        """Where to ask whether a pull read was on time, and from how many prefill ranks: a
+        decode of a smaller TP reads each of its heads' slices from another prefill rank
+        (upstream's TransferTopology), each with its own notification and verdict."""
+        check = lease_check_of(params)
+        if check is None:
+            return None
+        prefill_tp = params.get("tp_size", 1)  # validated by remote_prefill_error
+        return (*check, max(1, prefill_tp // self._tp_size))
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ):
@@ -344,7 +357,7 @@ class _PdAdditions(_PdStatsClassMethods):
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:
             # A transfer into this request's blocks starts: guard it (see the module doc).
             if self.pd_mode == "pull":
-                self._lease_checks_to_send[request.request_id] = lease_check_of(params)
+                self._lease_checks_to_send[request.request_id] = self._lease_check(params)
                 if self._verdicts is not None:
                     expected = expected_digests(params, self._block_size)
                     self._digests_to_send[request.request_id] = expected
@@ -535,7 +548,7 @@ class _PdAdditions(_PdStatsClassMethods):
         return invalid
 
     def _check_leases(self, results: KVConnectorTransferResults,
-                      new_checks: dict[str, tuple[str, int, str] | None],
+                      new_checks: dict[str, LeaseCheck | None],
                       finished_req_ids: set[str]) -> None:
         """Hold this step's finished reads until their prefill confirms its lease held."""
         guard, stats = self._late_read_guard, self.connector_worker.xfer_stats
@@ -549,9 +562,9 @@ class _PdAdditions(_PdStatsClassMethods):
             if check is None:
                 stats.count("pd_unchecked_reads")
                 continue
-            host, port, remote_request_id = check
+            host, port, remote_request_id, ranks = check
             results.finished_recving.discard(request_id)
-            guard.hold(request_id, (host, port), remote_request_id)
+            guard.hold(request_id, (host, port), remote_request_id, ranks=ranks)
         for request_id in finished_req_ids:  # aborted before their read finished
             self._lease_checks.pop(request_id, None)
         verdicts = guard.poll()

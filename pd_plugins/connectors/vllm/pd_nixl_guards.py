@@ -33,9 +33,10 @@ logger = init_logger(__name__)
 
 @dataclass
 class LeaseVerdicts(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: (prefill request id, reader agent, read finished while leased)."""
+    """Worker -> scheduler: (prefill request id, reader agent, read finished while leased, the
+    worker's TP rank); vLLM gathers every worker's into the scheduler's."""
 
-    verdicts: list[tuple[str, str, bool]] = field(default_factory=list)
+    verdicts: list[tuple[str, str, bool, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, LeaseVerdicts):
@@ -43,8 +44,8 @@ class LeaseVerdicts(KVConnectorWorkerMetadata):
         return self
 
     def record_into(self, table: VerdictTable) -> None:
-        for request_id, reader, on_time in self.verdicts:
-            table.record(request_id, reader, on_time)
+        for request_id, reader, on_time, rank in self.verdicts:
+            table.record(request_id, reader, on_time, rank)
 
 
 class NotifTap:
@@ -54,10 +55,11 @@ class NotifTap:
     name; `is_leased(request_id)` is asked just before that, so it sees the lease as the read did.
     """
 
-    def __init__(self, agent: Any, is_leased: Callable[[str], bool]) -> None:
+    def __init__(self, agent: Any, is_leased: Callable[[str], bool], rank: int = 0) -> None:
         self._agent = agent
         self._is_leased = is_leased
-        self._verdicts: list[tuple[str, str, bool]] = []
+        self._rank = rank  # this worker's TP rank: a reader may read from several
+        self._verdicts: list[tuple[str, str, bool, int]] = []
 
     def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
         notifs = self._agent.get_new_notifs(*args, **kwargs)
@@ -67,7 +69,8 @@ class NotifTap:
                 if message.startswith(b"HB:") or b":" not in message:
                     continue
                 request_id = message.rsplit(b":", 1)[0].decode("utf-8", "replace")
-                self._verdicts.append((request_id, reader, self._is_leased(request_id)))
+                self._verdicts.append((request_id, reader, self._is_leased(request_id),
+                                       self._rank))
         return notifs
 
     def take_verdicts(self) -> LeaseVerdicts | None:

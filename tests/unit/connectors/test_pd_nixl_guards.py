@@ -20,16 +20,20 @@ class FakeAgent:
 def test_notif_tap_classifies_completions_against_the_lease_and_passes_everything_on():
     notifs = {"decode-a": [b"req-1:1", b"HB:req-1,req-2"], "decode-b": [b"req-2:1"]}
     leased = {"req-1"}
-    tap = NotifTap(FakeAgent(dict(notifs)), lambda r: r in leased)
+    tap = NotifTap(FakeAgent(dict(notifs)), lambda r: r in leased, rank=1)
     assert tap.get_new_notifs() == notifs  # upstream sees exactly what NIXL delivered
     assert tap.name == "prefill-agent"     # everything else goes to the agent
     verdicts = tap.take_verdicts()
-    assert verdicts.verdicts == [("req-1", "decode-a", True), ("req-2", "decode-b", False)]
+    assert verdicts.verdicts == [("req-1", "decode-a", True, 1), ("req-2", "decode-b", False, 1)]
     assert tap.take_verdicts() is None
     table = VerdictTable()
-    verdicts.aggregate(LeaseVerdicts([("req-3", "decode-a", True)])).record_into(table)
+    # another rank's verdicts, as vLLM gathers the workers' metadata
+    verdicts.aggregate(LeaseVerdicts([("req-3", "decode-a", True, 0),
+                                      ("req-1", "decode-a", True, 0)])).record_into(table)
     assert [table.lookup(r, a) for r, a in [("req-1", "decode-a"), ("req-2", "decode-b"),
                                             ("req-3", "decode-a")]] == ["ok", "late", "ok"]
+    assert table.lookup("req-1", "decode-a", ranks=2) == "ok"  # both ranks said on time
+    assert table.lookup("req-3", "decode-a", ranks=2) == "pending"
 
 
 def test_push_deadline_fails_the_load_once_and_drops_the_late_completion():

@@ -209,11 +209,11 @@ def test_expected_digests_from_a_decodes_params():
 
 
 def test_worker_meta_carries_lease_verdicts_and_load_outcomes_across_ranks():
-    a = PdNixlWorkerMeta(LeaseVerdicts([("r1", "agent", True)]),
+    a = PdNixlWorkerMeta(LeaseVerdicts([("r1", "agent", True, 0)]),
                          KvLoadOutcomes({"d1": LoadOutcome(3, 0, 0, True)}))
     b = PdNixlWorkerMeta(loads=KvLoadOutcomes({"d1": LoadOutcome(3, 2, 1, True)}))
     a.aggregate(b)
-    assert a.lease.verdicts == [("r1", "agent", True)]
+    assert a.lease.verdicts == [("r1", "agent", True, 0)]
     assert a.loads.outcomes["d1"] == LoadOutcome(3, 2, 1, True)  # worst wins
 
 

