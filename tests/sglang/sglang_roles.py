@@ -58,27 +58,28 @@ def thread_nice() -> list[int]:
     return sorted(values)
 
 
-def server_args(mode: str, bootstrap_port: int, backend: str) -> ServerArgs:
+def server_args(mode: str, bootstrap_port: int, backend: str, tp_size: int = 1) -> ServerArgs:
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     args = parser.parse_args([
         "--model-path", "unused", "--device", "cpu", "--host", "127.0.0.1",
         "--disaggregation-mode", mode, "--disaggregation-transfer-backend", backend,
-        "--disaggregation-bootstrap-port", str(bootstrap_port)])
+        "--disaggregation-bootstrap-port", str(bootstrap_port), "--tp-size", str(tp_size)])
     return ServerArgs.from_cli_args(args)
 
 
 class EngineMemory:
     """What the engine's memory pools would hold: per-layer K and V pages, metadata rows."""
 
-    def __init__(self, num_pages: int = NUM_PAGES) -> None:
+    def __init__(self, num_pages: int = NUM_PAGES, engine_rank: int = 0) -> None:
+        self.engine_rank = engine_rank  # this rank's number in its engine's TP group
         self.kv = [np.zeros((num_pages, ITEM_BYTES), dtype=np.uint8) for _ in range(2 * LAYERS)]
         self.aux = [np.zeros((rows, width), dtype=np.uint8)
                     for rows, width in zip(AUX_ROWS, AUX_ITEMS)]
 
     def kv_args(self) -> KVArgs:
         args = KVArgs()
-        args.engine_rank, args.system_dp_rank, args.page_size = 0, 0, PAGE_SIZE
+        args.engine_rank, args.system_dp_rank, args.page_size = self.engine_rank, 0, PAGE_SIZE
         args.kv_cache_dtype_str = "float32"
         args.kv_data_ptrs = [b.ctypes.data for b in self.kv]
         args.kv_data_lens = [b.nbytes for b in self.kv]
@@ -203,10 +204,11 @@ def decode(spec: dict) -> None:
     from the prefill at the job's bootstrap port (by default the spec's). With `together`, all
     rooms at once instead (`receive_together`)."""
     load_plugins()
-    memory, backend = EngineMemory(spec.get("num_pages", NUM_PAGES)), spec.get("backend", "pd-shm")
+    memory = EngineMemory(spec.get("num_pages", NUM_PAGES), spec.get("engine_rank", 0))
+    backend = spec.get("backend", "pd-shm")
     manager = kv_class(KVClassType.MANAGER, backend)(
         memory.kv_args(), DisaggregationMode.DECODE,
-        server_args("decode", spec["bootstrap_port"], backend), False)
+        server_args("decode", spec["bootstrap_port"], backend, spec.get("tp_size", 1)), False)
     if spec.get("together"):
         return receive_together(manager, memory, backend, spec["bootstrap_port"],
                                 spec["receives"], spec.get("wait_s", 90))

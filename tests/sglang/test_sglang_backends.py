@@ -165,11 +165,13 @@ def receive(roles, env, backend, port, room, dest, aux_index, **spec) -> dict:
         {"room": room, "dest": dest, "aux_index": aux_index, **spec}])[0]
 
 
-def receive_rooms(roles, env, backend, port, jobs: list[dict]) -> list[dict]:
+def receive_rooms(roles, env, backend, port, jobs: list[dict], **spec) -> list[dict]:
     """Rooms one after another into one decode process (one KV manager, as in an engine): the
-    "received" event of each. A process start costs ~15 s of imports, so tests share them."""
+    "received" event of each. A process start costs ~15 s of imports, so tests share them.
+    `spec`: more of the decode's spec (tp_size, engine_rank)."""
     env, backend = variant(env, backend)
-    decode = roles(env, "decode", {"bootstrap_port": port, "backend": backend, "receives": jobs})
+    decode = roles(env, "decode", {"bootstrap_port": port, "backend": backend, "receives": jobs,
+                                   **spec})
     received = []
     for _ in jobs:
         got = decode.next_event()
@@ -283,6 +285,23 @@ def test_a_decode_that_does_not_fit_its_prefill_fails_clearly(pool_env, roles):
                   port, 1, [1], 0)
     assert got["state"] == KV_POLL_FAILED, got
     assert got["failure"].startswith("PermissionError") and "bad signature" in got["failure"], got
+
+
+@pytest.mark.parametrize("backend", ["pd-shm", "pd-nixl"])
+def test_a_decode_of_another_tp_size_is_refused_at_its_first_bootstrap(backend, pool_env, roles):
+    """Issue 29: pd-shm and pd-nixl pair prefill rank k with decode rank k. A TP 1 prefill and a
+    TP 2 decode: rank 0 finds a record of another TP, rank 1 finds no record of its number; both
+    fail at once with a message naming the supported combination, not at the bootstrap timeout
+    and not with "KV items differ"."""
+    _, port, _ = start_prefill(roles, pool_env, backend, [])
+    env = {**pool_env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60"}
+    for rank in (0, 1):
+        # the decode waits 10 s for the bootstrap (receive_room), far less than its timeout
+        got = receive_rooms(roles, env, backend, port, [{"room": 1, "dest": [1], "aux_index": 0}],
+                            tp_size=2, engine_rank=rank)[0]
+        assert got["state"] == KV_POLL_FAILED, got
+        assert "attention TP 1, this decode TP 2" in got["failure"], got
+        assert "equal TP sizes only" in got["failure"], got
 
 
 # per backend: the faults (kind, room numbers from, rooms, which side injects) and the failure

@@ -71,6 +71,16 @@ def engine_device(server_args: Any) -> str:
     return str(device)
 
 
+def attention_tp_size(server_args: Any) -> int:
+    """How many ranks split one request's KV heads (SGLang's attention TP: the TP size, divided
+    by the DP size under DP attention). pd-shm and pd-nixl pair prefill rank k with decode rank k,
+    so both sides must have the same."""
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    if getattr(server_args, "enable_dp_attention", False):
+        tp //= max(1, int(getattr(server_args, "dp_size", 1) or 1))
+    return max(1, tp)
+
+
 def kv_memory_of(server_args: Any, args: KVArgs) -> Memory:
     """The KV's memory from the engine's device (the metadata buffers stay in host memory: SGLang
     allocates them on the CPU unless Mooncake's NVLink pool is configured)."""
@@ -187,7 +197,8 @@ class HostKVManager(BaseKVManager):
 
     def register_to_bootstrap(self) -> None:
         record = {"backend": self.backend_name, "page_bytes": self.buffers.page_bytes,
-                  "page_size": self.kv_args.page_size, **self._record()}
+                  "page_size": self.kv_args.page_size,
+                  "tp_size": attention_tp_size(self.server_args), **self._record()}
         deadline = time.monotonic() + 30  # the registry may start just after this rank
         while True:
             try:
@@ -325,6 +336,13 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
             record, reason = None, str(exc)
         else:
             reason = f"prefill rank {key} has not registered at {self.prefill_addr}"
+        if record is None and self.mgr.kv_args.engine_rank > 0:
+            # a prefill of a smaller TP has no rank of this number: say so now, not at timeout
+            record = self._first_rank_record()
+            if record is not None and self._tp_mismatch(record) is None:
+                record = None
+        if record is not None and (mismatch := self._tp_mismatch(record)) is not None:
+            return self._fail(mismatch)
         if record is None:
             if time.monotonic() > self.bootstrap_deadline:
                 self._fail(TimeoutError(f"room {self.room}: bootstrap timed out: {reason}"))
@@ -342,6 +360,24 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         except (RuntimeError, OSError, ValueError) as exc:
             return self._fail(exc)
         self.state = KVPoll.WaitingForInput
+
+    def _first_rank_record(self) -> dict | None:
+        key = bootstrap_registry.rank_key(self.prefill_dp_rank, 0)
+        try:
+            return bootstrap_registry.lookup(self.prefill_addr, key)
+        except (bootstrap_registry.RegistryAuthError, bootstrap_registry.RegistryUnreachable,
+                RuntimeError):
+            return None
+
+    def _tp_mismatch(self, record: dict) -> Exception | None:
+        theirs, ours = record.get("tp_size", 1), attention_tp_size(self.mgr.server_args)
+        if theirs == ours:
+            return None
+        return NotImplementedError(
+            f"room {self.room}: the prefill at {self.prefill_addr} runs attention TP {theirs}, "
+            f"this decode TP {ours}: {self.mgr.backend_name} moves KV between equal TP sizes "
+            "only (prefill rank k to decode rank k); run both sides at the same --tp-size, or "
+            "use SGLang's own mooncake or nixl backend for different TP sizes")
 
     def send_metadata(self, kv_indices: np.ndarray, aux_index: Optional[int] = None,
                       state_indices: Optional[List] = None,
