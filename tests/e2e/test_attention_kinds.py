@@ -8,10 +8,14 @@
 - PdShmConnector does not take part in HMA: vLLM turns the allocator off and keeps sliding layers'
   KV as full attention (one group; more KV memory, same output). Output must equal aggregated
   serving and every full block must come from the pool, verified.
+- A state-space hybrid (tiny-granite4-hybrid: Mamba 2 beside attention) cannot go through a KV
+  block pool: the pool connectors refuse it at startup, naming the connector, the model and what
+  to use instead (vLLM alone would exit with "Failed to promote local KV cache specs").
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import pytest
@@ -109,3 +113,23 @@ def test_shm_serves_a_sliding_window_model_from_the_pool(shm_pair, swa_reference
         loaded_before + full_blocks
     if full_blocks:
         assert kv_verdict_of(resp.json()["kv_transfer_params"]).verdict == "verified"
+
+
+def test_pool_connector_refuses_a_state_space_model_at_startup(pool):
+    pool.discard()
+    path = f"/dev/shm/pd-e2e-ssm-{uuid.uuid4().hex[:10]}"
+    server = VllmServer("shm-ssm-prefill", model_path("tiny-granite4-hybrid"), "0",
+                        shm_config("prefill", path))
+    started = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="exited early"):
+            start_all([server])
+        took = time.monotonic() - started
+    finally:
+        server.stop()
+        remove_pool(path)
+    log = server.log_path.read_text(errors="replace")
+    assert ("PdShmConnector does not move state-space state: GraniteMoeHybridForCausalLM has "
+            "Mamba or linear-attention layers") in log
+    assert "Failed to promote local KV cache specs" not in log  # ours came first
+    assert took < 120, f"refused only after {took:.0f} s"

@@ -30,6 +30,22 @@ class KVLayout:
         return self.page_bytes * len(self.layer_names)
 
 
+def refuse_state_space_models(vllm_config: VllmConfig, connector: str) -> None:
+    """A pool stores attention KV blocks, one group; a model with state-space layers (Mamba,
+    Gated DeltaNet: Qwen3-Next, Granite 4 hybrids, Jamba) keeps per-request state beside them,
+    which needs vLLM's hybrid allocator. Without it vLLM fails at startup with "Failed to promote
+    local KV cache specs to one unified type", naming neither the connector nor the cause."""
+    model = vllm_config.model_config
+    if model is None or not (model.is_hybrid or model.has_inner_state):
+        return
+    arch = ", ".join(getattr(model, "architectures", None) or [str(model.model)])
+    raise ValueError(
+        f"{connector} does not move state-space state: {arch} has Mamba or linear-attention "
+        "layers, whose per-request state a KV block pool cannot hold. Serve this model with "
+        "PdNixlConnector (its transfer covers vLLM's hybrid KV cache groups; not tested on CPU, "
+        "docs/connectors.md \"Attention kinds\") or without a KV connector")
+
+
 def kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tag: str,
               connector: str) -> KVLayout:
     groups = kv_cache_config.kv_cache_groups

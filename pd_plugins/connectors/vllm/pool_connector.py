@@ -27,6 +27,7 @@ from pd_plugins.connectors.vllm.counter_stats import (
     CounterPromMetrics,
     CounterStats,
 )
+from pd_plugins.connectors.vllm.kv_layout import refuse_state_space_models
 from pd_plugins.connectors.vllm.kv_verdicts import (
     KvLoadOutcomes,
     LoadOutcome,
@@ -105,6 +106,14 @@ class SyncPoolConnector(KVConnectorBase_V1):
         self.stores = config.kv_role in ("kv_producer", "kv_both")  # this engine fills the pool
         self.failure_policy = config.kv_load_failure_policy  # "recompute" or "fail"
         self.options = extra_options(self.OPTIONS, config, type(self).__name__)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # The earliest call a connector gets with the model's config: vLLM's engine core asks it
+        # before it sizes the KV cache, and so before its own opaque failure for a state-space
+        # model without the hybrid allocator. No layout preference otherwise.
+        refuse_state_space_models(vllm_config, cls.__name__)
+        return None
 
     @property
     def kv_cache_manager(self):
