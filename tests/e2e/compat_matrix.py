@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
+from pd_plugins.generated_docs import update_main, with_rendering
 from tests.e2e.deployments import PdConfig
 
 CI = "tested (CI)"
@@ -129,20 +130,9 @@ DOC_END = "<!-- compat-matrix:end -->"
 
 def with_matrix(document: str) -> str:
     """`document` with the rendered matrix between its markers."""
-    start, end = document.index(DOC_BEGIN) + len(DOC_BEGIN), document.index(DOC_END)
-    return document[:start] + "\n\n" + markdown() + "\n" + document[end:]
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) == 2 and argv[0] == "--update":
-        with open(argv[1], encoding="utf-8") as fh:
-            text = fh.read()
-        with open(argv[1], "w", encoding="utf-8") as fh:
-            fh.write(with_matrix(text))
-        return 0
-    sys.stderr.write("usage: python -m tests.e2e.compat_matrix --update FILE\n")
-    return 2
+    return with_rendering(document, DOC_BEGIN, DOC_END, markdown())
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(update_main(sys.argv[1:], with_matrix,
+                         "python -m tests.e2e.compat_matrix --update FILE", markdown=markdown))
