@@ -328,11 +328,22 @@ class _PdAdditions(_PdStatsClassMethods):
         """
         params = request.kv_transfer_params
         error = remote_prefill_error(params, self.pd_mode) if params else None
+        if error is None and params and params.get("do_remote_prefill"):
+            error = self._tp_pairing_error(params["tp_size"])
         if error is None:
             return False
         params["do_remote_prefill"] = False
         params["pd_rejected_reason"] = error
         return True
+
+    def _tp_pairing_error(self, prefill_tp: int) -> str | None:
+        """Upstream maps heads between ranks only when one TP size divides the other, and asserts
+        so in its handshake thread (a hung request, not an answer): refuse the load up front."""
+        small, large = sorted((prefill_tp, self._tp_size))
+        if large % small == 0:
+            return None
+        return (f"the prefill has TP {prefill_tp} and this decode TP {self._tp_size}: one must "
+                "divide the other for NIXL to map KV heads between their ranks")
 
     def _lease_check(self, params: dict[str, Any]) -> LeaseCheck | None:
         """Where to ask whether a pull read was on time, and from how many prefill ranks: a

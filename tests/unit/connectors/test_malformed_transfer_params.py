@@ -88,6 +88,28 @@ def test_pd_nixl_refuses_a_garbage_optional_field_before_upstream_reads_it():
         scheduler.shutdown()
 
 
+def test_pd_nixl_refuses_a_prefill_whose_tp_size_does_not_divide_its_own():
+    """Issue 29: a TP 2 decode cannot read a TP 3 prefill's heads (neither size divides the
+    other): upstream would assert in its handshake thread and the request would hang. The load is
+    reported failed with the reason instead, before upstream sees the params."""
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer", tensor_parallel_size=2)
+    try:
+        base = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+                "remote_host": "127.0.0.1", "remote_port": 5600, "remote_block_ids": [[0, 1]]}
+        odd = make_request("tp3", PROMPT, {"kv_transfer_params": {**base, "tp_size": 3}})
+        even = make_request("tp4", prompt(1), {"kv_transfer_params": {**base, "tp_size": 4}})
+        scheduler.add_request(odd)
+        scheduler.add_request(even)
+        output = scheduler.schedule()
+        assert odd.kv_transfer_params["pd_rejected_reason"] == (
+            "the prefill has TP 3 and this decode TP 2: one must divide the other for NIXL to "
+            "map KV heads between their ranks")
+        assert output.kv_connector_metadata.pd_rejected_recv == {"tp3"}
+        assert "pd_rejected_reason" not in even.kv_transfer_params  # 4 over 2: upstream's job
+    finally:
+        scheduler.shutdown()
+
+
 def test_pd_shm_serves_malformed_params_locally(tmp_path):
     scheduler = make_scheduler("PdShmConnector", "kv_both",
                                {"pool_path": str(tmp_path / "pool"), "pool_size_gb": 0.01})

@@ -24,7 +24,8 @@ def tiny_llama() -> str:
 
 
 def make_scheduler(kv_connector: str, kv_role: str, extra: dict[str, Any] | None = None,
-                   engine_id: str | None = None, failure_policy: str = "fail"):
+                   engine_id: str | None = None, failure_policy: str = "fail",
+                   tensor_parallel_size: int = 1):
     from pd_plugins.vllm_plugin import register
 
     register()
@@ -51,6 +52,8 @@ def make_scheduler(kv_connector: str, kv_role: str, extra: dict[str, Any] | None
                                             kv_load_failure_policy=failure_policy),
         device_config=DeviceConfig("cpu"))
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    # the scheduler of a TP engine (set after validation, which would want a distributed setup)
+    config.parallel_config.tensor_parallel_size = tensor_parallel_size
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(
