@@ -49,6 +49,8 @@ def _tp(prefill: int, decode: int, mode: str = "pull", **kwargs) -> PdConfig:
 
 TP_TEST = "tests/e2e/test_tp_shapes.py::test_output_equals_aggregated_tp1"
 SWA_TEST = "tests/e2e/test_attention_kinds.py"
+STATE_TEST = ("tests/sglang/test_sglang_backends.py::"
+              "test_a_model_with_state_buffers_is_refused_at_the_start")
 POOL_TP_NOTE = "the pool keys blocks by layout (`tp=`): by the code every block misses, recomputed"
 
 CELLS = (
@@ -94,10 +96,9 @@ CELLS = (
          "test_a_decode_of_another_tp_size_is_refused_at_its_first_bootstrap",
          note="names both TP sizes and the supported pair"),
     Cell(ROWS[4], "P2→D2", NOT_TESTED, note="rank k to rank k by construction"),
-    Cell(ROWS[4], COLUMNS[4], REFUSED_PER_REQUEST,
-         note="state buffers (SWA rings) refused by `_refuse_states`; not run"),
-    Cell(ROWS[4], COLUMNS[5], REFUSED_PER_REQUEST,
-         note="state buffers (Mamba) refused by `_refuse_states`; not run"),
+    Cell(ROWS[4], COLUMNS[4], REFUSED_AT_START, STATE_TEST,
+         note="SGLang's SWA pool is a state buffer"),
+    Cell(ROWS[4], COLUMNS[5], REFUSED_AT_START, STATE_TEST, note="Mamba state buffers"),
 )
 
 

@@ -307,6 +307,25 @@ def device_memory() -> None:
          device_row_views=len(device.kv))
 
 
+def state_refusal() -> None:
+    """Both backends' managers for a model whose KV has state buffers (SGLang fills
+    `kv_args.state_types` before it builds the manager): refused at the start."""
+    from sglang.srt.disaggregation.base.conn import StateType
+
+    load_plugins()
+    refused = {}
+    for backend in ("pd-shm", "pd-nixl"):
+        args = EngineMemory().kv_args()
+        args.state_types = [StateType.MAMBA, StateType.SWA]
+        try:
+            kv_class(KVClassType.MANAGER, backend)(
+                args, DisaggregationMode.PREFILL, server_args("prefill", 8998, backend), False)
+            refused[backend] = "accepted"
+        except NotImplementedError as exc:
+            refused[backend] = f"NotImplementedError: {exc}"
+    emit(event="state_refusal", refused=refused)
+
+
 def pool_verification() -> None:
     """pd-shm's PD_VERIFY_KV at a manager's start, on the pool PD_SHM_POOL names: which pools
     get checksums, which are refused; and PD_KV_FAULTS without permission."""
@@ -346,5 +365,6 @@ if __name__ == "__main__":
     elif role == "startup":  # the managers' start-time checks, in one process
         device_memory()
         pool_verification()
+        state_refusal()
     else:
         {"prefill": prefill, "decode": decode}[role](json.loads(sys.argv[2]))

@@ -114,7 +114,7 @@ def startup_events():
            "SGLANG_PLUGINS": "pd_plugins", "PYTHONWARNINGS": "ignore"}
     role = Role(env, "startup")
     try:
-        yield {e.pop("event"): e for e in (role.next_event() for _ in range(2))}
+        yield {e.pop("event"): e for e in (role.next_event() for _ in range(3))}
     finally:
         role.stop()
         remove_pool(path)
@@ -145,6 +145,14 @@ def test_pd_shm_verification_follows_the_pool(startup_events):
     assert "pd-pool remove" in got["required"] and "`required`" in got["required"]
     assert got["on_existing"] is False and got["on_new"] is True
     assert got["faults"].startswith("OptionError") and "PD_KV_FAULTS_ALLOWED=1" in got["faults"]
+
+
+def test_a_model_with_state_buffers_is_refused_at_the_start(startup_events):
+    """Issue 29: Mamba state and sliding-window rings are not pages; both backends refuse such a
+    model when the engine builds its KV manager, naming the state kinds and what to use."""
+    for backend, why in startup_events["state_refusal"]["refused"].items():
+        assert why.startswith(f"NotImplementedError: {backend} moves paged KV only"), why
+        assert "(mamba, swa)" in why and "mooncake or nixl" in why, why
 
 
 def start_prefill(roles, env, backend, rooms, **spec):

@@ -173,6 +173,16 @@ class HostKVManager(BaseKVManager):
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any,
                  is_mla_backend: Optional[bool] = False) -> None:
+        # SGLang fills these before it builds the manager: a model whose KV has state beside its
+        # pages (Mamba, sliding-window rings, DSA, ...) is refused here, at the engine's start,
+        # rather than at each request (`_refuse_states`)
+        states = [getattr(kind, "value", str(kind)) for kind in getattr(args, "state_types", None)
+                  or ()]
+        if states:
+            raise NotImplementedError(
+                f"{self.backend_name} moves paged KV only; this model's KV also has state "
+                f"buffers ({', '.join(states)}): use SGLang's own mooncake or nixl transfer "
+                "backend for it")
         memory = kv_memory_of(server_args, args)
         if not memory.on_host and not self.device_kv:
             raise NotImplementedError(
