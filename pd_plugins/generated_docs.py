@@ -22,9 +22,9 @@ def update_main(argv: list[str], render_into: Callable[[str], str], usage: str,
         return 0
     if len(argv) == 2 and argv[0] == "--update":
         with open(argv[1], encoding="utf-8") as fh:
-            text = fh.read()
+            rendered = render_into(fh.read())  # before the file is truncated: a failure keeps it
         with open(argv[1], "w", encoding="utf-8") as fh:
-            fh.write(render_into(text))
+            fh.write(rendered)
         return 0
     sys.stderr.write(f"usage: {usage}\n")
     return 2

@@ -166,6 +166,11 @@ class ShmOptions(msgspec.Struct, kw_only=True, frozen=True):
         "cache coherent), off for a file on one host (the generation check alone catches a "
         "slot reused while it is read, but not a damaged byte). SGLang's pd-shm has no key of its "
         "own: on unless PD_VERIFY_KV is off", default="auto")] = None
+    head_groups: Annotated[Annotated[int, Meta(ge=1)] | None, doc(
+        "vLLM: the pool holds each block's KV heads as this many slots, so that a prefill and a "
+        "decode of different TP sizes share it (a multiple of every engine's TP size: TP 2 "
+        "prefill, TP 1 decode: 2); unset: one slot per rank's block, for engines of one TP size "
+        "(section \"Tensor parallelism\")")] = None
     lookup: Annotated[bool, doc("load prefix blocks found in the pool (any role)")] = True
     store: Annotated[Literal["pd", "all"], doc(
         "a producer stores PD prefill legs only (`pd`) or every request (`all`)")] = "pd"

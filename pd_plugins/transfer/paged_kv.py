@@ -31,10 +31,26 @@ def block_dim(tensor: torch.Tensor, num_blocks: int) -> int:
 
 
 class PagedKV:
-    """Copies whole blocks of every layer between an engine's KV cache and pool slots."""
+    """Copies whole blocks of every layer between an engine's KV cache and pool slots.
 
-    def __init__(self, layer_tensors: Sequence[torch.Tensor], num_blocks: int) -> None:
+    `pieces` > 1 splits each block along the dimension after the block one (the KV heads in vLLM's
+    CPU layout) into that many equal parts, each a block of its own: part j of block b is block
+    b * pieces + j, one pool slot. A pool then holds a block as head groups that engines of
+    different TP sizes can each take their own heads from (PdShmConnector's `head_groups`).
+    Needs the blocks as contiguous host rows."""
+
+    def __init__(self, layer_tensors: Sequence[torch.Tensor], num_blocks: int,
+                 pieces: int = 1) -> None:
         self.layers = [t.movedim(block_dim(t, num_blocks), 0) for t in layer_tensors]
+        if pieces > 1:
+            for v in self.layers:
+                if v.device.type != "cpu" or not v.is_contiguous() or v.shape[1] % pieces:
+                    raise ValueError(f"KV tensor {tuple(v.shape)} cannot be split into {pieces} "
+                                     "parts per block (needs contiguous host rows whose second "
+                                     "dimension divides)")
+            self.layers = [v.reshape(num_blocks * pieces, v.shape[1] // pieces, *v.shape[2:])
+                           for v in self.layers]
+            num_blocks *= pieces
         self.chunk_bytes = [v[0].numel() * v.element_size() for v in self.layers]
         if any(n % 8 for n in self.chunk_bytes):
             raise ValueError(f"KV block sizes {self.chunk_bytes} are not multiples of 8 bytes")

@@ -48,10 +48,12 @@ def _tp(prefill: int, decode: int, mode: str = "pull", **kwargs) -> PdConfig:
 
 
 TP_TEST = "tests/e2e/test_tp_shapes.py::test_output_equals_aggregated_tp1"
+SHM_TP_TEST = "tests/e2e/test_tp_shapes.py::test_shm_head_groups_serve_other_tp_sizes_from_one_pool"
 SWA_TEST = "tests/e2e/test_attention_kinds.py"
 STATE_TEST = ("tests/sglang/test_sglang_backends.py::"
               "test_a_model_with_state_buffers_is_refused_at_the_start")
-POOL_TP_NOTE = "the pool keys blocks by layout (`tp=`): by the code every block misses, recomputed"
+POOL_TP_NOTE = ("the pool keys blocks by layout (`tp=`): every block misses and is recomputed, "
+                "with a warning (PdShmConnector's `head_groups` is not in LMCache)")
 
 CELLS = (
     # PdNixlConnector pull
@@ -72,8 +74,8 @@ CELLS = (
     Cell(ROWS[1], COLUMNS[5], ENGINE_CANNOT),
     # PdShmConnector
     Cell(ROWS[2], "P1→D1", CI, "tests/e2e/test_pd_shm.py::test_pd_output_equals_aggregated"),
-    Cell(ROWS[2], "P2→D1", NOT_SUPPORTED, note=POOL_TP_NOTE),
-    Cell(ROWS[2], "P1→D2", NOT_SUPPORTED, note=POOL_TP_NOTE),
+    Cell(ROWS[2], "P2→D1", CI, SHM_TP_TEST, note="with `head_groups: 2`", config=_tp(2, 1)),
+    Cell(ROWS[2], "P1→D2", FULL, SHM_TP_TEST, note="with `head_groups: 2`", config=_tp(1, 2)),
     Cell(ROWS[2], "P2→D2", NOT_TESTED, note="slots are per rank; the scheduler counts rank 0's"),
     Cell(ROWS[2], COLUMNS[4], CI, f"{SWA_TEST}::test_shm_serves_a_sliding_window_model_from_the_pool",
          note="vLLM turns HMA off: full-attention KV, one group"),

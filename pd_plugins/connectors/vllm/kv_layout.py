@@ -47,7 +47,10 @@ def refuse_state_space_models(vllm_config: VllmConfig, connector: str) -> None:
 
 
 def kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tag: str,
-              connector: str) -> KVLayout:
+              connector: str, head_groups: int | None = None) -> KVLayout:
+    """`head_groups`: the pool holds each block as that many slots of KV heads (a multiple of
+    this engine's TP size), so that engines of any TP size dividing it share one layout; None:
+    one slot per rank's block, the layout tied to this TP size."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise ValueError(f"{connector} supports models with one KV cache group "
@@ -59,8 +62,18 @@ def kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tag: str,
     if algo in _NON_REPRODUCIBLE_HASHES and os.getenv("PYTHONHASHSEED") is None:
         raise ValueError(f"{connector}: --prefix-caching-hash-algo {algo} gives each process "
                          "different block hashes unless PYTHONHASHSEED is set; use sha256")
+    tp, page = par.tensor_parallel_size, spec.page_size_bytes
+    if head_groups is None:
+        split = f"tp={tp}"
+    else:
+        heads = getattr(spec, "num_kv_heads", 0) * tp  # the spec holds one rank's heads
+        if head_groups % tp or not heads or heads % head_groups:
+            raise ValueError(f"{connector}: head_groups {head_groups} must be a multiple of "
+                             f"this engine's TP size ({tp}) and divide the model's {heads} KV "
+                             "heads")
+        page //= head_groups // tp
+        split = f"head_groups={head_groups}"
     description = (f"{tag}|model={model.model}|rev={model.revision}|dtype={model.dtype}"
                    f"|kv_dtype={cache.cache_dtype}|block={cache.block_size}|layers={len(layers)}"
-                   f"|page={spec.page_size_bytes}|tp={par.tensor_parallel_size}"
-                   f"|pp={par.pipeline_parallel_size}|hash={algo}")
-    return KVLayout(description, list(layers), spec.page_size_bytes, cache.block_size)
+                   f"|page={page}|{split}|pp={par.pipeline_parallel_size}|hash={algo}")
+    return KVLayout(description, list(layers), page, cache.block_size)

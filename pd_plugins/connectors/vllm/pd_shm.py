@@ -55,7 +55,7 @@ from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolCo
 from pd_plugins.connectors.vllm.pool_scheduler import PoolSchedulerSide, Storing
 from pd_plugins.transfer.kv_faults import KvFaults, position
 from pd_plugins.transfer.options import KvFaultOptions, ShmOptions
-from pd_plugins.transfer.paged_kv import PagedKV
+from pd_plugins.transfer.paged_kv import PagedKV, block_dim
 from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool, SlotRef, SlotRefs
 from pd_plugins.vocab.block_keys import adapter_root, block_keys
 
@@ -73,7 +73,8 @@ POOL_SLOTS_KEY = "pool_slots"
 
 
 def pool_key(block_hash: bytes, rank: int) -> bytes:
-    """The pool key of one block: the engine's block hash, per tensor-parallel rank."""
+    """The pool key of one block: the engine's block hash, per tensor-parallel rank (with
+    `head_groups`: per head group, rank r of a TP t engine holding groups r*G/t .. (r+1)*G/t-1)."""
     return hashlib.blake2b(bytes(block_hash), digest_size=32,
                            person=b"pd-shm-r%d" % rank).digest()
 
@@ -199,7 +200,8 @@ class _SchedulerSide(PoolSchedulerSide[int]):
 @dataclass
 class _PendingStore:
     op: StoreOp
-    positions: list[int]      # which of op.block_ids got a slot
+    ids: list[int]            # the op's blocks as PagedKV's (head group) blocks, one per slot
+    positions: list[int]      # which of `ids` got a slot
     refs: SlotRefs
     checksums: Any            # np.ndarray[uint64], summed over layers
     layers_done: set[int] = field(default_factory=set)
@@ -221,12 +223,30 @@ class _WorkerSide(PoolWorkerSide):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         c = self.c
-        names = c.kv_cache_config.kv_cache_groups[0].layer_names
-        self.kv = PagedKV([kv_caches[n] for n in names], c.kv_cache_config.num_blocks)
+        group = c.kv_cache_config.kv_cache_groups[0]
+        tensors = [kv_caches[n] for n in group.layer_names]
+        if c.pieces > 1:  # head groups: each block's heads must be its outer dimension
+            heads = getattr(group.kv_cache_spec, "num_kv_heads", None)
+            num_blocks = c.kv_cache_config.num_blocks
+            if any(t.movedim(block_dim(t, num_blocks), 0).shape[1] != heads for t in tensors):
+                raise ValueError("PdShmConnector: head_groups needs each block's KV heads as "
+                                 "its outer dimension (vLLM's CPU layout); this engine's KV "
+                                 f"tensors are {tuple(tensors[0].shape)}")
+        self.kv = PagedKV(tensors, c.kv_cache_config.num_blocks, pieces=c.pieces)
         if self.kv.block_bytes != c.slot_bytes:
             raise ValueError(f"PdShmConnector: KV tensors hold {self.kv.block_bytes} bytes per "
                              f"block, the KV spec says {c.slot_bytes}")
-        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._layer_index = {n: i for i, n in enumerate(group.layer_names)}
+
+    def _keys(self, block_hashes: list) -> list[bytes]:
+        """The pool keys of this rank's slots of each block, block by block."""
+        k = self.c.pieces
+        return [pool_key(h, self.c.rank * k + j) for h in block_hashes for j in range(k)]
+
+    def _ids(self, block_ids: list[int]) -> list[int]:
+        """PagedKV's blocks (one per slot) of the engine's `block_ids`, as `_keys` orders them."""
+        k = self.c.pieces
+        return [b * k + j for b in block_ids for j in range(k)]
 
     # saving
     def begin_step(self, meta: PdShmMetadata) -> None:
@@ -234,20 +254,21 @@ class _WorkerSide(PoolWorkerSide):
             self._reserve(meta.stores)
 
     def _reserve(self, stores: list[StoreOp]) -> None:
-        rank = self.c.rank
+        k = self.c.pieces
         for op in stores:
-            refs = self.c.pool.reserve([pool_key(h, rank) for h in op.block_hashes],
-                                       op.content_keys, write_lease_s=self.c.options.read_lease_s)
+            keys = self._keys(op.block_hashes)
+            content = [key for key in op.content_keys for _ in range(k)]
+            refs = self.c.pool.reserve(keys, content, write_lease_s=self.c.options.read_lease_s)
             positions = [i for i, r in enumerate(refs) if r is not None]
             if len(positions) < len(refs):
-                present = self.c.pool.lookup([pool_key(op.block_hashes[i], rank)
-                                              for i, r in enumerate(refs) if r is None])
+                present = self.c.pool.lookup([keys[i] for i, r in enumerate(refs) if r is None])
                 n_present = sum(r is not None for r in present)
                 self.stats.count("present_blocks", n_present)
                 self.stats.count("unstored_blocks", len(present) - n_present)
             if positions:
                 self._pending.append(_PendingStore(
-                    op, positions, refs.present(), np.zeros(len(positions), dtype=np.uint64)))
+                    op, self._ids(op.block_ids), positions, refs.present(),
+                    np.zeros(len(positions), dtype=np.uint64)))
 
     def _write_layer(self, p: _PendingStore, layer: int) -> None:
         pool = self.c.pool
@@ -259,11 +280,11 @@ class _WorkerSide(PoolWorkerSide):
         keep = np.flatnonzero(p.owned)
         if keep.size == len(p.positions):
             p.checksums += self.kv.save_layer(  # sums wrap mod 2**64, as the pool's do
-                layer, [p.op.block_ids[i] for i in p.positions], pool.data, p.refs.slots,
+                layer, [p.ids[i] for i in p.positions], pool.data, p.refs.slots,
                 checksums=pool.checksums)
         elif keep.size:
             p.checksums[keep] += self.kv.save_layer(
-                layer, [p.op.block_ids[p.positions[i]] for i in keep.tolist()], pool.data,
+                layer, [p.ids[p.positions[i]] for i in keep.tolist()], pool.data,
                 p.refs.slots[keep], checksums=pool.checksums)
         p.layers_done.add(layer)
 
@@ -329,8 +350,10 @@ class _WorkerSide(PoolWorkerSide):
         self.stats.count("load_seconds", time.perf_counter() - start)
 
     def _load(self, op: LoadOp) -> None:
-        pool, kv, rank = self.c.pool, self.kv, self.c.rank
-        pinned = pool.pin([pool_key(h, rank) for h in op.block_hashes], op.hints,
+        pool, kv, k = self.c.pool, self.kv, self.c.pieces
+        ids = self._ids(op.block_ids)
+        hints = [hint if j == 0 else None for hint in op.hints for j in range(k)]  # group 0's
+        pinned = pool.pin(self._keys(op.block_hashes), hints,
                           read_lease_s=self.c.options.read_lease_s)
         have = [i for i, p in enumerate(pinned) if p is not None]
         good: set[int] = set()
@@ -341,7 +364,7 @@ class _WorkerSide(PoolWorkerSide):
             if self.c.faults.enabled:
                 self._reuse_slot(op.req_id, keep)
             # straight into the KV cache; a block is only used if it checks out afterwards
-            sums = kv.load(pool.data, [p.slot for p in keep], [op.block_ids[i] for i in have],
+            sums = kv.load(pool.data, [p.slot for p in keep], [ids[i] for i in have],
                            checksums=checked)
             kept = pool.unpin(keep)  # False: the slot was reused while copied (a torn copy)
             for i, same, got, p in zip(have, kept, sums, keep):
@@ -353,16 +376,19 @@ class _WorkerSide(PoolWorkerSide):
                     good.add(i)
             if mismatched:
                 self.stats.count("discarded_blocks", pool.discard(mismatched))
-        failed = [op.block_ids[i] for i in range(len(op.block_ids)) if i not in good]
+        # a block is loaded when every one of its slots is (all its head groups)
+        failed = [b for n, b in enumerate(op.block_ids)
+                  if any(n * k + j not in good for j in range(k))]
         if failed:
             self._invalid.update(failed)
             logger.warning("PdShmConnector: request %s: %d of %d pool blocks failed to load "
-                           "(%d gone, %d replaced while copied, %d checksum mismatches)",
+                           "(%d slots gone, %d replaced while copied, %d checksum mismatches)",
                            op.req_id, len(failed), len(op.block_ids),
-                           len(op.block_ids) - len(have), torn, len(mismatched))
-        self.stats.count("loaded_blocks", len(good))
+                           len(ids) - len(have), torn, len(mismatched))
+        good_blocks = len(op.block_ids) - len(failed)
+        self.stats.count("loaded_blocks", good_blocks)
         self.stats.count("failed_blocks", len(failed))
-        self.stats.count("loaded_bytes", len(good) * kv.block_bytes)
+        self.stats.count("loaded_bytes", good_blocks * k * kv.block_bytes)
         if self.c.options.verify_kv != "off":
             self.record_load(op.req_id, LoadOutcome(len(op.block_ids), len(failed),
                                                     len(mismatched), checked))
@@ -385,7 +411,11 @@ class PdShmConnector(SyncPoolConnector):
                  kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         self.rank = vllm_config.parallel_config.rank
-        kv = kv_layout(vllm_config, kv_cache_config, "pd-shm v1", "PdShmConnector")
+        # head groups: this engine's rank holds `pieces` of the pool's head groups per block
+        groups = self.options.head_groups or vllm_config.parallel_config.tensor_parallel_size
+        kv = kv_layout(vllm_config, kv_cache_config, "pd-shm v1", "PdShmConnector",
+                       head_groups=self.options.head_groups)
+        self.pieces = groups // vllm_config.parallel_config.tensor_parallel_size
         layout, self.slot_bytes = kv.description, kv.block_bytes
         path = self.options.pool_path or default_pool_path(vllm_config, layout)
         self.faults = KvFaults.from_spec(

@@ -37,7 +37,7 @@ def setup(tmp_path):
     refs = other.reserve(fill)
     zeros = np.zeros(BLOCK_BYTES, np.uint8)
     other.publish([(r, other.write(r, zeros), BLOCK_BYTES) for r in refs], hold_s=60)
-    stand_in = SimpleNamespace(pool=engine, rank=0, slot_bytes=BLOCK_BYTES,
+    stand_in = SimpleNamespace(pool=engine, rank=0, pieces=1, slot_bytes=BLOCK_BYTES,
                                options=ShmOptions(read_lease_s=LEASE_S, save_mode="layer"),
                                faults=KvFaults.none())
     worker = _WorkerSide(stand_in)

@@ -70,3 +70,43 @@ def test_save_then_load_moves_exact_blocks(layout):
             assert torch.equal(t_src[b], t_dst[t])
         untouched = [i for i in range(NUM_BLOCKS) if i not in targets]
         assert not t_dst[untouched].any()
+
+
+def test_head_groups_let_a_tp1_reader_assemble_what_two_tp2_ranks_wrote():
+    """PdShmConnector's `head_groups` 2: each rank of a TP 2 prefill writes its half of the KV
+    heads of a block into a slot of its own; a TP 1 decode splits its blocks into the same two
+    head groups and loads both slots. Its block must equal the block computed at TP 1, and a TP 1
+    writer's slots must be what the TP 2 ranks read back."""
+    gen = torch.Generator().manual_seed(7)
+    heads = 4
+    full = [torch.randn(NUM_BLOCKS, heads, 8, 16, generator=gen) for _ in range(2)]  # 2 layers
+    ranks = [[t[:, r * 2:(r + 1) * 2].contiguous() for t in full] for r in range(2)]
+    writers = [PagedKV(layers_of_rank, NUM_BLOCKS) for layers_of_rank in ranks]
+    reader_layers = [torch.zeros_like(t) for t in full]
+    reader = PagedKV(reader_layers, NUM_BLOCKS, pieces=2)
+    assert reader.block_bytes == writers[0].block_bytes  # one slot size for both TP sizes
+    pool = np.zeros((8, reader.block_bytes), dtype=np.uint8)
+    blocks = [3, 5]
+    slot_of = {(b, g): 2 * i + g for i, b in enumerate(blocks) for g in range(2)}
+    for rank, writer in enumerate(writers):
+        for layer in range(2):
+            writer.save_layer(layer, blocks, pool, [slot_of[b, rank] for b in blocks])
+    targets = [1, 6]
+    reader.load(pool, [slot_of[b, g] for b in blocks for g in range(2)],
+                [t * 2 + g for t in targets for g in range(2)])
+    for t_full, t_read in zip(full, reader_layers):
+        for b, t in zip(blocks, targets):
+            assert torch.equal(t_full[b], t_read[t])
+    # the other way: what a TP 1 engine writes as head groups, each TP 2 rank reads as its heads
+    pool[:] = 0
+    tp1 = PagedKV(full, NUM_BLOCKS, pieces=2)
+    for layer in range(2):
+        tp1.save_layer(layer, [b * 2 + g for b in blocks for g in range(2)], pool,
+                       [slot_of[b, g] for b in blocks for g in range(2)])
+    for rank in range(2):
+        back = [torch.zeros_like(t) for t in ranks[rank]]
+        PagedKV(back, NUM_BLOCKS).load(pool, [slot_of[b, rank] for b in blocks], targets)
+        for t_rank, t_back in zip(ranks[rank], back):
+            assert torch.equal(t_rank[blocks], t_back[targets])
+    with pytest.raises(ValueError, match="cannot be split into 3 parts"):
+        PagedKV(reader_layers, NUM_BLOCKS, pieces=3)
