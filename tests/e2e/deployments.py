@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -9,7 +10,7 @@ import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import requests
@@ -19,8 +20,10 @@ from pd_plugins.testing.engine_harness import (
     VllmServer,
     metric_value,
     nixl_config,
+    shm_config,
     start_all,
 )
+from pd_plugins.transfer.shm_pool import remove_pool
 from pd_plugins.testing.pd_client import PrefillTarget, pd_legs, pd_push, prefill
 from pd_plugins.testing.tiny_models import VOCAB_SIZE, ensure_tiny_model
 
@@ -319,3 +322,25 @@ class DeploymentPool:
         if self.current is not None:
             self.current.stop()
             self.current = None
+
+
+@contextlib.contextmanager
+def shm_pair(model: str, prefill_tp: int = 1, decode_tp: int = 1,
+             **extra: Any) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A PdShmConnector prefill and decode (policy `fail`, `extra` options) on a pool of their
+    own, started together; both stopped and the pool removed afterwards."""
+    path = f"/dev/shm/pd-e2e-{uuid.uuid4().hex[:10]}"
+
+    def server(role: str, tp: int) -> VllmServer:
+        kv = shm_config(role, path, **extra)
+        kv["kv_load_failure_policy"] = "fail"
+        return VllmServer(f"shm-{role}", model_path(model), TP_CORES[role, tp], kv, tp_args(tp))
+
+    servers = (server("prefill", prefill_tp), server("decode", decode_tp))
+    try:
+        start_all(list(servers))
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+        remove_pool(path)

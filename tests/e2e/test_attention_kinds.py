@@ -39,6 +39,7 @@ from tests.e2e.deployments import (
     completion_body,
     model_path,
     output_ids,
+    shm_pair,
 )
 
 pytestmark = pytest.mark.e2e
@@ -93,28 +94,15 @@ def test_nixl_swap_proves_the_decode_used_both_groups(nixl_pair, swa_references)
 
 
 @pytest.fixture(scope="module")
-def shm_pair(swa_references, pool):
+def swa_shm_pair(swa_references, pool):
     pool.discard()
-    path = f"/dev/shm/pd-e2e-swa-{uuid.uuid4().hex[:10]}"
-
-    def server(role: str, cpu: str) -> VllmServer:
-        kv = shm_config(role, path)
-        kv["kv_load_failure_policy"] = "fail"
-        return VllmServer(f"shm-{role}", model_path(SWA_MODEL), cpu, kv)
-
-    servers = [server("prefill", "0"), server("decode", "1")]
-    try:
-        start_all(servers)
+    with shm_pair(SWA_MODEL) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.stop()
-        remove_pool(path)
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
-def test_shm_serves_a_sliding_window_model_from_the_pool(shm_pair, swa_references, length):
-    prefill, decode = shm_pair
+def test_shm_serves_a_sliding_window_model_from_the_pool(swa_shm_pair, swa_references, length):
+    prefill, decode = swa_shm_pair
     prompt = PROMPTS[length]
     loaded_before = metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total")
     params, resp = pd_pull(PrefillTarget(url=prefill.url), decode.url, completion_body(prompt))

@@ -17,19 +17,11 @@ slower on gloo with one core.
 from __future__ import annotations
 
 import subprocess
-import uuid
 
 import pytest
 
-from pd_plugins.testing.engine_harness import (
-    DEVICE,
-    VllmServer,
-    metric_value,
-    shm_config,
-    start_all,
-)
+from pd_plugins.testing.engine_harness import DEVICE, metric_value
 from pd_plugins.testing.pd_client import PrefillTarget, completion, pd_pull
-from pd_plugins.transfer.shm_pool import remove_pool
 from pd_plugins.vocab.transfer_params import kv_verdict_of
 from tests.e2e.compat_matrix import CI, SHM_TP_TEST, TP_TEST, cells_tested_by
 from tests.e2e.deployments import (
@@ -37,13 +29,11 @@ from tests.e2e.deployments import (
     PROMPTS,
     SWAP_A,
     SWAP_B,
-    TP_CORES,
     PdConfig,
     completion_body,
-    model_path,
     output_ids,
     pd_param,
-    tp_args,
+    shm_pair,
 )
 
 def visible_gpus() -> int:
@@ -120,34 +110,20 @@ SHM_SHAPES = [pytest.param(cell.config, id=cell.config.id,
 
 
 @pytest.fixture(scope="module", params=SHM_SHAPES)
-def shm_pair(request, pool):
+def tp_shm_pair(request, pool):
     """A prefill and a decode of the cell's TP sizes on one pool with `head_groups` 2."""
     pool.discard()
     config: PdConfig = request.param
-    path = f"/dev/shm/pd-e2e-tp-{uuid.uuid4().hex[:10]}"
-
-    def server(role: str, tp: int) -> VllmServer:
-        kv = shm_config(role, path, head_groups=2)
-        kv["kv_load_failure_policy"] = "fail"
-        return VllmServer(f"shm-{role}", model_path(config.model), TP_CORES[role, tp], kv,
-                          tp_args(tp))
-
-    servers = [server("prefill", config.prefill_tp), server("decode", config.decode_tp)]
-    try:
-        start_all(servers)
+    with shm_pair(config.model, config.prefill_tp, config.decode_tp, head_groups=2) as servers:
         yield config, *servers
-    finally:
-        for s in servers:
-            s.stop()
-        remove_pool(path)
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
-def test_shm_head_groups_serve_other_tp_sizes_from_one_pool(shm_pair, references, length):
+def test_shm_head_groups_serve_other_tp_sizes_from_one_pool(tp_shm_pair, references, length):
     """Every full block the decode needs comes from the pool (both head groups of it, each
     written by another prefill rank or read by another decode rank), verified, and the output
     equals aggregated TP 1."""
-    config, prefill, decode = shm_pair
+    config, prefill, decode = tp_shm_pair
     prompt = PROMPTS[length]
     loaded = metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total")
     _, resp = pd_pull(PrefillTarget(url=prefill.url), decode.url, completion_body(prompt))
