@@ -113,11 +113,16 @@ class RedisLog:
                 for _, entries in answer or () for entry_id, fields in entries]
 
     async def aclose(self) -> None:
-        for client in (self._writer, self._reader):
-            try:
-                await client.aclose()
-            except Exception:  # noqa: BLE001 - closing a dead connection
-                pass
+        # bounded: closing a client whose connection died mid-command was seen to wait forever
+        closing = [asyncio.create_task(client.aclose()) for client in (self._writer, self._reader)]
+        done, pending = await asyncio.wait(closing, timeout=self.timeout_s * 4)
+        for task in pending:
+            task.cancel()
+            log.warning("replica sync: a Redis client did not close within %.1f s; left behind",
+                        self.timeout_s * 4)
+        for task in done:
+            if not task.cancelled():
+                task.exception()  # retrieved: closing a dead connection may fail, and that is fine
 
 
 def _id(entry_id: str) -> tuple[int, int]:
@@ -158,13 +163,20 @@ class ReplicaSync:
                        asyncio.create_task(self._reader(), name="replica-sync-read")]
 
     async def aclose(self) -> None:
+        """Stop the loops and close the log, each wait bounded: shutdown never hangs on Redis
+        (a CI run once hung here, in the outage test, with no wait left unbounded but these)."""
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(self._tasks, timeout=self.timeout_s * 4)
+            for task in pending:
+                log.warning("replica sync: task %s did not stop within %.1f s of its cancel",
+                            task.get_name(), self.timeout_s * 4)
         batch = self._take(self.clock())
         if batch:
             try:  # the last changes, briefly
-                await asyncio.wait_for(self._publish(batch), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    await self._publish(batch)
             except Exception:  # noqa: BLE001
                 pass
         await self.log.aclose()
