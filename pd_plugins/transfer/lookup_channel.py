@@ -90,3 +90,18 @@ class LookupClient:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+
+class RanksLookup:
+    """Scheduler side of an engine of several ranks, each holding its part of every chunk (its
+    heads): a lookup asks every rank's worker and counts what all of them hold."""
+
+    def __init__(self, addresses: Sequence[str], timeout_s: float) -> None:
+        self.clients = [LookupClient(address, timeout_s) for address in addresses]
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        return min(client.lookup(tokens) for client in self.clients)
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()

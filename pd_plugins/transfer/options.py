@@ -201,6 +201,11 @@ class LMCacheOptions(msgspec.Struct, kw_only=True, frozen=True):
     timeout_s: Annotated[float, Meta(gt=0), doc(
         "a store, lookup or retrieval that takes longer counts as failed (LMCache waits on some "
         "remote calls without a limit)")] = 5.0
+    head_groups: Annotated[Annotated[int, Meta(ge=1)] | None, doc(
+        "vLLM: the pool holds each chunk's KV heads as this many chunks of their own, so that a "
+        "prefill and a decode of different TP sizes share it (a multiple of every engine's TP "
+        "size: TP 2 prefill, TP 1 decode: 2; not with `mp://`); unset: chunks per rank, for "
+        "engines of one TP size (docs/connectors.md \"Tensor parallelism\")")] = None
     lookup: Annotated[bool, doc("retrieve prefix chunks found in the pool (any role)")] = True
     store: Annotated[Literal["pd", "all"], doc(
         "a producer stores PD prefill legs only (`pd`) or every request (`all`)")] = "pd"

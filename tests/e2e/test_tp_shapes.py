@@ -23,9 +23,10 @@ import pytest
 from pd_plugins.testing.engine_harness import DEVICE, metric_value
 from pd_plugins.testing.pd_client import PrefillTarget, completion, pd_pull
 from pd_plugins.vocab.transfer_params import kv_verdict_of
-from tests.e2e.compat_matrix import CI, SHM_TP_TEST, TP_TEST, cells_tested_by
+from tests.e2e.compat_matrix import CI, POOL_TP_TEST, TP_TEST, cells_tested_by
 from tests.e2e.deployments import (
     FULL_MATRIX,
+    POOL_CONNECTORS,
     PROMPTS,
     SWAP_A,
     SWAP_B,
@@ -33,7 +34,8 @@ from tests.e2e.deployments import (
     completion_body,
     output_ids,
     pd_param,
-    shm_pair,
+    pool_loaded_blocks,
+    pool_pair,
 )
 
 def visible_gpus() -> int:
@@ -102,35 +104,39 @@ def test_every_rank_pair_transfers_and_nothing_fails(pd, references):
     assert faults() == faults_before
 
 
-# -- PdShmConnector with head groups: one pool for a prefill and a decode of different TP sizes --
-SHM_SHAPES = [pytest.param(cell.config, id=cell.config.id,
-                           marks=[] if cell.status == CI or FULL_MATRIX else [pytest.mark.skip(
-                               reason="full matrix only: PD_TEST_FULL=1 (make test-full)")])
-              for cell in cells_tested_by(SHM_TP_TEST)]
+# -- pool connectors with head groups: one pool for a prefill and a decode of different TP sizes --
+POOL_SHAPES = [pytest.param(cell.config, id=cell.config.id,
+                            marks=[] if cell.status == CI or FULL_MATRIX else [pytest.mark.skip(
+                                reason="full matrix only: PD_TEST_FULL=1 (make test-full)")])
+               for cell in cells_tested_by(POOL_TP_TEST)]
 
 
-@pytest.fixture(scope="module", params=SHM_SHAPES)
-def tp_shm_pair(request, pool):
-    """A prefill and a decode of the cell's TP sizes on one pool with `head_groups` 2."""
+@pytest.fixture(scope="module", params=POOL_SHAPES)
+def tp_pool_pair(request, pool):
+    """A prefill and a decode of the cell's connector and TP sizes on one pool with
+    `head_groups` 2."""
     pool.discard()
     config: PdConfig = request.param
-    with shm_pair(config.model, config.prefill_tp, config.decode_tp, head_groups=2) as servers:
-        yield config, *servers
+    connector = POOL_CONNECTORS[config.connector]
+    with pool_pair(connector, config.model, config.prefill_tp, config.decode_tp,
+                   head_groups=2) as servers:
+        yield config, connector, *servers
 
 
 @pytest.mark.parametrize("length", sorted(PROMPTS))
-def test_shm_head_groups_serve_other_tp_sizes_from_one_pool(tp_shm_pair, references, length):
+def test_pool_head_groups_serve_other_tp_sizes(tp_pool_pair, references, length):
     """Every full block the decode needs comes from the pool (both head groups of it, each
-    written by another prefill rank or read by another decode rank), verified, and the output
-    equals aggregated TP 1."""
-    config, prefill, decode = tp_shm_pair
+    written by another prefill rank or read by another decode rank) and the output equals
+    aggregated TP 1. PdShm's slots carry checksums: `verified`; PdLMCache's digests cover one
+    rank's whole blocks, so with a TP 2 engine on either side its loads are `unverified`."""
+    config, connector, prefill, decode = tp_pool_pair
     prompt = PROMPTS[length]
-    loaded = metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total")
+    loaded = pool_loaded_blocks(decode, connector)
     _, resp = pd_pull(PrefillTarget(url=prefill.url), decode.url, completion_body(prompt))
     assert output_ids(resp) == references["tiny-llama"][tuple(prompt)]
     full_blocks = length // 32
     # counted by each decode rank: a TP 2 decode's ranks each load their half of every block
-    assert metric_value(decode.metrics(), "vllm:pd_shm_loaded_blocks_total") == \
-        loaded + full_blocks * config.decode_tp
+    assert pool_loaded_blocks(decode, connector) == loaded + full_blocks * config.decode_tp
     if full_blocks:
-        assert kv_verdict_of(resp.json()["kv_transfer_params"]).verdict == "verified"
+        verdict = kv_verdict_of(resp.json()["kv_transfer_params"]).verdict
+        assert verdict == ("verified" if connector == "shm" else "unverified")

@@ -71,9 +71,10 @@ from pd_plugins.connectors.vllm.pd_nixl_verify import DigestChannel, expected_di
 from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolConnector
 from pd_plugins.connectors.vllm.pool_scheduler import PoolSchedulerSide, Storing
 from pd_plugins.transfer.lmcache_client import LMCacheClient
+from pd_plugins.transfer.lmcache_head_groups import HeadGroupPools, groups_of_rank
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import KvFaults, position
-from pd_plugins.transfer.lookup_channel import LookupClient, LookupServer, lookup_address
+from pd_plugins.transfer.lookup_channel import LookupServer, RanksLookup, lookup_address
 from pd_plugins.transfer.options import SHARED_LMCACHE_BACKENDS, KvFaultOptions, LMCacheOptions
 from pd_plugins.vocab.transfer_params import STORED_TOKENS_KEY, KvDigest, stored_tokens_of
 
@@ -293,7 +294,9 @@ class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
         end = min(present, -(-needed // c.chunk_size) * c.chunk_size)
         block_ids = blocks.get_block_ids()[0][:-(-end // c.block_size)]
         expected, why = None, "verify_kv is off"
-        if self.verdicts is not None:
+        if self.verdicts is not None and c.world_size > 1:
+            why = "this engine has several ranks: the prefill's digests cover whole blocks"
+        elif self.verdicts is not None:
             stated, why = self._digests(request, end)
             if stated is not None:
                 expected = [int(d) for d in stated[computed // c.block_size:len(block_ids)]]
@@ -480,11 +483,17 @@ class PdLMCacheConnector(SyncPoolConnector):
                  kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         self.chunk_size = self.options.chunk_size or self.block_size
-        self.layout = kv_layout(vllm_config, kv_cache_config, "pd-lmcache v1",
-                                "PdLMCacheConnector")
-        par = vllm_config.parallel_config
-        dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
+        head_groups = self.options.head_groups
         in_server = self.options.backend.startswith("mp://")
+        if head_groups is not None and in_server:
+            raise ValueError("PdLMCacheConnector: head_groups works with the backends an engine "
+                             "opens itself (fs://, redis://, lm://), not with an LMCache server "
+                             "(mp://), which reads whole blocks from the engine's memory")
+        self.layout = kv_layout(vllm_config, kv_cache_config, "pd-lmcache v1",
+                                "PdLMCacheConnector", head_groups=head_groups)
+        par = vllm_config.parallel_config
+        self.world_size = par.world_size
+        dtype = kv_cache_config.kv_cache_groups[0].kv_cache_spec.dtype
         # refused at start unless allowed (transfer/kv_faults.py), in every process of the engine
         self.faults = KvFaults.from_spec(
             extra_options(KvFaultOptions, vllm_config.kv_transfer_config,
@@ -496,24 +505,32 @@ class PdLMCacheConnector(SyncPoolConnector):
             self.digests = DigestChannel(self.engine_id,
                                          scheduler=role == KVConnectorRole.SCHEDULER)
 
-        def pool():
+        def pool(place: int = par.rank, places: int = par.world_size, name: str = ""):
+            """The pool of chunks stored as worker `place` of `places` (this rank, or one head
+            group)."""
             return open_pool(
                 self.options, self.layout.description, len(self.layout.layer_names),
-                self.block_size, self.layout.page_bytes // dtype.itemsize, dtype,
-                par.rank, par.world_size, instance_id=f"pd-lmcache-{self.engine_id}-{par.rank}")
+                self.block_size, self.layout.page_bytes // dtype.itemsize, dtype, place, places,
+                instance_id=f"pd-lmcache-{self.engine_id}-{par.rank}{name}")
 
         # The worker owns the KV store; the scheduler only looks prompts up. An LMCache server
         # (mp://) answers both itself; an LMCache engine inside the worker (every other backend:
         # its CPU tier may hold what the remote does not) is asked over a lookup channel.
         self.lookup_address = None if in_server else lookup_address(self.engine_id, par.rank)
         self.pool: LMCacheClient | None = None  # worker side
-        self.lookups: LMCacheClient | LookupClient | None = None  # scheduler side
-        if role == KVConnectorRole.WORKER:
+        self.lookups: LMCacheClient | RanksLookup | None = None  # scheduler side
+        if role == KVConnectorRole.WORKER and head_groups is not None:
+            self.pool = HeadGroupPools(
+                groups_of_rank(head_groups, par.tensor_parallel_size, par.rank),
+                lambda group: pool(group, head_groups, f"-g{group}"))
+        elif role == KVConnectorRole.WORKER:
             self.pool = pool()
         elif in_server:
             self.lookups = pool()
-        else:
-            self.lookups = LookupClient(lookup_address(self.engine_id, 0), self.options.timeout_s)
+        else:  # every rank's worker: a chunk counts when each rank holds its part
+            self.lookups = RanksLookup([lookup_address(self.engine_id, rank)
+                                        for rank in range(par.world_size)],
+                                       self.options.timeout_s)
         if self.stores and not self.options.shared:
             logger.warning("PdLMCacheConnector: backend %s is this engine's own: a decode on "
                            "another engine cannot read what this prefill stores (use one of %s)",
@@ -526,7 +543,7 @@ class PdLMCacheConnector(SyncPoolConnector):
 
     def lookup(self, tokens: list[int], namespace: str) -> int:
         """Scheduler side: leading prompt tokens the pool holds under this namespace."""
-        if isinstance(self.lookups, LookupClient):
+        if isinstance(self.lookups, RanksLookup):
             return self.lookups.lookup(lookup_message(tokens, namespace))
         return self.lookups.lookup(tokens, namespace)
 

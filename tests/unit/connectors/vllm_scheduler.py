@@ -54,6 +54,7 @@ def make_scheduler(kv_connector: str, kv_role: str, extra: dict[str, Any] | None
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     # the scheduler of a TP engine (set after validation, which would want a distributed setup)
     config.parallel_config.tensor_parallel_size = tensor_parallel_size
+    config.parallel_config.world_size = tensor_parallel_size  # one pipeline stage
     kv_cache_config = KVCacheConfig(
         num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(
