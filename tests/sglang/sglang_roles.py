@@ -90,7 +90,8 @@ class EngineMemory:
         return args
 
     def fill(self, room: int, pages: list[int], aux_index: int) -> None:
-        rng = np.random.default_rng(room)
+        # bytes of this room on this rank: a decode rank given another rank's KV fails its check
+        rng = np.random.default_rng([room, self.engine_rank])
         for buf in self.kv:
             buf[pages] = rng.integers(0, 256, (len(pages), ITEM_BYTES), dtype=np.uint8)
         for buf in self.aux:
@@ -156,13 +157,17 @@ def kv_checks(manager) -> dict:
 
 def prefill(spec: dict) -> None:
     """Prefill rooms {room, pages, chunks, aux_index, abort}: send them all ("published", with
-    digests), then poll every sender until it concludes ("sent"), then stay up a while."""
+    digests), then poll every sender until it concludes ("sent"), then stay up a while. One TP
+    rank (`engine_rank` of `tp_size`); SGLang runs one bootstrap registry per prefill instance,
+    here in rank 0's process (`registry`: false in the others)."""
     load_plugins()
     port, backend = spec["bootstrap_port"], spec.get("backend", "pd-shm")
-    registry = kv_class(KVClassType.BOOTSTRAP_SERVER, backend)(host="127.0.0.1", port=port)
-    memory = EngineMemory(spec.get("num_pages", NUM_PAGES))
+    registry = (kv_class(KVClassType.BOOTSTRAP_SERVER, backend)(host="127.0.0.1", port=port)
+                if spec.get("registry", True) else None)
+    memory = EngineMemory(spec.get("num_pages", NUM_PAGES), spec.get("engine_rank", 0))
     manager = kv_class(KVClassType.MANAGER, backend)(
-        memory.kv_args(), DisaggregationMode.PREFILL, server_args("prefill", port, backend), False)
+        memory.kv_args(), DisaggregationMode.PREFILL,
+        server_args("prefill", port, backend, spec.get("tp_size", 1)), False)
     emit(event="ready")
     senders = {}
     for job in spec["rooms"]:
@@ -194,7 +199,8 @@ def prefill(spec: dict) -> None:
     for room in senders:
         emit(event="sent", room=room, state=senders[room].poll(), failure="still transferring")
     time.sleep(spec.get("then_sleep_s", 0))
-    registry.close()
+    if registry is not None:
+        registry.close()
 
 
 def decode(spec: dict) -> None:

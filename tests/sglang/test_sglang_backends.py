@@ -21,6 +21,7 @@ import pytest
 from pd_plugins.testing.processes import free_port
 from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
 from pd_plugins.transfer.shm_pool import remove_pool
+from tests.e2e.deployments import FULL_MATRIX_ONLY
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
@@ -155,15 +156,27 @@ def test_a_model_with_state_buffers_is_refused_at_the_start(startup_events):
         assert "(mamba, swa)" in why and "mooncake or nixl" in why, why
 
 
-def start_prefill(roles, env, backend, rooms, **spec):
-    """A prefill process that has published `rooms`: (its Role, its bootstrap port, room ->
-    the published event with the pages' digests)."""
+def start_prefill_ranks(roles, env, backend, rooms, tp_size: int, **spec):
+    """A prefill instance of `tp_size` ranks, one process each (started at once: a start costs
+    ~15 s of imports), that has published `rooms` on every rank: (its Roles by rank, its bootstrap
+    port, per rank: room -> the published event with the pages' digests)."""
     port = free_port()
     env, backend = variant(env, backend)
-    prefill = roles(env, "prefill", {"bootstrap_port": port, "backend": backend,
-                                     "then_sleep_s": 120, "rooms": rooms, **spec})
-    assert prefill.next_event()["event"] == "ready"
-    published = {e["room"]: e for e in (prefill.next_event() for _ in rooms)}
+    ranks = [roles(env, "prefill", {"bootstrap_port": port, "backend": backend, "then_sleep_s": 120,
+                                    "rooms": rooms, "tp_size": tp_size, "engine_rank": rank,
+                                    "registry": rank == 0, **spec})
+             for rank in range(tp_size)]
+    published = []
+    for prefill in ranks:
+        assert prefill.next_event()["event"] == "ready"
+        published.append({e["room"]: e for e in (prefill.next_event() for _ in rooms)})
+    return ranks, port, published
+
+
+def start_prefill(roles, env, backend, rooms, **spec):
+    """A TP 1 prefill process that has published `rooms`: (its Role, its bootstrap port, room ->
+    the published event with the pages' digests)."""
+    (prefill,), port, (published,) = start_prefill_ranks(roles, env, backend, rooms, 1, **spec)
     return prefill, port, published
 
 
@@ -173,18 +186,36 @@ def receive(roles, env, backend, port, room, dest, aux_index, **spec) -> dict:
         {"room": room, "dest": dest, "aux_index": aux_index, **spec}])[0]
 
 
-def receive_rooms(roles, env, backend, port, jobs: list[dict], **spec) -> list[dict]:
-    """Rooms one after another into one decode process (one KV manager, as in an engine): the
-    "received" event of each. A process start costs ~15 s of imports, so tests share them.
+def start_decode(roles, env, backend, port, jobs: list[dict], **spec) -> Role:
+    """A decode process that receives `jobs` one after another (one KV manager, as in an engine).
     `spec`: more of the decode's spec (tp_size, engine_rank)."""
     env, backend = variant(env, backend)
-    decode = roles(env, "decode", {"bootstrap_port": port, "backend": backend, "receives": jobs,
-                                   **spec})
+    return roles(env, "decode", {"bootstrap_port": port, "backend": backend, "receives": jobs,
+                                 **spec})
+
+
+def received_events(decode: Role, jobs: list[dict]) -> list[dict]:
+    """The "received" event of each job, in order (past each "bootstrapped")."""
     received = []
     for _ in jobs:
         got = decode.next_event()
         received.append(decode.next_event() if got["event"] == "bootstrapped" else got)
     return received
+
+
+def receive_rooms(roles, env, backend, port, jobs: list[dict], **spec) -> list[dict]:
+    """Rooms one after another into one decode process: the "received" event of each. A process
+    start costs ~15 s of imports, so tests share them."""
+    return received_events(start_decode(roles, env, backend, port, jobs, **spec), jobs)
+
+
+def receive_rooms_ranks(roles, env, backend, port, jobs: list[dict], tp_size: int,
+                        **spec) -> list[list[dict]]:
+    """The same rooms into each rank of a decode instance of `tp_size` ranks, one process each
+    (started at once): per rank, the "received" event of each room."""
+    decodes = [start_decode(roles, env, backend, port, jobs, tp_size=tp_size, engine_rank=rank,
+                            **spec) for rank in range(tp_size)]
+    return [received_events(decode, jobs) for decode in decodes]
 
 
 def sent_events(prefill, count: int) -> dict:
@@ -296,20 +327,47 @@ def test_a_decode_that_does_not_fit_its_prefill_fails_clearly(pool_env, roles):
 
 
 @pytest.mark.parametrize("backend", ["pd-shm", "pd-nixl"])
-def test_a_decode_of_another_tp_size_is_refused_at_its_first_bootstrap(backend, pool_env, roles):
-    """Issue 29: pd-shm and pd-nixl pair prefill rank k with decode rank k. A TP 1 prefill and a
-    TP 2 decode: rank 0 finds a record of another TP, rank 1 finds no record of its number; both
-    fail at once with a message naming the supported combination, not at the bootstrap timeout
-    and not with "KV items differ"."""
-    _, port, _ = start_prefill(roles, pool_env, backend, [])
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1)], ids=["P1-D2", "P2-D1"])
+def test_a_decode_of_another_tp_size_is_refused_at_its_first_bootstrap(prefill_tp, decode_tp,
+                                                                      backend, pool_env, roles):
+    """Issue 29: pd-shm and pd-nixl pair prefill rank k with decode rank k. A decode whose TP size
+    is not the prefill's: a rank that finds a record of another TP (P1->D2 rank 0, P2->D1) or no
+    record of its number (P1->D2 rank 1) fails at once with a message naming both sizes and the
+    supported combination, not at the bootstrap timeout and not with "KV items differ"."""
+    _, port, _ = start_prefill_ranks(roles, pool_env, backend, [], prefill_tp)
     env = {**pool_env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "60"}
-    for rank in (0, 1):
-        # the decode waits 10 s for the bootstrap (receive_room), far less than its timeout
-        got = receive_rooms(roles, env, backend, port, [{"room": 1, "dest": [1], "aux_index": 0}],
-                            tp_size=2, engine_rank=rank)[0]
+    # each decode rank waits 10 s for the bootstrap (receive_room), far less than its timeout
+    for (got,) in receive_rooms_ranks(roles, env, backend, port,
+                                      [{"room": 1, "dest": [1], "aux_index": 0}], decode_tp):
         assert got["state"] == KV_POLL_FAILED, got
-        assert "attention TP 1, this decode TP 2" in got["failure"], got
+        assert f"attention TP {prefill_tp}, this decode TP {decode_tp}" in got["failure"], got
         assert "equal TP sizes only" in got["failure"], got
+
+
+# pd-nixl in the full matrix only (~20 s of process starts): the rank pairing is host_kv.py's,
+# which pd-shm's run proves in CI
+@pytest.mark.parametrize("backend", ["pd-shm", pytest.param("pd-nixl", marks=FULL_MATRIX_ONLY)])
+def test_tp2_prefill_ranks_move_kv_to_the_same_decode_ranks(backend, pool_env, roles):
+    """Issue 29, P2->D2: a TP 2 prefill and a TP 2 decode (a process per rank) move two rooms;
+    each decode rank gets its own prefill rank's KV and metadata row (the ranks' bytes differ, so
+    a rank given the other rank's pages, or one rank's pages for both, fails a digest check)."""
+    rooms = [{"room": 5, "pages": [1, 2, 3], "chunks": 2, "aux_index": 1},
+             {"room": 6, "pages": [7], "aux_index": 2}]
+    prefills, port, published = start_prefill_ranks(roles, pool_env, backend, rooms, 2)
+    for room in (5, 6):
+        assert not set(published[0][room]["kv"]) & set(published[1][room]["kv"])
+        assert published[0][room]["aux"] != published[1][room]["aux"]
+
+    jobs = [{"room": 5, "dest": [10, 11, 12], "aux_index": 3},
+            {"room": 6, "dest": [20], "aux_index": 4}]
+    for rank, got in enumerate(receive_rooms_ranks(roles, pool_env, backend, port, jobs, 2)):
+        for job, event in zip(jobs, got):
+            assert event["state"] == KV_POLL_SUCCESS, (rank, event)
+            assert event["kv"] == published[rank][job["room"]]["kv"], (rank, job["room"])
+            assert event["aux"] == published[rank][job["room"]]["aux"], (rank, job["room"])
+    for prefill in prefills:  # pd-nixl: once that rank's decode has read its pages
+        sent = sent_events(prefill, len(rooms))
+        assert [sent[r]["state"] for r in (5, 6)] == [KV_POLL_SUCCESS] * 2, sent
 
 
 # per backend: the faults (kind, room numbers from, rooms, which side injects) and the failure
