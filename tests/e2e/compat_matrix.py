@@ -20,7 +20,6 @@ from tests.e2e.deployments import PdConfig
 
 CI = "tested (CI)"
 FULL = "tested (full matrix)"
-UNIT = "refused at startup (unit test)"
 REFUSED_AT_START = "refused at startup"
 REFUSED_PER_REQUEST = "refused at the first request"
 NOT_SUPPORTED = "not supported"
@@ -62,6 +61,8 @@ SWA_MODEL = "tiny-gemma3"  # sliding window + full attention
 SWA_NIXL_TEST = f"{SWA_TEST}::test_nixl_moves_both_cache_groups"
 SWA_POOL_TEST = f"{SWA_TEST}::test_pool_serves_a_sliding_window_model"
 HMA_OFF_NOTE = "vLLM turns HMA off: full-attention KV, one group"
+SGLANG_TP_REFUSAL = ("tests/sglang/test_sglang_backends.py::"
+                     "test_a_decode_of_another_tp_size_is_refused_at_its_first_bootstrap")
 STATE_TEST = ("tests/sglang/test_sglang_backends.py::"
               "test_a_model_with_state_buffers_is_refused_at_the_start")
 LMCACHE_TP_NOTE = "with `head_groups: 2`; loads `unverified`"
@@ -100,17 +101,19 @@ CELLS = (
     Cell(ROWS[3], "P2→D2", FULL, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(2, 2)),
     Cell(ROWS[3], COLUMNS[4], FULL, SWA_POOL_TEST, note=HMA_OFF_NOTE,
          config=PdConfig(SWA_MODEL, connector="PdLMCacheConnector")),
-    Cell(ROWS[3], COLUMNS[5], UNIT,
-         "tests/unit/connectors/test_kv_layout.py::"
-         "test_pool_connectors_refuse_state_space_models_before_vllm_sizes_the_cache"),
+    Cell(ROWS[3], COLUMNS[5], REFUSED_AT_START,
+         f"{SWA_TEST}::test_pool_connector_refuses_a_state_space_model_at_startup",
+         note="e2e in the full matrix; unit test in CI"),
     # SGLang (role tests: real SGLang KV classes and transports, no engine on CPU)
     Cell(ROWS[4], "P1→D1", CI, "tests/sglang/test_sglang_backends.py::"
          "test_kv_moves_between_two_processes", note="role tests, no engine"),
-    Cell(ROWS[4], "P2→D1", REFUSED_PER_REQUEST, note="same check as P1→D2, not run"),
-    Cell(ROWS[4], "P1→D2", REFUSED_PER_REQUEST, "tests/sglang/test_sglang_backends.py::"
-         "test_a_decode_of_another_tp_size_is_refused_at_its_first_bootstrap",
+    Cell(ROWS[4], "P2→D1", REFUSED_PER_REQUEST, SGLANG_TP_REFUSAL,
          note="names both TP sizes and the supported pair"),
-    Cell(ROWS[4], "P2→D2", NOT_TESTED, note="rank k to rank k by construction"),
+    Cell(ROWS[4], "P1→D2", REFUSED_PER_REQUEST, SGLANG_TP_REFUSAL,
+         note="names both TP sizes and the supported pair"),
+    Cell(ROWS[4], "P2→D2", CI, "tests/sglang/test_sglang_backends.py::"
+         "test_tp2_prefill_ranks_move_kv_to_the_same_decode_ranks",
+         note="role tests, rank k to rank k; pd-nixl's case in the full matrix"),
     Cell(ROWS[4], COLUMNS[4], REFUSED_AT_START, STATE_TEST,
          note="SGLang's SWA pool is a state buffer"),
     Cell(ROWS[4], COLUMNS[5], REFUSED_AT_START, STATE_TEST, note="Mamba state buffers"),

@@ -24,7 +24,7 @@ import requests
 from pd_plugins.testing.engine_harness import (
     DEVICE,
     VllmServer,
-    metric_value,
+    lmcache_config,
     shm_config,
     start_all,
 )
@@ -112,6 +112,32 @@ def test_nixl_swap_proves_the_decode_used_both_groups(nixl_pair, swa_references)
     assert output_ids(resp) == swa_references[tuple(SWAP_A)]
 
 
+def test_block_lists_that_do_not_fit_fail_that_request_only(nixl_pair, swa_references):
+    """A decode's kv_transfer_params name one block list per KV cache group; upstream asserts
+    the count in the worker's read path (without PdNixlConnector's check the first case killed
+    the engine: EngineDeadError, 2026-12-04). Params with another count, or block ids past the
+    prefill's cache (a client's or a forged value), must fail that request, and the engine keeps
+    serving."""
+    if nixl_pair.config.mode != "pull":
+        pytest.skip("push: the decode's params carry no block lists")
+    cases = {"one list for two groups": lambda ids: ids[:1],
+             "three lists": lambda ids: [*ids, ids[-1]],
+             "a flat list": lambda ids: ids[0],
+             "ids past the prefill's cache": lambda ids: [[b + 100000 for b in g] for g in ids]}
+    for case, broken in cases.items():
+        params = nixl_pair.prefill_only(completion_body(SWAP_A))
+        params = {**params, "remote_block_ids": broken(params["remote_block_ids"])}
+        resp = completion(nixl_pair.decode.url,
+                          {**completion_body(SWAP_B), "kv_transfer_params": params})
+        failed = resp.status_code >= 400 or (
+            resp.json()["choices"][0].get("finish_reason") == "error")
+        assert failed, f"{case}: {resp.status_code} {resp.text[:300]}"
+        assert nixl_pair.decode.alive(), case
+        prompt = PROMPTS[100]
+        assert output_ids(nixl_pair.complete(completion_body(prompt))) == \
+            swa_references[tuple(prompt)], case
+
+
 # PdShmConnector in CI, PdLMCacheConnector in the full matrix (tests/e2e/compat_matrix.py)
 POOL_CONNECTOR_CELLS = [pytest.param(cell.config.connector, id=cell.config.connector,
                                      marks=[] if cell.status == CI else [FULL_MATRIX_ONLY])
@@ -139,11 +165,14 @@ def test_pool_serves_a_sliding_window_model(swa_pool_pair, swa_references, lengt
         assert kv_verdict_of(resp.json()["kv_transfer_params"]).verdict == "verified"
 
 
-def test_pool_connector_refuses_a_state_space_model_at_startup(pool):
+@pytest.mark.parametrize("connector", [
+    "PdShmConnector", pytest.param("PdLMCacheConnector", marks=FULL_MATRIX_ONLY)])
+def test_pool_connector_refuses_a_state_space_model_at_startup(pool, tmp_path, connector):
     pool.discard()
     path = f"/dev/shm/pd-e2e-ssm-{uuid.uuid4().hex[:10]}"
-    server = VllmServer("shm-ssm-prefill", model_path("tiny-granite4-hybrid"), "0",
-                        shm_config("prefill", path))
+    kv = (shm_config("prefill", path) if connector == "PdShmConnector"
+          else lmcache_config("prefill", f"fs://{tmp_path}"))
+    server = VllmServer("pool-ssm-prefill", model_path("tiny-granite4-hybrid"), "0", kv)
     started = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match="exited early"):
@@ -153,7 +182,7 @@ def test_pool_connector_refuses_a_state_space_model_at_startup(pool):
         server.stop()
         remove_pool(path)
     log = server.log_path.read_text(errors="replace")
-    assert "PdShmConnector does not move state-space state: " in log
+    assert f"{connector} does not move state-space state: " in log
     assert "has Mamba or linear-attention layers" in log
     assert "Failed to promote local KV cache specs" not in log  # ours came first
     assert took < 120, f"refused only after {took:.0f} s"

@@ -330,6 +330,8 @@ class _PdAdditions(_PdStatsClassMethods):
         error = remote_prefill_error(params, self.pd_mode) if params else None
         if error is None and params and params.get("do_remote_prefill"):
             error = self._tp_pairing_error(params["tp_size"])
+        if error is None and params and params.get("do_remote_prefill") and self.pd_mode == "pull":
+            error = self._block_lists_error(params["remote_block_ids"])
         if error is None:
             return False
         params["do_remote_prefill"] = False
@@ -344,6 +346,18 @@ class _PdAdditions(_PdStatsClassMethods):
             return None
         return (f"the prefill has TP {prefill_tp} and this decode TP {self._tp_size}: one must "
                 "divide the other for NIXL to map KV heads between their ranks")
+
+    def _block_lists_error(self, block_ids: list) -> str | None:
+        """Upstream reads one block list per KV cache group it transfers and asserts the count in
+        the worker's read path (an engine killed by a request): refuse another count up front."""
+        groups = len(self._kv_cache_config.transfer_groups)
+        if not block_ids:  # nothing to read (a full prefix hit)
+            return None
+        lists = len(block_ids) if isinstance(block_ids[0], (list, tuple)) else 1
+        if lists == groups:
+            return None
+        return (f"kv_transfer_params.remote_block_ids has {lists} block list(s), this decode's "
+                f"model has {groups} KV cache group(s)")
 
     def _lease_check(self, params: dict[str, Any]) -> LeaseCheck | None:
         """Where to ask whether a pull read was on time, and from how many prefill ranks: a

@@ -110,6 +110,31 @@ def test_pd_nixl_refuses_a_prefill_whose_tp_size_does_not_divide_its_own():
         scheduler.shutdown()
 
 
+def test_pd_nixl_refuses_block_lists_that_do_not_match_its_cache_groups():
+    """Issue 29: upstream reads one block list per KV cache group and asserts the count in the
+    worker's read path; a request with another count is a failed load with the reason, never
+    handed to NIXL. (A sliding-window model's two groups on a real engine:
+    tests/e2e/test_attention_kinds.py.)"""
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer")  # one KV cache group
+    try:
+        base = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+                "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+        two = make_request("two", PROMPT, {"kv_transfer_params": {
+            **base, "remote_block_ids": [[0, 1], [2, 3]]}})
+        flat = make_request("flat", prompt(1), {"kv_transfer_params": {
+            **base, "remote_block_ids": [0, 1]}})
+        scheduler.add_request(two)
+        scheduler.add_request(flat)
+        output = scheduler.schedule()
+        assert two.kv_transfer_params["pd_rejected_reason"] == (
+            "kv_transfer_params.remote_block_ids has 2 block list(s), this decode's model has 1 "
+            "KV cache group(s)")
+        assert output.kv_connector_metadata.pd_rejected_recv == {"two"}
+        assert "pd_rejected_reason" not in flat.kv_transfer_params  # one group: flat is fine
+    finally:
+        scheduler.shutdown()
+
+
 def test_pd_shm_serves_malformed_params_locally(tmp_path):
     scheduler = make_scheduler("PdShmConnector", "kv_both",
                                {"pool_path": str(tmp_path / "pool"), "pool_size_gb": 0.01})
