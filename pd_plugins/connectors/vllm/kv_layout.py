@@ -10,7 +10,10 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pd_plugins.transfer.paged_kv import block_dim
+
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
@@ -77,3 +80,16 @@ def kv_layout(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, tag: str,
                    f"|kv_dtype={cache.cache_dtype}|block={cache.block_size}|layers={len(layers)}"
                    f"|page={page}|{split}|pp={par.pipeline_parallel_size}|hash={algo}")
     return KVLayout(description, list(layers), page, cache.block_size)
+
+
+def require_heads_outermost(tensors: list[torch.Tensor], num_blocks: int, kv_cache_spec,
+                            connector: str) -> None:
+    """A pool that splits each block into head groups copies a slice of the dimension after the
+    block one, which must then be the KV heads (vLLM's CPU layout [blocks, heads, block_size,
+    2 * head_size]; the flash layout [2, blocks, block_size, heads, head_size] would split K
+    from V instead, silently)."""
+    heads = getattr(kv_cache_spec, "num_kv_heads", None)
+    if any(t.movedim(block_dim(t, num_blocks), 0).shape[1] != heads for t in tensors):
+        raise ValueError(f"{connector}: head_groups needs each block's KV heads as its outer "
+                         "dimension (vLLM's CPU layout); this engine's KV tensors are "
+                         f"{tuple(tensors[0].shape)}")

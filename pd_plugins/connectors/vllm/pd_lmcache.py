@@ -59,7 +59,7 @@ from vllm.logger import init_logger
 from pd_plugins.connectors.transfer_params import asks_remote_decode
 from pd_plugins.connectors.vllm.block_verifier import BlockVerifier, first_mismatch
 from pd_plugins.connectors.vllm.counter_stats import CounterPromMetrics, CounterStats
-from pd_plugins.connectors.vllm.kv_layout import kv_layout
+from pd_plugins.connectors.vllm.kv_layout import kv_layout, require_heads_outermost
 from pd_plugins.connectors.vllm.kv_verdicts import (
     FAULTS_INJECTED_KEY,
     KV_VERIFY_COUNTERS,
@@ -366,6 +366,10 @@ class _WorkerSide(PoolWorkerSide):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         c = self.c
         layers = [kv_caches[n] for n in c.layout.layer_names]
+        if isinstance(c.pool, HeadGroupPools) and len(c.pool.groups) > 1:
+            require_heads_outermost(layers, c.kv_cache_config.num_blocks,
+                                    c.kv_cache_config.kv_cache_groups[0].kv_cache_spec,
+                                    "PdLMCacheConnector")
         c.pool.attach_kv(layers, c.kv_cache_config.num_blocks)
         if c.options.verify_kv != "off":
             try:

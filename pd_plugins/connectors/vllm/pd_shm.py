@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
-from pd_plugins.connectors.vllm.kv_layout import kv_layout
+from pd_plugins.connectors.vllm.kv_layout import kv_layout, require_heads_outermost
 from pd_plugins.connectors.vllm.kv_verdicts import FAULTS_INJECTED_KEY, LoadOutcome, VerdictBook
 from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_shm_stats import PdShmPromMetrics, PdShmStats
@@ -55,7 +55,7 @@ from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide, SyncPoolCo
 from pd_plugins.connectors.vllm.pool_scheduler import PoolSchedulerSide, Storing
 from pd_plugins.transfer.kv_faults import KvFaults, position
 from pd_plugins.transfer.options import KvFaultOptions, ShmOptions
-from pd_plugins.transfer.paged_kv import PagedKV, block_dim
+from pd_plugins.transfer.paged_kv import PagedKV
 from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool, SlotRef, SlotRefs
 from pd_plugins.vocab.block_keys import adapter_root, block_keys
 
@@ -226,12 +226,8 @@ class _WorkerSide(PoolWorkerSide):
         group = c.kv_cache_config.kv_cache_groups[0]
         tensors = [kv_caches[n] for n in group.layer_names]
         if c.pieces > 1:  # head groups: each block's heads must be its outer dimension
-            heads = getattr(group.kv_cache_spec, "num_kv_heads", None)
-            num_blocks = c.kv_cache_config.num_blocks
-            if any(t.movedim(block_dim(t, num_blocks), 0).shape[1] != heads for t in tensors):
-                raise ValueError("PdShmConnector: head_groups needs each block's KV heads as "
-                                 "its outer dimension (vLLM's CPU layout); this engine's KV "
-                                 f"tensors are {tuple(tensors[0].shape)}")
+            require_heads_outermost(tensors, c.kv_cache_config.num_blocks, group.kv_cache_spec,
+                                    "PdShmConnector")
         self.kv = PagedKV(tensors, c.kv_cache_config.num_blocks, pieces=c.pieces)
         if self.kv.block_bytes != c.slot_bytes:
             raise ValueError(f"PdShmConnector: KV tensors hold {self.kv.block_bytes} bytes per "
