@@ -7,9 +7,9 @@ For each case (vLLM pull flow non-streaming and streaming, SGLang flow non-strea
 request disaggregated, `--policy round_robin`) a pd-router runs alone on core 0 and mock prefill
 and decode engines (zero delays) and wrk (Debian's `wrk`: `apt-get install wrk`) on core 1, at 16
 connections; py-spy samples the router for 10 s at 250 Hz. Writes docs/img/router_flame_<case>.svg
-and a table of the largest shares (self time by function, and the parts of the path) to
-bench/results/router_profile.json, which the "Router hot path profile" section of
-docs/benchmarks.md quotes.
+the largest shares (self time by function, and the parts of the path) to
+bench/results/router_profile.json, and the table of the "Router hot path profile" section of
+docs/benchmarks.md (between its markers; the reading below them is written by hand).
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ PARTS = (("front server (HTTP in/out)", ("http_server.py",)),
          ("request checks", ("request.py",)),
          ("policy and accounting", ("policy/", "accounting.py")),
          ("proxy and flow", ("proxy.py", "flows/")))
+
+
+EVENT_LOOP = "event loop (uvloop C: sockets, timers, task switching)"
+TITLES = {"vllm_pull": "vLLM pull, non-streaming", "vllm_pull_stream": "vLLM pull, streaming",
+          "sglang": "SGLang, non-streaming"}
 
 
 def py_spy() -> str:
@@ -83,8 +88,11 @@ def profile(case: str, engine: str, stream: bool, workdir: Path) -> dict:
                             "-r", str(RATE), "-f", fmt, "-o", str(out), "--nonblocking"],
                            check=True, capture_output=True)
         wrk_out = load.communicate()[0]
-        print(f"{case}: {wrk_out.splitlines()[-2] if wrk_out else 'no wrk output'}", flush=True)
-        return shares(raw) | {"flame_graph": str(svg.relative_to(common.ROOT))}
+        rate = next((float(line.split()[1]) for line in wrk_out.splitlines()
+                     if line.startswith("Requests/sec:")), None)
+        print(f"{case}: {rate} requests/s", flush=True)
+        return shares(raw) | {"requests_per_s": rate,
+                              "flame_graph": str(svg.relative_to(common.ROOT))}
     finally:
         if router is not None:
             router.stop()
@@ -103,7 +111,7 @@ def shares(raw: Path) -> dict:
         total += n
         frames = stack.split(";")
         own[frames[-1]] += n
-        part = "event loop (uvloop: sockets, timers, task switching)"
+        part = EVENT_LOOP
         for frame in reversed(frames):  # the innermost of our frames names the part
             match = next((name for name, files in PARTS if any(f in frame for f in files)), None)
             if match:
@@ -128,7 +136,33 @@ def main() -> None:
     out.write_text(json.dumps(results, indent=1) + "\n")
     for case, r in results["cases"].items():
         print(case, json.dumps(r["parts"]))
-    print(f"wrote {out} and docs/img/router_flame_*.svg")
+    common.write_section("router-profile", markdown(results))
+    print(f"wrote {out}, docs/img/router_flame_*.svg and docs/benchmarks.md")
+
+
+def markdown(results: dict) -> str:
+    """The section's table: each case's rate under the profiler and its share per part."""
+    columns = [EVENT_LOOP, *(name for name, _ in PARTS)]
+    lines = ["<!-- router-profile:start -->", "## Router hot path profile", "",
+             "Where pd-router's CPU goes on the PD hot path (`.venv/bin/python -m "
+             "bench.router_profile`, about 2 minutes): a router alone on core 0 with `--policy "
+             "round_robin` (every request runs both legs), mock engines and wrk on core 1 at "
+             f"{results['connections']} connections, py-spy sampling the router for "
+             f"{results['seconds'] // 2} s per output at {RATE} Hz. Run {results['date']} on "
+             f"{results['machine']}; numbers also in `bench/results/router_profile.json` (not "
+             "committed). Shares are of the router's samples, by the innermost of our frames "
+             "(outside all of them: the event loop).", "",
+             "| case | req/s | " + " | ".join(columns) + " |",
+             "|---|---:|" + "---:|" * len(columns)]
+    for case, r in results["cases"].items():
+        rate = r.get("requests_per_s")
+        cells = [f"{r['parts'].get(c, 0.0):.0f}%" for c in columns]
+        lines.append(f"| {TITLES[case]} | {rate:.0f} | " if rate else f"| {TITLES[case]} | - | ")
+        lines[-1] += " | ".join(cells) + " |"
+    links = ", ".join(f"[{TITLES[case]}]({Path(r['flame_graph']).relative_to('docs')})"
+                      for case, r in results["cases"].items())
+    lines += ["", f"Flame graphs: {links}.", "", "<!-- router-profile:end -->"]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
