@@ -88,19 +88,30 @@ def test_pd_nixl_refuses_a_garbage_optional_field_before_upstream_reads_it():
         scheduler.shutdown()
 
 
+# a decode request's params naming a remote prefill, as pd-router sends them
+PULL_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+               "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
+               "remote_block_ids": [[0, 1]]}
+
+
+def schedule_loads(scheduler, changes: dict[str, dict]):
+    """One request per id (each its own prompt) with PULL_PARAMS changed as given, all scheduled
+    in one step: the requests, and the step's output."""
+    requests = [make_request(req_id, prompt(i), {"kv_transfer_params": {**PULL_PARAMS, **change}})
+                for i, (req_id, change) in enumerate(changes.items())]
+    for request in requests:
+        scheduler.add_request(request)
+    return requests, scheduler.schedule()
+
+
 def test_pd_nixl_refuses_a_prefill_whose_tp_size_does_not_divide_its_own():
     """Issue 29: a TP 2 decode cannot read a TP 3 prefill's heads (neither size divides the
     other): upstream would assert in its handshake thread and the request would hang. The load is
     reported failed with the reason instead, before upstream sees the params."""
     scheduler = make_scheduler("PdNixlConnector", "kv_consumer", tensor_parallel_size=2)
     try:
-        base = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
-                "remote_host": "127.0.0.1", "remote_port": 5600, "remote_block_ids": [[0, 1]]}
-        odd = make_request("tp3", PROMPT, {"kv_transfer_params": {**base, "tp_size": 3}})
-        even = make_request("tp4", prompt(1), {"kv_transfer_params": {**base, "tp_size": 4}})
-        scheduler.add_request(odd)
-        scheduler.add_request(even)
-        output = scheduler.schedule()
+        (odd, even), output = schedule_loads(scheduler, {"tp3": {"tp_size": 3},
+                                                         "tp4": {"tp_size": 4}})
         assert odd.kv_transfer_params["pd_rejected_reason"] == (
             "the prefill has TP 3 and this decode TP 2: one must divide the other for NIXL to "
             "map KV heads between their ranks")
@@ -117,15 +128,8 @@ def test_pd_nixl_refuses_block_lists_that_do_not_match_its_cache_groups():
     tests/e2e/test_attention_kinds.py.)"""
     scheduler = make_scheduler("PdNixlConnector", "kv_consumer")  # one KV cache group
     try:
-        base = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
-                "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
-        two = make_request("two", PROMPT, {"kv_transfer_params": {
-            **base, "remote_block_ids": [[0, 1], [2, 3]]}})
-        flat = make_request("flat", prompt(1), {"kv_transfer_params": {
-            **base, "remote_block_ids": [0, 1]}})
-        scheduler.add_request(two)
-        scheduler.add_request(flat)
-        output = scheduler.schedule()
+        (two, flat), output = schedule_loads(scheduler, {
+            "two": {"remote_block_ids": [[0, 1], [2, 3]]}, "flat": {"remote_block_ids": [0, 1]}})
         assert two.kv_transfer_params["pd_rejected_reason"] == (
             "kv_transfer_params.remote_block_ids has 2 block list(s), this decode's model has 1 "
             "KV cache group(s)")
