@@ -115,6 +115,9 @@ POOL_SHAPES = [pytest.param(cell.config, id=cell.config.id,
 def tp_pool_pair(request, pool):
     """A prefill and a decode of the cell's connector and TP sizes on one pool with
     `head_groups` 2."""
+    if DEVICE != "cpu":
+        pytest.skip("head_groups needs vLLM's CPU KV layout (heads right after the block "
+                    "dimension); on a GPU's flash layout it is refused at startup")
     pool.discard()
     config: PdConfig = request.param
     connector = POOL_CONNECTORS[config.connector]
