@@ -28,7 +28,9 @@ from tests.e2e.deployments import PdConfig, PdDeployment, completion_body, model
 pytestmark = pytest.mark.e2e
 
 LEASE_S = 60          # what an abandoned prefill would hold its blocks for
-FREED_WITHIN_S = 1.5  # a second, plus the metrics' step granularity on a loaded host
+# "at once", against the lease's 60 s: the abort itself takes well under a second, but the gauges
+# read here move once per engine step, and on CI's loaded 2-core host 1.5 s was missed once
+FREED_WITHIN_S = 5.0
 PROMPT = token_prompt(100, seed=6001)  # three full blocks of 32 held by the prefill
 SMUGGLED = {
     "remote params": {"do_remote_prefill": True, "remote_engine_id": "forged",
