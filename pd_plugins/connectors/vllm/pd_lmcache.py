@@ -35,7 +35,11 @@ decode's own paged blocks, so mp:// is checked the same way): a mismatch at bloc
 chunk under this prompt's key, damaged bytes) makes blocks k.. failed loads, recomputed or failed
 per kv_load_failure_policy. Each loading request's verdict goes into its answer (`pd.kv`) and
 onto /metrics (kv_verdicts.py); a load with no digests (a plain prefix hit, an older prefill,
-TP > 1) is `unverified`. Faults (`faults`, transfer/kv_faults.py): `stale_chunk` (prefill: one
+TP > 1 on either side) is `unverified`.
+
+Between TP sizes (`head_groups`, transfer/lmcache_head_groups.py): each chunk's KV heads are
+stored as that many chunks of their own, so a TP 2 prefill and a TP 1 decode (or the other way
+round) share the pool; a TP engine's scheduler asks every rank's worker (`RanksLookup`). Faults (`faults`, transfer/kv_faults.py): `stale_chunk` (prefill: one
 chunk of a targeted prompt is stored from other blocks) and `corrupt` (decode: one byte of one
 retrieved block, before the check).
 """
