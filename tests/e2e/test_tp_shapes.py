@@ -25,7 +25,6 @@ from pd_plugins.testing.pd_client import PrefillTarget, completion, pd_pull
 from pd_plugins.vocab.transfer_params import kv_verdict_of
 from tests.e2e.compat_matrix import CI, POOL_TP_TEST, TP_TEST, cells_tested_by
 from tests.e2e.deployments import (
-    FULL_MATRIX,
     POOL_CONNECTORS,
     PROMPTS,
     SWAP_A,
@@ -105,9 +104,7 @@ def test_every_rank_pair_transfers_and_nothing_fails(pd, references):
 
 
 # -- pool connectors with head groups: one pool for a prefill and a decode of different TP sizes --
-POOL_SHAPES = [pytest.param(cell.config, id=cell.config.id,
-                            marks=[] if cell.status == CI or FULL_MATRIX else [pytest.mark.skip(
-                                reason="full matrix only: PD_TEST_FULL=1 (make test-full)")])
+POOL_SHAPES = [pd_param(cell.config, full_matrix_only=cell.status != CI)
                for cell in cells_tested_by(POOL_TP_TEST)]
 
 
