@@ -134,10 +134,12 @@ class PeerRouterProcess(ManagedProcess):
 
 
 @dataclass
-class NaiveProxyProcess(ManagedProcess):
-    """bench/naive_proxy.py: aiohttp's own cost, the floor under any aiohttp-based router."""
+class ReferenceProxyProcess(ManagedProcess):
+    """A reference proxy of bench/ (`module PREFILL_URL DECODE_URL PORT`): bench/naive_proxy.py,
+    aiohttp's own cost, or bench/floor_proxy.py, the least Python can cost per PD request."""
 
     name: str
+    module: str = "bench.naive_proxy"
     prefill: MockEngineProcess | None = None
     decode: MockEngineProcess | None = None
     cpu: str | None = None
@@ -145,7 +147,7 @@ class NaiveProxyProcess(ManagedProcess):
     def command(self) -> list[str]:
         assert self.prefill is not None and self.decode is not None
         # Same cwd and environment as this process, so `bench` imports here as it did for us.
-        return pinned([sys.executable, "-m", "bench.naive_proxy", self.prefill.url,
+        return pinned([sys.executable, "-m", self.module, self.prefill.url,
                        self.decode.url, str(self.port)], self.cpu)
 
 
@@ -784,6 +786,10 @@ def main() -> int:
                          "process's aiohttp closed loop (checks every response body)")
     ap.add_argument("--streaming", choices=sorted(STREAMING), default="both",
                     help="non-streaming and streaming requests (both, the default), or one of them")
+    ap.add_argument("--targets", nargs="+", metavar="KEY",
+                    help="only these rows (and the direct baseline): pd-vllm, pd-vllm-default, "
+                         "vllm-router, pd-sglang, sglang-router, naive, floor; a partial run "
+                         "writes its own results but never docs/ (implies --no-docs)")
     ap.add_argument("--no-docs", action="store_true",
                     help="do not touch docs/: the section (section.md) and plots go beside results.json")
     ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
@@ -791,6 +797,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.render:
         return render(args.render)
+    if args.targets:
+        args.no_docs = True  # the published section is the whole comparison, never a part of it
     repeats = args.repeats or (1 if args.quick else 3)
     # 13 target-mode rows x 3 concurrencies x 3 repeats x 5 s: about 10 minutes of measuring.
     window_s = args.window_s or (1.5 if args.quick else 4.0)
@@ -841,7 +849,9 @@ def main() -> int:
                                     log_dir=run_dir)
     sglang_router = PeerRouterProcess("sglang-router", kind="sglang", prefill=sp, decode=sd,
                                       cpu=ROUTER_CPU, log_dir=run_dir)
-    naive = NaiveProxyProcess("naive-proxy", prefill=vp, decode=vd, cpu=ROUTER_CPU, log_dir=run_dir)
+    naive = ReferenceProxyProcess("naive-proxy", prefill=vp, decode=vd, cpu=ROUTER_CPU, log_dir=run_dir)
+    floor = ReferenceProxyProcess("floor-proxy", module="bench.floor_proxy", prefill=vp, decode=vd,
+                                  cpu=ROUTER_CPU, log_dir=run_dir)
 
     rows = [("direct", "direct to decode (no router)", vd.url, None),
             ("pd-vllm", "pd-router (vLLM pull)", pd_vllm.url, pd_vllm),
@@ -849,15 +859,24 @@ def main() -> int:
             ("vllm-router", "vllm-router", vllm_router.url, vllm_router),
             ("pd-sglang", "pd-router --engine sglang", pd_sglang.url, pd_sglang),
             ("sglang-router", "sglang-router", sglang_router.url, sglang_router),
-            ("naive", "naive aiohttp proxy (reference)", naive.url, naive)]
+            ("naive", "naive aiohttp proxy (reference)", naive.url, naive),
+            ("floor", "Python floor proxy (reference)", floor.url, floor)]
+    if args.targets:
+        unknown = set(args.targets) - {key for key, *_ in rows}
+        if unknown:
+            sys.exit(f"router_overhead: no target {sorted(unknown)}; "
+                     f"targets: {', '.join(key for key, *_ in rows)}")
+        rows = [row for row in rows if row[0] in args.targets or row[0] == "direct"]
     # Mode-major, so that the table reads non-streaming first; the naive proxy does not stream.
     targets = [Target(mode_key(key, stream), label, url, proc, stream=stream)
                for stream in STREAMING[args.streaming] for key, label, url, proc in rows
                if not (stream and key == "naive")]
-    routers: list[ManagedProcess] = [pd_vllm, pd_default, pd_sglang]
-    if False in STREAMING[args.streaming]:
-        routers.append(naive)
+    routers: list[ManagedProcess] = [proc for key, _, _, proc in rows
+                                     if proc is not None and key not in PEER_PINS
+                                     and any(t.proc is proc for t in targets)]
     for peer, proc in (("vllm-router", vllm_router), ("sglang-router", sglang_router)):
+        if not any(t.base == peer for t in targets):
+            continue
         if peers.get(peer):
             routers.append(proc)
             continue
@@ -865,7 +884,8 @@ def main() -> int:
             if t.base == peer:
                 t.broken = f"{peer} not installed"
         print(f"skipping {peer}: not installed in {PEERS_VENV.relative_to(ROOT)}", flush=True)
-    engines: list[ManagedProcess] = [vp, vd, sp, sd]
+    engines: list[ManagedProcess] = [vp, vd, *((sp, sd) if any(
+        t.base in ("pd-sglang", "sglang-router") for t in targets) else ())]
     everything = [*engines, *routers]
     runs: dict[tuple[str, int], list[dict]] = {}
     try:
@@ -874,7 +894,7 @@ def main() -> int:
     except ImportError:
         loop_factory = None
     try:
-        print("starting 4 mock engines (core 1) and the routers (core 0)", flush=True)
+        print(f"starting {len(engines)} mock engines (core 1) and the routers (core 0)", flush=True)
         failed = start_checked(engines)
         if failed:
             raise RuntimeError(f"mock engines failed to start: {failed}")

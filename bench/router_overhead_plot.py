@@ -19,7 +19,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"pd-vllm": "#1f77b4", "pd-vllm-default": "#2ca02c", "vllm-router": "#aec7e8",
-          "pd-sglang": "#d62728", "sglang-router": "#ff9896", "naive": "#bbbbbb"}
+          "pd-sglang": "#d62728", "sglang-router": "#ff9896", "naive": "#bbbbbb",
+          "floor": "#555555"}
 STREAM_SUFFIX = ":stream"  # bench/router_overhead.py's key for a target's streaming rows
 
 
