@@ -14,10 +14,15 @@ still uses aiohttp.
 One Upstream per host:port keeps idle keep-alive connections (LIFO, up to `max_idle`). A
 connection goes back to the pool only after its response was read to the end and the server
 allowed keep-alive; a connection whose response was abandoned, cancelled or timed out is closed.
-A timeout is one loop.call_later per request (no wait_for/tasks); it covers connect, headers and
-body, and raises UpstreamTimeout. Connection problems raise UpstreamError (a ConnectionError).
+A timeout is a `Deadline` per connection (deadline.py: re-armed per request without a new timer;
+no wait_for/tasks); it covers connect, headers and body, and raises UpstreamTimeout. Connection problems raise UpstreamError (a ConnectionError).
 A reused connection that the server closed before sending a single byte (the keep-alive race)
 is retried once on a fresh connection, as browsers and aiohttp do.
+
+A request cancelled after its whole answer had arrived (the caller's task was cancelled in the
+moment between the answer and its own resumption) still closes the connection, but hands the
+answer to `on_orphan(status, body)` first, if given: the caller can then act on an answer it will
+never read (pd-router releases the KV a prefill answer holds).
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ import asyncio
 from collections import deque
 from typing import Callable
 
+Orphan = Callable[[int, bytes], None]  # (status, whole body) of an answer its reader left
+
 import httptools
+
+from pd_plugins.routers.deadline import Deadline
 
 __all__ = ["Upstream", "Response", "UpstreamError", "UpstreamTimeout"]
 
@@ -50,12 +59,14 @@ class _Stale(UpstreamError):
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; carries one request/response at a time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, peer: str = "") -> None:
+        self.loop, self.peer = loop, peer  # peer: host:port, for the timeout's message
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.reused = False
         self.closed = False
+        self.deadline = Deadline(loop, self._timed_out)
+        self.timeout_s, self.answered = 0.0, False  # the timeout armed, and for which part
         self._reset()
 
     def _reset(self) -> None:
@@ -118,6 +129,12 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     # -- helpers ---------------------------------------------------------------------------
+    def orphan(self, on_orphan: Orphan | None, read: list[bytes] = ()) -> None:
+        """The reader was cancelled: hand over the answer if all of it had arrived (`read`: the
+        pieces the reader had taken already)."""
+        if on_orphan is not None and self.done and self.exc is None:
+            on_orphan(self.status, b"".join([*read, *self.take()]))
+
     def take(self) -> list[bytes]:
         """The body pieces that have arrived; reading resumes if it was paused."""
         chunks, self.chunks, self.buffered = self.chunks, [], 0
@@ -143,8 +160,21 @@ class _Conn(asyncio.Protocol):
 
     def abort(self) -> None:
         self.closed = True
+        self.deadline.cancel()
         if self.transport is not None:
             self.transport.abort()
+
+    def arm(self, timeout: float, answered: bool) -> None:
+        """The rest of this request must arrive within `timeout` (`answered`: its status and
+        headers are in, and the timeout is for the body)."""
+        self.timeout_s, self.answered = timeout, answered
+        self.deadline.arm(timeout)
+
+    def _timed_out(self) -> None:
+        if self.answered:
+            self.fail(UpstreamTimeout(f"no data within {self.timeout_s:g}s"))
+        else:
+            self.fail(UpstreamTimeout(f"{self.peer} did not answer within {self.timeout_s:g}s"))
 
     async def wait(self) -> None:
         """Sleep until the parser makes progress; close the connection if cancelled."""
@@ -160,26 +190,15 @@ class _Conn(asyncio.Protocol):
             self.waiter = None
 
 
-def _no_data(conn: _Conn, timeout: float) -> None:
-    conn.fail(UpstreamTimeout(f"no data within {timeout:g}s"))  # built only when it happens
-
-
 class Response:
     """Status and headers of an upstream answer; the body via read() or `async for`."""
 
-    __slots__ = ("status", "headers", "_conn", "_pool", "_timer", "_timer_at", "_due", "_timeout")
+    __slots__ = ("status", "headers", "_conn", "_pool", "_on_orphan")
 
-
-    def __init__(self, conn: _Conn, pool: Upstream, timer: asyncio.TimerHandle | None) -> None:
+    def __init__(self, conn: _Conn, pool: Upstream, on_orphan: Orphan | None = None) -> None:
         self.status: int = conn.status
         self.headers: list[tuple[bytes, bytes]] = conn.headers  # raw (name, value) pairs
-        self._conn, self._pool, self._timer = conn, pool, timer
-        # rearm() (once per streamed chunk) only moves `_due`; the pending timer, due at
-        # `_timer_at`, re-arms itself to `_due` when it fires early (one timer per request, not
-        # one per chunk). `_due` None: disarmed.
-        # The first timer (connect and headers, from _send) is not one of these: inf marks it,
-        # so the first rearm or disarm cancels it.
-        self._timer_at, self._due, self._timeout = float("inf"), None, 0.0
+        self._conn, self._pool, self._on_orphan = conn, pool, on_orphan
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of a header, matched case-insensitively."""
@@ -193,9 +212,13 @@ class Response:
         """The whole body; the connection then goes back to the pool."""
         conn = self._conn
         parts: list[bytes] = []
-        while not conn.done:
-            parts += conn.take()
-            await conn.wait()
+        try:
+            while not conn.done:
+                parts += conn.take()
+                await conn.wait()
+        except asyncio.CancelledError:
+            conn.orphan(self._on_orphan, parts)
+            raise
         parts += conn.take()
         body = b"".join(parts) if len(parts) != 1 else parts[0]
         self.release()
@@ -212,35 +235,16 @@ class Response:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def rearm(self, timeout: float) -> None:
-        """Replace the request's timeout: from now on the rest must arrive within `timeout`."""
-        loop = self._conn.loop
-        due = loop.time() + timeout
-        self._due, self._timeout = due, timeout
-        if self._timer is not None and self._timer_at > due:  # the pending one is too late
-            self._timer.cancel()
-            self._timer = None
-        if self._timer is None:
-            self._timer_at = due
-            self._timer = loop.call_at(due, self._expire)
-
-    def _expire(self) -> None:
-        self._timer = None
-        conn, due = self._conn, self._due
-        if conn is None or due is None:  # released, or disarmed meanwhile
-            return
-        if conn.loop.time() < due:  # rearmed meanwhile: wait for the new due time
-            self._timer_at = due
-            self._timer = conn.loop.call_at(due, self._expire)
-            return
-        _no_data(conn, self._timeout)
+        """Replace the request's timeout: from now on the rest must arrive within `timeout`
+        (once per streamed chunk: it moves a due time, see deadline.py)."""
+        if self._conn is not None:
+            self._conn.arm(timeout, answered=True)
 
     def disarm(self) -> None:
         """Stop the timeout until the next rearm: time the caller spends elsewhere (writing to a
         slow client) is not the upstream's."""
-        self._due = None
-        if self._timer is not None and self._timer_at == float("inf"):
-            self._timer.cancel()
-            self._timer = None
+        if self._conn is not None:
+            self._conn.deadline.disarm()
 
     async def __aiter__(self):
         """The body in the pieces it arrives in (chunked framing already removed)."""
@@ -262,8 +266,7 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._timer is not None:
-            self._timer.cancel()
+        conn.deadline.disarm()
         if conn.done and not conn.closed and conn.exc is None and not conn.paused:
             self._pool._put(conn)
         else:
@@ -286,13 +289,14 @@ class Upstream:
         self.host, self.port = host, port
         self.max_idle, self.connect_timeout = max_idle, connect_timeout
         self._idle: deque[_Conn] = deque()
-        self._host_line = f"Host: {host}:{port}\r\n".encode()
+        self._peer = f"{host}:{port}"
+        self._host_line = f"Host: {self._peer}\r\n".encode()
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(loop), self.host, self.port),
+                loop.create_connection(lambda: _Conn(loop, self._peer), self.host, self.port),
                 self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as exc:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
@@ -308,9 +312,11 @@ class Upstream:
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: dict[str, str] | None = None,
                       timeout: float | None = None,
-                      on_sent: Callable[[], None] | None = None) -> Response:
+                      on_sent: Callable[[], None] | None = None,
+                      on_orphan: Orphan | None = None) -> Response:
         """Send a request; return once the status and headers are in. `on_sent` is called once
-        the request has been handed to a connection (the server may act on it from then on)."""
+        the request has been handed to a connection (the server may act on it from then on);
+        `on_orphan`: see the module's docstring."""
         head = [f"{method} {path} HTTP/1.1\r\n".encode(), self._host_line,
                 b"Content-Length: %d\r\n" % len(body)]
         if headers:
@@ -327,33 +333,32 @@ class Upstream:
             if conn is None:
                 conn = await self._connect()
             try:
-                return await self._send(conn, data, timeout, on_sent)
+                return await self._send(conn, data, timeout, on_sent, on_orphan)
             except _Stale:
                 if attempt:
                     raise UpstreamError("upstream closed the connection twice") from None
         raise AssertionError("unreachable")
 
     async def _send(self, conn: _Conn, data: bytes, timeout: float | None,
-                    on_sent: Callable[[], None] | None = None) -> Response:
+                    on_sent: Callable[[], None] | None = None,
+                    on_orphan: Orphan | None = None) -> Response:
         conn._reset()
-        timer = None
         if timeout is not None:
-            timer = conn.loop.call_later(timeout, self._timed_out, conn, timeout)
+            conn.arm(timeout, answered=False)
+        else:
+            conn.deadline.disarm()
         try:
             conn.transport.write(data)
             if on_sent is not None:
                 on_sent()
             while not conn.headers_done:
                 await conn.wait()
-        except BaseException:
-            if timer is not None:
-                timer.cancel()
+        except BaseException as exc:
             conn.abort()
+            if isinstance(exc, asyncio.CancelledError):
+                conn.orphan(on_orphan)
             raise
-        return Response(conn, self, timer)
-
-    def _timed_out(self, conn: _Conn, timeout: float) -> None:
-        conn.fail(UpstreamTimeout(f"{self.host}:{self.port} did not answer within {timeout:g}s"))
+        return Response(conn, self, on_orphan)
 
     async def close(self) -> None:
         """Close the idle connections."""

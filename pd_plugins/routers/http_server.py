@@ -33,6 +33,7 @@ import httptools
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from pd_plugins.routers.deadline import Deadline
 from pd_plugins.routers.errors import error_body
 
 log = logging.getLogger("pd_router.http")
@@ -199,7 +200,7 @@ class _FrontConnection(asyncio.Protocol):
         self.held: list[bytes] = []  # data that arrived while a request was being answered
         self.queue: list[FastRequest | str] = []  # parsed requests (a str: a refusal to send)
         self.task: asyncio.Task | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = Deadline(self.loop, self._timed_out)  # the read or keep-alive timeout
         self.in_message = False
         self.keep_alive = True
         self.http11 = True
@@ -229,7 +230,7 @@ class _FrontConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        self._disarm()
+        self.deadline.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client left: the handler closes both legs
         waiter = self.drain_waiter
@@ -276,7 +277,7 @@ class _FrontConnection(asyncio.Protocol):
 
     def _hand_off(self, data: bytes) -> None:
         """The rest of this connection is aiohttp's (see the module's docstring)."""
-        self._disarm()
+        self.deadline.cancel()
         self.handed_off = True
         self.server.connections.discard(self)
         protocol = self.server.fallback()
@@ -469,23 +470,19 @@ class _FrontConnection(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
-        self._disarm()
+        self.deadline.cancel()
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()
 
     # -- timers ----------------------------------------------------------------------------
     def _arm(self, seconds: float) -> None:
-        self._disarm()
-        self.timer = self.loop.call_later(seconds, self._timed_out)
+        self.deadline.arm(seconds)
 
     def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
+        self.deadline.disarm()
 
     def _timed_out(self) -> None:
-        self.timer = None
         if self.in_message:  # a request begun and not finished in time (slow loris)
             self._refuse_now(408, f"the request was not received within {self.server.read_timeout_s:g} s")
         elif self.task is None:  # idle keep-alive

@@ -34,7 +34,8 @@ from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.errors import error_body, error_response
 from pd_plugins.routers.http_server import FastStreamResponse, stream_response
-from pd_plugins.routers.upstream import Pools, RequestRefused, WorkerFailed, json_leg, open_leg, read_body
+from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, json_answer, json_leg,
+                                        open_leg, read_body)
 from pd_plugins.vocab.expert_signature import ExpertSignature
 from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of, stored_tokens_of
 
@@ -208,10 +209,15 @@ class Proxy:
         sequential = decision.prefill is not None and prefill_task is None and info.stream
         pulled = uncached_tokens(self.ctx, decode, info) if sequential else 0
         decode_started = time.monotonic()
-        decode_sent = asyncio.Event()  # set once the decode leg's request is on its way
+        decode_sent = False  # True once the decode leg's request is on its way
+
+        def on_decode_sent() -> None:
+            nonlocal decode_sent
+            decode_sent = True
+
         try:
             if prefill_task is None:  # pull flow or local prefill: nothing runs alongside
-                first = self._decode_first(attempt, decode_body, decode_sent.set)
+                first = self._decode_first(attempt, decode_body, on_decode_sent)
             else:
                 first = asyncio.create_task(self._decode_first(attempt, decode_body))
                 try:
@@ -232,7 +238,7 @@ class Proxy:
                     prefill_task.cancel()
                     await asyncio.gather(prefill_task, return_exceptions=True)
                 elif (isinstance(exc, asyncio.CancelledError) and decision.prefill is not None
-                      and not decode_sent.is_set()):
+                      and not decode_sent):
                     self._release_later(attempt, decode_body)
                 raise
             finally:
@@ -262,26 +268,24 @@ class Proxy:
             accounting.decode_ended(decode, info, decode_charge)
 
     async def _prepare(self, attempt: Attempt) -> tuple[dict[str, Any], asyncio.Task | None]:
-        """The flow's prepare (the pull prefill leg), in a task of its own so that a client
-        leaving just as the prefill answers loses no answer: the KV it holds is then released.
-        A local prefill has no prefill leg to protect: no task, no shield."""
-        if attempt.decision.prefill is None:
-            return await self.flow.prepare(attempt, self._prefill_leg)
-        task = asyncio.ensure_future(self.flow.prepare(attempt, self._prefill_leg))
+        """The flow's prepare (the pull prefill leg). A client that leaves while the prefill
+        runs cancels this: the leg's connection closes, and the engine aborts it and frees its
+        KV. One that leaves just as the prefill answers loses no answer: `_prefill_leg` returns
+        it with `attempt.client_left` set, the KV it holds is released here, and the
+        cancellation goes on. (No task of its own: one per request cost measurable CPU.)"""
         try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            await asyncio.sleep(0)  # an answer already received completes the task now
-            if not task.done():
-                task.cancel()  # closes the prefill leg: the engine aborts it and frees its KV
-                await asyncio.gather(task, return_exceptions=True)
-            elif not task.cancelled() and task.exception() is None:
-                decode_body, prefill_task = task.result()
-                if prefill_task is not None:
-                    prefill_task.cancel()
-                elif attempt.decision.prefill is not None:
-                    self._release_later(attempt, decode_body)
+            decode_body, prefill_task = await self.flow.prepare(attempt, self._prefill_leg)
+        except WorkerFailed:
+            if attempt.client_left:  # nobody to retry for
+                raise asyncio.CancelledError from None
             raise
+        if attempt.client_left:
+            if prefill_task is not None:
+                prefill_task.cancel()
+            elif attempt.decision.prefill is not None:
+                self._release_later(attempt, decode_body)
+            raise asyncio.CancelledError
+        return decode_body, prefill_task
 
     def _release_later(self, attempt: Attempt, decode_body: dict[str, Any]) -> None:
         """The client left after the prefill answered but before the decode leg went out: the
@@ -313,9 +317,23 @@ class Proxy:
         worker, info = attempt.decision.prefill, attempt.request.info
         charge = accounting.prefill_started(self.ctx, worker, info)
         started = time.monotonic()
+        orphans: list[bytes] = []
+
+        def orphaned(status: int, payload: bytes) -> None:
+            if status == 200:
+                orphans.append(payload)
+
         try:
             answer = await json_leg(self.pools, worker, "prefill", attempt.path, body,
-                                    attempt.request_id, self.timeouts.prefill_s)
+                                    attempt.request_id, self.timeouts.prefill_s, orphaned)
+        except asyncio.CancelledError:
+            if not orphans:
+                raise
+            # The answer came in full just as the client left: the prefill holds its KV, which
+            # _prepare releases before the cancellation goes on (or, for an answer that is not
+            # one, just goes on with the cancellation).
+            attempt.client_left = True
+            answer = json_answer(orphans[0], worker, "prefill")
         finally:
             accounting.prefill_ended(worker, info, charge)
         elapsed = time.monotonic() - started
@@ -547,6 +565,11 @@ def _consume(task: asyncio.Task) -> None:
 
 async def _write_quietly(out: web.StreamResponse, data: bytes | None, timeout_s: float) -> None:
     try:
+        if isinstance(out, FastStreamResponse):  # the front server: only a full socket waits
+            if out.send(data or b"", eof=True):
+                async with asyncio.timeout(timeout_s):
+                    await out.drained()
+            return
         async with asyncio.timeout(timeout_s):
             if data is not None:
                 await out.write(data)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from pd_plugins.routers.http_client import Response, Upstream, UpstreamError, UpstreamTimeout
+from pd_plugins.routers.http_client import Orphan, Response, Upstream, UpstreamError, UpstreamTimeout
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -69,15 +69,17 @@ def _failure(worker: Any, leg: str, exc: UpstreamError, timeout_s: float) -> Wor
 
 async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
                    request_id: str, timeout_s: float,
-                   on_sent: Callable[[], None] | None = None) -> Response:
+                   on_sent: Callable[[], None] | None = None,
+                   on_orphan: Orphan | None = None) -> Response:
     """POST and wait for the response headers; non-2xx answers are classified and raised.
 
     The timeout keeps running over the body until the caller re-arms it (Response.rearm).
-    `on_sent`: called once the request is on its way to the worker."""
+    `on_sent`: called once the request is on its way to the worker; `on_orphan`: given the
+    whole answer if the caller is cancelled after it arrived (http_client.py)."""
     headers = {**JSON_HEADERS, "X-Request-Id": request_id}
     try:
         resp = await pools.get(worker.url).request("POST", path, _encode(body), headers, timeout_s,
-                                                   on_sent)
+                                                   on_sent, on_orphan)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc, timeout_s) from None
     if resp.status == 200:
@@ -104,10 +106,16 @@ async def read_body(resp: Response, worker: Any, leg: str, timeout_s: float) -> 
 
 
 async def json_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
-                   request_id: str, timeout_s: float) -> dict[str, Any]:
+                   request_id: str, timeout_s: float,
+                   on_orphan: Orphan | None = None) -> dict[str, Any]:
     """A whole non-streaming leg, parsed; a body that is not a JSON object is the worker's fault."""
-    resp = await open_leg(pools, worker, leg, path, body, request_id, timeout_s)
-    payload = await read_body(resp, worker, leg, timeout_s)
+    resp = await open_leg(pools, worker, leg, path, body, request_id, timeout_s,
+                          on_orphan=on_orphan)
+    return json_answer(await read_body(resp, worker, leg, timeout_s), worker, leg)
+
+
+def json_answer(payload: bytes, worker: Any, leg: str) -> dict[str, Any]:
+    """A leg's answer as a JSON object (WorkerFailed if it is not one)."""
     try:
         data = _decode(payload)
     except msgspec.DecodeError:

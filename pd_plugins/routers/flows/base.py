@@ -19,6 +19,8 @@ class Attempt:
     request_id: str               # unique per attempt; both legs carry it as X-Request-Id
     path: str                     # /v1/completions or /v1/chat/completions
     excluded_decode: frozenset = frozenset()  # decode workers that failed earlier attempts
+    # the client left just as the prefill answered (proxy.py: the KV it holds is released)
+    client_left: bool = False
 
 
 # Runs the prefill leg on attempt.decision.prefill with the router's accounting and timeout;

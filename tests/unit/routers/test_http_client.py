@@ -6,7 +6,8 @@ import time
 import pytest
 from aiohttp import web
 
-from pd_plugins.routers.http_client import MAX_BUFFERED, Upstream, UpstreamError, UpstreamTimeout
+from pd_plugins.routers.http_client import (MAX_BUFFERED, Upstream, UpstreamError, UpstreamTimeout,
+                                            _Conn)
 from tests.unit.routers.helpers import loopback_server
 
 
@@ -25,6 +26,20 @@ async def stream(request):
     return out
 
 
+async def late_end(request):
+    out = web.StreamResponse()
+    await out.prepare(request)
+    await out.write(b"first,")
+    await asyncio.sleep(0.2)
+    await out.write(b"last")
+    await out.write_eof()
+    return out
+
+
+async def small(request):
+    return web.Response(body=b"ok:" + await request.read())
+
+
 async def slow(request):
     await asyncio.sleep(2)
     return web.Response(text="late")
@@ -40,7 +55,8 @@ async def stall_after_first(request):
 
 def run(scenario):
     async def main():
-        handlers = {"/echo": echo, "/stream": stream, "/slow": slow, "/stall": stall_after_first}
+        handlers = {"/echo": echo, "/stream": stream, "/slow": slow, "/stall": stall_after_first,
+                    "/small": small, "/late_end": late_end}
         async with loopback_server(handlers) as port:
             upstream = Upstream("127.0.0.1", port)
             try:
@@ -176,3 +192,57 @@ def test_rearm_moves_the_deadline_both_ways_and_disarm_holds_it():
         assert 0.15 < time.monotonic() - t0 < 1.0
         resp.release()
     run(scenario)
+
+
+@pytest.mark.parametrize("path, answer", [
+    ("/small", b"ok:hi"),                  # one read: the reader waits for the headers (_send)
+    ("/echo", b"x" * 100_000 + b"hi"),    # a large answer
+    ("/late_end", b"first,last"),         # the reader is in read(), with a part taken
+])
+def test_an_answer_whose_reader_is_cancelled_as_it_arrives_goes_to_on_orphan(monkeypatch, path, answer):
+    """The race pd-router's prefill leg has with a client that leaves: the answer is complete,
+    the reading task is cancelled before it resumes. The answer is handed over whole, and the
+    connection is closed, not pooled."""
+    orphans = []
+
+    async def scenario(up):
+        task = None
+        original = _Conn.data_received
+
+        def data_received(conn, data):
+            original(conn, data)
+            if conn.done and task is not None:
+                task.cancel()  # in the same loop turn as the answer's last bytes
+
+        monkeypatch.setattr(_Conn, "data_received", data_received)
+
+        async def leg():
+            resp = await up.request("POST", path, b"hi",
+                                    on_orphan=lambda status, body: orphans.append((status, body)))
+            return await resp.read()
+
+        task = asyncio.create_task(leg())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not up._idle
+
+    run(scenario)
+    assert orphans == [(200, answer)]
+
+
+def test_a_reader_cancelled_before_its_answer_is_complete_orphans_nothing():
+    orphans = []
+
+    async def scenario(up):
+        async def leg():
+            resp = await up.request("POST", "/stall", b"", on_orphan=lambda *a: orphans.append(a))
+            return await resp.read()
+
+        task = asyncio.create_task(leg())
+        await asyncio.sleep(0.3)  # headers and "first" are in, the rest never comes
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(scenario)
+    assert orphans == []
