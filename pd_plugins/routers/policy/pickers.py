@@ -27,9 +27,15 @@ class RoundRobinPicker:
         self._turn = -1
 
     def pick(self, workers: list, scores: list[float]):
-        ordered = sorted(workers, key=lambda w: w.ordinal)
         self._turn += 1
+        if len(workers) == 1:
+            return workers[0]
+        ordered = sorted(workers, key=_ordinal)
         return ordered[self._turn % len(ordered)]
+
+
+def _ordinal(worker) -> int:
+    return worker.ordinal
 
 
 class RandomParams(Params):

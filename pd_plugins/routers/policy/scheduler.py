@@ -170,12 +170,15 @@ class Profile:
             if weight < 0:
                 raise ConfigError(f"{pool_name} scorer {name}: weight must be >= 0 (got {weight})")
         self.picker = build("picker", spec.picker.name, spec.picker.params, ctx)
+        self._picker_name = type(self.picker).__name__
 
     def choose(self, request: RequestInfo, candidates: list) -> Choice | None:
         for f in self.filters:
             candidates = f.filter(request, candidates)
         if not candidates:
             return None
+        if not self.scorers:  # the picker alone (round robin): no scores to add up or explain
+            return Choice(self.picker.pick(candidates, [0.0] * len(candidates)), self._picker_name)
         totals = [0.0] * len(candidates)
         parts: list[list[str]] = [[] for _ in candidates]
         for name, weight, scorer in self.scorers:
@@ -184,7 +187,7 @@ class Profile:
                 parts[i].append(f"{name}={value:.2f}")
         worker = self.picker.pick(candidates, totals)
         i = candidates.index(worker)
-        reason = " ".join(parts[i]) if parts[i] else type(self.picker).__name__
+        reason = " ".join(parts[i]) if parts[i] else self._picker_name
         return Choice(worker, reason)
 
 

@@ -154,3 +154,9 @@ def test_both_token_limits_are_checked_whichever_the_engine_reads():
     assert "'max_tokens' must be" in refused(chat, kind="chat")
     chat = {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": None, "max_tokens": 4}
     assert parse(chat, kind="chat").info.max_tokens == 4
+
+
+def test_the_fields_taken_as_plain_client_fields_are_no_transfer_fields():
+    # CLIENT_FIELDS lets a body skip the per-field test: none of them may be one the router owns
+    from pd_plugins.routers.request import CLIENT_FIELDS, _is_transfer_field
+    assert not [name for name in CLIENT_FIELDS if _is_transfer_field(name)]
