@@ -215,27 +215,33 @@ class Proxy:
             nonlocal decode_sent
             decode_sent = True
 
+        # push and SGLang: the prefill leg runs alongside in its own task, and one that fails
+        # before the decode's first byte (its whole answer, not streaming) stops the decode leg
+        # here: it cancels this task, and its error is raised instead (a task and an
+        # asyncio.wait per request for the decode leg cost measurable CPU).
+        prefill_failed = first_done = False
+        this_task = asyncio.current_task() if prefill_task is not None else None
+
+        def on_prefill_done(task: asyncio.Task) -> None:
+            nonlocal prefill_failed
+            if not first_done and not task.cancelled() and task.exception() is not None:
+                prefill_failed = True
+                this_task.cancel()  # closes the decode leg: the engine aborts it
+
+        if prefill_task is not None:
+            prefill_task.add_done_callback(on_prefill_done)
         try:
-            if prefill_task is None:  # pull flow or local prefill: nothing runs alongside
-                first = self._decode_first(attempt, decode_body, on_decode_sent)
-            else:
-                first = asyncio.create_task(self._decode_first(attempt, decode_body))
-                try:
-                    await asyncio.wait({first, prefill_task}, return_when=asyncio.FIRST_COMPLETED)
-                except asyncio.CancelledError:  # the client left: close both legs now
-                    first.cancel()
-                    prefill_task.cancel()
-                    await asyncio.gather(first, prefill_task, return_exceptions=True)
-                    raise
-                if prefill_task.done() and prefill_task.exception() is not None and not first.done():
-                    first.cancel()  # closes the decode leg: the engine aborts it
-                    await asyncio.gather(first, return_exceptions=True)
-                    raise prefill_task.exception()
             try:
-                resp, payload = await first
+                resp, payload = await self._decode_first(
+                    attempt, decode_body, on_decode_sent if prefill_task is None else None)
+                first_done = True
             except BaseException as exc:
+                first_done = True
                 if prefill_task is not None:
-                    prefill_task.cancel()
+                    if (prefill_failed and isinstance(exc, asyncio.CancelledError)
+                            and this_task.uncancel() == 0):  # only the prefill's cancel
+                        raise prefill_task.exception() from None
+                    prefill_task.cancel()  # the client left, or the decode failed
                     await asyncio.gather(prefill_task, return_exceptions=True)
                 elif (isinstance(exc, asyncio.CancelledError) and decision.prefill is not None
                       and not decode_sent):

@@ -89,6 +89,25 @@ def test_failing_prefill_is_retried_on_another(fault):
         assert 'pd_router_retries_total{leg="prefill"}' in router.metrics()
 
 
+@pytest.mark.parametrize("engine, transfer", [("sglang", "pull"), ("vllm", "push")])
+def test_a_prefill_failing_beside_its_decode_stops_the_decode_and_is_retried(engine, transfer):
+    """SGLang and push run both legs at once, the decode waiting for the prefill's KV: a prefill
+    that fails closes the decode leg at once (not after the decode's 30 s KV wait) and the
+    request is retried on another prefill."""
+    prefills, decodes = mocks(engine, prefills=2, push=transfer == "push")
+    with deployment(prefills, decodes, "--engine", engine, "--transfer", transfer,
+                    "--policy", "round_robin", "--route-header", "full") as router:
+        prefills[0].set_faults(fail_rate=1.0)
+        for _ in range(4):
+            started = time.monotonic()
+            resp = post(router)
+            assert resp.status_code == 200, resp.text
+            assert f"prefill={prefills[1].url}" in resp.headers["x-pd-route"]
+            assert time.monotonic() - started < 10
+        assert decodes[0].stats()["cancelled"] >= 1  # the first try's decode leg, closed
+        assert 'pd_router_retries_total{leg="prefill"}' in router.metrics()
+
+
 def test_no_usable_prefill_falls_back_to_local_prefill_or_fails_clearly():
     prefills, decodes = mocks()
     with deployment(prefills, decodes, "--policy", "round_robin", "--route-header", "full") as router:
