@@ -11,10 +11,12 @@ each router runs alone on core 0. For every target and concurrency the closed-lo
 core 1 before the routers) measures requests/s and latency over a fixed window, and the router's CPU
 time (utime + stime from /proc/PID/stat) over the same window gives CPU per request. Targets: the decode engine directly
 (no router: the latency baseline), pd-router (vLLM pull flow), vllm-router, pd-router --engine
-sglang, sglang-router, and bench/naive_proxy.py (the least an aiohttp PD proxy can do: the floor
-under pd-router on this machine). Every request is disaggregated (round_robin everywhere), except
+sglang, sglang-router, bench/naive_proxy.py (the least an aiohttp PD proxy can do) and
+bench/floor_proxy.py (the least any Python PD proxy can do: protocol callbacks, no task per
+request). Every request is disaggregated (round_robin everywhere), except
 in one more row: pd-router's default policy, which prefills a short prompt on the decode itself.
-Each target runs non-streaming and streaming (`--streaming`; the naive proxy non-streaming only),
+Each target runs non-streaming and streaming (`--streaming`; the naive proxy non-streaming only;
+`--targets` for some of them),
 and the end of the run checks issue 30's goals against the Rust routers of the same run.
 
 The peer routers are installed on demand into bench/.venv-peers (matplotlib too, for the plots),
@@ -517,7 +519,10 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "and metric scrapes are turned off or set to an hour so that only request work is counted. "
              "A reference row, `bench/naive_proxy.py` (non-streaming only), is the least an aiohttp PD "
              "proxy can do (prefill, then decode, relay; no policy, metrics, timeouts or failover): the "
-             "floor under any aiohttp-based router on this machine.", "",
+             "floor under any aiohttp-based router on this machine. A second one, "
+             "`bench/floor_proxy.py` (both modes), is the least any Python PD proxy can cost: the "
+             "same flow on uvloop and httptools with plain protocol callbacks (no coroutine, task or "
+             "future per request): how far below the Rust routers Python can go here.", "",
              f"Rerun: `make bench-router` (or `.venv/bin/python -m bench.router_overhead [--quick] "
              f"[--repeats N] [--streaming both|off|only] [--loadgen wrk|aiohttp]`). This run: `{meta['command']}`, {meta['date']}, "
              f"{meta['runtime_s'] / 60:.1f} min.", "",
@@ -685,6 +690,21 @@ def comparison(summary: dict) -> list[str]:
                        + (" pd-router's legs run on its own httptools client (see \"Choosing the "
                           "router's HTTP stack\" below), which is why it costs less than the naive proxy."
                           if cheaper else ""))
+    for stream in (False, True):
+        mode = mode_name(stream)
+        ours, floor, peer = (mode_key(k, stream) for k in ("pd-vllm", "floor", "vllm-router"))
+        parts = []
+        for c in CONCURRENCY:
+            a, b, v = (cell(summary, k, c, "cpu_us") for k in (ours, floor, peer))
+            if a and b and v:
+                parts.append(f"{c}: pd-router {a['median']:.0f}, floor {b['median']:.0f} "
+                             f"({ratio(b, v)} vllm-router's {v['median']:.0f})")
+        if parts:
+            out.append(f"- {mode}, CPU µs per request, pd-router (vLLM pull) and the Python floor "
+                       "proxy: " + "; ".join(parts) + ". The difference is what pd-router does per "
+                       "request beyond moving bytes (coroutines and their task, request checks, "
+                       "policy, accounting, metrics, timeouts, failover); \"Router hot path "
+                       "profile\" below shows where.")
     return out
 
 
