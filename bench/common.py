@@ -4,6 +4,7 @@ its lock file says)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
@@ -91,3 +92,14 @@ def publish(section: str, text: str, plot_script: str, results: Path, plot_out: 
         subprocess.run([str(py), str(ROOT / "bench" / plot_script), str(results), str(plot_out)],
                        check=True)
     print(f"wrote {DOC.relative_to(ROOT)} and {plot_out.relative_to(ROOT)}")
+
+
+def reference_proxy_args(doc: str) -> tuple[str, str, int]:
+    """The command line of a reference proxy (naive_proxy.py, floor_proxy.py):
+    PREFILL_URL DECODE_URL PORT, as bench/router_overhead.py starts them."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("prefill_url")
+    ap.add_argument("decode_url")
+    ap.add_argument("port", type=int)
+    args = ap.parse_args()
+    return args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), args.port

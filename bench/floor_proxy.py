@@ -14,7 +14,6 @@ that pd-router's cost above it and the Rust routers' below it can be told apart 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from typing import Callable
 from urllib.parse import urlsplit
@@ -22,6 +21,7 @@ from urllib.parse import urlsplit
 import httptools
 import msgspec
 
+from bench.common import reference_proxy_args
 from pd_plugins.vocab.transfer_params import prefill_flags
 
 _encode, _decode = msgspec.json.Encoder().encode, msgspec.json.Decoder().decode
@@ -114,7 +114,11 @@ class Front(asyncio.Protocol):
         stream = bool(request.get("stream"))
         leg = dict(request, max_tokens=1, stream=False, kv_transfer_params=PREFILL_FLAGS)
         answer: list[bytes] = []
-        write = self.transport.write
+        transport = self.transport
+
+        def write(data: bytes) -> None:  # the client may have left (wrk closes mid-stream)
+            if not transport.is_closing():
+                transport.write(data)
 
         def decode_leg() -> None:
             leg2 = dict(request, kv_transfer_params=_decode(b"".join(answer))["kv_transfer_params"])
@@ -136,17 +140,13 @@ class Front(asyncio.Protocol):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("prefill_url")
-    ap.add_argument("decode_url")
-    ap.add_argument("port", type=int)
-    args = ap.parse_args()
+    prefill_url, decode_url, port = reference_proxy_args(__doc__)
     import uvloop
 
     async def serve() -> None:
-        prefill, decode = Pool(args.prefill_url), Pool(args.decode_url)
+        prefill, decode = Pool(prefill_url), Pool(decode_url)
         server = await asyncio.get_running_loop().create_server(
-            lambda: Front(prefill, decode), "127.0.0.1", args.port)
+            lambda: Front(prefill, decode), "127.0.0.1", port)
         await server.serve_forever()
 
     uvloop.run(serve())

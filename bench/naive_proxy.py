@@ -9,25 +9,20 @@ what aiohttp's client and server cost on the machine, the floor under any aiohtt
 
 from __future__ import annotations
 
-import argparse
 import uuid
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from bench.common import reference_proxy_args
 from pd_plugins.vocab.transfer_params import prefill_flags
 
 _encode, _decode = msgspec.json.Encoder().encode, msgspec.json.Decoder().decode
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("prefill_url")
-    ap.add_argument("decode_url")
-    ap.add_argument("port", type=int)
-    args = ap.parse_args()
-    prefill, decode, port = args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), args.port
+    prefill, decode, port = reference_proxy_args(__doc__)
     session: aiohttp.ClientSession | None = None
 
     async def generate(request: web.Request) -> web.Response:
