@@ -15,7 +15,8 @@ One Upstream per host:port keeps idle keep-alive connections (LIFO, up to `max_i
 connection goes back to the pool only after its response was read to the end and the server
 allowed keep-alive; a connection whose response was abandoned, cancelled or timed out is closed.
 A timeout is a `Deadline` per connection (deadline.py: re-armed per request without a new timer;
-no wait_for/tasks); it covers connect, headers and body, and raises UpstreamTimeout. Connection problems raise UpstreamError (a ConnectionError).
+no wait_for/tasks); it covers connect, headers and body, and raises UpstreamTimeout. Connection
+problems raise UpstreamError (a ConnectionError).
 A reused connection that the server closed before sending a single byte (the keep-alive race)
 is retried once on a fresh connection, as browsers and aiohttp do.
 
@@ -31,13 +32,13 @@ import asyncio
 from collections import deque
 from typing import Callable
 
-Orphan = Callable[[int, bytes], None]  # (status, whole body) of an answer its reader left
-
 import httptools
 
 from pd_plugins.routers.deadline import Deadline
 
 __all__ = ["Upstream", "Response", "UpstreamError", "UpstreamTimeout"]
+
+Orphan = Callable[[int, bytes], None]  # (status, whole body) of an answer its reader left
 
 
 # Unread body bytes per connection before the client stops reading from the socket.
@@ -98,6 +99,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.deadline.cancel()  # an idle pooled connection too: nothing will arm it again
         if not self.done:
             if not self.got_bytes and self.reused:
                 self.fail(_Stale("keep-alive connection closed by the server"))

@@ -285,11 +285,8 @@ class Proxy:
             if attempt.client_left:  # nobody to retry for
                 raise asyncio.CancelledError from None
             raise
-        if attempt.client_left:
-            if prefill_task is not None:
-                prefill_task.cancel()
-            elif attempt.decision.prefill is not None:
-                self._release_later(attempt, decode_body)
+        if attempt.client_left:  # set only by a pull prefill leg, which ran in this task
+            self._release_later(attempt, decode_body)
             raise asyncio.CancelledError
         return decode_body, prefill_task
 
