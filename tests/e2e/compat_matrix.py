@@ -70,7 +70,8 @@ LMCACHE_TP_NOTE = "with `head_groups: 2`; loads `unverified`"
 CELLS = (
     # PdNixlConnector pull
     Cell(ROWS[0], "P1→D1", CI, "tests/e2e/test_pd_nixl.py::test_pd_output_equals_aggregated"),
-    Cell(ROWS[0], "P2→D1", CI, TP_TEST, config=_tp(2, 1)),
+    Cell(ROWS[0], "P2→D1", FULL, TP_TEST, config=_tp(2, 1),
+         note="lease verdicts of every rank: unit test in CI"),
     Cell(ROWS[0], "P1→D2", FULL, TP_TEST, config=_tp(1, 2)),
     Cell(ROWS[0], "P2→D2", FULL, TP_TEST, config=_tp(2, 2)),
     Cell(ROWS[0], COLUMNS[4], CI, SWA_NIXL_TEST, note="two cache groups; loads `unverified`",
@@ -96,7 +97,7 @@ CELLS = (
          f"{SWA_TEST}::test_pool_connector_refuses_a_state_space_model_at_startup"),
     # PdLMCacheConnector
     Cell(ROWS[3], "P1→D1", CI, "tests/e2e/test_pd_lmcache.py::test_pd_output_equals_aggregated"),
-    Cell(ROWS[3], "P2→D1", CI, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(2, 1)),
+    Cell(ROWS[3], "P2→D1", FULL, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(2, 1)),
     Cell(ROWS[3], "P1→D2", FULL, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(1, 2)),
     Cell(ROWS[3], "P2→D2", FULL, POOL_TP_TEST, note=LMCACHE_TP_NOTE, config=_lmcache(2, 2)),
     Cell(ROWS[3], COLUMNS[4], FULL, SWA_POOL_TEST, note=HMA_OFF_NOTE,

@@ -1,4 +1,4 @@
-"""Push mode under load (issue 10): hundreds of requests on a CPU-starved 2-core machine, none hung.
+"""Push mode under load (issue 10): 120 requests on a CPU-starved 2-core machine, none hung.
 
 Upstream NIXL push left about one request in twenty waiting forever on such a machine (the
 registration or the WRITE never came and nothing timed out). PdNixlConnector gives every push a
@@ -28,7 +28,7 @@ from tests.e2e.deployments import CONCURRENT, PROMPTS, PdConfig, completion_body
 
 pytestmark = pytest.mark.e2e
 
-REQUESTS = 200
+REQUESTS = 120  # upstream hung about one in twenty: six expected
 CONCURRENCY = 4
 MAX_TOKENS = 8
 # Short, so that the pushes that do fail (about a quarter here: see the closing paragraph) fail fast.

@@ -9,9 +9,12 @@ standard: output equal to aggregated TP 1 serving token for token, plus the swap
 answers the prefilled prompt's output, not its own) and the transfer counters.
 
 The pairs come from the compatibility matrix (tests/e2e/compat_matrix.py, rendered into
-docs/connectors.md): CI runs prefill TP 2 -> decode TP 1 (the shape people run to cut TTFT with a
-wider prefill); the others run in the full matrix (`make test-full`): a TP 2 decode steps ~10x
-slower on gloo with one core.
+docs/connectors.md). CI runs PdShmConnector's prefill TP 2 -> decode TP 1 with `head_groups` (the
+shape people run to cut TTFT with a wider prefill); every NIXL pair runs in the full matrix
+(`make test-full`): the NIXL TP 2 -> 1 pair alone took ~3 min of CI on a slow host (its first TP 2
+step on gloo), and the lease check's merging of every prefill rank's verdict is unit-tested
+(tests/unit/connectors/test_pd_nixl_verify.py). A TP 2 decode steps ~10x slower on gloo with one
+core.
 """
 
 from __future__ import annotations
