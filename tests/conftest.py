@@ -1,9 +1,11 @@
+import os
 import signal
 import sys
 
 import pytest
 
 from pd_plugins.testing.engine_harness import LIVE_SERVERS
+from pd_plugins.testing.processes import LOG_ROOT_VAR
 
 pytest_plugins = ["tests.tiers", "pytester"]  # the two test tiers; pytester checks them
 
@@ -16,6 +18,16 @@ def _stop_servers_and_exit(signum, frame):
 
 
 signal.signal(signal.SIGTERM, _stop_servers_and_exit)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_logs_under_pytest_basetemp(tmp_path_factory):
+    """Test servers log under pytest's temporary directory, which pytest prunes to the last three
+    runs: a run no longer leaves a /tmp/pd-test-* directory per server behind for good."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get(LOG_ROOT_VAR):
+            patch.setenv(LOG_ROOT_VAR, str(tmp_path_factory.getbasetemp() / "servers"))
+        yield
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -21,6 +21,18 @@ import requests
 
 LIVE_SERVERS: list[ManagedProcess] = []
 
+# Where servers keep their logs: a directory of their own under this root when it is set (the
+# test suite sets it to pytest's own temporary directory, which pytest prunes to the last three
+# runs), else under the system's temporary directory, kept for whoever started them to read.
+LOG_ROOT_VAR = "PD_TEST_LOG_ROOT"
+
+
+def new_log_dir() -> Path:
+    root = os.environ.get(LOG_ROOT_VAR)
+    if root:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix="pd-test-", dir=root or None))
+
 
 _HANDED_OUT: set[int] = set()
 _rng = random.Random()  # seeded from the OS: concurrent test runs pick different ports
@@ -58,7 +70,7 @@ def free_port() -> int:
 @dataclass(kw_only=True)
 class ManagedProcess:
     port: int = field(default_factory=free_port)
-    log_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pd-test-")))
+    log_dir: Path = field(default_factory=new_log_dir)
     proc: subprocess.Popen | None = None
     health_path: str = "/health"
 
