@@ -36,7 +36,7 @@ LEASE_S = 60          # what an abandoned prefill would hold its blocks for
 # read here move once per engine step, and on CI's loaded 2-core host 1.5 s was missed once
 FREED_WITHIN_S = 5.0
 PROMPT = token_prompt(100, seed=6001)  # three full blocks of 32 held by the prefill
-BLOCKERS = 3  # direct streaming requests that keep the decode's one slot busy
+BLOCKERS = 3  # direct requests to the decode that keep its one slot busy
 SMUGGLED = {
     "remote params": {"do_remote_prefill": True, "remote_engine_id": "forged",
                       "remote_request_id": "r", "remote_block_ids": [[0, 1, 2]],
@@ -140,6 +140,13 @@ def answered(sock: socket.socket) -> bool:
         return False
 
 
+def at_the_decode(router) -> bool:
+    """The router's one request is past its prefill leg and on its decode leg."""
+    text = router.metrics()
+    return (sample(text, "pd_router_worker_in_flight", role="prefill") == 0
+            and sample(text, "pd_router_worker_in_flight", role="decode") == 1)
+
+
 def leave_while_the_decode_leg_queues(pd, router, prompt: list[int], attempt: int) -> float:
     """One try: returns the seconds the prefill took to free the prompt's KV after the client
     left."""
@@ -159,8 +166,7 @@ def leave_while_the_decode_leg_queues(pd, router, prompt: list[int], attempt: in
         client = send_raw(router.url, completion_body(prompt, 8))
         wait_for(lambda: metric(pd.prefill, "vllm:request_success_total") > served, 30,
                  "the prefill leg")
-        wait_for(lambda: metric(pd.decode, "vllm:num_requests_waiting") >= 1, 10,
-                 "the decode leg to queue")
+        wait_for(lambda: at_the_decode(router), 10, "the router to send the decode leg")
         wait_for(lambda: metric(pd.prefill, "vllm:kv_cache_usage_perc") > baseline, 10,
                  "the prefill's KV usage to show the held blocks")
         if answered(client):  # every blocker ended first on this host: the leg ran
