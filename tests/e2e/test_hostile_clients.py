@@ -20,6 +20,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from typing import Callable, TypeVar
 
 import pytest
 import requests
@@ -30,6 +31,8 @@ from pd_plugins.testing.router_harness import RouterProcess
 from tests.e2e.deployments import PdConfig, PdDeployment, completion_body, model_path, token_prompt
 
 pytestmark = pytest.mark.e2e
+
+T = TypeVar("T")
 
 LEASE_S = 60          # what an abandoned prefill would hold its blocks for
 # "at once", against the lease's 60 s: the abort itself takes well under a second, but the gauges
@@ -129,7 +132,18 @@ def test_transfer_params_smuggled_in_vllm_xargs(routed, case):
 
 
 class Inconclusive(Exception):
-    """The decode's blockers ran out before the client left: its leg ran, nothing was tested."""
+    """The decode answered before the client left (its blockers ran out, or it generated the
+    whole answer before /metrics showed it running): nothing was tested."""
+
+
+def until_conclusive(try_once: Callable[[int], T], what: str, tries: int = 3) -> T:
+    """`try_once(attempt)` until a try is not Inconclusive (each try waits for an idle decode)."""
+    for attempt in range(tries):
+        try:
+            return try_once(attempt)
+        except Inconclusive:
+            pass
+    pytest.fail(f"{what}, {tries} times")
 
 
 def answered(sock: socket.socket) -> bool:
@@ -147,23 +161,24 @@ def at_the_decode(router) -> bool:
             and sample(text, "pd_router_worker_in_flight", role="decode") == 1)
 
 
-def leave_while_the_decode_leg_queues(pd, router, prompt: list[int], attempt: int) -> float:
+def leave_while_the_decode_leg_queues(pd, router, attempt: int) -> float:
     """One try: returns the seconds the prefill took to free the prompt's KV after the client
     left."""
+    wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 0, 30, "an idle decode")
     baseline = usage_at_rest(pd.prefill)
     served = metric(pd.prefill, "vllm:request_success_total")
     # The decode's one slot is taken: one blocker runs, the others wait ahead of the routed
     # request's decode leg. Not streamed (the decode's API server then stays quick to answer
     # /metrics), never read, closed at the end: a blocker the decode finishes early only lets
     # the next one run.
-    blockers = [send_raw(pd.decode.url, completion_body(token_prompt(20, seed=6002 + 10 * attempt + i),
-                                                         1000))
+    blockers = [send_raw(pd.decode.url,
+                         completion_body(token_prompt(20, seed=6002 + 10 * attempt + i), 1000))
                 for i in range(BLOCKERS)]
     client = None
     try:
         wait_for(lambda: metric(pd.decode, "vllm:num_requests_waiting") >= BLOCKERS - 1, 10,
                  "the blockers to take the slot and queue")
-        client = send_raw(router.url, completion_body(prompt, 8))
+        client = send_raw(router.url, completion_body(token_prompt(100, seed=6001 + attempt), 8))
         wait_for(lambda: metric(pd.prefill, "vllm:request_success_total") > served, 30,
                  "the prefill leg")
         wait_for(lambda: at_the_decode(router), 10, "the router to send the decode leg")
@@ -191,16 +206,9 @@ def leave_while_the_decode_leg_queues(pd, router, prompt: list[int], attempt: in
 def test_disconnect_while_the_decode_leg_queues_frees_the_prefill_kv_at_once(routed):
     pd, router = routed
     gone = sample(router.metrics(), "pd_router_client_gone_total", stage="decode")
-    for attempt in range(3):
-        try:
-            freed_after = leave_while_the_decode_leg_queues(
-                pd, router, token_prompt(100, seed=6001 + attempt), attempt)
-            break
-        except Inconclusive:
-            wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 0, 30,
-                     "an idle decode")
-    else:
-        pytest.fail("the decode finished its blockers before the client left, three times")
+    freed_after = until_conclusive(
+        lambda attempt: leave_while_the_decode_leg_queues(pd, router, attempt),
+        "the decode finished its blockers before the client left")
     assert freed_after < FREED_WITHIN_S, f"prefill KV freed {freed_after:.1f} s after the client left"
     assert metric(pd.prefill, "vllm:nixl_num_kv_expired_reqs") == 0  # freed, not expired
     wait_for(lambda: sample(router.metrics(), "pd_router_client_gone_total", stage="decode") > gone,
@@ -210,7 +218,9 @@ def test_disconnect_while_the_decode_leg_queues_frees_the_prefill_kv_at_once(rou
 
 def test_disconnect_mid_decode_stops_the_decode_at_once(routed):
     pd, router = routed
-    for _ in range(3):
+
+    def leave_mid_decode(attempt: int) -> float:
+        """One try: returns the decode's generated-token count from before the request."""
         wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 0, 30, "an idle decode")
         generated = metric(pd.decode, "vllm:generation_tokens_total")
         client = send_raw(router.url, completion_body(PROMPT, 400))  # seconds of decoding
@@ -218,13 +228,14 @@ def test_disconnect_mid_decode_stops_the_decode_at_once(routed):
             wait_for(lambda: answered(client)
                      or metric(pd.decode, "vllm:num_requests_running") == 1, 30,
                      "the decode to generate")
-            if answered(client):  # all 400 tokens came before /metrics showed one: nothing tested
-                continue
+            if answered(client):  # all 400 tokens came before /metrics showed one
+                raise Inconclusive
         finally:
             client.close()
-        break
-    else:
-        pytest.fail("the decode answered before it was seen generating, three times")
+        return generated
+
+    generated = until_conclusive(leave_mid_decode,
+                                 "the decode answered before it was seen generating")
     stopped_after = wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 0, 60,
                              "the decode to stop")
     assert stopped_after < FREED_WITHIN_S, f"decode ran on {stopped_after:.1f} s for a client that left"

@@ -1,4 +1,4 @@
-"""pd_plugins/testing/processes.py: what a test learns about a server that hangs."""
+"""pd_plugins/testing/processes.py: what a test learns about a server that hangs, and where servers log."""
 
 from __future__ import annotations
 
