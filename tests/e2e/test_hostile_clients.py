@@ -161,6 +161,21 @@ def at_the_decode(router) -> bool:
             and sample(text, "pd_router_worker_in_flight", role="decode") == 1)
 
 
+def decode_holds(pd, blockers: list[socket.socket], extra: int) -> bool:
+    """The decode holds exactly its unanswered blockers plus `extra` requests, on two reads in a
+    row (its gauges are as fresh as its last step: one read can still count a blocker that just
+    ended, and the blockers' own sockets say which have ended)."""
+    def once() -> bool:
+        text = pd.decode.metrics()
+        held = (sample(text, "vllm:num_requests_running")
+                + sample(text, "vllm:num_requests_waiting"))
+        return held == sum(not answered(b) for b in blockers) + extra
+    if not once():
+        return False
+    time.sleep(0.05)
+    return once()
+
+
 def leave_while_the_decode_leg_queues(pd, router, attempt: int) -> float:
     """One try: returns the seconds the prefill took to free the prompt's KV after the client
     left."""
@@ -184,17 +199,19 @@ def leave_while_the_decode_leg_queues(pd, router, attempt: int) -> float:
         wait_for(lambda: at_the_decode(router), 10, "the router to send the decode leg")
         wait_for(lambda: metric(pd.prefill, "vllm:kv_cache_usage_perc") > baseline, 10,
                  "the prefill's KV usage to show the held blocks")
+        # the leg is in the decode's own queue, not just on its way: a client that leaves before
+        # that is a different path (the router reads the KV with a one-token leg of its own)
+        wait_for(lambda: answered(client) or decode_holds(pd, blockers, extra=1), 10,
+                 "the decode to queue the leg")
         if answered(client):  # every blocker ended first on this host: the leg ran
             raise Inconclusive
-        waiting = metric(pd.decode, "vllm:num_requests_waiting")
         client.close()  # the client leaves; its KV sits on the prefill for a read to come
         freed_after = wait_for(
             lambda: metric(pd.prefill, "vllm:kv_cache_usage_perc") <= baseline, LEASE_S,
             "the prefill to free the blocks")
-        # the decode aborted the queued leg (its gauge is as fresh as its last step; a blocker
-        # that ended meanwhile lets the next one run: fewer wait, never more)
-        wait_for(lambda: metric(pd.decode, "vllm:num_requests_waiting") < waiting,
-                 FREED_WITHIN_S, "the decode to drop the queued leg")
+        # the decode aborted the queued leg: it holds its blockers alone
+        wait_for(lambda: decode_holds(pd, blockers, extra=0), FREED_WITHIN_S,
+                 "the decode to drop the queued leg")
         return freed_after
     finally:
         if client is not None:
