@@ -10,6 +10,9 @@ host arrays filled with bytes derived from the room, so the other process can ch
     python -m tests.sglang.sglang_roles startup
     python -m tests.sglang.sglang_roles prefill '<json spec>'   (prints one JSON line per event)
     python -m tests.sglang.sglang_roles decode '<json spec>'
+
+The tests start roles through tests/sglang/role_forkserver.py, which forks them from one
+interpreter that has imported this module (the same as the commands above, without the imports).
 """
 
 from __future__ import annotations
@@ -364,8 +367,9 @@ def pool_verification() -> None:
     emit(event="pool_verification", **found)
 
 
-if __name__ == "__main__":
-    role = sys.argv[1]
+def main(argv: list[str]) -> None:
+    """`argv`: the role, then its JSON spec (prefill and decode)."""
+    role = argv[0]
     if role == "registration":
         registration()
     elif role == "startup":  # the managers' start-time checks, in one process
@@ -373,4 +377,8 @@ if __name__ == "__main__":
         pool_verification()
         state_refusal()
     else:
-        {"prefill": prefill, "decode": decode}[role](json.loads(sys.argv[2]))
+        {"prefill": prefill, "decode": decode}[role](json.loads(argv[1]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

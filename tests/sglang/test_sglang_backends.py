@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import time
 
 import pytest
@@ -21,6 +19,7 @@ import pytest
 from pd_plugins.testing.processes import free_port
 from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
 from pd_plugins.transfer.shm_pool import remove_pool
+from tests.sglang.role_forkserver import RoleForkServer
 from tests.e2e.deployments import FULL_MATRIX_ONLY
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
@@ -41,15 +40,21 @@ def pool_env(tmp_path):
     remove_pool(path)
 
 
+@pytest.fixture(scope="module")
+def forkserver():
+    """One interpreter with SGLang imported; every role process is forked from it."""
+    server = RoleForkServer(SGLANG_PYTHON, REPO, {**os.environ, "PYTHONWARNINGS": "ignore"})
+    yield server
+    server.close()
+
+
 class Role:
     """One sglang_roles.py process; its JSON events read line by line."""
 
-    def __init__(self, env: dict, role: str, spec: dict | None = None) -> None:
-        args = [str(SGLANG_PYTHON), "-m", "tests.sglang.sglang_roles", role]
-        if spec is not None:
-            args.append(json.dumps(spec))
-        self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
+    def __init__(self, server: RoleForkServer, env: dict, role: str,
+                 spec: dict | None = None) -> None:
+        argv = [role] if spec is None else [role, json.dumps(spec)]
+        self.proc = server.start(argv, env)
 
     def next_event(self, timeout_s: float = 120) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -57,24 +62,25 @@ class Role:
             line = self.proc.stdout.readline()
             if line.startswith("{"):
                 return json.loads(line)
-            if not line and self.proc.poll() is not None:
+            if not line:  # end of its stdout: it exited
                 break
+        self.proc.kill()
+        stderr = self.proc.stderr.read()[-3000:]
         self.stop()
-        raise AssertionError(f"no event from {self.proc.args[3]}; stderr:\n"
-                             f"{self.proc.stderr.read()[-3000:]}")
+        raise AssertionError(f"no event from {self.proc.name}; stderr:\n{stderr}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.kill()
+        self.proc.stdout.close()
+        self.proc.stderr.close()
 
 
 @pytest.fixture
-def roles():
+def roles(forkserver):
     started: list[Role] = []
 
     def start(env, role, spec=None) -> Role:
-        started.append(Role(env, role, spec))
+        started.append(Role(forkserver, env, role, spec))
         return started[-1]
 
     yield start
@@ -107,13 +113,13 @@ def test_sglang_accepts_and_resolves_the_backends(pool_env, roles):
 
 
 @pytest.fixture(scope="module")
-def startup_events():
+def startup_events(forkserver):
     """The managers' start-time checks, run in one process (a start costs ~11 s of imports):
     its events by name."""
     path = f"/dev/shm/pd-test-sglang-{os.getpid()}-startup"
     env = {**os.environ, "PD_SHM_POOL": path, "PD_SHM_POOL_GB": "0.01",
            "SGLANG_PLUGINS": "pd_plugins", "PYTHONWARNINGS": "ignore"}
-    role = Role(env, "startup")
+    role = Role(forkserver, env, "startup")
     try:
         yield {e.pop("event"): e for e in (role.next_event() for _ in range(3))}
     finally:

@@ -1,0 +1,153 @@
+"""Start tests/sglang's role processes by forking one interpreter that has SGLang imported.
+
+Importing SGLang costs about 11 s of CPU per process on the CI host, and tests/sglang starts a
+few dozen role processes. The server runs in .venv-sglang, imports `tests.sglang.sglang_roles`
+once, and forks one child per request: the child takes the caller's environment, arguments and
+pipes (stdout, stderr, passed as file descriptors), gets a process group of its own, and runs the
+role as `python -m tests.sglang.sglang_roles ...` would. Each role is still its own process;
+nothing of SGLang's or ours has been set up in the server but the imports (no plugin loaded, no
+manager, no NIXL agent).
+
+The client side (`RoleForkServer`, `ForkedRole`) runs in the tests' own interpreter and imports
+nothing of SGLang.
+
+    python -m tests.sglang.role_forkserver <unix socket path>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+MAX_REQUEST_BYTES = 1 << 20  # one request: arguments and environment, as JSON
+
+
+# ----------------------------------------------------------------------------- server (.venv-sglang)
+
+def serve(path: str) -> None:
+    import tests.sglang.sglang_roles as roles  # the expensive part, once
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen()
+    print("ready", flush=True)
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 2)
+            if not message:  # a client that closed without asking
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                _run_role(roles, json.loads(message), fds)  # never returns
+            with contextlib.suppress(OSError):  # also here: no window where killpg misses it
+                os.setpgid(pid, pid)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(str(pid).encode())
+
+
+def _run_role(roles, request: dict, fds: list[int]) -> None:
+    code = 1
+    try:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        for fd, target in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        roles.main(request["argv"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - a role's failure is the test's to read on stderr
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+# ----------------------------------------------------------------------------- client (tests)
+
+class ForkedRole:
+    """A role process forked by the server: its pid (also its process group) and its pipes."""
+
+    def __init__(self, name: str, pid: int, stdout, stderr) -> None:
+        self.name, self.pid, self.stdout, self.stderr = name, pid, stdout, stderr
+
+    def alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill(self, timeout_s: float = 10) -> None:
+        """SIGKILL to its process group, and wait until the kernel has reaped it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            assert time.monotonic() < deadline, f"{self.name} (pid {self.pid}) outlived SIGKILL"
+            time.sleep(0.01)
+
+
+class RoleForkServer:
+    """The server process, started with `python` (.venv-sglang's) in `cwd`."""
+
+    def __init__(self, python: Path, cwd: Path, env: dict[str, str]) -> None:
+        self.cwd = cwd
+        self._dir = tempfile.TemporaryDirectory(prefix="pd-sglang-forkserver-")
+        self.path = os.path.join(self._dir.name, "socket")
+        self.proc = subprocess.Popen([str(python), "-m", "tests.sglang.role_forkserver", self.path],
+                                     cwd=cwd, env=env, stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        line = self.proc.stdout.readline()  # after SGLang's imports
+        if line.strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the role fork server did not start (said {line!r})")
+
+    def start(self, argv: list[str], env: dict[str, str]) -> ForkedRole:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+                conn.settimeout(30)
+                conn.connect(self.path)
+                request = {"argv": argv, "env": env, "cwd": str(self.cwd)}
+                socket.send_fds(conn, [json.dumps(request).encode()], [out_w, err_w])
+                pid = int(conn.recv(64))
+        finally:
+            os.close(out_w)
+            os.close(err_w)
+        return ForkedRole(argv[0], pid, open(out_r, encoding="utf-8", errors="replace"),
+                          open(err_r, encoding="utf-8", errors="replace"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.proc.stdout.close()
+        self._dir.cleanup()
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
