@@ -35,6 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from pd_plugins.perf.hardware import HostTier
 from pd_plugins.routers.config import LatencySpec
 
 DEFAULT_KV_CAPACITY_TOKENS = 1 << 20
@@ -82,12 +83,14 @@ class Calibration:
 
 
 @dataclass(frozen=True)
-class CalibratedHardware:
+class CalibratedHardware(HostTier):
     """A `Hardware` stand-in whose step times are the calibration's fitted lines."""
 
     calibration: Calibration
     capacity_tokens: int = DEFAULT_KV_CAPACITY_TOKENS
     link_latency_s: float = 0.0
+    host_kv_bytes: float = 0.0      # as Hardware's: no host tier unless given
+    host_link_bytes_per_s: float = 25e9
 
     @property
     def model(self) -> CalibratedModel:

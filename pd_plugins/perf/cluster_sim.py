@@ -149,6 +149,7 @@ class SimResult:
     role_moves: list[RoleMove] = field(default_factory=list)
     # (time, prefill, decode) each time the serving split changed, from (0, initial split)
     split_log: list[tuple[float, int, int]] = field(default_factory=list)
+    prompt_tokens_from_host: int = 0  # of the cached ones, loaded from host tiers
 
 
 @dataclass(slots=True, eq=False)
@@ -256,7 +257,8 @@ class ClusterSim:
         return SimResult(self.config, outcomes, now,
                          sum(i.prefill_tokens_computed for i in insts),
                          sum(i.prompt_tokens_cached for i in insts), self.kv_bytes_moved,
-                         {i.name: i.busy_s for i in insts}, self.role_moves, self.split_log)
+                         {i.name: i.busy_s for i in insts}, self.role_moves, self.split_log,
+                         sum(i.prompt_tokens_from_host for i in insts))
 
     def _kick(self, inst: EngineInstance, now: float) -> None:
         if inst.in_step:

@@ -13,6 +13,10 @@ Three kinds of request:
 - `remote_decode`: the decode leg: admitted, then loads the uncached part of the prompt's KV over
   the link (`Hardware.transfer_s`), then decodes every output token here.
 
+With a host tier (`Hardware.host_kv_bytes`, kv_cache.py), blocks of the prompt that left GPU memory
+but are still in host memory are loaded from there (`Hardware.host_load_s`) before the request
+computes the rest; a decode leg loads them beside its transfer.
+
 The model is driven from outside, so the same code runs under the simulator's event loop and the
 mock engine's asyncio loop: `plan(now)` returns how long the next step takes (None when idle),
 `finish(now)` ends it and returns what happened. Decode steps cost O(1) in the batch size: a
@@ -57,6 +61,7 @@ class EngineRequest:
     expert_pick: object = None
     # Filled in by the model:
     cached_tokens: int = 0          # prompt tokens found in this instance's prefix cache
+    host_tokens: int = 0            # of those, tokens loaded from its host tier
     transfer_tokens: int = 0        # remote_decode: tokens pulled over the link
     submitted_at: float = 0.0
     admitted_at: float | None = None
@@ -89,7 +94,8 @@ class EngineInstance:
         self.hw, self.block_size = hw, block_size
         self.max_batched_tokens, self.max_running = max_batched_tokens, max_running
         capacity = kv_capacity_tokens if kv_capacity_tokens is not None else hw.kv_capacity_tokens()
-        self.cache = KvCache(capacity // block_size, on_stored, on_removed)
+        self.cache = KvCache(capacity // block_size, on_stored, on_removed,
+                             host_capacity_blocks=hw.host_capacity_tokens() // block_size)
         self.waiting: deque[EngineRequest] = deque()
         self.loading: list[EngineRequest] = []
         self.prefilling: list[EngineRequest] = []
@@ -100,6 +106,7 @@ class EngineInstance:
         self.busy_s = 0.0
         self.prefill_tokens_computed = 0
         self.prompt_tokens_cached = 0
+        self.prompt_tokens_from_host = 0  # of those, loaded from the host tier
         self._step: tuple[list[tuple[EngineRequest, int]], list[EngineRequest], float] | None = None
         self._failed: list[EngineRequest] = []
         # sum over the decode batch of log(1 - p): 1 - mean(exp(.)) is the share of experts the
@@ -179,11 +186,13 @@ class EngineInstance:
         if self.loading:
             still = []
             for req in self.loading:
-                if req._ready_at <= now:
+                if req._ready_at > now:
+                    still.append(req)
+                elif req.kind == "remote_decode":
                     self._start_decoding(req, first_token_in_this_step=True)
                     joining.append(req)
-                else:
-                    still.append(req)
+                else:  # its host-tier blocks have arrived: compute the rest
+                    self.prefilling.append(req)
             self.loading = still
         budget = self.max_batched_tokens - len(self._decoding)
         chunks: list[tuple[EngineRequest, int]] = []
@@ -246,25 +255,36 @@ class EngineInstance:
         return result
 
     def _admit(self, now: float) -> None:
-        cache = self.cache
+        cache, bs = self.cache, self.block_size
         while self.waiting and self.num_running < self.max_running:
             req = self.waiting[0]
+            # blocks the device lacks but the host tier holds (before allocating writes them there)
+            host = (cache.match_host(req.block_keys, cache.match(req.block_keys))
+                    if cache.host_capacity_blocks else 0)
             hit = cache.try_allocate(req.block_keys, req._private)
             if hit is None:
                 return  # the head does not fit yet: everything behind it waits too (FCFS)
             self.waiting.popleft()
             req.admitted_at = now
             if req.kind == "remote_decode":
-                req.cached_tokens = min(hit * self.block_size, req.prompt_tokens)
+                req.cached_tokens = min((hit + host) * bs, req.prompt_tokens)
+                req.host_tokens = max(0, req.cached_tokens - hit * bs)
                 req.transfer_tokens = req.prompt_tokens - req.cached_tokens
-                req._ready_at = now + self.hw.transfer_s(req.transfer_tokens)
+                req._ready_at = now + max(self.hw.transfer_s(req.transfer_tokens),
+                                          self.hw.host_load_s(req.host_tokens))
                 self.loading.append(req)
             else:
                 # vLLM recomputes at least the last prompt token to get logits.
-                req.cached_tokens = min(hit * self.block_size, req.prompt_tokens - 1)
+                req.cached_tokens = min((hit + host) * bs, req.prompt_tokens - 1)
+                req.host_tokens = max(0, req.cached_tokens - hit * bs)
                 req._computed = req.cached_tokens
                 self.prompt_tokens_cached += req.cached_tokens
-                self.prefilling.append(req)
+                if req.host_tokens:
+                    req._ready_at = now + self.hw.host_load_s(req.host_tokens)
+                    self.loading.append(req)
+                else:
+                    self.prefilling.append(req)
+            self.prompt_tokens_from_host += req.host_tokens
 
     def _start_decoding(self, req: EngineRequest, first_token_in_this_step: bool) -> None:
         """Join the decode batch. A remote decode makes all its tokens here, starting with this

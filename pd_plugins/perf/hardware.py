@@ -21,6 +21,10 @@ expert: requests that use the same experts read fewer distinct experts together.
 
 KV capacity = gpu_bytes * memory_utilisation - weight bytes, in tokens. A KV transfer takes
 link_latency_s + tokens * kv_bytes_per_token / link_bytes_per_s.
+
+A host tier (host_kv_bytes > 0; none by default) keeps copies of KV blocks in host memory (vLLM's
+CPU offloading, LMCache's local CPU backend); loading tokens from it back to the GPU takes
+tokens * kv_bytes_per_token / host_link_bytes_per_s (PCIe).
 """
 
 from __future__ import annotations
@@ -82,8 +86,23 @@ class GpuSpec:
     memory_bytes: float
 
 
+class HostTier:
+    """The host tier of a profile with `host_kv_bytes`, `host_link_bytes_per_s` and `kv_bytes()`
+    (Hardware here, calibration.CalibratedHardware)."""
+
+    def host_load_s(self, tokens: int) -> float:
+        """Loading `tokens` of KV from the host tier into GPU memory."""
+        if tokens <= 0:
+            return 0.0
+        return self.kv_bytes(tokens) / self.host_link_bytes_per_s
+
+    def host_capacity_tokens(self) -> int:
+        per_token = self.kv_bytes(1)
+        return int(self.host_kv_bytes // per_token) if per_token else 0
+
+
 @dataclass(frozen=True)
-class Hardware:
+class Hardware(HostTier):
     """One engine instance: a model on a GPU, with achieved-efficiency factors and its KV link."""
 
     model: ModelSpec
@@ -94,6 +113,8 @@ class Hardware:
     memory_utilisation: float = 0.9  # vLLM --gpu-memory-utilization
     link_bytes_per_s: float = 50e9  # KV transfer link (400 Gb/s RDMA)
     link_latency_s: float = 0.001
+    host_kv_bytes: float = 0.0      # host memory for KV copies per instance (0: no host tier)
+    host_link_bytes_per_s: float = 25e9  # host to GPU (PCIe 5.0 x16, about half its peak)
 
     @property
     def name(self) -> str:

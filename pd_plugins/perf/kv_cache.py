@@ -5,6 +5,12 @@ chained key (a prefix cache, as vLLM's automatic prefix caching); private blocks
 partial last block and its output. A running request pins its blocks; when it finishes its keyed
 blocks stay resident, unpinned, and are evicted least recently used first when space is needed.
 Callbacks report stored and evicted keys so an engine can publish vLLM-style KV events.
+
+An optional host tier (`host_capacity_blocks` > 0) holds copies of keyed blocks in host memory, as
+vLLM's CPU offloading or LMCache's local CPU backend do: every keyed block is written through to it
+when it is stored, and it evicts least recently used first on its own, larger budget. A prompt whose
+prefix has left device memory can still find the next blocks there (`match_host`) and load them
+instead of computing them. KV events report device blocks only.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ KeysCallback = Callable[[list[int]], None]
 
 class KvCache:
     def __init__(self, capacity_blocks: int, on_stored: KeysCallback | None = None,
-                 on_removed: KeysCallback | None = None) -> None:
+                 on_removed: KeysCallback | None = None, host_capacity_blocks: int = 0) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be > 0")
+        if host_capacity_blocks < 0:
+            raise ValueError("host_capacity_blocks must be >= 0")
         self.capacity_blocks = capacity_blocks
+        self.host_capacity_blocks = host_capacity_blocks
         self.on_stored, self.on_removed = on_stored, on_removed
         self._resident: OrderedDict[int, int] = OrderedDict()  # key -> pin count, oldest first
+        self._host: OrderedDict[int, None] = OrderedDict()     # host tier, oldest first
         self.private_blocks = 0
         self.pinned_keyed_blocks = 0
         self.evicted_blocks = 0
@@ -53,6 +63,31 @@ class KvCache:
                 break
             n += 1
         return n
+
+    def match_host(self, keys: Sequence[int], start: int) -> int:
+        """How many keys from `start` on (the first block the device lacks) the host tier holds
+        in a row: the blocks a request can load instead of compute. Marks them recently used."""
+        n = 0
+        for key in keys[start:]:
+            if key not in self._host:
+                break
+            self._host.move_to_end(key)
+            n += 1
+        return n
+
+    @property
+    def host_blocks(self) -> int:
+        return len(self._host)
+
+    def _write_through(self, keys: Sequence[int]) -> None:
+        if not self.host_capacity_blocks:
+            return
+        host = self._host
+        for key in keys:
+            host[key] = None
+            host.move_to_end(key)
+        while len(host) > self.host_capacity_blocks:
+            host.popitem(last=False)
 
     def evictable_blocks(self) -> int:
         return sum(1 for pins in self._resident.values() if pins == 0)
@@ -91,8 +126,10 @@ class KvCache:
                 self.pinned_keyed_blocks += 1
             self._resident[key] = pins + 1  # re-inserted: most recently used
         self.private_blocks += private_blocks
-        if stored and self.on_stored:
-            self.on_stored(stored)
+        if stored:
+            self._write_through(stored)
+            if self.on_stored:
+                self.on_stored(stored)
         return hit
 
     def release(self, keys: Sequence[int], private_blocks: int) -> None:
@@ -116,8 +153,10 @@ class KvCache:
             elif self.free_blocks > 0:
                 self._resident[key] = 0
                 stored.append(key)
-        if stored and self.on_stored:
-            self.on_stored(stored)
+        if stored:
+            self._write_through(stored)
+            if self.on_stored:
+                self.on_stored(stored)
 
     def clear_cache(self) -> None:
         """Drop every unpinned block (vLLM's reset_prefix_cache)."""

@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                                          "router's fitted latency models instead of a preset")
     p.add_argument("--kv-capacity-tokens", type=int,
                    help="KV tokens per instance (with --calibration: vLLM logs it at start)")
+    p.add_argument("--host-kv-gb", type=float, default=0.0,
+                   help="host memory per instance for KV copies (vLLM CPU offloading, LMCache's "
+                        "CPU backend): prefixes evicted from the GPU load from it instead of being "
+                        "recomputed (default 0: none)")
     p.add_argument("--rates", help="request rates to search, comma-separated (default: a "
                                    "geometric grid around Dynamo's estimate of the capacity)")
     p.add_argument("--start", type=float, default=0.0, help="skip the first S seconds of traffic")
@@ -100,7 +104,8 @@ def load_requests(args: argparse.Namespace) -> list:
 
 def sim_base(args: argparse.Namespace, block_tokens: int) -> SimConfig:
     return sim_config(hardware=args.hardware, calibration=args.calibration, model=args.model,
-                      kv_capacity_tokens=args.kv_capacity_tokens, block_tokens=block_tokens)
+                      kv_capacity_tokens=args.kv_capacity_tokens, block_tokens=block_tokens,
+                      host_kv_gb=args.host_kv_gb)
 
 
 def summary(plan: SplitPlan, source: str, n_requests: int) -> str:

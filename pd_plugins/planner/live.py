@@ -50,7 +50,7 @@ from typing import Callable, Literal, Sequence
 from pd_plugins.perf.cluster_sim import SimConfig, TrafficWindow, simulate
 from pd_plugins.perf.report import Slo
 from pd_plugins.planner.dynamo_rule import prefill_throughput
-from pd_plugins.planner.split import Split, dynamo_hint, policy_for_slo
+from pd_plugins.planner.split import Split, dynamo_hint, policy_for_slo, sim_config
 from pd_plugins.routers.policy.scheduler import PREFIX_SOURCE
 from pd_plugins.workloads import TraceRequest
 
@@ -538,12 +538,9 @@ def add_apply_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace) -> SimConfig:
     """The simulated engines: the router's calibration, else a hardware preset (as cli.py)."""
-    if getattr(args, "calibration", None):
-        from pd_plugins.perf.calibration import load_calibration
-        cal = load_calibration(args.calibration, model=args.model)
-        return SimConfig(cal.hardware(args.kv_capacity_tokens))
-    from pd_plugins.perf.hardware import preset
-    return SimConfig(preset(args.hardware), kv_capacity_tokens=args.kv_capacity_tokens)
+    return sim_config(hardware=args.hardware, calibration=getattr(args, "calibration", None),
+                      model=args.model, kv_capacity_tokens=args.kv_capacity_tokens,
+                      host_kv_gb=getattr(args, "host_kv_gb", 0.0))
 
 
 def run_apply(args: argparse.Namespace) -> int:

@@ -117,14 +117,18 @@ def policy_for_slo(policy: str | PolicySpec, slo: Slo) -> PolicySpec:
 
 def sim_config(*, hardware: str = "llama-3.1-8b@h100", calibration: str | None = None,
                model: str | None = None, kv_capacity_tokens: int | None = None,
-               block_tokens: int = HASH_BLOCK_SIZE) -> SimConfig:
+               block_tokens: int = HASH_BLOCK_SIZE, host_kv_gb: float = 0.0) -> SimConfig:
     """The simulator's settings for a plan: the router's calibration (a file saved from
-    GET /admin/calibration) when given, else a hardware preset's roofline (perf/hardware.py)."""
+    GET /admin/calibration) when given, else a hardware preset's roofline (perf/hardware.py).
+    `host_kv_gb`: each instance's host tier for KV copies (CPU offloading; 0: none)."""
+    if host_kv_gb < 0:
+        raise ValueError(f"host_kv_gb must be >= 0, got {host_kv_gb}")
     if calibration:
         engines = load_calibration(calibration, model=model).hardware(kv_capacity_tokens)
+        engines = dataclasses.replace(engines, host_kv_bytes=host_kv_gb * 1e9)
         return SimConfig(engines, block_tokens=block_tokens)
-    return SimConfig(hardware_preset(hardware), block_tokens=block_tokens,
-                     kv_capacity_tokens=kv_capacity_tokens)
+    return SimConfig(hardware_preset(hardware).with_(host_kv_bytes=host_kv_gb * 1e9),
+                     block_tokens=block_tokens, kv_capacity_tokens=kv_capacity_tokens)
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,37 @@ def test_prefill_leg_holds_kv_until_released_and_remote_decode_pulls_the_rest():
     first = 1.0 + HW.transfer_s(32) + HW.decode_step_s(1, 64)
     assert remote.first_token_at == pytest.approx(first)
     assert remote.finished_at == pytest.approx(first + HW.decode_step_s(1, 65) + HW.decode_step_s(1, 66))
+
+
+@pytest.mark.parametrize("host_tier", [False, True])
+def test_a_prefix_the_device_evicted_is_loaded_from_the_host_tier(host_tier):
+    hw = HW.with_(host_kv_bytes=HW.kv_bytes(16 * 1000)) if host_tier else HW
+    inst = EngineInstance(hw, block_size=16, kv_capacity_tokens=16 * 24)
+    for rid, keys in (("a", range(20)), ("b", range(100, 120))):  # b evicts a's first 17 blocks
+        inst.submit(EngineRequest(rid, 320, 1, list(keys)), 0.0)
+        run(inst)
+    again = EngineRequest("c", 330, 1, list(range(20)))
+    inst.submit(again, 10.0)
+    run(inst, 10.0)
+    if host_tier:
+        assert again.cached_tokens == again.host_tokens == 320 == inst.prompt_tokens_from_host
+        ttft = hw.host_load_s(320) + hw.step_s([(10, 320)])
+    else:
+        assert again.cached_tokens == again.host_tokens == 0 == inst.prompt_tokens_from_host
+        ttft = hw.prefill_s(330)
+    assert again.first_token_at - 10.0 == pytest.approx(ttft)
+    assert inst.prefill_tokens_computed == 320 + 320 + 330 - again.cached_tokens
+
+
+def test_a_decode_leg_loads_from_its_host_tier_beside_the_transfer():
+    hw = HW.with_(host_kv_bytes=HW.kv_bytes(16 * 1000))
+    inst = EngineInstance(hw, block_size=16, kv_capacity_tokens=16 * 24)
+    for rid, keys in (("a", range(20)), ("b", range(100, 120))):
+        inst.submit(EngineRequest(rid, 320, 1, list(keys)), 0.0)
+        run(inst)
+    leg = EngineRequest("c", 352, 2, list(range(22)), kind="remote_decode")  # 2 blocks are new
+    inst.submit(leg, 10.0)
+    run(inst, 10.0)
+    assert (leg.cached_tokens, leg.host_tokens, leg.transfer_tokens) == (320, 320, 32)
+    wait = max(hw.transfer_s(32), hw.host_load_s(320))
+    assert leg.first_token_at - 10.0 == pytest.approx(wait + hw.decode_step_s(1, 352))

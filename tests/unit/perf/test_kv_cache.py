@@ -64,3 +64,27 @@ def test_insert_cached_adds_unpinned_blocks_while_there_is_room():
     cache.release([1, 2], 1)
     cache.insert_cached([3, 4, 5])  # room for two more
     assert stored == [1, 2, 3, 4] and cache.in_use_blocks == 0 and cache.match([1, 2, 3, 4]) == 4
+
+
+def test_host_tier_keeps_blocks_the_device_evicted_in_its_own_lru():
+    removed = []
+    cache = KvCache(2, on_removed=removed.extend, host_capacity_blocks=3)
+    for keys in ([1, 2], [3, 4]):
+        assert cache.try_allocate(keys, 0) == 0
+        cache.release(keys, 0)
+    assert removed == [1, 2] and cache.match([1, 2, 3]) == 0  # gone from the device
+    # every block was written through; the host tier's budget (3) dropped its oldest, 1
+    assert cache.host_blocks == 3
+    assert cache.match_host([1, 2, 3], 0) == 0
+    assert cache.match_host([1, 2, 3, 4], 1) == 3  # found from the first block the device lacks
+    assert cache.try_allocate([5], 0) == 0  # the device evicts 3; the host tier writes 5 ...
+    assert cache.match_host([2], 0) == 0    # ... and drops its least recently used, 2
+    assert cache.match_host([3, 4, 5], 0) == 3
+
+
+def test_without_a_host_tier_nothing_is_found_there():
+    cache = KvCache(1)
+    cache.try_allocate([1], 0)
+    cache.release([1], 0)
+    cache.try_allocate([2], 0)
+    assert cache.match_host([1], 0) == 0 and cache.host_blocks == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -81,3 +82,23 @@ def test_bad_input_is_refused_with_a_reason(tmp_path, capsys):
     rc = main(["--record", str(record), "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50",
                "--instances", "4", "--hardware", "nope@h100"])
     assert rc == 2 and "unknown hardware preset" in capsys.readouterr().err
+
+
+def test_a_host_tier_saves_prefill_work_the_device_cache_cannot(mooncake_available):
+    """The Mooncake trace's prefixes come back after millions of tokens: an instance with 100k
+    tokens of KV recomputes them, one with 64 GB of host memory for KV copies loads them."""
+    from pd_plugins.perf.cluster_sim import simulate
+    from pd_plugins.planner.split import sim_config
+    from pd_plugins.workloads import load_mooncake, slice_window
+
+    requests = slice_window(load_mooncake(TRACES["mooncake_conv"]), 600, 120)
+    runs = {gb: simulate(requests, dataclasses.replace(
+                sim_config(hardware="llama-3.1-8b@h100", kv_capacity_tokens=100_000,
+                           host_kv_gb=gb), prefill_instances=2, decode_instances=2))
+            for gb in (0.0, 64.0)}
+    assert runs[0.0].prompt_tokens_from_host == 0
+    assert runs[64.0].prompt_tokens_from_host > 0
+    assert runs[64.0].prompt_tokens_cached > runs[0.0].prompt_tokens_cached
+    assert runs[64.0].prefill_tokens_computed < runs[0.0].prefill_tokens_computed
+    with pytest.raises(ValueError, match="host_kv_gb"):
+        sim_config(host_kv_gb=-1)
