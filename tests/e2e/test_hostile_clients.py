@@ -66,7 +66,8 @@ def routed(pool):
     router = RouterProcess("router", prefill=[[prefill.url]], decode=[[decode.url]],
                            args=("--policy", "round_robin", "--block-size", "32",
                                  "--log-format", "text"),
-                           config={"health": {"interval_s": 30}})
+                           # no canary requests: the decode must hold only what the tests send
+                           config={"health": {"interval_s": 30, "canary": False}})
     try:
         start_all([prefill, decode])
         pd.warm_up()
@@ -164,12 +165,14 @@ def at_the_decode(router) -> bool:
 def decode_holds(pd, blockers: list[socket.socket], extra: int) -> bool:
     """The decode holds exactly its unanswered blockers plus `extra` requests, on two reads in a
     row (its gauges are as fresh as its last step: one read can still count a blocker that just
-    ended, and the blockers' own sockets say which have ended)."""
+    ended, and the blockers' own sockets say which have ended). With `extra`, a blocker is still
+    unanswered: the extra request waits in the queue (one slot), it does not run."""
     def once() -> bool:
         text = pd.decode.metrics()
         held = (sample(text, "vllm:num_requests_running")
                 + sample(text, "vllm:num_requests_waiting"))
-        return held == sum(not answered(b) for b in blockers) + extra
+        unanswered = sum(not answered(b) for b in blockers)
+        return held == unanswered + extra and (unanswered > 0 or not extra)
     if not once():
         return False
     time.sleep(0.05)
