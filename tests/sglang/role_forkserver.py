@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,24 +44,42 @@ def serve(path: str) -> None:
     listener.listen()
     print("ready", flush=True)
     while True:
-        conn, _ = listener.accept()
-        with conn:
-            message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 2)
-            if not message:  # a client that closed without asking
-                continue
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _run_role(roles, json.loads(message), fds)  # never returns
-            with contextlib.suppress(OSError):  # also here: no window where killpg misses it
-                os.setpgid(pid, pid)
-            for fd in fds:
-                os.close(fd)
-            conn.sendall(str(pid).encode())
+        # stdin is a pipe from the tests: its end (they exited, even by SIGKILL) ends the server
+        readable, _, _ = select.select([listener, sys.stdin], [], [])
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            with contextlib.suppress(OSError):  # nobody is left to remove it
+                os.unlink(path)
+                os.rmdir(os.path.dirname(path))
+            return
+        if listener in readable:
+            conn, _ = listener.accept()
+            with conn:
+                _fork_one(roles, listener, conn)
 
 
-def _run_role(roles, request: dict, fds: list[int]) -> None:
+def _fork_one(roles, listener: socket.socket, conn: socket.socket) -> None:
+    message, fds, _, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, 2)
+    if not message or len(fds) != 2:  # a client that closed without asking
+        for fd in fds:
+            os.close(fd)
+        return
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        conn.close()
+        _run_role(roles, message, fds)  # never returns
+    with contextlib.suppress(OSError):  # also here: no window where killpg misses it
+        os.setpgid(pid, pid)
+    for fd in fds:
+        os.close(fd)
+    try:
+        conn.sendall(str(pid).encode())
+    except OSError:  # the client gave up waiting: nobody would ever stop this role
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def _run_role(roles, message: bytes, fds: list[int]) -> None:
     code = 1
     try:
         with contextlib.suppress(OSError):
@@ -69,13 +89,17 @@ def _run_role(roles, request: dict, fds: list[int]) -> None:
         for fd, target in ((devnull, 0), (fds[0], 1), (fds[1], 2)):
             os.dup2(fd, target)
             os.close(fd)
+        request = json.loads(message)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         roles.main(request["argv"])
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except SystemExit as exc:  # as the interpreter exits: an int is the code, else printed
+        if isinstance(exc.code, int) or exc.code is None:
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - a role's failure is the test's to read on stderr
         traceback.print_exc()
     finally:
@@ -92,6 +116,7 @@ class ForkedRole:
 
     def __init__(self, name: str, pid: int, stdout, stderr) -> None:
         self.name, self.pid, self.stdout, self.stderr = name, pid, stdout, stderr
+        self.killed = False
 
     def alive(self) -> bool:
         try:
@@ -101,7 +126,11 @@ class ForkedRole:
         return True
 
     def kill(self, timeout_s: float = 10) -> None:
-        """SIGKILL to its process group, and wait until the kernel has reaped it."""
+        """SIGKILL to its process group, and wait until the kernel has reaped it (once: its pid
+        may be another process's afterwards)."""
+        if self.killed:
+            return
+        self.killed = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
         deadline = time.monotonic() + timeout_s
@@ -115,11 +144,12 @@ class RoleForkServer:
 
     def __init__(self, python: Path, cwd: Path, env: dict[str, str]) -> None:
         self.cwd = cwd
-        self._dir = tempfile.TemporaryDirectory(prefix="pd-sglang-forkserver-")
-        self.path = os.path.join(self._dir.name, "socket")
+        self._dir = tempfile.mkdtemp(prefix="pd-sglang-forkserver-")  # 0700: this user only
+        self.path = os.path.join(self._dir, "socket")
+        # its stdin is a pipe held by this process alone: when this process ends, so does it
         self.proc = subprocess.Popen([str(python), "-m", "tests.sglang.role_forkserver", self.path],
-                                     cwd=cwd, env=env, stdout=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+                                     cwd=cwd, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
         line = self.proc.stdout.readline()  # after SGLang's imports
         if line.strip() != "ready":
             self.close()
@@ -134,7 +164,15 @@ class RoleForkServer:
                 conn.connect(self.path)
                 request = {"argv": argv, "env": env, "cwd": str(self.cwd)}
                 socket.send_fds(conn, [json.dumps(request).encode()], [out_w, err_w])
-                pid = int(conn.recv(64))
+                reply = conn.recv(64)
+            if not reply:
+                raise RuntimeError(f"the role fork server did not start {argv[0]} (it exited: "
+                                   f"{self.proc.poll()})")
+            pid = int(reply)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
             os.close(out_w)
             os.close(err_w)
@@ -142,11 +180,12 @@ class RoleForkServer:
                           open(err_r, encoding="utf-8", errors="replace"))
 
     def close(self) -> None:
+        self.proc.stdin.close()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(10)
         self.proc.stdout.close()
-        self._dir.cleanup()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

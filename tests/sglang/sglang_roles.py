@@ -369,6 +369,7 @@ def pool_verification() -> None:
 
 def main(argv: list[str]) -> None:
     """`argv`: the role, then its JSON spec (prefill and decode)."""
+    os.environ.setdefault("SGLANG_PLUGINS", "pd_plugins")  # again: a forked role's own environment
     role = argv[0]
     if role == "registration":
         registration()

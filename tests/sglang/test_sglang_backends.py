@@ -19,8 +19,8 @@ import pytest
 from pd_plugins.testing.processes import free_port
 from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
 from pd_plugins.transfer.shm_pool import remove_pool
-from tests.sglang.role_forkserver import RoleForkServer
 from tests.e2e.deployments import FULL_MATRIX_ONLY
+from tests.sglang.role_forkserver import RoleForkServer
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
