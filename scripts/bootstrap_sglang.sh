@@ -10,6 +10,9 @@ VENV=${SGLANG_VENV:-.venv-sglang}
 BASE=${VENV_BASE:-.venv}
 LOCK=requirements/sglang-cpu.lock
 STAMP="$VENV/.pd-bootstrap"
+# one build at a time (bootstrap.sh starts this in the background; a rerun must not race it)
+exec 9>"$VENV.lock"
+flock 9
 want=$(cat "$LOCK" scripts/bootstrap_sglang.sh | sha256sum | cut -c1-16)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
