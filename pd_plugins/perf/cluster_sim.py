@@ -149,7 +149,7 @@ class SimResult:
     role_moves: list[RoleMove] = field(default_factory=list)
     # (time, prefill, decode) each time the serving split changed, from (0, initial split)
     split_log: list[tuple[float, int, int]] = field(default_factory=list)
-    prompt_tokens_from_host: int = 0  # of the cached ones, loaded from host tiers
+    prompt_tokens_from_host: int = 0  # of the cached ones, loaded from host tiers (not decode legs')
 
 
 @dataclass(slots=True, eq=False)

@@ -106,7 +106,7 @@ class EngineInstance:
         self.busy_s = 0.0
         self.prefill_tokens_computed = 0
         self.prompt_tokens_cached = 0
-        self.prompt_tokens_from_host = 0  # of those, loaded from the host tier
+        self.prompt_tokens_from_host = 0  # of those, loaded from the host tier (not decode legs')
         self._step: tuple[list[tuple[EngineRequest, int]], list[EngineRequest], float] | None = None
         self._failed: list[EngineRequest] = []
         # sum over the decode batch of log(1 - p): 1 - mean(exp(.)) is the share of experts the
@@ -284,7 +284,7 @@ class EngineInstance:
                     self.loading.append(req)
                 else:
                     self.prefilling.append(req)
-            self.prompt_tokens_from_host += req.host_tokens
+                self.prompt_tokens_from_host += req.host_tokens
 
     def _start_decoding(self, req: EngineRequest, first_token_in_this_step: bool) -> None:
         """Join the decode batch. A remote decode makes all its tokens here, starting with this

@@ -66,7 +66,12 @@ class KvCache:
 
     def match_host(self, keys: Sequence[int], start: int) -> int:
         """How many keys from `start` on (the first block the device lacks) the host tier holds
-        in a row: the blocks a request can load instead of compute. Marks them recently used."""
+        in a row: the blocks a request can load instead of compute. Marks them recently used, and
+        the host copies of the device's hits before them too (a prefix hot on the device keeps its
+        host copy for when the device evicts it)."""
+        for key in keys[:start]:
+            if key in self._host:
+                self._host.move_to_end(key)
         n = 0
         for key in keys[start:]:
             if key not in self._host:

@@ -88,3 +88,14 @@ def test_without_a_host_tier_nothing_is_found_there():
     cache.release([1], 0)
     cache.try_allocate([2], 0)
     assert cache.match_host([1], 0) == 0 and cache.host_blocks == 0
+
+
+def test_a_device_hit_keeps_its_host_copy_fresh():
+    cache = KvCache(2, host_capacity_blocks=2)
+    for key in (1, 2):
+        cache.try_allocate([key], 0)
+        cache.release([key], 0)
+    assert cache.match_host([1], cache.match([1])) == 0  # on the device: nothing to load; touched
+    cache.try_allocate([3], 0)  # the device evicts 1, the host tier its least recent copy, 2
+    assert cache.match([1]) == 0 and cache.match_host([1], 0) == 1
+    assert cache.match_host([2], 0) == 0
