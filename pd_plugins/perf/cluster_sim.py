@@ -149,7 +149,8 @@ class SimResult:
     role_moves: list[RoleMove] = field(default_factory=list)
     # (time, prefill, decode) each time the serving split changed, from (0, initial split)
     split_log: list[tuple[float, int, int]] = field(default_factory=list)
-    prompt_tokens_from_host: int = 0  # of the cached ones, loaded from host tiers (not decode legs')
+    # of the cached ones, loaded from host tiers (as cached ones: not decode legs')
+    prompt_tokens_from_host: int = 0
 
 
 @dataclass(slots=True, eq=False)

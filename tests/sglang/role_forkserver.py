@@ -33,7 +33,7 @@ from pathlib import Path
 MAX_REQUEST_BYTES = 1 << 20  # one request: arguments and environment, as JSON
 
 
-# ----------------------------------------------------------------------------- server (.venv-sglang)
+# --------------------------------------------------------------------- server (in .venv-sglang)
 
 def serve(path: str) -> None:
     import tests.sglang.sglang_roles as roles  # the expensive part, once
@@ -109,14 +109,33 @@ def _run_role(roles, message: bytes, fds: list[int]) -> None:
         os._exit(code)
 
 
-# ----------------------------------------------------------------------------- client (tests)
+# --------------------------------------------------------------------- client (in the tests)
 
 class ForkedRole:
-    """A role process forked by the server: its pid (also its process group) and its pipes."""
+    """A role process forked by the server: its pid (also its process group), its pipes, and the
+    JSON events it prints one per line."""
 
     def __init__(self, name: str, pid: int, stdout, stderr) -> None:
         self.name, self.pid, self.stdout, self.stderr = name, pid, stdout, stderr
         self.killed = False
+
+    def next_event(self, timeout_s: float = 120) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.stdout.readline()
+            if line.startswith("{"):
+                return json.loads(line)
+            if not line:  # end of its stdout: it exited
+                break
+        self.kill()
+        stderr = self.stderr.read()[-3000:]
+        self.stop()
+        raise AssertionError(f"no event from {self.name}; stderr:\n{stderr}")
+
+    def stop(self) -> None:
+        self.kill()
+        self.stdout.close()
+        self.stderr.close()
 
     def alive(self) -> bool:
         try:
@@ -155,7 +174,9 @@ class RoleForkServer:
             self.close()
             raise RuntimeError(f"the role fork server did not start (said {line!r})")
 
-    def start(self, argv: list[str], env: dict[str, str]) -> ForkedRole:
+    def start(self, env: dict[str, str], role: str, spec: dict | None = None) -> ForkedRole:
+        """Fork `role` (sglang_roles.py's argument) with `spec` (its JSON argument) in `env`."""
+        argv = [role] if spec is None else [role, json.dumps(spec)]
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:

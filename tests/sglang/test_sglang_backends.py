@@ -10,7 +10,6 @@ does not run on a CPU machine, so nothing here schedules a model.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -20,7 +19,7 @@ from pd_plugins.testing.processes import free_port
 from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
 from pd_plugins.transfer.shm_pool import remove_pool
 from tests.e2e.deployments import FULL_MATRIX_ONLY
-from tests.sglang.role_forkserver import RoleForkServer
+from tests.sglang.role_forkserver import ForkedRole, RoleForkServer
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
@@ -48,39 +47,12 @@ def forkserver():
     server.close()
 
 
-class Role:
-    """One sglang_roles.py process; its JSON events read line by line."""
-
-    def __init__(self, server: RoleForkServer, env: dict, role: str,
-                 spec: dict | None = None) -> None:
-        argv = [role] if spec is None else [role, json.dumps(spec)]
-        self.proc = server.start(argv, env)
-
-    def next_event(self, timeout_s: float = 120) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if line.startswith("{"):
-                return json.loads(line)
-            if not line:  # end of its stdout: it exited
-                break
-        self.proc.kill()
-        stderr = self.proc.stderr.read()[-3000:]
-        self.stop()
-        raise AssertionError(f"no event from {self.proc.name}; stderr:\n{stderr}")
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.stdout.close()
-        self.proc.stderr.close()
-
-
 @pytest.fixture
 def roles(forkserver):
-    started: list[Role] = []
+    started: list[ForkedRole] = []
 
-    def start(env, role, spec=None) -> Role:
-        started.append(Role(forkserver, env, role, spec))
+    def start(env, role, spec=None) -> ForkedRole:
+        started.append(forkserver.start(env, role, spec))
         return started[-1]
 
     yield start
@@ -114,12 +86,11 @@ def test_sglang_accepts_and_resolves_the_backends(pool_env, roles):
 
 @pytest.fixture(scope="module")
 def startup_events(forkserver):
-    """The managers' start-time checks, run in one process (a start costs ~11 s of imports):
-    its events by name."""
+    """The managers' start-time checks, run in one process: its events by name."""
     path = f"/dev/shm/pd-test-sglang-{os.getpid()}-startup"
     env = {**os.environ, "PD_SHM_POOL": path, "PD_SHM_POOL_GB": "0.01",
            "SGLANG_PLUGINS": "pd_plugins", "PYTHONWARNINGS": "ignore"}
-    role = Role(forkserver, env, "startup")
+    role = forkserver.start(env, "startup")
     try:
         yield {e.pop("event"): e for e in (role.next_event() for _ in range(3))}
     finally:
@@ -180,8 +151,8 @@ def start_prefill_ranks(roles, env, backend, rooms, tp_size: int, **spec):
 
 
 def start_prefill(roles, env, backend, rooms, **spec):
-    """A TP 1 prefill process that has published `rooms`: (its Role, its bootstrap port, room ->
-    the published event with the pages' digests)."""
+    """A TP 1 prefill process that has published `rooms`: (its ForkedRole, its bootstrap port,
+    room -> the published event with the pages' digests)."""
     (prefill,), port, (published,) = start_prefill_ranks(roles, env, backend, rooms, 1, **spec)
     return prefill, port, published
 
@@ -192,7 +163,7 @@ def receive(roles, env, backend, port, room, dest, aux_index, **spec) -> dict:
         {"room": room, "dest": dest, "aux_index": aux_index, **spec}])[0]
 
 
-def start_decode(roles, env, backend, port, jobs: list[dict], **spec) -> Role:
+def start_decode(roles, env, backend, port, jobs: list[dict], **spec) -> ForkedRole:
     """A decode process that receives `jobs` one after another (one KV manager, as in an engine).
     `spec`: more of the decode's spec (tp_size, engine_rank)."""
     env, backend = variant(env, backend)
@@ -200,7 +171,7 @@ def start_decode(roles, env, backend, port, jobs: list[dict], **spec) -> Role:
                                  **spec})
 
 
-def received_events(decode: Role, jobs: list[dict]) -> list[dict]:
+def received_events(decode: ForkedRole, jobs: list[dict]) -> list[dict]:
     """The "received" event of each job, in order (past each "bootstrapped")."""
     received = []
     for _ in jobs:
