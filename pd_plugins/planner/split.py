@@ -121,8 +121,8 @@ def sim_config(*, hardware: str = "llama-3.1-8b@h100", calibration: str | None =
     """The simulator's settings for a plan: the router's calibration (a file saved from
     GET /admin/calibration) when given, else a hardware preset's roofline (perf/hardware.py).
     `host_kv_gb`: each instance's host tier for KV copies (CPU offloading; 0: none)."""
-    if host_kv_gb < 0:
-        raise ValueError(f"host_kv_gb must be >= 0, got {host_kv_gb}")
+    if not (math.isfinite(host_kv_gb) and host_kv_gb >= 0):
+        raise ValueError(f"host_kv_gb must be a finite number >= 0, got {host_kv_gb}")
     if calibration:
         engines = load_calibration(calibration, model=model).hardware(kv_capacity_tokens)
         engines = dataclasses.replace(engines, host_kv_bytes=host_kv_gb * 1e9)

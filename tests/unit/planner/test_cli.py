@@ -100,5 +100,6 @@ def test_a_host_tier_saves_prefill_work_the_device_cache_cannot(mooncake_availab
     assert runs[64.0].prompt_tokens_from_host > 0
     assert runs[64.0].prompt_tokens_cached > runs[0.0].prompt_tokens_cached
     assert runs[64.0].prefill_tokens_computed < runs[0.0].prefill_tokens_computed
-    with pytest.raises(ValueError, match="host_kv_gb"):
-        sim_config(host_kv_gb=-1)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="host_kv_gb"):
+            sim_config(host_kv_gb=bad)
