@@ -50,7 +50,11 @@ class UpstreamError(ConnectionError):
 
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
-    """The request did not complete within its timeout."""
+    """The request did not complete within its timeout (`timeout_s`: the one that ran out)."""
+
+    def __init__(self, message: str, timeout_s: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout_s = timeout_s
 
 
 class _Stale(UpstreamError):
@@ -68,6 +72,8 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.deadline = Deadline(loop, self._timed_out)
         self.timeout_s, self.answered = 0.0, False  # the timeout armed, and for which part
+        self.whole = False  # exchange(): wake the reader only once the answer is complete
+        self.body_timeout: float | None = None  # exchange(): the body's, from the headers on
         self._reset()
 
     def _reset(self) -> None:
@@ -113,10 +119,16 @@ class _Conn(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.headers_done = True
+        if self.whole:
+            if self.body_timeout is not None:
+                self.arm(self.body_timeout, answered=True)
+            return
         self._wake()
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
+        if self.whole:  # its reader takes the whole answer: nothing to pace
+            return
         self.buffered += len(body)
         if self.buffered > MAX_BUFFERED and not self.paused and self.transport is not None:
             # The reader is behind (a slow client downstream): let TCP push back on the server.
@@ -174,9 +186,10 @@ class _Conn(asyncio.Protocol):
 
     def _timed_out(self) -> None:
         if self.answered:
-            self.fail(UpstreamTimeout(f"no data within {self.timeout_s:g}s"))
+            self.fail(UpstreamTimeout(f"no data within {self.timeout_s:g}s", self.timeout_s))
         else:
-            self.fail(UpstreamTimeout(f"{self.peer} did not answer within {self.timeout_s:g}s"))
+            self.fail(UpstreamTimeout(f"{self.peer} did not answer within {self.timeout_s:g}s",
+                                      self.timeout_s))
 
     async def wait(self) -> None:
         """Sleep until the parser makes progress; close the connection if cancelled."""
@@ -293,6 +306,10 @@ class Upstream:
         self._idle: deque[_Conn] = deque()
         self._peer = f"{host}:{port}"
         self._host_line = f"Host: {self._peer}\r\n".encode()
+        # a JSON POST's request head, filled in with path, body length and request id
+        self._json_head = (b"POST %b HTTP/1.1\r\n" + self._host_line
+                           + b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                             b"X-Request-Id: %b\r\n\r\n")
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -311,6 +328,56 @@ class Upstream:
         else:
             conn.abort()
 
+    def _idle_conn(self) -> _Conn | None:
+        while self._idle:
+            c = self._idle.pop()
+            if not c.closed and not c.transport.is_closing():
+                return c
+        return None
+
+    def json_request(self, path: str, body: bytes, request_id: str) -> bytes:
+        """The bytes of a JSON POST with an X-Request-Id (request id: printable ASCII)."""
+        return self._json_head % (path.encode(), len(body), request_id.encode()) + body
+
+    async def exchange(self, data: bytes, timeout: float, body_timeout: float | None = None,
+                       on_sent: Callable[[], None] | None = None,
+                       on_orphan: Orphan | None = None) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """Send a whole request (`data`, e.g. from json_request) and return the whole answer:
+        (status, raw headers, body). One wait per answer: the reader is woken when the answer is
+        complete, not per piece. `timeout` runs until the headers are in, `body_timeout` (default:
+        the same, not renewed) from then on; on_sent and on_orphan as in request()."""
+        for attempt in (0, 1):
+            conn = self._idle_conn() or await self._connect()
+            conn._reset()
+            conn.whole, conn.body_timeout = True, body_timeout
+            conn.arm(timeout, answered=False)
+            try:
+                conn.transport.write(data)
+                if on_sent is not None:
+                    on_sent()
+                if not conn.done:
+                    await conn.wait()
+                if conn.exc is not None:
+                    raise conn.exc
+            except _Stale:
+                if attempt:
+                    raise UpstreamError("upstream closed the connection twice") from None
+                continue
+            except BaseException as exc:
+                conn.abort()
+                if isinstance(exc, asyncio.CancelledError):
+                    conn.orphan(on_orphan)
+                raise
+            chunks = conn.chunks
+            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            conn.deadline.disarm()
+            if conn.closed:
+                conn.abort()
+            else:
+                self._put(conn)
+            return conn.status, conn.headers, body
+        raise AssertionError("unreachable")
+
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: dict[str, str] | None = None,
                       timeout: float | None = None,
@@ -326,14 +393,7 @@ class Upstream:
         head.append(b"\r\n")
         data = b"".join(head) + body
         for attempt in (0, 1):
-            conn = None
-            while self._idle:
-                c = self._idle.pop()
-                if not c.closed and not c.transport.is_closing():
-                    conn = c
-                    break
-            if conn is None:
-                conn = await self._connect()
+            conn = self._idle_conn() or await self._connect()
             try:
                 return await self._send(conn, data, timeout, on_sent, on_orphan)
             except _Stale:
@@ -345,6 +405,7 @@ class Upstream:
                     on_sent: Callable[[], None] | None = None,
                     on_orphan: Orphan | None = None) -> Response:
         conn._reset()
+        conn.whole = False
         if timeout is not None:
             conn.arm(timeout, answered=False)
         else:

@@ -35,7 +35,7 @@ from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTime
 from pd_plugins.routers.errors import error_body, error_response
 from pd_plugins.routers.http_server import FastStreamResponse, stream_response
 from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, json_answer, json_leg,
-                                        open_leg, read_body)
+                                        open_leg, whole_leg)
 from pd_plugins.vocab.expert_signature import ExpertSignature
 from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of, stored_tokens_of
 
@@ -366,14 +366,15 @@ class Proxy:
         """Open the decode leg; return it with its first chunk (streaming) or whole body."""
         worker = attempt.decision.decode
         timeouts = self.timeouts
-        resp = await open_leg(self.pools, worker, "decode", attempt.path, body,
-                              attempt.request_id, timeouts.decode_first_byte_s, on_sent)
         if not attempt.request.info.stream:
-            resp.rearm(timeouts.decode_total_s)
-            payload = await read_body(resp, worker, "decode", timeouts.decode_total_s)
+            payload = await whole_leg(self.pools, worker, "decode", attempt.path, body,
+                                      attempt.request_id, timeouts.decode_first_byte_s,
+                                      timeouts.decode_total_s, on_sent)
             if not payload.lstrip().startswith(b"{"):
                 raise WorkerFailed(worker, "decode", f"answer is not a JSON object: {payload[:80]!r}")
-            return resp, payload
+            return None, payload
+        resp = await open_leg(self.pools, worker, "decode", attempt.path, body,
+                              attempt.request_id, timeouts.decode_first_byte_s, on_sent)
         try:
             chunk = await resp.next_chunk()  # still under the first-byte timeout
         except UpstreamError as exc:

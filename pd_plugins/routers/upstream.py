@@ -8,7 +8,7 @@ worker would refuse it too. Legs go through `http_client` (one keep-alive pool p
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -63,7 +63,7 @@ class Pools:
 
 def _failure(worker: Any, leg: str, exc: UpstreamError, timeout_s: float) -> WorkerFailed:
     if isinstance(exc, UpstreamTimeout):
-        return WorkerFailed(worker, leg, f"no response within {timeout_s:g} s")
+        return WorkerFailed(worker, leg, f"no response within {exc.timeout_s or timeout_s:g} s")
     return WorkerFailed(worker, leg, str(exc))
 
 
@@ -90,10 +90,7 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
         payload = b""
     finally:
         resp.release()
-    if 400 <= resp.status < 500 and resp.status not in (408, 429):
-        content_type = resp.header(b"content-type")
-        raise RequestRefused(resp.status, payload, content_type.decode() if content_type else None)
-    raise WorkerFailed(worker, leg, f"HTTP {resp.status}: {payload[:200]!r}")
+    _refused_or_failed(worker, leg, resp.status, payload, resp.header(b"content-type"))
 
 
 async def read_body(resp: Response, worker: Any, leg: str, timeout_s: float) -> bytes:
@@ -105,13 +102,42 @@ async def read_body(resp: Response, worker: Any, leg: str, timeout_s: float) -> 
         resp.release()
 
 
+async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
+                    request_id: str, timeout_s: float, body_timeout_s: float | None = None,
+                    on_sent: Callable[[], None] | None = None,
+                    on_orphan: Orphan | None = None) -> bytes:
+    """A whole non-streaming leg's 200 answer (the status and headers within `timeout_s`, the
+    body within `body_timeout_s` from then, default the same); other answers are classified and
+    raised as open_leg's are."""
+    upstream = pools.get(worker.url)
+    try:
+        status, headers, payload = await upstream.exchange(
+            upstream.json_request(path, _encode(body), request_id), timeout_s, body_timeout_s,
+            on_sent, on_orphan)
+    except UpstreamError as exc:
+        raise _failure(worker, leg, exc, timeout_s) from None
+    if status == 200:
+        return payload
+    content_type = next((v for k, v in headers if k.lower() == b"content-type"), None)
+    _refused_or_failed(worker, leg, status, payload, content_type)
+
+
+def _refused_or_failed(worker: Any, leg: str, status: int, payload: bytes,
+                       content_type: bytes | None) -> NoReturn:
+    """A non-200 answer: the request's own fault (4xx but 408 and 429, passed to the client) or
+    the worker's."""
+    if 400 <= status < 500 and status not in (408, 429):
+        raise RequestRefused(status, payload, content_type.decode() if content_type else None)
+    raise WorkerFailed(worker, leg, f"HTTP {status}: {payload[:200]!r}")
+
+
 async def json_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
                    request_id: str, timeout_s: float,
                    on_orphan: Orphan | None = None) -> dict[str, Any]:
     """A whole non-streaming leg, parsed; a body that is not a JSON object is the worker's fault."""
-    resp = await open_leg(pools, worker, leg, path, body, request_id, timeout_s,
-                          on_orphan=on_orphan)
-    return json_answer(await read_body(resp, worker, leg, timeout_s), worker, leg)
+    payload = await whole_leg(pools, worker, leg, path, body, request_id, timeout_s,
+                              on_orphan=on_orphan)
+    return json_answer(payload, worker, leg)
 
 
 def json_answer(payload: bytes, worker: Any, leg: str) -> dict[str, Any]:
