@@ -31,7 +31,6 @@ from typing import Any, Awaitable, Callable
 
 import httptools
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from pd_plugins.routers.deadline import Deadline
 from pd_plugins.routers.errors import error_body
@@ -53,6 +52,34 @@ KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
 
+class RequestHeaders:
+    """A request's headers, looked up by name case-insensitively (the first of a repeated one, as
+    aiohttp's CIMultiDict.get does; values decoded as aiohttp decodes them). The handler only
+    ever reads a few of them by name: the map is built at the first lookup."""
+
+    __slots__ = ("_raw", "_by_name")
+
+    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+        self._raw = raw
+        self._by_name: dict[str, bytes] | None = None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        by_name = self._by_name
+        if by_name is None:  # reversed: the first of a repeated header wins
+            by_name = self._by_name = {n.decode("latin-1").lower(): v for n, v in reversed(self._raw)}
+        value = by_name.get(name.lower())
+        return default if value is None else value.decode("utf-8", "surrogateescape")
+
+    def __getitem__(self, name: str) -> str:
+        value = self.get(name)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self.get(name) is not None
+
+
 class FastRequest:
     """What pd-router's inference handler reads of a request (the subset of aiohttp's
     web.Request it uses: path, headers, read(), remote, transport, and per-request state)."""
@@ -61,7 +88,7 @@ class FastRequest:
                  "transport", "_body", "_too_large", "_state", "_conn")
 
     def __init__(self, conn: _FrontConnection, method: str, path: str, query_string: str,
-                 headers: CIMultiDictProxy, version: str, keep_alive: bool, body: bytes,
+                 headers: RequestHeaders, version: str, keep_alive: bool, body: bytes,
                  too_large: int) -> None:
         self.method, self.path, self.query_string = method, path, query_string
         self.headers, self.version, self.keep_alive = headers, version, keep_alive
@@ -346,10 +373,8 @@ class _FrontConnection(asyncio.Protocol):
         if method != "POST" or path not in HOT_PATHS:  # pipelined behind an inference request
             self.queue.append("400 pipelined")
             return
-        headers = CIMultiDictProxy(CIMultiDict(  # values decoded as aiohttp does
-            (n.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for n, v in self.raw_headers))
         body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.queue.append(FastRequest(self, method, path, query, headers,
+        self.queue.append(FastRequest(self, method, path, query, RequestHeaders(self.raw_headers),
                                       self.parser.get_http_version(),
                                       self.parser.should_keep_alive(), body, self.too_large))
 

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pd_plugins.routers.http_server import (MAX_HEADERS, FastRequest, FrontServer,
+from pd_plugins.routers.http_server import (MAX_HEADERS, FastRequest, FrontServer, RequestHeaders,
                                             stream_response)
 
 BODY = json.dumps({"prompt": "hi"}).encode()
@@ -260,3 +260,16 @@ def test_shutdown_lets_a_request_in_progress_finish():
         assert b"Connection: close" in got
     asyncio.run(main())
 
+
+
+def test_request_headers_are_looked_up_as_aiohttp_would():
+    headers = RequestHeaders([(b"X-Request-Id", b"first"), (b"content-type", b"application/json"),
+                              (b"x-request-id", b"second"), (b"X-Odd", b"caf\xc3\xa9\xff")])
+    assert headers.get("x-request-id") == headers.get("X-REQUEST-ID") == "first"  # the first wins
+    assert headers.get("Content-Type") == "application/json"
+    assert headers.get("X-Odd") == b"caf\xc3\xa9\xff".decode("utf-8", "surrogateescape")
+    assert headers.get("Authorization", "") == "" and headers.get("Authorization") is None
+    assert "CONTENT-type" in headers and "Authorization" not in headers
+    assert headers["x-odd"].startswith("café")
+    with pytest.raises(KeyError):
+        headers["Authorization"]
