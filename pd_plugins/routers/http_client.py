@@ -9,6 +9,8 @@ still uses aiohttp.
     resp = await pool.request("POST", "/v1/completions", body, {"X-Request-Id": rid}, timeout=30)
     data = await resp.read()                 # whole body (Content-Length, chunked or until EOF)
     async for chunk in resp: ...             # or: the body as it arrives
+    status, headers, body = await pool.exchange(pool.json_request(path, body, rid), timeout=30)
+                                             # a whole answer, one wait (the legs that are not streamed)
     await pool.close()
 
 One Upstream per host:port keeps idle keep-alive connections (LIFO, up to `max_idle`). A

@@ -161,6 +161,8 @@ def test_an_unread_body_is_bounded_and_read_whole_later():
                 resp.release()
                 again = await up.request("GET", "/huge", timeout=30)
                 assert await again.read() == big  # read() takes a paused body whole too
+                status, _, body = await up.exchange(up.json_request("/huge", b"", "r1"), 30)
+                assert status == 200 and body == big  # its reader takes it whole: never paused
             finally:
                 await up.close()
     asyncio.run(main())
@@ -194,12 +196,14 @@ def test_rearm_moves_the_deadline_both_ways_and_disarm_holds_it():
     run(scenario)
 
 
+@pytest.mark.parametrize("api", ["request", "exchange"])
 @pytest.mark.parametrize("path, answer", [
     ("/small", b"ok:hi"),                  # one read: the reader waits for the headers (_send)
     ("/echo", b"x" * 100_000 + b"hi"),    # a large answer
     ("/late_end", b"first,last"),         # the reader is in read(), with a part taken
 ])
-def test_an_answer_whose_reader_is_cancelled_as_it_arrives_goes_to_on_orphan(monkeypatch, path, answer):
+def test_an_answer_whose_reader_is_cancelled_as_it_arrives_goes_to_on_orphan(monkeypatch, path, answer,
+                                                                              api):
     """The race pd-router's prefill leg has with a client that leaves: the answer is complete,
     the reading task is cancelled before it resumes. The answer is handed over whole, and the
     connection is closed, not pooled."""
@@ -217,8 +221,10 @@ def test_an_answer_whose_reader_is_cancelled_as_it_arrives_goes_to_on_orphan(mon
         monkeypatch.setattr(_Conn, "data_received", data_received)
 
         async def leg():
-            resp = await up.request("POST", path, b"hi",
-                                    on_orphan=lambda status, body: orphans.append((status, body)))
+            orphan = lambda status, body: orphans.append((status, body))  # noqa: E731
+            if api == "exchange":
+                return await up.exchange(up.json_request(path, b"hi", "r1"), 5, on_orphan=orphan)
+            resp = await up.request("POST", path, b"hi", on_orphan=orphan)
             return await resp.read()
 
         task = asyncio.create_task(leg())
@@ -246,3 +252,32 @@ def test_a_reader_cancelled_before_its_answer_is_complete_orphans_nothing():
 
     run(scenario)
     assert orphans == []
+
+
+def test_exchange_returns_the_whole_answer_and_pools_the_connection():
+    async def scenario(up):
+        status, headers, body = await up.exchange(up.json_request("/echo", b"hello", "r-1"), 5)
+        assert status == 200 and body == b"x" * 100_000 + b"hello"
+        assert (b"X-Seen", b"r-1") in headers
+        assert len(up._idle) == 1
+        conn = up._idle[-1]
+        status, _, body = await up.exchange(up.json_request("/small", b"again", "r-2"), 5)
+        assert (status, body) == (200, b"ok:again") and up._idle[-1] is conn  # reused
+        sent = []
+        await up.exchange(up.json_request("/small", b"", "r-3"), 5, on_sent=lambda: sent.append(1))
+        assert sent == [1]
+    run(scenario)
+
+
+def test_exchange_timeouts_name_the_one_that_ran_out():
+    async def scenario(up):
+        t0 = time.monotonic()
+        with pytest.raises(UpstreamTimeout) as first_byte:
+            await up.exchange(up.json_request("/slow", b"", "r-1"), 0.2, body_timeout=5)
+        assert first_byte.value.timeout_s == 0.2 and "did not answer" in str(first_byte.value)
+        with pytest.raises(UpstreamTimeout) as body:  # headers in time, the body stalls
+            await up.exchange(up.json_request("/stall", b"", "r-2"), 5, body_timeout=0.2)
+        assert body.value.timeout_s == 0.2 and "no data" in str(body.value)
+        assert time.monotonic() - t0 < 2.0
+        assert not up._idle  # a timed-out connection is closed, not pooled
+    run(scenario)
