@@ -348,37 +348,16 @@ class Upstream:
         (status, raw headers, body). One wait per answer: the reader is woken when the answer is
         complete, not per piece. `timeout` runs until the headers are in, `body_timeout` (default:
         the same, not renewed) from then on; on_sent and on_orphan as in request()."""
-        for attempt in (0, 1):
-            conn = self._idle_conn() or await self._connect()
-            conn._reset()
-            conn.whole, conn.body_timeout = True, body_timeout
-            conn.arm(timeout, answered=False)
-            try:
-                conn.transport.write(data)
-                if on_sent is not None:
-                    on_sent()
-                if not conn.done:
-                    await conn.wait()
-                if conn.exc is not None:
-                    raise conn.exc
-            except _Stale:
-                if attempt:
-                    raise UpstreamError("upstream closed the connection twice") from None
-                continue
-            except BaseException as exc:
-                conn.abort()
-                if isinstance(exc, asyncio.CancelledError):
-                    conn.orphan(on_orphan)
-                raise
-            chunks = conn.chunks
-            body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            conn.deadline.disarm()
-            if conn.closed:
-                conn.abort()
-            else:
-                self._put(conn)
-            return conn.status, conn.headers, body
-        raise AssertionError("unreachable")
+        conn = await self._sent(data, timeout, on_sent, on_orphan, body_timeout=body_timeout,
+                                whole=True)
+        chunks = conn.chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        conn.deadline.disarm()
+        if conn.closed:
+            conn.abort()
+        else:
+            self._put(conn)
+        return conn.status, conn.headers, body
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       headers: dict[str, str] | None = None,
@@ -393,21 +372,29 @@ class Upstream:
         if headers:
             head += [f"{k}: {v}\r\n".encode() for k, v in headers.items()]
         head.append(b"\r\n")
-        data = b"".join(head) + body
+        conn = await self._sent(b"".join(head) + body, timeout, on_sent, on_orphan)
+        return Response(conn, self, on_orphan)
+
+    async def _sent(self, data: bytes, timeout: float | None,
+                    on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
+                    body_timeout: float | None = None, whole: bool = False) -> _Conn:
+        """A connection that `data` went out on and whose answer's headers (`whole`: all of the
+        answer) are in. A reused connection that the server had closed is replaced once."""
         for attempt in (0, 1):
             conn = self._idle_conn() or await self._connect()
             try:
-                return await self._send(conn, data, timeout, on_sent, on_orphan)
+                await self._send(conn, data, timeout, on_sent, on_orphan, body_timeout, whole)
+                return conn
             except _Stale:
                 if attempt:
                     raise UpstreamError("upstream closed the connection twice") from None
         raise AssertionError("unreachable")
 
     async def _send(self, conn: _Conn, data: bytes, timeout: float | None,
-                    on_sent: Callable[[], None] | None = None,
-                    on_orphan: Orphan | None = None) -> Response:
+                    on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
+                    body_timeout: float | None, whole: bool) -> None:
         conn._reset()
-        conn.whole = False
+        conn.whole, conn.body_timeout = whole, body_timeout
         if timeout is not None:
             conn.arm(timeout, answered=False)
         else:
@@ -416,14 +403,13 @@ class Upstream:
             conn.transport.write(data)
             if on_sent is not None:
                 on_sent()
-            while not conn.headers_done:
+            while not (conn.done if whole else conn.headers_done):
                 await conn.wait()
         except BaseException as exc:
             conn.abort()
             if isinstance(exc, asyncio.CancelledError):
                 conn.orphan(on_orphan)
             raise
-        return Response(conn, self, on_orphan)
 
     async def close(self) -> None:
         """Close the idle connections."""
