@@ -122,7 +122,9 @@ class _Conn(asyncio.Protocol):
         self.status = self.parser.get_status_code()
         self.headers_done = True
         if self.whole:
-            if self.body_timeout is not None:
+            # the body's own timeout for an answer that is one; an error answer's body comes
+            # under what is left of the first one
+            if self.body_timeout is not None and self.status == 200:
                 self.arm(self.body_timeout, answered=True)
             return
         self._wake()
@@ -309,7 +311,7 @@ class Upstream:
         self._peer = f"{host}:{port}"
         self._host_line = f"Host: {self._peer}\r\n".encode()
         # a JSON POST's request head, filled in with path, body length and request id
-        self._json_head = (b"POST %b HTTP/1.1\r\n" + self._host_line
+        self._json_head = (b"POST %b HTTP/1.1\r\n" + self._host_line.replace(b"%", b"%%")
                            + b"Content-Type: application/json\r\nContent-Length: %d\r\n"
                              b"X-Request-Id: %b\r\n\r\n")
 
@@ -347,7 +349,9 @@ class Upstream:
         """Send a whole request (`data`, e.g. from json_request) and return the whole answer:
         (status, raw headers, body). One wait per answer: the reader is woken when the answer is
         complete, not per piece. `timeout` runs until the headers are in, `body_timeout` (default:
-        the same, not renewed) from then on; on_sent and on_orphan as in request()."""
+        the same, not renewed) from then on for a 200 answer; the body of any other answer comes
+        under `timeout`, and one that fails is returned empty (as request() + read() callers
+        treated it: the status decides). on_sent and on_orphan as in request()."""
         conn = await self._sent(data, timeout, on_sent, on_orphan, body_timeout=body_timeout,
                                 whole=True)
         chunks = conn.chunks
@@ -409,6 +413,9 @@ class Upstream:
             conn.abort()
             if isinstance(exc, asyncio.CancelledError):
                 conn.orphan(on_orphan)
+            elif whole and conn.headers_done and conn.status != 200 and isinstance(exc, UpstreamError):
+                conn.chunks = []  # an error answer whose body failed: its status still says which
+                return
             raise
 
     async def close(self) -> None:

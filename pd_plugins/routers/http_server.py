@@ -59,7 +59,7 @@ class RequestHeaders:
 
     __slots__ = ("_raw", "_by_name")
 
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, raw: tuple[tuple[bytes, bytes], ...]) -> None:
         self._raw = raw
         self._by_name: dict[str, bytes] | None = None
 
@@ -374,7 +374,7 @@ class _FrontConnection(asyncio.Protocol):
             self.queue.append("400 pipelined")
             return
         body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.queue.append(FastRequest(self, method, path, query, RequestHeaders(self.raw_headers),
+        self.queue.append(FastRequest(self, method, path, query, RequestHeaders(tuple(self.raw_headers)),
                                       self.parser.get_http_version(),
                                       self.parser.should_keep_alive(), body, self.too_large))
 

@@ -93,15 +93,6 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
     _refused_or_failed(worker, leg, resp.status, payload, resp.header(b"content-type"))
 
 
-async def read_body(resp: Response, worker: Any, leg: str, timeout_s: float) -> bytes:
-    try:
-        return await resp.read()
-    except UpstreamError as exc:
-        raise _failure(worker, leg, exc, timeout_s) from None
-    finally:
-        resp.release()
-
-
 async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
                     request_id: str, timeout_s: float, body_timeout_s: float | None = None,
                     on_sent: Callable[[], None] | None = None,

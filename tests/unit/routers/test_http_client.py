@@ -162,7 +162,8 @@ def test_an_unread_body_is_bounded_and_read_whole_later():
                 again = await up.request("GET", "/huge", timeout=30)
                 assert await again.read() == big  # read() takes a paused body whole too
                 status, _, body = await up.exchange(up.json_request("/huge", b"", "r1"), 30)
-                assert status == 200 and body == big  # its reader takes it whole: never paused
+                assert status == 200 and body == big  # its reader takes it whole at the end
+                assert not up._idle[-1].paused  # and its connection never stopped reading
             finally:
                 await up.close()
     asyncio.run(main())
@@ -200,7 +201,7 @@ def test_rearm_moves_the_deadline_both_ways_and_disarm_holds_it():
 @pytest.mark.parametrize("path, answer", [
     ("/small", b"ok:hi"),                  # one read: the reader waits for the headers (_send)
     ("/echo", b"x" * 100_000 + b"hi"),    # a large answer
-    ("/late_end", b"first,last"),         # the reader is in read(), with a part taken
+    ("/late_end", b"first,last"),         # request(): the reader is in read(), a part taken
 ])
 def test_an_answer_whose_reader_is_cancelled_as_it_arrives_goes_to_on_orphan(monkeypatch, path, answer,
                                                                               api):
@@ -236,12 +237,16 @@ def test_an_answer_whose_reader_is_cancelled_as_it_arrives_goes_to_on_orphan(mon
     assert orphans == [(200, answer)]
 
 
-def test_a_reader_cancelled_before_its_answer_is_complete_orphans_nothing():
+@pytest.mark.parametrize("api", ["request", "exchange"])
+def test_a_reader_cancelled_before_its_answer_is_complete_orphans_nothing(api):
     orphans = []
 
     async def scenario(up):
         async def leg():
-            resp = await up.request("POST", "/stall", b"", on_orphan=lambda *a: orphans.append(a))
+            orphan = lambda *a: orphans.append(a)  # noqa: E731
+            if api == "exchange":
+                return await up.exchange(up.json_request("/stall", b"", "r1"), 5, on_orphan=orphan)
+            resp = await up.request("POST", "/stall", b"", on_orphan=orphan)
             return await resp.read()
 
         task = asyncio.create_task(leg())
@@ -249,6 +254,7 @@ def test_a_reader_cancelled_before_its_answer_is_complete_orphans_nothing():
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        assert not up._idle  # the leg's connection is closed: the server sees the client leave
 
     run(scenario)
     assert orphans == []
@@ -281,3 +287,74 @@ def test_exchange_timeouts_name_the_one_that_ran_out():
         assert time.monotonic() - t0 < 2.0
         assert not up._idle  # a timed-out connection is closed, not pooled
     run(scenario)
+
+
+def test_exchange_error_answers_keep_their_status_and_the_first_timeout():
+    """A non-200 answer's body comes under the first timeout (not the body's, which is for a 200
+    answer), and one whose body fails still returns its status (empty body): the caller decides
+    by the status whether the request or the worker is at fault."""
+    async def stalled_error(request):
+        out = web.StreamResponse(status=400)
+        await out.prepare(request)
+        await out.write(b"partial")
+        await asyncio.sleep(2)
+        return out
+
+    async def refused(request):
+        return web.json_response({"error": "bad"}, status=400)
+
+    async def main():
+        async with loopback_server({"/stalled_error": stalled_error, "/refused": refused}) as port:
+            up = Upstream("127.0.0.1", port)
+            try:
+                status, headers, body = await up.exchange(up.json_request("/refused", b"", "r1"), 5)
+                assert status == 400 and b"bad" in body
+                t0 = time.monotonic()
+                status, _, body = await up.exchange(up.json_request("/stalled_error", b"", "r2"),
+                                                    0.3, body_timeout=30)
+                assert (status, body) == (400, b"") and time.monotonic() - t0 < 1.5
+                assert not up._idle  # the connection whose answer failed is closed, not pooled
+            finally:
+                await up.close()
+    asyncio.run(main())
+
+
+def test_exchange_retries_once_on_a_keep_alive_connection_the_server_closed():
+    """The keep-alive race: the server closes a pooled connection as the next request goes out
+    on it. The request goes again on another connection; twice is an error."""
+    answered = []
+
+    async def serve(reader, writer):
+        first = True
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            await reader.readexactly(length)
+            if not first:  # a second request on this connection: closed without a byte
+                writer.close()
+                return
+            first = False
+            answered.append(1)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        up = Upstream("127.0.0.1", port)
+        try:
+            for api in ("exchange", "request"):
+                for i in range(3):
+                    if api == "exchange":
+                        status, _, body = await up.exchange(up.json_request("/x", b"{}", "r"), 5)
+                    else:
+                        resp = await up.request("POST", "/x", b"{}", timeout=5)
+                        status, body = resp.status, await resp.read()
+                    assert (status, body) == (200, b"ok")
+            assert len(answered) == 6  # each on a fresh connection after the first
+        finally:
+            await up.close()
+            server.close()
+            await server.wait_closed()
+    asyncio.run(main())

@@ -261,10 +261,9 @@ def test_shutdown_lets_a_request_in_progress_finish():
     asyncio.run(main())
 
 
-
 def test_request_headers_are_looked_up_as_aiohttp_would():
-    headers = RequestHeaders([(b"X-Request-Id", b"first"), (b"content-type", b"application/json"),
-                              (b"x-request-id", b"second"), (b"X-Odd", b"caf\xc3\xa9\xff")])
+    headers = RequestHeaders(((b"X-Request-Id", b"first"), (b"content-type", b"application/json"),
+                              (b"x-request-id", b"second"), (b"X-Odd", b"caf\xc3\xa9\xff")))
     assert headers.get("x-request-id") == headers.get("X-REQUEST-ID") == "first"  # the first wins
     assert headers.get("Content-Type") == "application/json"
     assert headers.get("X-Odd") == b"caf\xc3\xa9\xff".decode("utf-8", "surrogateescape")
