@@ -38,13 +38,23 @@ import httptools
 
 from pd_plugins.routers.deadline import Deadline
 
-__all__ = ["Upstream", "Response", "UpstreamError", "UpstreamTimeout"]
+__all__ = ["Upstream", "Response", "UpstreamError", "UpstreamTimeout", "header_value"]
 
 Orphan = Callable[[int, bytes], None]  # (status, whole body) of an answer its reader left
 
 
 # Unread body bytes per connection before the client stops reading from the socket.
 MAX_BUFFERED = 1 << 20
+
+
+def header_value(headers: list[tuple[bytes, bytes]], name: bytes,
+                 default: bytes | None = None) -> bytes | None:
+    """The first value of header `name` among raw (name, value) pairs, matched case-insensitively."""
+    name = name.lower()
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return default
 
 
 class UpstreamError(ConnectionError):
@@ -54,7 +64,7 @@ class UpstreamError(ConnectionError):
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The request did not complete within its timeout (`timeout_s`: the one that ran out)."""
 
-    def __init__(self, message: str, timeout_s: float | None = None) -> None:
+    def __init__(self, message: str, timeout_s: float) -> None:
         super().__init__(message)
         self.timeout_s = timeout_s
 
@@ -221,11 +231,7 @@ class Response:
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of a header, matched case-insensitively."""
-        name = name.lower()
-        for k, v in self.headers:
-            if k.lower() == name:
-                return v
-        return default
+        return header_value(self.headers, name, default)
 
     async def read(self) -> bytes:
         """The whole body; the connection then goes back to the pool."""
@@ -283,13 +289,8 @@ class Response:
     def release(self) -> None:
         """Return the connection if the response was read to the end, else close it."""
         conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        conn.deadline.disarm()
-        if conn.done and not conn.closed and conn.exc is None and not conn.paused:
-            self._pool._put(conn)
-        else:
-            conn.abort()
+        if conn is not None:
+            self._pool._release(conn)
 
     close = release
 
@@ -325,6 +326,14 @@ class Upstream:
             raise UpstreamError(f"cannot connect to {self.host}:{self.port}: {exc!r}") from exc
         return conn
 
+    def _release(self, conn: _Conn) -> None:
+        """Back to the pool if its answer was read to the end and it may be reused; else closed."""
+        conn.deadline.disarm()
+        if conn.done and not conn.closed and conn.exc is None and not conn.paused:
+            self._put(conn)
+        else:
+            conn.abort()
+
     def _put(self, conn: _Conn) -> None:
         if len(self._idle) < self.max_idle:
             conn.reused = True
@@ -356,11 +365,7 @@ class Upstream:
                                 whole=True)
         chunks = conn.chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        conn.deadline.disarm()
-        if conn.closed:
-            conn.abort()
-        else:
-            self._put(conn)
+        self._release(conn)
         return conn.status, conn.headers, body
 
     async def request(self, method: str, path: str, body: bytes = b"",

@@ -14,7 +14,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from pd_plugins.routers.http_client import Orphan, Response, Upstream, UpstreamError, UpstreamTimeout
+from pd_plugins.routers.http_client import (Orphan, Response, Upstream, UpstreamError, UpstreamTimeout,
+                                            header_value)
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -61,9 +62,9 @@ class Pools:
             await pool.close()
 
 
-def _failure(worker: Any, leg: str, exc: UpstreamError, timeout_s: float) -> WorkerFailed:
-    if isinstance(exc, UpstreamTimeout):
-        return WorkerFailed(worker, leg, f"no response within {exc.timeout_s or timeout_s:g} s")
+def _failure(worker: Any, leg: str, exc: UpstreamError) -> WorkerFailed:
+    if isinstance(exc, UpstreamTimeout):  # the timeout that ran out: first byte, or the body's
+        return WorkerFailed(worker, leg, f"no response within {exc.timeout_s:g} s")
     return WorkerFailed(worker, leg, str(exc))
 
 
@@ -81,7 +82,7 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
         resp = await pools.get(worker.url).request("POST", path, _encode(body), headers, timeout_s,
                                                    on_sent, on_orphan)
     except UpstreamError as exc:
-        raise _failure(worker, leg, exc, timeout_s) from None
+        raise _failure(worker, leg, exc) from None
     if resp.status == 200:
         return resp
     try:
@@ -106,11 +107,10 @@ async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[s
             upstream.json_request(path, _encode(body), request_id), timeout_s, body_timeout_s,
             on_sent, on_orphan)
     except UpstreamError as exc:
-        raise _failure(worker, leg, exc, timeout_s) from None
+        raise _failure(worker, leg, exc) from None
     if status == 200:
         return payload
-    content_type = next((v for k, v in headers if k.lower() == b"content-type"), None)
-    _refused_or_failed(worker, leg, status, payload, content_type)
+    _refused_or_failed(worker, leg, status, payload, header_value(headers, b"content-type"))
 
 
 def _refused_or_failed(worker: Any, leg: str, status: int, payload: bytes,
