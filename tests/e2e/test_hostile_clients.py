@@ -147,6 +147,18 @@ def until_conclusive(try_once: Callable[[int], T], what: str, tries: int = 3) ->
     pytest.fail(f"{what}, {tries} times")
 
 
+def evidence(pd, router) -> str:
+    """What a failed disconnect test reports: whether the router saw the client leave (it counts
+    each departure by stage), and what the decode holds, so a failure says whose side it is on."""
+    text = router.metrics()
+    gone = {stage: sample(text, "pd_router_client_gone_total", stage=stage)
+            for stage in ("prefill", "decode", "answer")}
+    decode = pd.decode.metrics()
+    return (f"router counted clients gone {gone}; decode running "
+            f"{sample(decode, 'vllm:num_requests_running'):g}, waiting "
+            f"{sample(decode, 'vllm:num_requests_waiting'):g}")
+
+
 def answered(sock: socket.socket) -> bool:
     """Whether the router has written to this client (without taking the bytes)."""
     try:
@@ -226,10 +238,14 @@ def leave_while_the_decode_leg_queues(pd, router, attempt: int) -> float:
 def test_disconnect_while_the_decode_leg_queues_frees_the_prefill_kv_at_once(routed):
     pd, router = routed
     gone = sample(router.metrics(), "pd_router_client_gone_total", stage="decode")
-    freed_after = until_conclusive(
-        lambda attempt: leave_while_the_decode_leg_queues(pd, router, attempt),
-        "the decode finished its blockers before the client left")
-    assert freed_after < FREED_WITHIN_S, f"prefill KV freed {freed_after:.1f} s after the client left"
+    try:
+        freed_after = until_conclusive(
+            lambda attempt: leave_while_the_decode_leg_queues(pd, router, attempt),
+            "the decode finished its blockers before the client left")
+    except AssertionError as exc:  # a wait that timed out
+        raise AssertionError(f"{exc}; {evidence(pd, router)}") from None
+    assert freed_after < FREED_WITHIN_S, \
+        f"prefill KV freed {freed_after:.1f} s after the client left; {evidence(pd, router)}"
     assert metric(pd.prefill, "vllm:nixl_num_kv_expired_reqs") == 0  # freed, not expired
     wait_for(lambda: sample(router.metrics(), "pd_router_client_gone_total", stage="decode") > gone,
              FREED_WITHIN_S, "the router to count the client gone in the decode stage")
@@ -258,6 +274,8 @@ def test_disconnect_mid_decode_stops_the_decode_at_once(routed):
                                  "the decode answered before it was seen generating")
     stopped_after = wait_for(lambda: metric(pd.decode, "vllm:num_requests_running") == 0, 60,
                              "the decode to stop")
-    assert stopped_after < FREED_WITHIN_S, f"decode ran on {stopped_after:.1f} s for a client that left"
-    assert metric(pd.decode, "vllm:generation_tokens_total") - generated < 400  # not run to the end
+    assert stopped_after < FREED_WITHIN_S, \
+        f"decode ran on {stopped_after:.1f} s for a client that left; {evidence(pd, router)}"
+    ran = metric(pd.decode, "vllm:generation_tokens_total") - generated
+    assert ran < 400, f"the decode generated all {ran:g} tokens; {evidence(pd, router)}"  # not run to the end
     serves_normally(pd, router)
