@@ -86,7 +86,7 @@ from pd_plugins.transfer.nixl_rooms import (
 from pd_plugins.transfer.options import KvFaultOptions, NixlOptions, from_env
 from pd_plugins.transfer.page_digests import PageChecks, corrupt, fault_target, page_digests
 from pd_plugins.transfer.page_runs import decode_pages, encode_pages
-from pd_plugins.transfer.transfer_threads import lowered_new_threads
+from pd_plugins.transfer.transfer_threads import lowered_new_threads, paced_progress
 
 logger = logging.getLogger("pd_plugins.sglang")
 
@@ -107,9 +107,11 @@ class PdNixlKVManager(HostKVManager):
                                          f"{BACKEND_NAME} (SGLang)")
         self.checks = PageChecks()  # decode: what its receivers found
         role = "prefill" if self.mode == DisaggregationMode.PREFILL else "decode"
-        # NIXL's progress thread polls without pause: lowest priority (PD_TRANSFER_THREADS_NICE)
+        # NIXL's progress thread: lowest priority (PD_TRANSFER_THREADS_NICE) and a pause between
+        # its rounds (PD_PROGRESS_PAUSE_US); transfer/transfer_threads.py
         cpu_engine = engine_device(self.server_args).startswith("cpu")
-        with lowered_new_threads(options.nice_on(cpu_engine), "pd-nixl (SGLang)"):
+        with lowered_new_threads(options.nice_on(cpu_engine), "pd-nixl (SGLang)"), \
+                paced_progress(options.progress_pause_on(cpu_engine), "pd-nixl (SGLang)"):
             self.agent = NixlRoomAgent(
                 f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions(),
                 self.buffers.memory)

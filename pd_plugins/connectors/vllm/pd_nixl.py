@@ -88,7 +88,7 @@ from pd_plugins.connectors.vllm.pd_nixl_verify import (
 from pd_plugins.transfer.kv_faults import KvFaults
 from pd_plugins.transfer.lease_check import LateReadGuard, LeaseCheck, LeaseCheckServer
 from pd_plugins.transfer.options import KvFaultOptions, NixlOptions
-from pd_plugins.transfer.transfer_threads import lowered_new_threads
+from pd_plugins.transfer.transfer_threads import lowered_new_threads, paced_progress
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -128,15 +128,17 @@ class _PdStatsClassMethods:
         return PdNixlPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
-def transfer_threads_nice(vllm_config: VllmConfig) -> int | None:
-    """`kv_connector_extra_config.transfer_threads_nice`: by default 19 on a CPU engine of one
-    worker (NIXL's progress thread would share the model's core; transfer/transfer_threads.py),
-    untouched elsewhere (TP > 1: NixlOptions.nice_on); null leaves the threads alone."""
+def transfer_threads(vllm_config: VllmConfig) -> tuple[int | None, int | None]:
+    """(nice, progress pause in us) for the threads upstream's NIXL agent starts:
+    `kv_connector_extra_config.transfer_threads_nice` (by default 19 on a CPU engine of one
+    worker, untouched elsewhere: NixlOptions.nice_on) and `progress_pause_us` (by default 100 on
+    a CPU engine); transfer/transfer_threads.py says why."""
     from vllm.platforms import current_platform
 
-    return nixl_options(vllm_config).nice_on(
-        cpu_engine=current_platform.is_cpu(),
-        engine_workers=vllm_config.parallel_config.world_size)
+    options, cpu_engine = nixl_options(vllm_config), current_platform.is_cpu()
+    return (options.nice_on(cpu_engine=cpu_engine,
+                            engine_workers=vllm_config.parallel_config.world_size),
+            options.progress_pause_on(cpu_engine))
 
 
 class _PdAdditions(_PdStatsClassMethods):
@@ -157,8 +159,10 @@ class _PdAdditions(_PdStatsClassMethods):
         keep = (role == KVConnectorRole.WORKER and hasattr(os, "sched_getaffinity")
                 and options.keep_cpu_affinity)
         bound = os.sched_getaffinity(0) if keep else None
-        nice = transfer_threads_nice(vllm_config) if role == KVConnectorRole.WORKER else None
-        with lowered_new_threads(nice, "PdNixlConnector"):  # upstream's NIXL agent starts them
+        nice, pause_us = (transfer_threads(vllm_config) if role == KVConnectorRole.WORKER
+                          else (None, None))
+        with lowered_new_threads(nice, "PdNixlConnector"), \
+                paced_progress(pause_us, "PdNixlConnector"):  # upstream's NIXL agent starts them
             super().__init__(vllm_config, role, kv_cache_config)
         if bound is not None and os.sched_getaffinity(0) != bound:
             logger.info("PdNixlConnector: keeping this engine's CPU binding %s (upstream NIXL "

