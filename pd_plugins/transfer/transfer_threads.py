@@ -12,7 +12,8 @@ between it and the model, and a 448-token prefill of tiny-qwen3-moe took 33.4 ms
 - `paced_progress`: the progress thread pauses between its rounds. Nice alone left an idle PD pair
   keeping both cores of this machine busy (each server is its own session, and the kernel shares a
   core between sessions before nice values count): servers started beside it came up late, and the
-  engines' API servers answered /metrics seconds late under test load. With a 100 us pause an idle
+  engines' own API servers answered /metrics seconds late under test load (docs/connectors.md,
+  "Under load", has the counts). With a 100 us pause an idle
   agent's progress thread uses about 2% of a core instead of 100%, and a remote read waits at most
   that long for the side that serves it (UCX over TCP needs the target's progress too).
 
