@@ -9,13 +9,14 @@ between it and the model, and a 448-token prefill of tiny-qwen3-moe took 33.4 ms
 
 - `lowered_new_threads`: the threads NIXL starts run at nice 19, so they run whenever the model
   waits.
-- `paced_progress`: the progress thread pauses between its rounds. Nice alone left an idle PD pair
-  keeping both cores of this machine busy (each server is its own session, and the kernel shares a
-  core between sessions before nice values count): servers started beside it came up late, and the
+- `paced_progress`: the progress thread waits for work. NIXL's `pthrDelay` is how long the
+  thread's poll for UCX events may block (whole milliseconds, rounded up); an event wakes it at
+  once, so a transfer does not wait for the timeout. Nice alone left an idle PD pair keeping both
+  cores of this machine busy (each server is its own session, and the kernel shares a core
+  between sessions before nice values count): servers started beside it came up late, and the
   engines' own API servers answered /metrics seconds late under test load (docs/connectors.md,
-  "Under load", has the counts). With a 100 us pause an idle
-  agent's progress thread uses about 2% of a core instead of 100%, and a remote read waits at most
-  that long for the side that serves it (UCX over TCP needs the target's progress too).
+  "Under load", has the counts). With a 1 ms wait an idle agent's progress thread wakes about
+  1000 times a second and uses 2-3% of a core instead of 100%.
 
 Used by both engines' NIXL adapters around the call that creates their agents. Engine-agnostic:
 the standard library, NIXL and transfer/options.py (Linux; elsewhere nothing is changed).
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from typing import Iterator
 
 from pd_plugins.transfer.options import NixlOptions, variable
@@ -60,14 +62,18 @@ def lowered_new_threads(nice: int | None, who: str) -> Iterator[None]:
         logger.info("%s: transfer threads %s at nice %s", who, lowered, nice)
 
 
+_SWAP = threading.Lock()  # one swap of NIXL's config class at a time
+
+
 @contextlib.contextmanager
-def paced_progress(pause_us: int | None, who: str) -> Iterator[None]:
-    """NIXL agents created inside the block pause `pause_us` between progress rounds (None: as
-    upstream). NIXL's `nixl_agent` builds its C++ config itself and sets `pthrDelay = 0`; for the
-    block, the binding's config class is one whose `pthrDelay` turns that 0 into `pause_us`. The
-    one private name this touches is checked: a NIXL without it keeps its spinning thread, and
-    says so."""
-    if not pause_us:
+def paced_progress(wait_us: int | None, who: str) -> Iterator[None]:
+    """NIXL agents created inside the block have a progress thread that blocks up to `wait_us`
+    (rounded up to whole ms by NIXL) waiting for UCX events, instead of polling without pause
+    (None or 0: as upstream). NIXL's `nixl_agent` builds its C++ config itself and sets
+    `pthrDelay = 0`; for the block, the binding's config class is one whose `pthrDelay` turns that
+    0 into `wait_us`. That private name is checked: a NIXL without it, or one that no longer sets
+    it, keeps its spinning thread, and the log says so."""
+    if not wait_us:
         yield
         return
     try:
@@ -79,6 +85,7 @@ def paced_progress(pause_us: int | None, who: str) -> Iterator[None]:
                        "nixlAgentConfig.pthrDelay to set: %s)", who, exc)
         yield
         return
+    applied = []
 
     class PacedConfig(base):  # type: ignore[misc, valid-type]
         @property
@@ -87,11 +94,17 @@ def paced_progress(pause_us: int | None, who: str) -> Iterator[None]:
 
         @pthrDelay.setter
         def pthrDelay(self, value: int) -> None:  # noqa: N802
-            field.__set__(self, value or pause_us)
+            applied.append(value or wait_us)
+            field.__set__(self, value or wait_us)
 
-    bindings.nixlAgentConfig = PacedConfig
-    try:
-        yield
-    finally:
-        bindings.nixlAgentConfig = base
-    logger.info("%s: NIXL's progress thread pauses %d us between rounds", who, pause_us)
+    with _SWAP:
+        bindings.nixlAgentConfig = PacedConfig
+        try:
+            yield
+        finally:
+            bindings.nixlAgentConfig = base
+    if applied:
+        logger.info("%s: NIXL's progress thread waits up to %d us for work", who, applied[-1])
+    else:
+        logger.warning("%s: no NIXL agent set pthrDelay while it was created; its progress thread "
+                       "may poll without pause", who)

