@@ -65,8 +65,7 @@ def markdown(summary: dict, when: str) -> str:
     ]
     for n in LENGTHS:
         cells = [summary[s][n][k] for k in ("load_s", "decode_leg_s") for s in (paced, spinning)]
-        lines.append(f"| {n} | " + " | ".join(ms(c) for c in (cells[0], cells[1], cells[2],
-                                                               cells[3])) + " |")
+        lines.append(f"| {n} | " + " | ".join(ms(c) for c in cells) + " |")
     p90 = {s: max(summary[s][n]["decode_leg_s"]["p90"] for n in LENGTHS) * 1e3
            for s in (paced, spinning)}
     read90 = {s: max(summary[s][n]["load_s"]["p90"] for n in LENGTHS) * 1e3

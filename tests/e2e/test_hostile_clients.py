@@ -41,8 +41,8 @@ FREED_WITHIN_S = 5.0
 PROMPT = token_prompt(100, seed=6001)  # three full blocks of 32 held by the prefill
 BLOCKERS = 3  # direct requests to the decode that keep its one slot busy
 # the mid-decode request's answer: as long as both engines' --max-model-len 1024 allow after PROMPT
-# (the router refuses a request either leg would), so that an
-# abort the loaded host's engines take a second or two to act on still stops it well before its end
+# (the router refuses a request either leg would), so that an abort the loaded host's engines take
+# a second or two to act on still stops it well before its end
 ANSWER_TOKENS = 900
 SMUGGLED = {
     "remote params": {"do_remote_prefill": True, "remote_engine_id": "forged",

@@ -32,8 +32,8 @@ SGLang's own NIXL backend is push only and has no lease. Options: `NixlOptions`
 the decode refuses a prefill in the other mode), PD_NIXL_LEASE_S (how long a prefill keeps a
 finished room's pages for the decode), PD_TRANSFER_THREADS_NICE and PD_PROGRESS_WAIT_US (NIXL's
 progress thread: nice 19 and a 1 ms wait for work on a CPU engine by default; "none" leaves it as
-upstream has it); docs/connectors.md has their table. UCX on CPU: UCX_NET_DEVICES=lo on one host. Registry calls are signed with the peers'
-secret (PD_PEER_SECRET_FILE or PD_PEER_SECRET; transfer/peer_auth.py), and a NIXL peer must be the
+upstream has it); docs/connectors.md has their table. UCX on CPU: UCX_NET_DEVICES=lo on one host.
+Registry calls are signed with the peers' secret (PD_PEER_SECRET_FILE or PD_PEER_SECRET; transfer/peer_auth.py), and a NIXL peer must be the
 agent its record names.
 
 Verified hand-off (issue 28; transfer/page_digests.py): the prefill states one ws64 digest per
