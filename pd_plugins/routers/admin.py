@@ -11,6 +11,7 @@ from aiohttp import web
 from pd_plugins.routers.config import ConfigError, WorkerConflict, WorkerSpec
 from pd_plugins.routers.model_group import ModelNotFound, MoveRefused
 from pd_plugins.routers.errors import error_response
+from pd_plugins.routers.http_server import body_too_slow, read_body
 
 log = logging.getLogger("pd_router.admin")
 
@@ -100,7 +101,9 @@ class AdminApi:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            change = msgspec.json.decode(await request.read(), type=WorkerChange)
+            change = msgspec.json.decode(await read_body(request), type=WorkerChange)
+        except TimeoutError:
+            return body_too_slow()
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(400, f"expected {{\"role\": ..., \"worker\": {{\"url\": ...}}}}: {exc}")
         if change.role not in ("prefill", "decode"):
@@ -147,7 +150,9 @@ class AdminApi:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            change = msgspec.json.decode(await request.read(), type=RoleChange)
+            change = msgspec.json.decode(await read_body(request), type=RoleChange)
+        except TimeoutError:
+            return body_too_slow()
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return error_response(400, f"expected {{\"url\": ..., \"to\": \"prefill\"|\"decode\"}}: "
                                        f"{exc}")

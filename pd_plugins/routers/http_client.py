@@ -309,6 +309,7 @@ class Upstream:
         self.host, self.port = host, port
         self.max_idle, self.connect_timeout = max_idle, connect_timeout
         self._idle: deque[_Conn] = deque()
+        self.closed = False  # close(): connections in use are closed when they come back
         self._peer = f"{host}:{port}"
         self._host_line = f"Host: {self._peer}\r\n".encode()
         # a JSON POST's request head, filled in with path, body length and request id
@@ -335,7 +336,7 @@ class Upstream:
             conn.abort()
 
     def _put(self, conn: _Conn) -> None:
-        if len(self._idle) < self.max_idle:
+        if len(self._idle) < self.max_idle and not self.closed:
             conn.reused = True
             self._idle.append(conn)
         else:
@@ -423,7 +424,11 @@ class Upstream:
                 return
             raise
 
-    async def close(self) -> None:
-        """Close the idle connections."""
+    def shut(self) -> None:
+        """Close the idle connections now, and each one in use when its answer is done."""
+        self.closed = True
         while self._idle:
             self._idle.pop().abort()
+
+    async def close(self) -> None:
+        self.shut()

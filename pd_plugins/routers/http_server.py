@@ -15,8 +15,10 @@ pipelined behind an inference request in the same read are served here if they a
 requests too, and answered 400 otherwise (no mainstream client pipelines).
 
 Limits, as aiohttp's and tighter: the body (413 past `max_body`, answered at once and the
-connection closed), the request line (414) and the headers (431), one timeout for reading a
-request once it has begun (408) and one for an idle keep-alive connection. A client that
+connection closed), the request line (414) and the headers (431), both answered as soon as they
+are crossed (a head that never ends is never buffered past its limit), one timeout for reading a
+request once it has begun (408, a request that began behind an answered one included) and one
+for an idle keep-alive connection. A client that
 disconnects cancels its handler (the proxy closes both legs); writes wait for the socket to drain
 (flow control), so a client that does not read holds back its own answer, never the router.
 """
@@ -33,11 +35,11 @@ import httptools
 from aiohttp import web
 
 from pd_plugins.routers.deadline import Deadline
-from pd_plugins.routers.errors import error_body
+from pd_plugins.routers.errors import error_body, error_response
 
 log = logging.getLogger("pd_router.http")
 
-__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "stream_response"]
+__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "body_too_slow", "read_body", "stream_response"]
 
 # The request lines served here (the path may carry a query string, as aiohttp's routes allow).
 HOT_REQUEST_LINE = re.compile(rb"POST /v1/(?:chat/)?completions[ ?]")
@@ -47,6 +49,9 @@ DECIDE_BYTES = len(b"POST /v1/chat/completions ")  # enough of a request line to
 MAX_URL_BYTES = 8190  # aiohttp's max_line_size
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 128
+# A request's head (request line and headers) past this is refused as it arrives: httptools keeps
+# a header value until its line ends, so counting whole headers alone would not bound it.
+MAX_HEAD_BYTES = MAX_URL_BYTES + MAX_HEADER_BYTES + 4096
 READ_TIMEOUT_S = 60.0  # a request's first byte to its last
 KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
@@ -176,6 +181,23 @@ class FastStreamResponse:
             await self._conn.drain()
 
 
+async def read_body(request: FastRequest | web.BaseRequest) -> bytes:
+    """A request's body, whichever server read it, within READ_TIMEOUT_S (TimeoutError past it).
+    The front server times out a request's reading itself (408); aiohttp times out only idle
+    connections, so a client could hold one of its handlers forever by never finishing a body."""
+    if isinstance(request, FastRequest):
+        return await request.read()
+    async with asyncio.timeout(READ_TIMEOUT_S):
+        return await request.read()
+
+
+def body_too_slow() -> web.Response:
+    """The answer to read_body's TimeoutError: 408, and the connection closed."""
+    response = error_response(408, f"the request body was not received within {READ_TIMEOUT_S:g} s")
+    response.force_close()
+    return response
+
+
 def stream_response(request: Any, headers: dict[str, str]) -> FastStreamResponse | web.StreamResponse:
     """A streamed answer for `request`, whichever server read it."""
     if isinstance(request, FastRequest):
@@ -239,6 +261,8 @@ class _FrontConnection(asyncio.Protocol):
 
     def _reset_message(self) -> None:
         self.url = b""
+        self.in_head = False  # between the request's first byte and the end of its headers
+        self.head_bytes = 0  # bytes read while in the head (reads it began in not counted)
         self.header_bytes = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
@@ -295,11 +319,22 @@ class _FrontConnection(asyncio.Protocol):
                 self._hand_off(data)
                 return
             self._arm(self.server.read_timeout_s)
+        head_before = self.in_head
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._refuse_now(400, f"malformed HTTP request: {exc}")
             return
+        if self.in_head and not self.queue:  # a head that has not ended (and no request ahead
+            # of it to answer first) is refused as soon as it is too long; a read that began in
+            # an earlier request is not counted (one read at most)
+            if head_before:
+                self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES and self.refusal is None:
+                self.refusal = "431"
+            if self.refusal is not None:
+                self._refuse_now(*_REFUSALS[self.refusal])
+                return
         self._next()
 
     def _hand_off(self, data: bytes) -> None:
@@ -320,11 +355,13 @@ class _FrontConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.in_message = True
         self._reset_message()
+        self.in_head = True
 
     def on_url(self, url: bytes) -> None:
+        if len(self.url) + len(url) > MAX_URL_BYTES:
+            self.refusal = self.refusal or "414"  # answered once this read is parsed
+            return
         self.url += url
-        if len(self.url) > MAX_URL_BYTES and self.refusal is None:
-            self.refusal = "414"
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.header_bytes += len(name) + len(value)
@@ -334,6 +371,7 @@ class _FrontConnection(asyncio.Protocol):
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         length = 0
         for name, value in self.raw_headers:
             lname = name.lower()
@@ -400,6 +438,8 @@ class _FrontConnection(asyncio.Protocol):
             return
         if not self.in_message:
             self._arm(self.server.keepalive_timeout_s)
+        elif not self.deadline.armed:  # a request begun behind the one answered (whose answer
+            self._arm(self.server.read_timeout_s)  # stopped the timer): its read timeout from now
 
     # -- answering -------------------------------------------------------------------------
     async def _answer(self, request: FastRequest) -> None:

@@ -103,7 +103,7 @@ class ModelGroup:
             # each model's channels apart: one conversation id may exist in two models
             pins = (sync.add(PinChannel(self.sessions, sync.replica_id, self.name))
                     if self.sessions is not None else None)
-            prefixes = (sync.add(PrefixChannel(self.prefix_index, self.name))
+            prefixes = (sync.add(PrefixChannel(self.prefix_index, self.name, known=self.has_worker))
                         if self.scheduler.uses_prefix_index else None)
             sync.add(LatencyChannel(self.latency, self.name))
             self.sharing = ReplicaShare(pins, prefixes)
@@ -146,6 +146,9 @@ class ModelGroup:
         # Not routable until its probe passes: a worker that accepts connections but never
         # answers would otherwise hold requests for as long as the probe waits.
         return self.pool.add(spec, role, probe_first=True)
+
+    def has_worker(self, url: str) -> bool:
+        return self.pool.get(url, "prefill") is not None or self.pool.get(url, "decode") is not None
 
     def remove(self, url: str, role: Role) -> Worker | None:
         """Stop routing to the worker (requests it holds finish) and forget what it held."""

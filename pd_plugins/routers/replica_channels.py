@@ -224,9 +224,12 @@ class PrefixChannel(_PendingItems):
     live_only = False
 
     def __init__(self, index: PrefixIndex, scope: str = "", max_pending: int = 2_000,
-                 max_keys: int = 8_192) -> None:
+                 max_keys: int = 8_192, known: Callable[[str], bool] = lambda url: True) -> None:
         self.name = f"prefixes:{scope}"
         self.index, self.max_keys = index, max_keys
+        # a worker this replica routes to: the index keeps no table for one it does not (removed
+        # here already, or never here), whatever another replica names
+        self.known = known
         super().__init__(max_pending)
 
     def routed(self, worker_urls: Sequence[str], keys: Sequence[int]) -> None:
@@ -239,7 +242,8 @@ class PrefixChannel(_PendingItems):
     def apply(self, origin: str, items: list, now: float) -> None:
         for urls, keys in items[:MAX_ITEMS]:
             for url in urls:
-                self.index.record_routed(str(url), keys[:self.max_keys])
+                if self.known(str(url)):
+                    self.index.record_routed(str(url), keys[:self.max_keys])
 
     def tick(self, now: float) -> None:
         pass

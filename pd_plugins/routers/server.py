@@ -17,7 +17,7 @@ from pd_plugins.routers.config import RouterConfig, WorkerConflict, WorkerSpec
 from pd_plugins.routers.discovery import kubernetes_watcher, plan_kubernetes
 from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.health import PoolUpkeep
-from pd_plugins.routers.http_server import FastRequest, FrontServer
+from pd_plugins.routers.http_server import FastRequest, FrontServer, body_too_slow, read_body
 from pd_plugins.routers.kv_sources.pools import PoolView
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.replica_channels import LoadChannel
@@ -76,6 +76,7 @@ class Router:
         self.metrics = RouterMetrics(self.workers, [g.sessions for g in self.groups.values()],
                                      by_model=self.named)
         self.session: aiohttp.ClientSession | None = None
+        self.pools = Pools(config.timeouts.connect_s)  # the legs' connections, one pool per worker
         self._pool_views: dict[str, PoolView] = {}  # kv_pool value -> its view
         # request `model` -> its group, rebuilt when workers change (a lookup per request)
         self._by_name: dict[str, ModelGroup] = {}
@@ -104,7 +105,6 @@ class Router:
     # -- lifecycle --------------------------------------------------------------------------
     async def startup(self, app: web.Application) -> None:
         self.session = new_session(self.config.timeouts.connect_s)
-        self.pools = Pools(self.config.timeouts.connect_s)
         if self.config.sessions.redis_url is not None:
             self.sync = replica_sync_for(self.config.sessions)
             self.sync.add(LoadChannel(lambda: self.workers, self.config.sessions.peer_load_ttl_s))
@@ -196,6 +196,9 @@ class Router:
         for group in groups:
             worker = group.remove(url, role)
             if worker is not None:
+                if not any(g.pool.get(worker.url, r) for g in self.groups.values()
+                           for r in ("prefill", "decode")):  # a kv_both worker may hold the other
+                    self.pools.forget(worker.url)
                 self.refresh_served()
                 return worker
         return None
@@ -256,13 +259,16 @@ class Router:
     async def generate(self, http: web.Request | FastRequest) -> web.StreamResponse:
         path = http.path
         try:
-            raw = await http.read()
+            raw = await read_body(http)
             request = parse_request(
                 raw, ENDPOINTS[path], http.headers, select_model=self.select_model,
                 strip_transfer_fields=self.config.client_transfer_fields == "strip")
         except BadRequest as bad:
             self.metrics.rejections.labels("bad_request").inc()
             return error_response(bad.status, bad.message, bad.param)
+        except TimeoutError:  # an aiohttp request whose body never completes
+            self.metrics.rejections.labels("bad_request").inc()
+            return body_too_slow()
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejections.labels("too_large").inc()
             return error_response(413, f"request body exceeds {self.config.max_body_bytes} bytes")

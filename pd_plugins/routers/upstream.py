@@ -57,6 +57,13 @@ class Pools:
             self._pools[url] = pool
         return pool
 
+    def forget(self, url: str) -> None:
+        """A removed worker's pool: shut (its requests in flight finish) and dropped, so that
+        workers that come and go (discovery) do not pile up pools and their sockets."""
+        pool = self._pools.pop(url, None)
+        if pool is not None:
+            pool.shut()
+
     async def close(self) -> None:
         for pool in self._pools.values():
             await pool.close()

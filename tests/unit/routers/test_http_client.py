@@ -275,6 +275,20 @@ def test_exchange_returns_the_whole_answer_and_pools_the_connection():
     run(scenario)
 
 
+def test_a_shut_pool_closes_its_idle_connections_and_each_one_in_use_when_it_is_done():
+    async def scenario(up):
+        await asyncio.gather(*(up.exchange(up.json_request("/small", b"", f"r-{i}"), 5)
+                               for i in range(2)))  # two connections, both idle now
+        answer = await up.request("POST", "/late_end", b"", timeout=5)  # in use across the shut
+        idle = up._idle[-1]
+        in_use = answer._conn
+        up.shut()
+        assert not up._idle and idle.closed
+        assert await answer.read() == b"first,last"  # the request in flight finishes
+        assert not up._idle and in_use.closed  # and its connection is not pooled again
+    run(scenario)
+
+
 def test_exchange_timeouts_name_the_one_that_ran_out():
     async def scenario(up):
         t0 = time.monotonic()

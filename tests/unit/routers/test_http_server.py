@@ -9,8 +9,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from pd_plugins.routers import http_server
 from pd_plugins.routers.http_server import (MAX_HEADERS, FastRequest, FrontServer, RequestHeaders,
-                                            stream_response)
+                                            body_too_slow, read_body, stream_response)
 
 BODY = json.dumps({"prompt": "hi"}).encode()
 
@@ -56,6 +57,10 @@ class App:
 
     async def other(self, request: web.BaseRequest) -> web.Response:
         self.fallback.append(f"{request.method} {request.path}")
+        try:  # as the router's aiohttp handlers read a body
+            await read_body(request)
+        except TimeoutError:
+            return body_too_slow()
         return web.json_response({"path": request.path}, headers={"X-Served": "aiohttp"})
 
 
@@ -192,6 +197,75 @@ def test_oversized_request_lines_and_headers_and_malformed_requests_get_4xx():
         assert got.startswith(b"HTTP/1.1 400")
         assert app.fast == []
     run(scenario)
+
+
+async def send_endless(port: int, start: bytes, filler: bytes, limit_s: float = 3.0) -> bytes:
+    """Send `start`, then `filler` in 64 KiB pieces (a request line or header that never ends)
+    until the server answers or closes, at most 16 MiB; what it answered."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(start)
+    piece = filler * (65536 // len(filler))
+    got = b""
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        async with asyncio.timeout(limit_s):
+            for _ in range(256):
+                writer.write(piece)
+                await writer.drain()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.001):
+                        got += await reader.read(65536)
+                if got:
+                    break
+            got += await reader.read(65536)
+    writer.close()
+    return got
+
+
+def test_a_request_line_or_header_that_never_ends_is_refused_as_it_crosses_its_limit():
+    # the read timeout (60 s) is far away: only a refusal on the way can answer within 3 s, and
+    # the server buffers no more than the limit of what it is sent (16 MiB at most here)
+    async def scenario(app, port):
+        got = await send_endless(port, b"POST /v1/completions?", b"q")
+        assert got.startswith(b"HTTP/1.1 414"), got[:80]
+        got = await send_endless(port, b"POST /v1/completions HTTP/1.1\r\nX-Long: ", b"v")
+        assert got.startswith(b"HTTP/1.1 431"), got[:80]
+        # many headers, each within limits, that never end their head
+        got = await send_endless(port, b"POST /v1/completions HTTP/1.1\r\n", b"X-Many: v\r\n")
+        assert got.startswith(b"HTTP/1.1 431"), got[:80]
+        assert app.fast == []
+        # a head within its limits that arrives in many pieces is served
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for piece in (b"POST /v1/completions HTTP/1.1\r\n", b"X-A: " + b"a" * 60000 + b"\r\n",
+                      post()[len(b"POST /v1/completions HTTP/1.1\r\n"):]):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        async with asyncio.timeout(2):
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
+    run(scenario)
+
+
+def test_a_request_begun_behind_an_answered_one_has_its_read_timeout():
+    async def scenario(app, port):
+        # one read: a whole request, then the start of one whose body never completes
+        got = await exchange(port, post() + post()[:-5], wait_s=2.5)
+        assert got.startswith(b"HTTP/1.1 200")
+        assert b"HTTP/1.1 408" in got, got[-200:]
+    run(scenario, read_timeout_s=0.5, keepalive_timeout_s=30)
+
+
+def test_a_body_that_never_completes_on_the_aiohttp_side_gets_a_408(monkeypatch):
+    # aiohttp times out only idle connections: read_body bounds its handlers' reads
+    monkeypatch.setattr(http_server, "READ_TIMEOUT_S", 0.5)
+
+    async def scenario(app, port):
+        got = await exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"  # to aiohttp
+                             + post()[:-5], wait_s=3)  # then a body that never completes
+        assert got.startswith(b"HTTP/1.1 200")
+        assert b"HTTP/1.1 408" in got and b"not received within 0.5 s" in got, got[-300:]
+        assert app.fallback == ["GET /health", "POST /v1/completions"] and app.fast == []
+    run(scenario, read_timeout_s=30, keepalive_timeout_s=30)
 
 
 def test_a_client_that_leaves_cancels_its_handler():

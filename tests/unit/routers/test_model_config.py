@@ -189,6 +189,21 @@ def test_admin_lookups_name_the_known_models():
         router.remove_worker(D1, "decode", model="nope")
 
 
+def test_a_removed_workers_connection_pool_is_shut_and_dropped():
+    # workers that come and go (discovery) must not pile up pools and their sockets
+    router = Router(two_models())
+    pool = router.pools.get(D2)
+    assert D2 in router.pools._pools and not pool.closed
+    router.remove_worker(D2, "decode")
+    assert D2 not in router.pools._pools and pool.closed
+    # a kv_both URL still serving its other role keeps its pool
+    both = Router(config_from_mapping({"prefill": [{"url": P1, "kv_both": True}],
+                                       "decode": [{"url": P1, "kv_both": True}, {"url": D1}]}))
+    kept = both.pools.get(P1)
+    both.remove_worker(P1, "prefill")
+    assert both.pools._pools.get(P1) is kept and not kept.closed
+
+
 def test_adding_a_worker_to_a_model():
     router = Router(two_models())
     worker = asyncio.run(router.add_worker(WorkerSpec(url=P2), "prefill", model="org/m2"))

@@ -121,6 +121,14 @@ def test_loads_leave_a_removed_worker_with_its_own_counts():
     assert worker.in_flight == 1 and worker.in_flight_tokens == 0
 
 
+def test_prefixes_another_replica_names_for_a_worker_not_here_are_not_kept():
+    index = PrefixIndex()
+    prefixes = PrefixChannel(index, known=lambda url: url == "http://d1")
+    prefixes.apply("ra", [[["http://d1", "http://gone"], [11, 12]]], 0.0)
+    assert index.matched_blocks("http://d1", [11, 12]) == 2
+    assert "http://gone" not in index._blocks  # no table for it, however many a peer names
+
+
 def test_prefixes_learned_by_routing_reach_the_other_index():
     index_a, index_b = PrefixIndex(), PrefixIndex()
     share = ReplicaShare(None, PrefixChannel(index_a, max_pending=2))
