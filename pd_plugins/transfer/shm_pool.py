@@ -902,8 +902,9 @@ class ShmKVPool:
             return hints.slots, hints.seqs
         if not hints:
             return _NONE_I64, _NONE_U64
-        pairs = [(h.slot, h.seq) if h is not None and 0 <= h.seq < 1 << 64 else (-1, 0)
-                 for h in hints]
+        # a hint comes from a peer's kv_transfer_params: one out of the arrays' range is missing
+        pairs = [(h.slot, h.seq) if h is not None and 0 <= h.slot < 1 << 63 and 0 <= h.seq < 1 << 64
+                 else (-1, 0) for h in hints]
         return (np.array([p[0] for p in pairs], dtype=np.int64),
                 np.array([p[1] for p in pairs], dtype=np.uint64))
 

@@ -120,7 +120,8 @@ def _slot_hints(params: Any, pool_id: str, first: int, count: int) -> list[SlotR
     for i in range(count):
         item = slots[first + i] if first + i < len(slots) else None
         if (isinstance(item, list) and len(item) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in item)):
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+                and 0 <= item[0] < 1 << 63 and 0 <= item[1] < 1 << 64):  # the pool's int64/uint64
             hints[i] = SlotRef(item[0], item[1])
     return hints
 

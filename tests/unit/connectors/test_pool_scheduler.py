@@ -306,3 +306,10 @@ def test_garbage_transport_fields_from_a_client_load_only_what_the_pool_has(pool
     output = decode.schedule()
     assert output.num_scheduled_tokens == {"d": len(PROMPT) - BLOCK_SIZE}
     assert pool.loaded_blocks(output.kv_connector_metadata, leg) == own_blocks(decode, leg)[:1]
+
+
+def test_slot_hints_outside_the_pools_integer_range_are_dropped():
+    from pd_plugins.connectors.vllm.pd_shm import _slot_hints
+    from pd_plugins.transfer.shm_pool import SlotRef
+    params = {"pool_id": "p", "pool_slots": [[1 << 63, 1], [3, 1 << 64], [-1, 0], [3, 4]]}
+    assert _slot_hints(params, "p", 0, 4) == [None, None, None, SlotRef(3, 4)]

@@ -240,6 +240,18 @@ def test_hints_that_name_another_key_or_generation_are_not_followed(pool_path):
         pool.unpin(pins.present())
 
 
+def test_hints_out_of_the_pools_integer_range_are_ignored_not_fatal(pool_path):
+    # hints come from a peer's kv_transfer_params (msgpack carries ints up to 2**64 - 1): one the
+    # pool's int64 slot column cannot hold raised OverflowError in the decode worker, and vLLM
+    # stops an engine whose start_load_kv raises
+    with open_pool(pool_path) as pool:
+        one = put(pool, 1)
+        pins = pool.pin([key_of(1), key_of(2)],
+                        hints=[SlotRef(1 << 63, one.seq), SlotRef(1 << 64, 1 << 64)])
+        assert [p.slot if p else None for p in pins] == [one.slot, None]
+        pool.unpin(pins.present())
+
+
 def test_keys_must_be_32_bytes(pool_path):
     with open_pool(pool_path) as pool, pytest.raises(ValueError, match="32 bytes"):
         pool.reserve([b"short"])
