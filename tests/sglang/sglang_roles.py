@@ -335,6 +335,61 @@ def state_refusal() -> None:
     emit(event="state_refusal", refused=refused)
 
 
+def malformed_peer_records() -> None:
+    """Rooms handed a malformed peer record (a decode's view of the prefill's rank record in the
+    bootstrap registry; a push prefill's view of the decode's target) fail that room; nothing
+    escapes poll(), where SGLang's scheduler would stop. The managers are stand-ins (only what
+    a room reads of them): the rooms' own handling of the record is what runs."""
+    import types
+
+    from pd_plugins.connectors.sglang import pd_nixl, pd_shm
+    from pd_plugins.transfer import bootstrap_registry as registry
+
+    def outcome(room) -> str:
+        try:
+            state = room.poll()
+        except Exception as exc:  # noqa: BLE001 - what the test reports
+            return f"escaped: {type(exc).__name__}: {exc}"
+        return f"failed: {room.error}" if state == KVPoll.Failed else f"state {state}"
+
+    outcomes = {}
+    lookup, target_action = registry.lookup, registry.target_action
+    try:
+        for cls, backend in ((pd_nixl.PdNixlKVReceiver, "pd-nixl"),
+                             (pd_shm.PdShmKVReceiver, "pd-shm")):
+            # a rank record of the right backend and page size, and nothing else
+            registry.lookup = (lambda addr, key, timeout_s=5.0, b=backend:
+                               {"backend": b, "page_bytes": 64})
+            mgr = types.SimpleNamespace(
+                backend_name=backend, transfer_mode="pull",
+                kv_args=types.SimpleNamespace(engine_rank=0),
+                server_args=types.SimpleNamespace(tp_size=1),
+                buffers=types.SimpleNamespace(page_bytes=64),
+                agent=types.SimpleNamespace(add_peer=lambda metadata, name: "peer"),
+                pool=types.SimpleNamespace(pool_id=None))
+            room = object.__new__(cls)
+            room.mgr, room.prefill_addr, room.room, room.prefill_dp_rank = mgr, "p:1", 7, 0
+            room.state, room.bootstrap_deadline = KVPoll.Bootstrapping, time.monotonic() + 30
+            outcomes[f"{backend} receiver"] = outcome(room)
+        mgr = object.__new__(pd_nixl.PdNixlKVManager)  # its own peer_items() checks the kv items
+        mgr.transfer_mode, mgr.bootstrap_addr, mgr.rank_key = "push", "x:1", "0.0"
+        mgr.agent = types.SimpleNamespace(add_peer=lambda metadata, name: "peer")
+        mgr.buffers = types.SimpleNamespace(page_items=lambda: [(1000, 64)], num_pages=8)
+        mgr.leases, mgr.pump = types.SimpleNamespace(status=lambda room: "held"), lambda: None
+        for name, target in (("kv not pairs", {"agent_metadata": "", "kv": [1]}),
+                             ("no agent_metadata", {"kv": [[1, 64]]}),
+                             ("first_page null",
+                              {"agent_metadata": "", "kv": [[1, 64]], "first_page": None})):
+            registry.target_action = lambda addr, key, action, t=target: (200, t)
+            room = object.__new__(pd_nixl.PdNixlKVSender)
+            room.mgr, room.room, room.state, room.num_pages, room.next_page, room.pages = \
+                mgr, 7, KVPoll.Transferring, 1, 1, [3]
+            outcomes[f"pd-nixl push sender: {name}"] = outcome(room)
+    finally:
+        registry.lookup, registry.target_action = lookup, target_action
+    emit(event="malformed_peer_records", outcomes=outcomes)
+
+
 def pool_verification() -> None:
     """pd-shm's PD_VERIFY_KV at a manager's start, on the pool PD_SHM_POOL names: which pools
     get checksums, which are refused; and PD_KV_FAULTS without permission."""
@@ -377,6 +432,7 @@ def main(argv: list[str]) -> None:
         device_memory()
         pool_verification()
         state_refusal()
+        malformed_peer_records()
     else:
         {"prefill": prefill, "decode": decode}[role](json.loads(argv[1]))
 

@@ -92,7 +92,7 @@ def startup_events(forkserver):
            "SGLANG_PLUGINS": "pd_plugins", "PYTHONWARNINGS": "ignore"}
     role = forkserver.start(env, "startup")
     try:
-        yield {e.pop("event"): e for e in (role.next_event() for _ in range(3))}
+        yield {e.pop("event"): e for e in (role.next_event() for _ in range(4))}
     finally:
         role.stop()
         remove_pool(path)
@@ -131,6 +131,18 @@ def test_a_model_with_state_buffers_is_refused_at_the_start(startup_events):
     for backend, why in startup_events["state_refusal"]["refused"].items():
         assert why.startswith(f"NotImplementedError: {backend} moves paged KV only"), why
         assert "(mamba, swa)" in why and "mooncake or nixl" in why, why
+
+
+def test_a_malformed_peer_record_fails_its_room_and_never_the_scheduler(startup_events):
+    """A rank record or push target without its fields, or with fields of the wrong shape (from
+    any holder of the peer secret), fails that one room; it used to escape poll() and stop
+    SGLang's scheduler."""
+    outcomes = startup_events["malformed_peer_records"]["outcomes"]
+    assert len(outcomes) == 5
+    for name, got in outcomes.items():
+        assert got.startswith("failed: "), f"{name}: {got}"
+    assert "agent_metadata" in outcomes["pd-nixl receiver"]
+    assert "scope" in outcomes["pd-shm receiver"]
 
 
 def start_prefill_ranks(roles, env, backend, rooms, tp_size: int, **spec):

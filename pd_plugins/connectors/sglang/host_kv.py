@@ -44,6 +44,12 @@ from pd_plugins.transfer.nixl_rooms import HOST, Memory
 
 logger = logging.getLogger("pd_plugins.sglang")
 
+# What a room's work raises when a transfer fails or a peer's record (the bootstrap registry's
+# rank record, a decode's push target) is malformed: a missing field (KeyError), a field of the
+# wrong type or shape (TypeError, ValueError, IndexError). Each fails that room; escaping poll()
+# or send() would stop SGLang's scheduler, and the engine with it.
+ROOM_FAULTS = (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError)
+
 
 def host_rows(ptr: int, length: int, item_len: int) -> np.ndarray:
     """A [items, item_len] uint8 view of one engine buffer (host memory only)."""
@@ -230,6 +236,8 @@ class _Outcome:
     bytes_moved: int = 0
 
     def _fail(self, exc: Exception) -> None:
+        if isinstance(exc, KeyError):  # str() of a KeyError is the bare key
+            exc = RuntimeError(f"room {self.room}: a record without its field {exc}")
         logger.warning("%s %s, room %d: %s", self.mgr.backend_name, type(self).__name__,
                        self.room, exc)
         self.error, self.state = exc, KVPoll.Failed
@@ -290,14 +298,14 @@ class HostKVSender(_Outcome, BaseKVSender):
                 self.next_page += int(pages.size)
             if self.next_page >= self.num_pages:
                 self._finish(self.mgr.buffers.aux_row(self.aux_index))
-        except (RuntimeError, OSError, ValueError) as exc:
+        except ROOM_FAULTS as exc:
             self._fail(exc)
 
     def poll(self) -> int:
         if self.state == KVPoll.Transferring and self.next_page >= (self.num_pages or 0):
             try:
                 self._progress()
-            except (RuntimeError, OSError, ValueError) as exc:
+            except ROOM_FAULTS as exc:
                 self._fail(exc)
         return self.state
 
@@ -367,7 +375,7 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
                 f"this decode's {self.mgr.buffers.page_bytes}: not the same model and KV layout"))
         try:
             self._accept(record)
-        except (RuntimeError, OSError, ValueError) as exc:
+        except ROOM_FAULTS as exc:
             return self._fail(exc)
         self.state = KVPoll.WaitingForInput
 
@@ -413,7 +421,7 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         elif self.state == KVPoll.Transferring:
             try:
                 self._progress()
-            except (RuntimeError, OSError, ValueError) as exc:
+            except ROOM_FAULTS as exc:
                 self._fail(exc)
         return self.state
 
