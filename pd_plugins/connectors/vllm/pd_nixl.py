@@ -545,9 +545,9 @@ class _PdAdditions(_PdStatsClassMethods):
         if verifier is None:
             return 0
         verifier.stats = stats
+        verifier.forget(finished_req_ids)  # first: a held push whose request ended is released
         results.failed_recving |= verifier.settle(results.finished_recving,
                                                   results.failed_recving)
-        verifier.forget(finished_req_ids)
         return verifier.take_mismatched_reads()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -208,6 +208,9 @@ class LoadVerifier:
         self._inbox = inbox  # push: where the prefills' digests arrive
         self.hold_s = hold_s
         self._held: BoundedDict = BoundedDict(MAX_TRACKED)  # push req id -> monotonic deadline
+        # held pushes whose request ended meanwhile (aborted): vLLM frees an aborted request's
+        # blocks only once its receive is reported finished, so settle() reports them
+        self._released: set[str] = set()
         self._reads: BoundedDict = BoundedDict(MAX_TRACKED)
         self._expected: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> (encoded | None, why)
         self._invalid: set[int] = set()
@@ -234,10 +237,12 @@ class LoadVerifier:
                                     self._layout_why() or peer_why or why, pushed)
 
     def forget(self, req_ids: set[str]) -> None:
+        """Requests that ended (call before this step's settle())."""
         for req_id in req_ids:
             self._reads.pop(req_id, None)
             self._expected.pop(req_id, None)
-            self._held.pop(req_id, None)
+            if self._held.pop(req_id, None) is not None:
+                self._released.add(req_id)
             if self._inbox is not None:
                 self._inbox.take(req_id)  # a push that ended unchecked (aborted, failed)
 
@@ -248,6 +253,9 @@ class LoadVerifier:
         held pushes released now join it."""
         now = time.monotonic() if now is None else now
         failed_here: set[str] = set()
+        if self._released:  # held, then ended: finished for vLLM to free, nothing to check
+            finished |= self._released
+            self._released.clear()
         for req_id in failed:
             self._held.pop(req_id, None)
             if self._inbox is not None:
@@ -268,8 +276,9 @@ class LoadVerifier:
             self._finish(req_id, read, failed_here)
         for req_id, until in list(self._held.items()):
             read = self._reads.get(req_id)
-            if read is None:
-                del self._held[req_id]  # forgotten (aborted)
+            if read is None:  # evicted from the bounded table: report it, so it is freed
+                del self._held[req_id]
+                finished.add(req_id)
                 continue
             if self._awaits_digests(req_id, read) and now < until:
                 continue

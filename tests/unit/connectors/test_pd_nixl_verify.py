@@ -535,15 +535,22 @@ def test_a_push_whose_digests_never_come_is_unverified_or_failed_under_required(
         assert pair.count("kv_unverified_loads") == 1
 
 
-def test_a_held_push_that_is_aborted_or_times_out_upstream_is_not_reported_twice():
+def test_a_held_push_whose_request_is_aborted_is_reported_finished_once_and_unchecked():
+    # vLLM frees an aborted request's blocks only when its receive is reported finished: a push
+    # held for its digests and then aborted must still be reported, once, or its blocks leak
     pair = Pair()
     verifier = pair.verifier(inbox=DigestInbox(FakeDecodeAgent()))
     push_start(pair, verifier, "aborted", [5])
     finished = {"aborted"}
     verifier.settle(finished, set(), now=0.0)
-    verifier.forget({"aborted"})
+    assert finished == set()  # held for its digests
+    verifier.forget({"aborted"})  # the client left (the worker forgets, then settles)
+    finished = set()
+    verifier.settle(finished, set(), now=0.1)
+    assert finished == {"aborted"} and verifier.take_outcomes().outcomes == {}
+    finished = set()
     verifier.settle(finished, set(), now=5.0)
-    assert finished == set() and verifier.take_outcomes().outcomes == {}
+    assert finished == set()  # once
 
 
 def test_pushes_are_checked_as_reads_are_and_every_dropped_or_damaged_one_is_caught():
