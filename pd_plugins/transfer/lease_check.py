@@ -271,10 +271,14 @@ class LateReadGuard:
                 return
             except msgspec.DecodeError:
                 continue
-            key = self._by_query.pop(query_id, None)
+            key = self._by_query.get(query_id)
             if key is None or key not in self._held:
+                self._by_query.pop(query_id, None)
                 continue  # an answer to a query whose read was already settled
             held = self._held[key]
+            if self._sockets.get(held.endpoint) is not sock:
+                continue  # not from the endpoint asked: another prefill cannot settle this read
+            del self._by_query[query_id]
             held.query_id = None
             if verdict == "pending":
                 held.ask_after = time.monotonic() + RETRY_INTERVAL_S

@@ -26,7 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.logger import init_logger
 
 from pd_plugins.connectors.vllm.nixl_internals import holds_blocks, lease_end, replace_push_start
-from pd_plugins.transfer.lease_check import VerdictTable
+from pd_plugins.transfer.lease_check import MAX_MESSAGE_BYTES, VerdictTable
+
+# a completion notification (or reader name) longer than a lease check can carry: not recorded
+MAX_NOTIF_BYTES = MAX_MESSAGE_BYTES
 
 logger = init_logger(__name__)
 
@@ -65,8 +68,11 @@ class NotifTap:
         notifs = self._agent.get_new_notifs(*args, **kwargs)
         for reader, messages in notifs.items():
             for message in messages:
-                # Completions are b"<request id>:<consumers>"; heartbeats are b"HB:...".
-                if message.startswith(b"HB:") or b":" not in message:
+                # Completions are b"<request id>:<consumers>"; heartbeats are b"HB:...". An id
+                # too long for a lease check to ask about is not kept (any NIXL peer can send
+                # one: the table below is bounded in entries, this bounds each entry).
+                if (message.startswith(b"HB:") or b":" not in message
+                        or len(message) > MAX_NOTIF_BYTES or len(reader) > MAX_NOTIF_BYTES):
                     continue
                 request_id = message.rsplit(b":", 1)[0].decode("utf-8", "replace")
                 self._verdicts.append((request_id, reader, self._is_leased(request_id),

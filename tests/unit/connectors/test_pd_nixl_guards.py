@@ -36,6 +36,17 @@ def test_notif_tap_classifies_completions_against_the_lease_and_passes_everythin
     assert table.lookup("req-3", "decode-a", ranks=2) == "pending"
 
 
+def test_notif_tap_keeps_no_verdict_for_an_id_too_long_to_ask_about():
+    # any NIXL peer can send a notification: megabytes of request id would be kept per entry
+    from pd_plugins.connectors.vllm.pd_nixl_guards import MAX_NOTIF_BYTES
+
+    long_id = b"r" * (MAX_NOTIF_BYTES + 1) + b":1"
+    notifs = {"decode-a": [long_id, b"req-1:1"], "x" * (MAX_NOTIF_BYTES + 1): [b"req-2:1"]}
+    tap = NotifTap(FakeAgent(dict(notifs)), lambda r: True)
+    assert tap.get_new_notifs() == notifs  # upstream still sees them all
+    assert tap.take_verdicts().verdicts == [("req-1", "decode-a", True, 0)]
+
+
 def test_push_deadline_fails_the_load_once_and_drops_the_late_completion():
     deadlines = PushDeadlines()
     deadlines.expect({"a": 10.0, "b": 10.0}, now=0.0)

@@ -182,3 +182,33 @@ def test_the_reader_keeps_sockets_to_a_bounded_number_of_prefills(server, monkey
     assert len(guard._sockets) <= 3
     assert on_time == {"real"} and timed_out == {f"dead-{i}" for i in range(10)}
     guard.close()
+
+
+def test_a_reply_from_another_endpoint_cannot_settle_a_read(server):
+    """Endpoints come from transfer parameters: a lease-check server the decode was pointed at
+    answers "ok" for every query id near its own (they are sequential); the read held at the real
+    prefill stays held until the real prefill answers."""
+    import msgspec
+    import zmq
+
+    ctx = zmq.Context.instance()
+    rogue = ctx.socket(zmq.ROUTER)
+    rogue_port = rogue.bind_to_random_port("tcp://127.0.0.1")
+    guard = LateReadGuard(reader="decode-agent", check_timeout_s=5.0)
+    try:
+        guard.hold("victim", ("127.0.0.1", server.port), "p-victim")  # no verdict there yet
+        guard.hold("bait", ("127.0.0.1", rogue_port), "p-bait")
+        guard.poll(wait_s=0.05)  # both queries go out
+        assert rogue.poll(2000)
+        identity, _ = rogue.recv_multipart()
+        for query_id in range(10):
+            rogue.send_multipart([identity, msgspec.msgpack.encode((query_id, "ok"))])
+        on_time = set()
+        for _ in range(20):
+            on_time |= guard.poll(wait_s=0.02).on_time
+        assert on_time == {"bait"}  # its own read only
+        server.table.record("p-victim", "decode-agent", True)
+        assert poll_until_settled(guard)[0] == {"victim"}  # the real prefill still decides
+    finally:
+        guard.close()
+        rogue.close(0)
