@@ -30,8 +30,20 @@ from pd_plugins.vocab.transfer_params import KV_FAULTS_INJECTED_METRIC, KV_MISMA
 
 log = logging.getLogger("pd_router.health")
 
-MAX_METRICS_BYTES = 16 << 20  # vLLM's /metrics is well under 1 MiB
+# A worker's /metrics, /v1/models or canary answer (vLLM's are well under 1 MiB): no worker
+# makes the router buffer more
+MAX_PROBE_BYTES = 16 << 20
 MAX_MODELS_PER_WORKER = 1024  # names (base model and adapters) kept from one /v1/models
+
+
+async def read_capped(resp: aiohttp.ClientResponse, what: str) -> bytes:
+    """A probe's or scrape's answer body, at most MAX_PROBE_BYTES (ValueError past it)."""
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        body += chunk
+        if len(body) > MAX_PROBE_BYTES:
+            raise ValueError(f"{what} is larger than {MAX_PROBE_BYTES} bytes")
+    return bytes(body)
 
 
 def parse_engine_metrics(text: str, engine: str) -> tuple[float, float, float]:
@@ -150,7 +162,7 @@ class PoolUpkeep:
     async def _probe(self, worker: Worker) -> None:
         async with self.session.get(worker.url + "/v1/models") as resp:
             resp.raise_for_status()
-            listing = msgspec.json.decode(await resp.read())
+            listing = msgspec.json.decode(await read_capped(resp, "/v1/models"))
         models = [m for m in listing.get("data", []) if isinstance(m, dict)
                   and isinstance(m.get("id"), str)][:MAX_MODELS_PER_WORKER]
         worker.models = tuple(m["id"] for m in models)
@@ -171,7 +183,7 @@ class PoolUpkeep:
         async with self.session.post(worker.url + "/v1/completions", json=body,
                                      headers={"X-Request-Id": f"pd-router-canary-{worker.ordinal}"}) as resp:
             resp.raise_for_status()
-            answer = msgspec.json.decode(await resp.read())
+            answer = msgspec.json.decode(await read_capped(resp, "the canary's answer"))
         if not answer.get("choices"):
             raise ValueError("canary generation returned no choices")
 
@@ -197,11 +209,7 @@ class PoolUpkeep:
                                         timeout=aiohttp.ClientTimeout(total=self.spec.timeout_s)) as resp:
                 if resp.status != 200:
                     return
-                body = bytearray()
-                async for chunk in resp.content.iter_chunked(1 << 16):
-                    body += chunk
-                    if len(body) > MAX_METRICS_BYTES:
-                        raise ValueError(f"/metrics is larger than {MAX_METRICS_BYTES} bytes")
+                body = await read_capped(resp, "/metrics")
             text = body.decode("utf-8", "replace")
             load = parse_engine_metrics(text, self.profile.name)
             mismatched = (parse_counter(text, KV_MISMATCHED_REQUESTS_METRIC)

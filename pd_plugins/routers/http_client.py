@@ -45,6 +45,10 @@ Orphan = Callable[[int, bytes], None]  # (status, whole body) of an answer its r
 
 # Unread body bytes per connection before the client stops reading from the socket.
 MAX_BUFFERED = 1 << 20
+# A whole answer (exchange(): the legs that are not streamed) past this fails as the worker's
+# fault: a generous bound (a 128k-token answer with top-20 logprobs is about 100 MB), so that no
+# worker can make the router buffer without end.
+MAX_ANSWER_BYTES = 256 << 20
 
 
 def header_value(headers: list[tuple[bytes, bytes]], name: bytes,
@@ -141,9 +145,11 @@ class _Conn(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
-        if self.whole:  # its reader takes the whole answer: nothing to pace
-            return
         self.buffered += len(body)
+        if self.whole:  # its reader takes the whole answer: nothing to pace, but bounded
+            if self.buffered > MAX_ANSWER_BYTES and self.exc is None:
+                self.fail(UpstreamError(f"answer larger than {MAX_ANSWER_BYTES} bytes"))
+            return
         if self.buffered > MAX_BUFFERED and not self.paused and self.transport is not None:
             # The reader is behind (a slow client downstream): let TCP push back on the server.
             self.paused = True

@@ -112,3 +112,28 @@ def test_a_worker_that_injects_kv_faults_is_warned_about_once(caplog):
         assert len(warnings) == 1 and worker.url in warnings[0] and "3 KV faults" in warnings[0]
 
     asyncio.run(scenario())
+
+
+def test_a_probe_answer_past_its_bound_fails_the_probe(monkeypatch):
+    """/v1/models and the canary are read at most MAX_PROBE_BYTES, as /metrics is: no worker
+    makes the router buffer without end."""
+    from pd_plugins.routers import health
+
+    monkeypatch.setattr(health, "MAX_PROBE_BYTES", 1000)
+
+    async def scenario():
+        async def models(request):
+            return web.json_response({"data": [{"id": "m" * 2000}]})
+
+        async with loopback_server({"/v1/models": models}) as port:
+            pool = WorkerPool()
+            worker = pool.add(WorkerSpec(url=f"http://127.0.0.1:{port}"), "decode")
+            session = new_session(1.0)
+            try:
+                upkeep = PoolUpkeep(RouterConfig(decode=[worker.spec]), pool, session)
+                with pytest.raises(ValueError, match="/v1/models is larger than 1000 bytes"):
+                    await upkeep._probe(worker)
+            finally:
+                await session.close()
+
+    asyncio.run(scenario())

@@ -289,6 +289,20 @@ def test_a_shut_pool_closes_its_idle_connections_and_each_one_in_use_when_it_is_
     run(scenario)
 
 
+def test_a_whole_answer_past_its_bound_fails_the_exchange(monkeypatch):
+    from pd_plugins.routers import http_client
+
+    monkeypatch.setattr(http_client, "MAX_ANSWER_BYTES", 50_000)  # /echo answers 100 kB
+
+    async def scenario(up):
+        with pytest.raises(UpstreamError, match="answer larger than 50000 bytes"):
+            await up.exchange(up.json_request("/echo", b"", "r-1"), 5)
+        assert not up._idle  # that connection is closed, not pooled
+        status, _, body = await up.exchange(up.json_request("/small", b"x", "r-2"), 5)
+        assert (status, body) == (200, b"ok:x")
+    run(scenario)
+
+
 def test_exchange_timeouts_name_the_one_that_ran_out():
     async def scenario(up):
         t0 = time.monotonic()
