@@ -59,7 +59,11 @@ class WorkerSpec(_Strict):
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
-        if parts.scheme != "http" or not parts.hostname:  # legs speak plain HTTP (http_client.py)
+        try:
+            parts.port  # noqa: B018 - raises on a port that is not a number within 0..65535
+        except ValueError:
+            parts = None
+        if parts is None or parts.scheme != "http" or not parts.hostname:  # legs speak plain HTTP
             raise ValueError(f"worker url {self.url!r} must look like http://host:port")
         self.url = self.url.rstrip("/")
         if self.kv_events and self.kv_events.startswith("bind:"):
