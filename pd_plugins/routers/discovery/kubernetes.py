@@ -191,7 +191,8 @@ class PodWatcher:
         key = pod_key(pod)
         try:
             worker = pod_worker(pod, self.models)
-        except NotAWorker as why:
+        except (NotAWorker, ValueError, TypeError) as why:  # whatever a pod's labels hold: that
+            # pod is ignored, discovery goes on
             if self._ignored.get(key) != str(why) and len(self._ignored) < self.max_pods:
                 self._ignored[key] = str(why)
                 log.warning("kubernetes: pod %s ignored: %s", pod_name(pod), why)

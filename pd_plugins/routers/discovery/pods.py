@@ -55,9 +55,11 @@ def _port(annotations: dict[str, str], name: str, default: int | None = None) ->
     raw = annotations.get(ANNOTATION_PREFIX + name)
     if raw is None:
         return default
-    if not raw.strip().isdigit() or not 0 < int(raw) < 65536:
+    value = raw.strip()
+    # ASCII digits only: str.isdigit() also takes "²", which int() refuses
+    if not (value.isascii() and value.isdigit() and len(value) <= 5 and 0 < int(value) < 65536):
         raise NotAWorker(f"annotation {ANNOTATION_PREFIX}{name}={raw!r} is not a port number")
-    return int(raw)
+    return int(value)
 
 
 def pod_worker(pod, models: dict[str, str] | None) -> PodWorker | None:

@@ -67,6 +67,11 @@ def test_pods_that_cannot_be_workers_say_why():
         pod_worker(pod(annotations={"pd-plugins.io/http-port": "80a"}), None)
     with pytest.raises(NotAWorker, match="not a port"):
         pod_worker(pod(annotations={"pd-plugins.io/kv-port": "70000"}), None)
+    # digits to str.isdigit() that int() refuses, or too many: still just not a port (a raw
+    # ValueError had stopped discovery for good, relisting the same pod forever)
+    for raw in ("²", "٣", "9" * 5000):
+        with pytest.raises(NotAWorker, match="not a port"):
+            pod_worker(pod(annotations={"pd-plugins.io/kv-events-port": raw}), None)
     # one unnamed group takes any pd.model
     assert pod_worker(pod(model="whatever"), None).model is None
 
