@@ -31,12 +31,15 @@ from typing import Callable, Iterable, Sequence
 from pd_plugins.routers.policy.base import RequestInfo
 from pd_plugins.routers.policy.latency_model import LatencyModels
 from pd_plugins.routers.policy.prefix_index import PrefixIndex
+from pd_plugins.routers.request import MAX_SESSION_ID, short_printable_ascii
 from pd_plugins.routers.sessions import Session, SessionTable
 from pd_plugins.routers.workers import Worker
 
 Load = tuple[int, int, int]  # in_flight, in_flight_prefill_tokens, in_flight_tokens
 ZERO: Load = (0, 0, 0)
 MAX_ITEMS = 100_000  # per channel and entry read from a peer: more is not a replica of ours
+# a peer's latency sample: tokens (or a batch size) and seconds no engine comes near
+MAX_SAMPLE_X, MAX_SAMPLE_Y = 1e8, 86_400.0
 
 
 class PinChannel:
@@ -73,6 +76,9 @@ class PinChannel:
 
     def apply(self, origin: str, items: list, now: float) -> None:
         for session_id, decode_url, turns, resident, chain_key, auto in items[:MAX_ITEMS]:
+            if not (isinstance(session_id, str)
+                    and short_printable_ascii(session_id, MAX_SESSION_ID)):
+                raise ValueError("a session id this router would refuse from a client")
             local = self.table.get(session_id)
             if local is None or int(turns) > local.turns:
                 self.table.adopt(str(session_id), Session(
@@ -213,7 +219,8 @@ class LatencyChannel(_PendingItems):
         for name, x, y in items[:MAX_ITEMS]:
             fit = self.fits.get(str(name))  # a fit this version lacks: skipped
             x, y = float(x), float(y)
-            if fit is not None and math.isfinite(x) and math.isfinite(y) and x >= 0 and y >= 0:
+            # bounded, not just finite: one 1e200 squares to inf and freezes the fit for good
+            if fit is not None and 0 <= x <= MAX_SAMPLE_X and 0 <= y <= MAX_SAMPLE_Y:
                 fit.learn(x, y)
 
     def tick(self, now: float) -> None:

@@ -64,6 +64,9 @@ class _Entry(msgspec.Struct, array_like=True):
 
 
 _encode = msgspec.msgpack.Encoder().encode
+# An entry larger than this is neither published nor read: decoding runs on the event loop, and
+# an entry of nested arrays costs it about 0.2 s per MB (a peer's hostile entry, or a backlog).
+MAX_ENTRY_BYTES = 8 << 20
 _decode = msgspec.msgpack.Decoder(_Entry).decode
 
 
@@ -142,7 +145,8 @@ class ReplicaSync:
         self.interval_s, self.retry_after_s, self.log_every_s = interval_s, retry_after_s, log_every_s
         self.clock, self.history_s = clock, history_s
         self.timeout_s = log_.timeout_s
-        self.counts = {"published": 0, "applied": 0, "error": 0, "unreadable": 0, "expired": 0}
+        self.counts = {"published": 0, "applied": 0, "error": 0, "unreadable": 0, "expired": 0,
+                       "oversized": 0}
         self.up = False
         self.peers: dict[str, float] = {}  # replica id -> when an entry of it was last applied
         self._last_id = "0-0"
@@ -229,8 +233,12 @@ class ReplicaSync:
 
     async def _publish(self, batch: dict[str, list]) -> None:
         """One entry to the stream; on failure the channels keep their changes."""
+        payload = _encode(_Entry(self.replica_id, batch))
+        if len(payload) > MAX_ENTRY_BYTES:  # sharing is best effort: dropped, counted
+            self.counts["oversized"] += 1
+            return
         try:
-            await self.log.append(_encode(_Entry(self.replica_id, batch)))
+            await self.log.append(payload)
         except BaseException:
             for name, items in batch.items():
                 self.channels[name].put_back(items)
@@ -260,7 +268,11 @@ class ReplicaSync:
             self._succeeded()
             for entry_id, payload in entries:
                 self._last_id = entry_id
-                self._apply(entry_id, payload)
+                try:
+                    self._apply(entry_id, payload)
+                except Exception as exc:  # noqa: BLE001 - a peer's entry never stops the reader
+                    self.counts["unreadable"] += 1
+                    log.debug("replica sync: unreadable entry %s: %r", entry_id, exc)
 
     def _apply(self, entry_id: str, payload: bytes) -> None:
         live = self._live_from is None or _id(entry_id) > self._live_from
@@ -269,9 +281,12 @@ class ReplicaSync:
         if not live and (self._live_from[0] - _id(entry_id)[0]) / 1000 > self.history_s:
             self.counts["expired"] += 1
             return
+        if len(payload) > MAX_ENTRY_BYTES:
+            self.counts["unreadable"] += 1
+            return
         try:
             entry = _decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             self.counts["unreadable"] += 1
             return
         if entry.origin == self.replica_id:
@@ -285,7 +300,7 @@ class ReplicaSync:
                 continue
             try:
                 channel.apply(entry.origin, items, now)
-            except (TypeError, ValueError, IndexError) as exc:  # a replica of another version
+            except Exception as exc:  # noqa: BLE001 - another version, or a hostile entry
                 self.counts["unreadable"] += 1
                 log.debug("replica %s: unreadable %s entry: %s", entry.origin, name, exc)
         self.counts["applied"] += 1

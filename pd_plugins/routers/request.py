@@ -200,7 +200,7 @@ def _check_depth(body: dict, raw: bytes) -> None:
         depth += 1
 
 
-def _short_printable_ascii(value: str, limit: int) -> bool:
+def short_printable_ascii(value: str, limit: int) -> bool:
     return len(value) <= limit and value.isascii() and value.isprintable()
 
 
@@ -208,7 +208,7 @@ def _check_request_id(headers: Any) -> None:
     """A client's X-Request-Id goes into the legs' ids and logs: short printable ASCII only (a
     header that is not UTF-8 arrives here with surrogates, which are not ASCII)."""
     value = headers.get("X-Request-Id")
-    if value and not _short_printable_ascii(value, MAX_REQUEST_ID):
+    if value and not short_printable_ascii(value, MAX_REQUEST_ID):
         raise BadRequest(400, f"X-Request-Id must be at most {MAX_REQUEST_ID} printable ASCII "
                               "characters", param="X-Request-Id")
 
@@ -226,7 +226,7 @@ def _session_id(headers: Any, body: dict) -> str | None:
             value = value.strip()
             if not value:
                 continue
-            if not _short_printable_ascii(value, MAX_SESSION_ID):
+            if not short_printable_ascii(value, MAX_SESSION_ID):
                 raise BadRequest(400, f"session id in {source} '{name}' must be at most "
                                       f"{MAX_SESSION_ID} printable ASCII characters", param=name)
             return value

@@ -186,3 +186,14 @@ def test_sync_settings_are_checked():
                          ({"redis_stream_len": 1}, "redis_stream_len")):
         with pytest.raises(ConfigError, match=message):
             config_from_mapping({**base, "sessions": {**base["sessions"], **bad}})
+
+
+def test_a_peer_latency_sample_out_of_any_engines_range_is_not_learned():
+    # finite is not enough: 1e200 squared is inf, and the fit's slope stayed 0 for good
+    models = LatencyModels()
+    channel = LatencyChannel(models)
+    for x in range(100, 2100, 100):
+        channel.apply("rb", [["prefill", x, 0.01 + 1e-4 * x]], 0.0)
+    before = models.prefill.coefficients
+    channel.apply("rb", [["prefill", 1e200, 0.0], ["prefill", 5.0, 1e9], ["prefill", -1, 1]], 0.0)
+    assert models.prefill.coefficients == before and before[1] > 0

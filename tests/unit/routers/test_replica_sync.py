@@ -111,3 +111,37 @@ def test_a_channel_that_raises_in_tick_does_not_stop_the_publisher():
     log, sync = asyncio.run(run())
     assert len(log.entries) == 1, "the publisher stopped after the channel's error"
     assert sync.counts["error"] >= 1
+
+
+def test_hostile_peer_entries_are_counted_unreadable_and_the_reader_goes_on():
+    """Another replica's entries are peer input: an infinite number where an int goes, a session
+    id no client could send, nesting past msgpack's recursion, an entry past MAX_ENTRY_BYTES.
+    Each is counted and skipped; the reader lives on and adopts the good pin after them."""
+    from pd_plugins.routers import replica_sync
+
+    async def run():
+        log = MemoryLog()
+        log.add("peer", {"pins:": [["s-inf", "http://d", float("inf"), 1, None, False]]})
+        log.add("peer", {"pins:": [pin("x" * 10_000, "http://d")]})
+        nested = b"\x91" * 200_000 + b"\xc0"  # msgpack: a list in a list ... 200,000 deep
+        log.entries.append((f"{log.ms}-{len(log.entries)}", nested))
+        log.entries.append((f"{log.ms}-{len(log.entries)}", b"\x00" * (replica_sync.MAX_ENTRY_BYTES + 1)))
+        log.ms += 1
+        log.add("peer", {"pins:": [pin("good", "http://d2")]})
+        table = SessionTable(SessionSpec())
+        sync = ReplicaSync(log, replica_id="me", interval_s=0.01)
+        sync.add(PinChannel(table, "me"))
+        await sync.start()
+        try:
+            for _ in range(200):
+                if table.get("good") is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert all(not t.done() for t in sync._tasks), "a background task died"
+        finally:
+            await sync.aclose()
+        return table, sync
+
+    table, sync = asyncio.run(run())
+    assert table.get("good") is not None and table.get("s-inf") is None
+    assert sync.counts["unreadable"] == 4
