@@ -30,6 +30,8 @@ from pd_plugins.vocab.block_keys import adapter_root, block_keys
 log = logging.getLogger("pd_router.prefix_index")
 
 MAX_BATCH_BYTES = 16 << 20  # a bigger KV event batch is dropped by ZMQ (vLLM's are far smaller)
+MAX_HASH_BYTES = 64  # an engine block hash as bytes (vLLM's: 32-byte sha256); kept per block
+RECEIVE_QUEUE = 16  # batches ZMQ queues per publisher before it drops (bind: any may connect)
 REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often for bad batches
 
 
@@ -91,9 +93,11 @@ class EventApplier:
 
 def _engine_hashes(value: Any) -> list:
     """An event's engine block hashes: vLLM sends ints or bytes (ExternalBlockHash)."""
-    if not (isinstance(value, list)
-            and all(isinstance(h, (int, bytes)) and not isinstance(h, bool) for h in value)):
-        raise EventRejected("block_hashes must be a list of integers or bytes")
+    if not (isinstance(value, list) and all(  # msgpack's ints are 64-bit: bytes need the bound
+            (isinstance(h, int) and not isinstance(h, bool))
+            or (isinstance(h, bytes) and len(h) <= MAX_HASH_BYTES) for h in value)):
+        raise EventRejected(f"block_hashes must be a list of integers or bytes (at most "
+                            f"{MAX_HASH_BYTES} bytes each)")
     return value
 
 
@@ -158,6 +162,7 @@ class KvEventSubscriber:
         self.events_rejected = 0   # malformed events skipped (their batch's others applied)
         self.batches_rejected = 0  # undecodable batches skipped whole
         self.last_seq = -1
+        self.sequence_gaps = 0  # batches whose number did not follow the last one's
         self._last_reject_log = float("-inf")
 
     async def run(self) -> None:
@@ -165,6 +170,7 @@ class KvEventSubscriber:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         try:
             if self.endpoint.startswith("bind:"):
@@ -199,8 +205,9 @@ class KvEventSubscriber:
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes[:8], "big")
         if self.last_seq >= 0 and seq != self.last_seq + 1:
-            log.warning("KV events of %s: missed %d batches", self.worker_url,
-                        seq - self.last_seq - 1)
+            self.sequence_gaps += 1
+            self._log_rejection(f"batch {seq} after {self.last_seq}: batches missed, or the "
+                                f"engine restarted ({self.sequence_gaps} gaps so far)")
         self.last_seq = seq
         try:
             batch = msgspec.msgpack.decode(payload)

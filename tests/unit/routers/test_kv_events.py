@@ -101,6 +101,11 @@ def test_exact_mode_is_bounded_by_capacity_too():
     ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": [7],
       "token_ids": [1, 2, 3, 4], "block_size": 4}, "block_hashes"),
     ({"type": "BlockRemoved", "block_hashes": 3}, "block_hashes"),
+    # a hash is kept per block: megabytes of one would hold the router's memory (200,000 blocks)
+    ({"type": "BlockStored", "block_hashes": [b"h" * 65], "parent_block_hash": None,
+      "token_ids": [1, 2, 3, 4], "block_size": 4}, "at most 64 bytes"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": b"p" * (8 << 20),
+      "token_ids": [1, 2, 3, 4], "block_size": 4}, "at most 64 bytes"),
     (17, "map"),
 ])
 def test_malformed_events_are_refused_without_touching_the_index(event, words):
@@ -208,3 +213,16 @@ def test_ipc_bind_makes_the_socket_private(tmp_path):
         return mode
 
     assert asyncio.run(scenario()) & 0o077 == 0
+
+
+def test_batch_number_gaps_are_counted_and_logged_at_most_once_a_while(caplog):
+    # a publisher (bind: any local user) sending batches out of order must not flood the log
+    import logging
+
+    subscriber = KvEventSubscriber(PrefixIndex(), W, "tcp://127.0.0.1:1")
+    empty = msgspec.msgpack.encode([0.0, []])
+    with caplog.at_level(logging.WARNING):
+        for i in range(1000):
+            subscriber.handle([b"", (i % 2 * 7).to_bytes(8, "big"), empty])
+    assert subscriber.sequence_gaps == 999
+    assert len([r for r in caplog.records if "batches missed" in r.getMessage()]) == 1
