@@ -20,7 +20,7 @@ from typing import Any, Callable, Literal, Protocol
 import msgspec
 
 from pd_plugins.routers.policy.base import RequestInfo
-from pd_plugins.vocab.block_keys import adapter_root, block_keys, text_block_keys
+from pd_plugins.vocab.block_keys import block_keys, prompt_root, text_block_keys
 
 TRANSFER_FIELDS = ("kv_transfer_params", "ec_transfer_params", "bootstrap_host", "bootstrap_port",
                    "bootstrap_room", "bootstrap_pair_key", "disagg_prefill_dp_rank",
@@ -130,9 +130,11 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
             raise BadRequest(400, f"'{limit_key}' = {max_tokens} does not fit the model's "
                                   f"context of {max_model_len} tokens", param=limit_key)
 
-    # a LoRA adapter's prompt blocks are keyed apart from the base model's and other adapters'
+    # a LoRA adapter's prompt blocks are keyed apart from the base model's and other adapters',
+    # and a cache_salt's apart from every other salt's (vLLM's own block hashes do both)
     adapter = model if model in target.adapter_parents else None
-    root = adapter_root(adapter)
+    salt = body.get("cache_salt")
+    root = prompt_root(adapter, salt if isinstance(salt, str) else None)
     tokens, text = (_completion_prompt(body) if kind == "completion" else _chat_prompt(body))
     exact = tokens is not None or (tokenize is not None and kind == "completion")
     if tokens is None and tokenize is not None:

@@ -29,6 +29,19 @@ def adapter_root(adapter: str | None) -> int:
     return hash((ROOT_KEY, int.from_bytes(digest, "little", signed=True)))
 
 
+def prompt_root(adapter: str | None, cache_salt: str | None = None) -> int:
+    """The parent of a prompt's first block: per LoRA adapter (adapter_root) and per vLLM
+    `cache_salt`, as the engine's own block hashes are, so that prompts under different salts
+    (tenants) never share a key: the router gives no prefix credit across them, and its routing
+    cannot tell one tenant what another's cache holds."""
+    root = adapter_root(adapter)
+    if not cache_salt:
+        return root
+    digest = hashlib.blake2b(cache_salt.encode("utf-8", "surrogatepass"), digest_size=8,
+                             person=b"pd-salt").digest()
+    return hash((root, int.from_bytes(digest, "little", signed=True)))
+
+
 def block_keys(tokens: Sequence[int], block_size: int, parent: int = ROOT_KEY) -> list[int]:
     """Chained keys of every full block of `tokens` (a partial last block has no key)."""
     keys = []

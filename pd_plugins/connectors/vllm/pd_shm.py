@@ -57,7 +57,7 @@ from pd_plugins.transfer.kv_faults import KvFaults, position
 from pd_plugins.transfer.options import KvFaultOptions, ShmOptions
 from pd_plugins.transfer.paged_kv import PagedKV
 from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool, SlotRef, SlotRefs
-from pd_plugins.vocab.block_keys import adapter_root, block_keys
+from pd_plugins.vocab.block_keys import block_keys, prompt_root
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -166,9 +166,10 @@ class _SchedulerSide(PoolSchedulerSide[int]):
         if full <= storing.next_block:
             return None
         if storing.content_keys is None:
-            # the router's keys, salted per LoRA adapter as the router salts a request's
+            # the router's keys, per LoRA adapter and cache_salt as the router keys a request's
             lora = req.lora_request.lora_name if req.lora_request is not None else None
-            storing.content_keys = block_keys(req.prompt_token_ids or [], bs, adapter_root(lora))
+            root = prompt_root(lora, getattr(req, "cache_salt", None))
+            storing.content_keys = block_keys(req.prompt_token_ids or [], bs, root)
         block_ids = self.c.kv_cache_manager.get_block_ids(req.request_id)[0]
         op = StoreOp(req.request_id, list(block_ids[storing.next_block:full]),
                      list(req.block_hashes[storing.next_block:full]),

@@ -82,6 +82,13 @@ class EventApplier:
         parent = adapter_root(adapter) if parent_hash is None else self.engine_keys.get(parent_hash)
         if parent is None:  # parent evicted or never seen: these blocks are unreachable
             return
+        # The router's keys cover the tokens and the LoRA adapter. A block whose engine hash also
+        # covers a cache_salt, multimodal input or prompt embeddings (its extra keys) is not
+        # indexed, nor the blocks after it: the tokens alone would match other tenants' or other
+        # images' prompts (a salted tenant's requests get no prefix credit from events).
+        hashes = hashes[:_plain_blocks(event.get("extra_keys"), adapter, len(hashes))]
+        if not hashes:
+            return
         keys = block_keys(tokens[:len(hashes) * size], size, parent)
         for engine_hash, key in zip(hashes, keys):
             self.engine_keys[engine_hash] = key
@@ -89,6 +96,24 @@ class EventApplier:
         while len(self.engine_keys) > self.index.capacity_blocks:
             self.engine_keys.popitem(last=False)
         self.index.hold(self.worker_url, keys)
+
+
+def _plain_blocks(extra_keys: Any, adapter: str | None, count: int) -> int:
+    """How many of an event's blocks, from the first, have no extra keys but the LoRA name (vLLM
+    publishes them untagged, one entry per block: the LoRA name, multimodal pairs, the cache
+    salt, prompt-embedding digests)."""
+    if extra_keys is None:
+        return count
+    if not isinstance(extra_keys, list):
+        raise EventRejected("BlockStored.extra_keys must be a list or null")
+    for i, entry in enumerate(extra_keys[:count]):
+        if entry is None:
+            continue
+        if not isinstance(entry, list):
+            raise EventRejected("BlockStored.extra_keys entries must be lists or null")
+        if entry not in ([], [adapter]):
+            return i
+    return count
 
 
 def _engine_hashes(value: Any) -> list:

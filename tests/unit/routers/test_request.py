@@ -29,6 +29,17 @@ def test_token_prompt_gives_exact_block_keys_and_session():
     assert req.info.session_id == "conv-1"
 
 
+def test_a_cache_salt_keys_the_prompt_apart_as_vllm_does():
+    # a tenant's salt keeps its prompts' keys (and so the router's prefix credit and its
+    # x-pd-route answer) apart from every other tenant's
+    body = {"model": "tiny", "prompt": list(range(10))}
+    plain = parse(body).info.block_keys
+    salted = parse({**body, "cache_salt": "tenant-a"}).info.block_keys
+    assert len(salted) == len(plain) == 2 and not set(salted) & set(plain)
+    assert parse({**body, "cache_salt": "tenant-a"}).info.block_keys == salted
+    assert not set(parse({**body, "cache_salt": "tenant-b"}).info.block_keys) & set(salted)
+
+
 def test_text_prompt_is_estimated_and_shared_prefixes_share_keys():
     a = parse({"prompt": "x" * 64 + "first"}).info
     b = parse({"prompt": "x" * 64 + "second"}).info
