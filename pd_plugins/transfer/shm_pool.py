@@ -183,17 +183,17 @@ def _open_region(path: str, *, create: bool, readonly: bool, gid: int | None) ->
     access = os.O_RDONLY if readonly else os.O_RDWR
     if create:
         mode = 0o600 if gid is None else 0o660
-        try:
-            fd = os.open(path, access | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, mode)
+        try:  # created for this user alone: the pool's group gets access only once it owns it
+            fd = os.open(path, access | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
         except FileExistsError:
             pass  # someone made it: open it as an existing region (checked)
         except OSError as exc:
             raise PoolError(f"cannot create KV pool {path}: {exc.strerror}") from exc
         else:
             try:
-                os.fchmod(fd, mode)  # what the umask took away
                 if gid is not None:
                     os.fchown(fd, -1, gid)
+                os.fchmod(fd, mode)  # what the umask took away, and the group's bits last
             except OSError as exc:
                 _unlink_if_same(path, fd)
                 os.close(fd)

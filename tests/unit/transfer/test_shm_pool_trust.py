@@ -163,6 +163,28 @@ def test_a_group_pool_is_made_0660_in_that_group(path):
         engine_open(path, group="no-such-group-pd")
 
 
+def test_a_group_pool_gets_its_group_bits_only_once_it_is_in_that_group(path, monkeypatch):
+    # created 0660 in the creator's own group (umask 002), then chowned: a member of that group
+    # could open it in between and keep a descriptor to every later prompt's KV
+    from pd_plugins.transfer import shm_pool
+
+    seen = []
+    real_fchmod = os.fchmod
+
+    def watching_fchmod(fd, mode):
+        seen.append((stat.S_IMODE(os.fstat(fd).st_mode), mode))
+        real_fchmod(fd, mode)
+
+    monkeypatch.setattr(shm_pool.os, "fchmod", watching_fchmod)
+    old = os.umask(0o002)
+    try:
+        with engine_open(path, group=os.getgid()):
+            pass
+    finally:
+        os.umask(old)
+    assert seen and seen[0] == (0o600, 0o660)  # private until its group is set
+
+
 def test_a_failed_creation_leaves_no_file_behind(path):
     with pytest.raises(PoolError, match="too small"):
         ShmKVPool(path, slot_bytes=SLOT, layout="trust-test", size_bytes=2 * SLOT)
