@@ -199,9 +199,19 @@ class Router:
                 if not any(g.pool.get(worker.url, r) for g in self.groups.values()
                            for r in ("prefill", "decode")):  # a kv_both worker may hold the other
                     self.pools.forget(worker.url)
+                self._release_pool_view(worker.spec.kv_pool)
                 self.refresh_served()
                 return worker
         return None
+
+    def _release_pool_view(self, kv_pool: str | None) -> None:
+        """A shared KV pool no worker names any more: its view is closed (a PdShm pool's mapping
+        and file unmapped, so removing the pool frees its memory) and dropped."""
+        if kv_pool is None or kv_pool not in self._pool_views:
+            return
+        if any(w.spec.kv_pool == kv_pool for g in self.groups.values() for w in g.pool):
+            return
+        self._pool_views.pop(kv_pool).close()
 
     async def move_worker(self, url: str, to: str, model: str | None = None,
                           drain_timeout_s: float = 60.0, spec: WorkerSpec | None = None) -> RoleMove:

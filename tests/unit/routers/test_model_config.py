@@ -204,6 +204,22 @@ def test_a_removed_workers_connection_pool_is_shut_and_dropped():
     assert both.pools._pools.get(P1) is kept and not kept.closed
 
 
+def test_a_shared_pool_no_worker_names_any_more_is_closed_and_dropped(tmp_path):
+    pool = str(tmp_path / "pool")  # a PdShm pool's view (none there yet: it maps when made)
+    router = Router(config_from_mapping({"decode": [{"url": D1, "kv_pool": pool},
+                                                    {"url": D2, "kv_pool": pool}]}))
+    group = router.groups[""]
+    for worker in group.pool:
+        group.subscribe(worker, router._pool_views)
+    view = router._pool_views[pool]
+    closed = []
+    view.close = lambda: closed.append(True)
+    router.remove_worker(D1, "decode")
+    assert router._pool_views.get(pool) is view and not closed  # D2 still reads it
+    router.remove_worker(D2, "decode")
+    assert pool not in router._pool_views and closed == [True]
+
+
 def test_adding_a_worker_to_a_model():
     router = Router(two_models())
     worker = asyncio.run(router.add_worker(WorkerSpec(url=P2), "prefill", model="org/m2"))
