@@ -354,6 +354,16 @@ class AdminError(RuntimeError):
     """The router's admin API answered an error (its status and reason in the message)."""
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error: urllib would resend the admin token to wherever it points."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: D102
+        return None
+
+
+_ADMIN_OPENER = urllib.request.build_opener(_NoRedirects)
+
+
 @dataclass
 class RouterRoles:
     """The router's P:D split and its role changes, through the admin API."""
@@ -372,7 +382,7 @@ class RouterRoles:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=timeout or self.timeout_s) as resp:
+            with _ADMIN_OPENER.open(req, timeout=timeout or self.timeout_s) as resp:
                 return json.loads(resp.read(1 << 24))
         except urllib.error.HTTPError as e:
             raise AdminError(f"{method} {path}: {e.code} {e.read(4096).decode(errors='replace')}") from e
@@ -567,8 +577,10 @@ def run_apply(args: argparse.Namespace) -> int:
                 traffic = read_traffic(roles, args.record, args.window_s, args.model)
                 apply_once(planner, roles, traffic.window, traffic.now_s, args.dry_run, say,
                            traffic.in_flight, traffic.decoding)
-            except (AdminError, OSError, ValueError) as e:
-                say(f"this interval failed: {e}")
+            except (AdminError, OSError, ValueError, KeyError, TypeError) as e:
+                # KeyError, TypeError: an answer of the wrong shape (not a router, or another
+                # version): this interval is lost, not the planner
+                say(f"this interval failed: {type(e).__name__}: {e}")
                 if args.once:
                     return 1
             if args.once:

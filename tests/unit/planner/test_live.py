@@ -271,3 +271,68 @@ def test_apply_once_moves_a_kv_both_worker_of_the_real_router():
         assert d.want == Split(2, 1) and roles.split() == (Split(1, 2), False)
         with pytest.raises(Exception, match="401|403"):
             RouterRoles(router.url, "wrong").split()
+
+
+class _AdminStub:
+    """A real HTTP server on loopback that answers the planner as a broken router would:
+    well-formed JSON of the wrong shape, or a redirect elsewhere. It records what it was sent."""
+
+    def __init__(self, answers: dict[str, tuple[int, dict, bytes]]):
+        import http.server
+        import threading
+
+        stub = self
+        self.seen: list[tuple[str, str | None]] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                stub.seen.append((self.path, self.headers.get("Authorization")))
+                status, headers, body = answers.get(self.path.split("?")[0], (404, {}, b"{}"))
+                self.send_response(status)
+                for k, v in {**headers, "Content-Length": str(len(body))}.items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_apply_survives_a_router_answering_the_wrong_shape(tmp_path, capsys):
+    from pd_plugins.planner import cli
+
+    record = tmp_path / "record.jsonl"
+    record.write_text("")
+    stub = _AdminStub({"/admin/in_flight": (200, {}, b"{}"),
+                       "/admin/workers": (200, {}, b"[]")})
+    try:
+        code = cli.main(["--apply", stub.url, "--record", str(record), "--once",
+                         "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50"])
+    finally:
+        stub.close()
+    assert code == 1  # this interval failed, said so; no traceback
+    assert "this interval failed: KeyError" in capsys.readouterr().out
+
+
+def test_the_admin_token_never_follows_a_redirect():
+    from pd_plugins.planner.live import AdminError
+
+    elsewhere = _AdminStub({"/admin/workers": (200, {}, b'{"workers": []}')})
+    router = _AdminStub({"/admin/workers": (302, {"Location": elsewhere.url + "/admin/workers"},
+                                             b"")})
+    try:
+        with pytest.raises(AdminError, match="302"):
+            RouterRoles(router.url, "secret-token").workers()
+    finally:
+        router.close()
+        elsewhere.close()
+    assert router.seen == [("/admin/workers", "Bearer secret-token")]
+    assert elsewhere.seen == []  # the token went nowhere else
