@@ -39,6 +39,7 @@ log = logging.getLogger("pd_router.traffic_record")
 
 BATCH = 512                 # records encoded and written per write
 MAX_IN_FLIGHT = 100_000     # requests listed in flight at most; more go unlisted (counted)
+WARN_INTERVAL_S = 60.0      # a failing disk is logged at most this often (counted always)
 _STOP = object()
 
 
@@ -70,6 +71,7 @@ class TrafficRecorder:
         self._thread: threading.Thread | None = None
         self._file = None
         self._size = 0
+        self._warned_at = float("-inf")
         self.counts = {"written": 0, "dropped": 0, "rotations": 0, "write_errors": 0,
                        "unlisted": 0}
         # the requests in flight, in arrival order (id of their Measured: it lives until record())
@@ -145,17 +147,21 @@ class TrafficRecorder:
         self._size = os.fstat(fd).st_size
 
     def _rotate(self) -> None:
-        self._file.close()
         path, n = self.spec.path, self.spec.backups
-        if n == 0:
-            os.truncate(path, 0)
-        else:
-            for i in range(n - 1, 0, -1):
-                if os.path.exists(f"{path}.{i}"):
-                    os.replace(f"{path}.{i}", f"{path}.{i + 1}")
-            os.replace(path, f"{path}.1")
+        try:
+            if n == 0:
+                os.truncate(path, 0)
+            else:
+                for i in range(n - 1, 0, -1):
+                    if os.path.exists(f"{path}.{i}"):
+                        os.replace(f"{path}.{i}", f"{path}.{i + 1}")
+                os.replace(path, f"{path}.1")
+        except FileNotFoundError:
+            pass  # deleted under the writer (an operator freeing space): a new file, no backup
+        finally:  # a file at the path again, even when renaming failed
+            self._file.close()
+            self._open()
         self.counts["rotations"] += 1
-        self._open()
 
     def _run(self) -> None:
         while True:
@@ -168,10 +174,16 @@ class TrafficRecorder:
                     break
             stop = any(entry is _STOP for entry in batch)
             try:
+                if self._file.closed:  # a reopen that failed before: try again
+                    self._open()
                 self._write([self._line(*entry) for entry in batch if entry is not _STOP])
             except Exception as exc:  # noqa: BLE001 - a full disk must not end the thread
                 self.counts["write_errors"] += 1
-                log.warning("traffic record: write to %s failed: %s", self.spec.path, exc)
+                now = time.monotonic()
+                if now - self._warned_at >= WARN_INTERVAL_S:  # not one line per batch
+                    self._warned_at = now
+                    log.warning("traffic record: write to %s failed (%d failed batches so "
+                                "far): %s", self.spec.path, self.counts["write_errors"], exc)
             if stop:
                 self._file.close()
                 return

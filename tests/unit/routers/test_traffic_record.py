@@ -86,6 +86,27 @@ def test_no_backups_truncates(tmp_path):
     assert os.listdir(tmp_path) == ["r.jsonl"] and read(path)[-1]["t"] == 99.0
 
 
+def test_a_record_file_deleted_under_the_writer_is_made_again_at_the_next_rotation(tmp_path):
+    # an operator frees space by deleting the file: the rotation's rename fails, and the writer
+    # had been left with a closed file, every later batch failing until a restart
+    import time
+
+    path = tmp_path / "r.jsonl"
+    rec = TrafficRecorder(TrafficRecordSpec(path=str(path), max_bytes=4096, backups=1))
+    rec.start()
+    rec.record("m", info(), 16, Measured(0.0), 200, None)
+    for _ in range(200):
+        if path.exists() and path.stat().st_size:
+            break
+        time.sleep(0.01)
+    path.unlink()
+    for i in range(1, 200):  # past max_bytes: a rotation of the deleted file
+        rec.record("m", info(keys=10), 16, Measured(float(i)), 200, None)
+    rec.close()
+    assert read(path)[-1]["t"] == 199.0  # the newest records are in a file at the path again
+    assert rec.counts["write_errors"] <= 1
+
+
 def test_config_checks_the_record_spec():
     ok = config_from_mapping({"decode": [{"url": "http://d"}],
                               "traffic_record": {"path": "/tmp/x.jsonl"}}, "test")
