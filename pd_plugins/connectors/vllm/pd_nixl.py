@@ -306,6 +306,14 @@ class _PdAdditions(_PdStatsClassMethods):
     ) -> tuple[int | None, bool]:
         # vLLM passes the local prefix-cache hit here: remember it for the pd section.
         self._local_prefix_hits[request.request_id] = num_computed_tokens
+        if request.request_id in self._params_rejected:
+            # asked again (its allocation failed last step): its params are disarmed already,
+            # and it still parks to be failed, unless the cache now holds all of it
+            missing = request.num_prompt_tokens - num_computed_tokens
+            if missing > 0:
+                return missing, True
+            self._params_rejected.discard(request.request_id)
+            return 0, False
         if not self._disarm_unusable_params(request):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         logger.error(
@@ -378,7 +386,11 @@ class _PdAdditions(_PdStatsClassMethods):
     ):
         if request.request_id in self._params_rejected:
             self._params_rejected.discard(request.request_id)
-            self._rejections_to_report.add(request.request_id)
+            # reported only if vLLM parked it in WAITING_FOR_REMOTE_KVS: a request that skips
+            # the prefix cache (prompt_logprobs) runs with 0 external tokens, and a failed
+            # receive reported for a running request fails vLLM's assertions (the engine dies)
+            if num_external_tokens > 0:
+                self._rejections_to_report.add(request.request_id)
             return None
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and self._digest_plan is not None:

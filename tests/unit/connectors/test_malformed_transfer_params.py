@@ -162,3 +162,66 @@ def test_pd_lmcache_serves_malformed_params_locally():
         _serves_malformed_params_locally(scheduler)
     finally:
         scheduler.shutdown()
+
+
+# -- a rejected load is reported only while vLLM parks the request for it ----------------------
+# PdNixlConnector fails a load of unusable params by parking the request in WAITING_FOR_REMOTE_KVS
+# and reporting it as a finished and failed receive; reported for a request in any other state,
+# vLLM's scheduler asserts (scheduler.py's _update_from_kv_xfer_finished) and the engine dies.
+UNUSABLE = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "r",
+            "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1,
+            "remote_block_ids": [[0, 1]], "remote_blocks_expiry_time": "soon"}
+
+
+def _report_rejected(scheduler, output) -> set[str]:
+    """The workers' answer to the step (rejected ids: finished and failed receives), fed to
+    vLLM's update_from_output, as the engine core does."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    ids = set(output.kv_connector_metadata.pd_rejected_recv)
+    req_ids = list(output.num_scheduled_tokens)
+    scheduler.update_from_output(output, ModelRunnerOutput(
+        req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[] for _ in req_ids],
+        kv_connector_output=KVConnectorOutput(finished_recving=ids, failed_recving=set(ids))))
+    return ids
+
+
+def test_unusable_params_on_a_request_that_skips_the_prefix_cache_are_not_reported():
+    from vllm.sampling_params import SamplingParams
+
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer")
+    try:
+        request = make_request("bad", PROMPT)
+        request.sampling_params = SamplingParams(max_tokens=4, prompt_logprobs=1)
+        request.skip_reading_prefix_cache = request.get_skip_reading_prefix_cache()
+        request.kv_transfer_params = dict(UNUSABLE)
+        scheduler.add_request(request)
+        output = scheduler.schedule()
+        assert output.num_scheduled_tokens.get("bad") == len(PROMPT)  # computed here
+        assert _report_rejected(scheduler, output) == set()  # vLLM had asserted on this
+    finally:
+        scheduler.shutdown()
+
+
+def test_unusable_params_retried_after_a_failed_allocation_are_still_failed_not_reported_running():
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer")
+    try:
+        for i in range(3):  # most of the KV cache
+            scheduler.add_request(make_request(f"f{i}", [500 + i] + list(range(1, 1000)),
+                                               max_tokens=20))
+        _report_rejected(scheduler, scheduler.schedule())
+        request = make_request("bad", [9] + list(range(1, 300)),
+                               {"kv_transfer_params": dict(UNUSABLE)})
+        scheduler.add_request(request)
+        _report_rejected(scheduler, scheduler.schedule())  # no room: it waits
+        assert request.status == RequestStatus.WAITING
+        scheduler.finish_requests(["f0", "f1"], RequestStatus.FINISHED_ABORTED)
+        output = scheduler.schedule()
+        assert set(output.kv_connector_metadata.pd_rejected_recv) == {"bad"}
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # parked to be failed
+        _report_rejected(scheduler, output)  # vLLM had asserted on this
+    finally:
+        scheduler.shutdown()
