@@ -19,7 +19,8 @@ class Faults:
     fail_rate: float = 0.0      # answer HTTP 500
     garbage_rate: float = 0.0   # answer 200 with a body that is not JSON
     hang_rate: float = 0.0      # never answer
-    break_stream_after: int = 0  # close the connection after this many streamed tokens (0: never)
+    # close the connection after this many streamed tokens, halfway through the next (0: never)
+    break_stream_after: int = 0
 
     def updated(self, changes: dict) -> Faults:
         """These faults with `changes` (from the network: msgspec checks the types)."""

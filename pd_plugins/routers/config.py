@@ -104,9 +104,9 @@ class PolicySpec(_Strict):
 class TimeoutSpec(_Strict):
     connect_s: float = 3.0
     prefill_s: float = 60.0          # whole prefill leg
-    decode_first_byte_s: float = 60.0  # decode leg until its first byte
+    decode_first_byte_s: float = 60.0  # streamed decode leg until its first byte
     decode_idle_s: float = 30.0      # longest silence between streamed chunks
-    decode_total_s: float = 600.0
+    decode_total_s: float = 600.0    # whole decode leg (a non-streamed one has only this one)
     # one write to the client (a chunk, or a whole answer): a reader this slow is dropped
     client_write_s: float = 30.0
 

@@ -42,6 +42,7 @@ from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+MAX_HELD_EVENT = 1 << 20  # the unfinished end of a streamed chunk held for the rest of its event
 STAGE_KEY = "pd_stage"  # on the aiohttp request: prefill | decode | answer, for client_gone
 MEASURED_KEY = "pd_measured"  # on the aiohttp request: what the traffic record gets (Measured)
 
@@ -367,9 +368,10 @@ class Proxy:
         worker = attempt.decision.decode
         timeouts = self.timeouts
         if not attempt.request.info.stream:
+            # an answer that is not streamed comes whole, headers and all, when its generation
+            # ends: its first byte is its last, so the whole leg runs under decode_total_s
             payload = await whole_leg(self.pools, worker, "decode", attempt.path, body,
-                                      attempt.request_id, timeouts.decode_first_byte_s,
-                                      timeouts.decode_total_s, on_sent)
+                                      attempt.request_id, timeouts.decode_total_s, None, on_sent)
             if not payload.lstrip().startswith(b"{"):
                 raise WorkerFailed(worker, "decode", f"answer is not a JSON object: {payload[:80]!r}")
             return None, payload
@@ -388,6 +390,11 @@ class Proxy:
         if not chunk:
             resp.release()
             raise WorkerFailed(worker, "decode", "stream ended before any data")
+        content_type = resp.header(b"content-type") or b""
+        if not content_type.startswith(b"text/event-stream"):  # relayed, it would look complete
+            resp.release()
+            raise WorkerFailed(worker, "decode", f"answer is not an event stream "
+                                                 f"({content_type[:60]!r}): {chunk[:80]!r}")
         return resp, chunk
 
     async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: Response,
@@ -399,9 +406,13 @@ class Proxy:
         idle_s, deadline = self.timeouts.decode_idle_s, decode_started + self.timeouts.decode_total_s
         if (measured := http.get(MEASURED_KEY)) is not None:  # its tokens so far: /admin/in_flight
             measured.streamed = events
+        # Whole events only go to the client: the rest of a chunk (TCP cuts anywhere) waits for
+        # its end, so that an error event after a broken leg starts an event of its own.
+        whole, tail = _whole_events(first_chunk)
         try:
             resp.disarm()  # the decode's timeouts do not run while the client is written to
-            await self._to_client(http, out, first_chunk)
+            if whole:
+                await self._to_client(http, out, whole)
             # the time a slow client takes is not the decode's: its deadline moves by as much
             deadline += time.monotonic() - first_at
             while True:
@@ -414,8 +425,12 @@ class Proxy:
                     measured.streamed = events
                 last_at = time.monotonic()
                 resp.disarm()
-                await self._to_client(http, out, chunk)
+                whole, tail = _whole_events(tail + chunk if tail else chunk)
+                if whole:
+                    await self._to_client(http, out, whole)
                 deadline += time.monotonic() - last_at
+            if tail:  # the stream ended cleanly: its last bytes are the engine's to send
+                await self._to_client(http, out, tail)
         except ClientTooSlow:
             _measured_end(http, _decision_label(attempt.decision), 499)
             self._client_too_slow(http, attempt)
@@ -565,6 +580,19 @@ def _ascii(text: str) -> str:
 def _consume(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """(the complete SSE events in `data`, the unfinished rest). An event ends at a blank line
+    (\\n\\n, or \\r\\n\\r\\n). A rest past MAX_HELD_EVENT is let through whole: what is held
+    per stream stays bounded."""
+    if data.endswith((b"\n\n", b"\r\n\r\n")):  # nearly always: the chunk ends an event
+        return data, b""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\n\r\n")
+    end = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+    if len(data) - end > MAX_HELD_EVENT:
+        return data, b""
+    return data[:end], data[end:]
 
 
 async def _write_quietly(out: web.StreamResponse, data: bytes | None, timeout_s: float) -> None:

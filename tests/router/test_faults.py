@@ -129,7 +129,8 @@ def test_no_usable_prefill_falls_back_to_local_prefill_or_fails_clearly():
 
 def test_hanging_workers_hit_their_timeouts_and_are_routed_around():
     prefills, decodes = mocks(prefills=2, decodes=2)
-    config = {"timeouts": {"prefill_s": 1.0, "decode_first_byte_s": 1.0}}
+    # a non-streamed decode leg comes whole at its end: decode_total_s is its timeout
+    config = {"timeouts": {"prefill_s": 1.0, "decode_total_s": 1.0}}
     with deployment(prefills, decodes, "--policy", "round_robin", "--route-header", "full",
                     config=config) as router:
         prefills[0].set_faults(hang_rate=1.0)
@@ -145,7 +146,7 @@ def test_hanging_workers_hit_their_timeouts_and_are_routed_around():
 
 def test_hanging_only_worker_gives_a_clear_error_not_a_hang():
     prefills, decodes = mocks()
-    config = {"timeouts": {"prefill_s": 1.0, "decode_first_byte_s": 1.0}}
+    config = {"timeouts": {"prefill_s": 1.0, "decode_total_s": 1.0}}
     # route_header full: the failure's detail is in the answer (minimal keeps it in the log)
     with deployment(prefills, decodes, "--policy", "round_robin", "--route-header", "full",
                     config=config) as router:
@@ -157,13 +158,39 @@ def test_hanging_only_worker_gives_a_clear_error_not_a_hang():
 
 
 def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event():
+    # the mock breaks halfway through its third event: the client gets two whole events and an
+    # error event of its own, each one JSON (not the half event glued to the error)
     prefills, decodes = mocks(decode_args=("--break-stream-after", "2", "--tpot-ms", "200"))
     with deployment(prefills, decodes, "--policy", "round_robin") as router:
         resp = requests.post(router.url + "/v1/completions", json={**BODY, "stream": True}, timeout=20)
         assert resp.status_code == 200, resp.text
         events = [line for line in resp.text.splitlines() if line.startswith("data: ")]
         assert len(events) == 3 and "[DONE]" not in resp.text
+        assert [json.loads(e[6:]).get("error") is not None for e in events] == [False, False, True]
         assert "mid-stream" in json.loads(events[-1][6:])["error"]["message"]
+
+
+def test_a_long_answer_that_is_not_streamed_has_decode_total_s_not_the_first_byte_timeout():
+    # a non-streamed answer's first byte is its last: bounded by decode_total_s; under the
+    # first-byte timeout a healthy decode was failed, its generation retried, the client 502'd
+    prefills, decodes = mocks(decode_args=("--tpot-ms", "300"))
+    config = {"timeouts": {"decode_first_byte_s": 1.0, "decode_total_s": 30.0}}
+    with deployment(prefills, decodes, "--policy", "round_robin", config=config) as router:
+        resp = post(router, {**BODY, "max_tokens": 8})  # about 2.4 s of decoding
+        assert resp.status_code == 200, resp.text
+        assert decodes[0].stats()["cancelled"] == 0
+        assert "retried" not in resp.headers["x-pd-route"]
+
+
+def test_a_streamed_answer_that_is_not_an_event_stream_is_retried_elsewhere():
+    # relayed, `200 <html>garbage` would look to an OpenAI client like a complete empty answer
+    prefills, decodes = mocks(decodes=2)
+    with deployment(prefills, decodes, "--policy", "round_robin") as router:
+        decodes[0].set_faults(garbage_rate=1.0)
+        for _ in range(2):
+            resp = requests.post(router.url + "/v1/completions", json={**BODY, "stream": True},
+                                 timeout=20)
+            assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]"), resp.text
 
 
 def test_health_checks_take_a_dead_worker_out_and_bring_it_back():
