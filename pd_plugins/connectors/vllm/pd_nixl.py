@@ -625,10 +625,11 @@ class _PdAdditions(_PdStatsClassMethods):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         self._experts.after_step()  # called once per step, after the forward pass
         lease = self._notif_tap.take_verdicts() if self._notif_tap is not None else None
-        loads = (self._load_verifier.take_outcomes() if self._load_verifier is not None
-                 else None)
-        if loads is not None and loads.outcomes:
-            return PdNixlWorkerMeta(lease=lease or LeaseVerdicts(), loads=loads)
+        if self._load_verifier is not None:
+            # the same type from every worker of the engine (vLLM aggregates them with the
+            # first one's aggregate(): a LeaseVerdicts beside a PdNixlWorkerMeta lost one)
+            return PdNixlWorkerMeta(lease=lease or LeaseVerdicts(),
+                                    loads=self._load_verifier.take_outcomes())
         if self._notif_tap is not None:
             return lease
         return super().build_connector_worker_meta()
