@@ -44,6 +44,15 @@ class MemoryLog:
         pass
 
 
+async def until(sync: ReplicaSync, done, tries: int = 200) -> None:
+    """Wait for done() (at most `tries` x 10 ms); no background task of `sync` may have died."""
+    for _ in range(tries):
+        if done():
+            break
+        await asyncio.sleep(0.01)
+    assert all(not t.done() for t in sync._tasks), "a background task died"
+
+
 def pin(session_id: str, decode: str, turns: int = 2) -> list:
     return [session_id, decode, turns, 64, None, False]
 
@@ -99,11 +108,7 @@ def test_a_channel_that_raises_in_tick_does_not_stop_the_publisher():
             await asyncio.sleep(0.05)  # the broken tick has run several times by now
             table.adopt("s1", Session("http://d1", 1, 16))
             pins.recorded("s1")
-            for _ in range(100):
-                if log.entries:
-                    break
-                await asyncio.sleep(0.01)
-            assert all(not t.done() for t in sync._tasks), "a background task died"
+            await until(sync, lambda: log.entries)
         finally:
             await sync.aclose()
         return log, sync
@@ -125,7 +130,8 @@ def test_hostile_peer_entries_are_counted_unreadable_and_the_reader_goes_on():
         log.add("peer", {"pins:": [pin("x" * 10_000, "http://d")]})
         nested = b"\x91" * 200_000 + b"\xc0"  # msgpack: a list in a list ... 200,000 deep
         log.entries.append((f"{log.ms}-{len(log.entries)}", nested))
-        log.entries.append((f"{log.ms}-{len(log.entries)}", b"\x00" * (replica_sync.MAX_ENTRY_BYTES + 1)))
+        too_big = b"\x00" * (replica_sync.MAX_ENTRY_BYTES + 1)
+        log.entries.append((f"{log.ms}-{len(log.entries)}", too_big))
         log.ms += 1
         log.add("peer", {"pins:": [pin("good", "http://d2")]})
         table = SessionTable(SessionSpec())
@@ -133,11 +139,7 @@ def test_hostile_peer_entries_are_counted_unreadable_and_the_reader_goes_on():
         sync.add(PinChannel(table, "me"))
         await sync.start()
         try:
-            for _ in range(200):
-                if table.get("good") is not None:
-                    break
-                await asyncio.sleep(0.01)
-            assert all(not t.done() for t in sync._tasks), "a background task died"
+            await until(sync, lambda: table.get("good") is not None)
         finally:
             await sync.aclose()
         return table, sync
