@@ -577,9 +577,9 @@ def run_apply(args: argparse.Namespace) -> int:
                 traffic = read_traffic(roles, args.record, args.window_s, args.model)
                 apply_once(planner, roles, traffic.window, traffic.now_s, args.dry_run, say,
                            traffic.in_flight, traffic.decoding)
-            except (AdminError, OSError, ValueError, KeyError, TypeError) as e:
-                # KeyError, TypeError: an answer of the wrong shape (not a router, or another
-                # version): this interval is lost, not the planner
+            except (AdminError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                # KeyError, TypeError, AttributeError: an answer of the wrong shape (not a
+                # router, or another version): this interval is lost, not the planner
                 say(f"this interval failed: {type(e).__name__}: {e}")
                 if args.once:
                     return 1

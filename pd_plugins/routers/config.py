@@ -60,10 +60,10 @@ class WorkerSpec(_Strict):
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         try:
-            parts.port  # noqa: B018 - raises on a port that is not a number within 0..65535
+            port = parts.port  # raises on a port that is not a number within 0..65535
         except ValueError:
-            parts = None
-        if parts is None or parts.scheme != "http" or not parts.hostname:  # legs speak plain HTTP
+            port = 0
+        if parts.scheme != "http" or not parts.hostname or port == 0:  # legs speak plain HTTP
             raise ValueError(f"worker url {self.url!r} must look like http://host:port")
         self.url = self.url.rstrip("/")
         if self.kv_events and self.kv_events.startswith("bind:"):

@@ -39,7 +39,8 @@ from pd_plugins.routers.errors import error_body, error_response
 
 log = logging.getLogger("pd_router.http")
 
-__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "body_too_slow", "read_body", "stream_response"]
+__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "body_too_slow", "read_body",
+           "stream_response"]
 
 # The request lines served here (the path may carry a query string, as aiohttp's routes allow).
 HOT_REQUEST_LINE = re.compile(rb"POST /v1/(?:chat/)?completions[ ?]")

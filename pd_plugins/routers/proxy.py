@@ -390,7 +390,7 @@ class Proxy:
         if not chunk:
             resp.release()
             raise WorkerFailed(worker, "decode", "stream ended before any data")
-        content_type = resp.header(b"content-type") or b""
+        content_type = (resp.header(b"content-type") or b"").lower()
         if not content_type.startswith(b"text/event-stream"):  # relayed, it would look complete
             resp.release()
             raise WorkerFailed(worker, "decode", f"answer is not an event stream "

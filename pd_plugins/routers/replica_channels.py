@@ -78,7 +78,8 @@ class PinChannel:
         for session_id, decode_url, turns, resident, chain_key, auto in items[:MAX_ITEMS]:
             if not (isinstance(session_id, str)
                     and short_printable_ascii(session_id, MAX_SESSION_ID)):
-                raise ValueError("a session id this router would refuse from a client")
+                self.table.count("replica_refused")  # an id no client could send: the rest go on
+                continue
             local = self.table.get(session_id)
             if local is None or int(turns) > local.turns:
                 self.table.adopt(str(session_id), Session(
@@ -229,6 +230,15 @@ class LatencyChannel(_PendingItems):
 
 class PrefixChannel(_PendingItems):
     live_only = False
+    max_keys_per_take = 200_000  # about 1.8 MB of an entry: a backlog goes out over a few
+
+    def take(self, now: float) -> list | None:
+        items, keys = [], 0
+        while self._pending and keys < self.max_keys_per_take:
+            item = self._pending.popleft()
+            items.append(item)
+            keys += len(item[1])
+        return items or None
 
     def __init__(self, index: PrefixIndex, scope: str = "", max_pending: int = 2_000,
                  max_keys: int = 8_192, known: Callable[[str], bool] = lambda url: True) -> None:

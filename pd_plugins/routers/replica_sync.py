@@ -64,9 +64,12 @@ class _Entry(msgspec.Struct, array_like=True):
 
 
 _encode = msgspec.msgpack.Encoder().encode
-# An entry larger than this is neither published nor read: decoding runs on the event loop, and
-# an entry of nested arrays costs it about 0.2 s per MB (a peer's hostile entry, or a backlog).
+# An entry larger than this is neither published nor read (a peer's hostile entry: one of nested
+# empty arrays costs about 0.2-0.3 s of decoding per MB). Publishers stay well under it: the
+# prefix channel takes a bounded number of keys per entry (replica_channels.py).
 MAX_ENTRY_BYTES = 8 << 20
+# Entries larger than this are decoded in a worker thread: the event loop keeps serving.
+DECODE_IN_THREAD_BYTES = 256 << 10
 _decode = msgspec.msgpack.Decoder(_Entry).decode
 
 
@@ -269,12 +272,12 @@ class ReplicaSync:
             for entry_id, payload in entries:
                 self._last_id = entry_id
                 try:
-                    self._apply(entry_id, payload)
+                    await self._apply(entry_id, payload)
                 except Exception as exc:  # noqa: BLE001 - a peer's entry never stops the reader
                     self.counts["unreadable"] += 1
                     log.debug("replica sync: unreadable entry %s: %r", entry_id, exc)
 
-    def _apply(self, entry_id: str, payload: bytes) -> None:
+    async def _apply(self, entry_id: str, payload: bytes) -> None:
         live = self._live_from is None or _id(entry_id) > self._live_from
         # Stream ids are Redis's clock in ms: a history entry's age is against the newest entry
         # (checked before decoding: an expired entry costs nothing more).
@@ -285,7 +288,8 @@ class ReplicaSync:
             self.counts["unreadable"] += 1
             return
         try:
-            entry = _decode(payload)
+            entry = (_decode(payload) if len(payload) <= DECODE_IN_THREAD_BYTES
+                     else await asyncio.to_thread(_decode, payload))
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             self.counts["unreadable"] += 1
             return

@@ -277,7 +277,7 @@ class Router:
             self.metrics.rejections.labels("bad_request").inc()
             return error_response(bad.status, bad.message, bad.param)
         except TimeoutError:  # an aiohttp request whose body never completes
-            self.metrics.rejections.labels("bad_request").inc()
+            self.metrics.rejections.labels("read_timeout").inc()
             return body_too_slow()
         except web.HTTPRequestEntityTooLarge:
             self.metrics.rejections.labels("too_large").inc()

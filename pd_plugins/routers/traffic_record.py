@@ -146,6 +146,16 @@ class TrafficRecorder:
         self._file = os.fdopen(fd, "ab")
         self._size = os.fstat(fd).st_size
 
+    def _replaced(self) -> bool:
+        """The path no longer names the open file (an operator deleted it to free space, or
+        moved it): writing on would fill a file nobody can see."""
+        try:
+            path = os.stat(self.spec.path)
+        except FileNotFoundError:
+            return True
+        mine = os.fstat(self._file.fileno())
+        return (path.st_dev, path.st_ino) != (mine.st_dev, mine.st_ino)
+
     def _rotate(self) -> None:
         path, n = self.spec.path, self.spec.backups
         try:
@@ -174,7 +184,8 @@ class TrafficRecorder:
                     break
             stop = any(entry is _STOP for entry in batch)
             try:
-                if self._file.closed:  # a reopen that failed before: try again
+                if self._file.closed or self._replaced():  # a failed reopen; a deleted file
+                    self._file.close()
                     self._open()
                 self._write([self._line(*entry) for entry in batch if entry is not _STOP])
             except Exception as exc:  # noqa: BLE001 - a full disk must not end the thread

@@ -51,11 +51,23 @@ class Pools:
     def get(self, url: str) -> Upstream:
         pool = self._pools.get(url)
         if pool is None:
-            parts = urlsplit(url)
-            pool = Upstream(parts.hostname or "127.0.0.1", parts.port or 80,
-                            connect_timeout=self.connect_timeout_s)
-            self._pools[url] = pool
+            pool = self._pools[url] = self._new(url)
         return pool
+
+    def of(self, worker: Any) -> Upstream:
+        """The pool of a worker's legs. A removed worker's request in flight (its decode leg
+        after its prefill, a retry) gets a pool nobody keeps, shut: each connection is closed
+        after its answer, and no table grows with workers that came and went."""
+        if worker.removed and worker.url not in self._pools:
+            pool = self._new(worker.url)
+            pool.shut()
+            return pool
+        return self.get(worker.url)
+
+    def _new(self, url: str) -> Upstream:
+        parts = urlsplit(url)
+        return Upstream(parts.hostname or "127.0.0.1", parts.port or 80,
+                        connect_timeout=self.connect_timeout_s)
 
     def forget(self, url: str) -> None:
         """A removed worker's pool: shut (its requests in flight finish) and dropped, so that
@@ -86,7 +98,7 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
     whole answer if the caller is cancelled after it arrived (http_client.py)."""
     headers = {**JSON_HEADERS, "X-Request-Id": request_id}
     try:
-        resp = await pools.get(worker.url).request("POST", path, _encode(body), headers, timeout_s,
+        resp = await pools.of(worker).request("POST", path, _encode(body), headers, timeout_s,
                                                    on_sent, on_orphan)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc) from None
@@ -108,7 +120,7 @@ async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[s
     """A whole non-streaming leg's 200 answer (the status and headers within `timeout_s`, the
     body within `body_timeout_s` from then, default the same); other answers are classified and
     raised as open_leg's are."""
-    upstream = pools.get(worker.url)
+    upstream = pools.of(worker)
     try:
         status, headers, payload = await upstream.exchange(
             upstream.json_request(path, _encode(body), request_id), timeout_s, body_timeout_s,

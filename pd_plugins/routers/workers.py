@@ -24,6 +24,7 @@ class Worker:
     role: Role
     healthy: bool = True
     draining: bool = False          # removed, or leaving its role: finishing what it holds
+    removed: bool = False           # no longer in its pool (its requests in flight finish)
     moving_to: Role | None = None   # a role change in progress (model_group.move_worker)
     consecutive_failures: int = 0
     consecutive_successes: int = 0
@@ -103,7 +104,7 @@ class WorkerPool:
         """Stop routing new requests to a worker; requests it holds finish normally."""
         worker = self._workers.pop((role, url.rstrip("/")), None)
         if worker is not None:
-            worker.draining = True
+            worker.draining = worker.removed = True
         return worker
 
     def move(self, worker: Worker, to: Role) -> None:

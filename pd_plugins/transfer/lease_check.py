@@ -56,6 +56,14 @@ CHECK_TIMEOUT_S = 10.0          # reader side: no verdict by then -> the read co
 RETRY_INTERVAL_S = 0.002        # reader side: re-ask a "pending" verdict this often
 REPLY_WAIT_S = 0.005            # reader side: how long one poll waits for replies
 MAX_MESSAGE_BYTES = 16 * 1024  # a query or a reply (a request id may come from a client header)
+# A request id plus reader name a lease check carries: a read of a longer one fails closed, and
+# the prefill records no verdict for one (its table holds 100,000 entries: about 100 MB at most)
+MAX_ID_BYTES = 1024
+
+
+def checkable(request_id: bytes | str, reader: bytes | str) -> bool:
+    """Whether a lease check can carry this request id and reader name."""
+    return len(request_id) + len(reader) <= MAX_ID_BYTES  # bytes, or ASCII as ids are
 HWM = 256                       # messages queued per connection, each way
 HANDSHAKE_S = 5.0               # a connection must complete ZMQ's handshake by then
 HEARTBEAT_S = 5.0               # ZMQ heartbeats; a peer silent for 3 of them is dropped
@@ -214,8 +222,8 @@ class LateReadGuard:
         """`ranks`: how many of the prefill's TP ranks this reader read from (prefill TP over
         decode TP when the prefill's is larger, else 1)."""
         now = time.monotonic() if now is None else now
-        if len(request_id.encode()) + len(self.reader.encode()) > MAX_MESSAGE_BYTES - 64:
-            # ZMQ would drop the connection (and every query on it): fail this read closed
+        if not checkable(request_id.encode(), self.reader.encode()):
+            # no verdict is recorded for it (and ZMQ would drop a message too large): fail closed
             self._held[key] = _HeldRead(endpoint, request_id, deadline=now, ask_after=math.inf)
             return
         self._held[key] = _HeldRead(endpoint, request_id, deadline=now + self.check_timeout_s,

@@ -190,7 +190,8 @@ def test_a_streamed_answer_that_is_not_an_event_stream_is_retried_elsewhere():
         for _ in range(2):
             resp = requests.post(router.url + "/v1/completions", json={**BODY, "stream": True},
                                  timeout=20)
-            assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]"), resp.text
+            assert resp.status_code == 200, resp.text
+            assert resp.text.rstrip().endswith("data: [DONE]"), resp.text
 
 
 def test_health_checks_take_a_dead_worker_out_and_bring_it_back():

@@ -26,10 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 from vllm.logger import init_logger
 
 from pd_plugins.connectors.vllm.nixl_internals import holds_blocks, lease_end, replace_push_start
-from pd_plugins.transfer.lease_check import MAX_MESSAGE_BYTES, VerdictTable
-
-# a completion notification (or reader name) longer than a lease check can carry: not recorded
-MAX_NOTIF_BYTES = MAX_MESSAGE_BYTES
+from pd_plugins.transfer.lease_check import VerdictTable, checkable
 
 logger = init_logger(__name__)
 
@@ -70,11 +67,13 @@ class NotifTap:
             for message in messages:
                 # Completions are b"<request id>:<consumers>"; heartbeats are b"HB:...". An id
                 # too long for a lease check to ask about is not kept (any NIXL peer can send
-                # one: the table below is bounded in entries, this bounds each entry).
-                if (message.startswith(b"HB:") or b":" not in message
-                        or len(message) > MAX_NOTIF_BYTES or len(reader) > MAX_NOTIF_BYTES):
+                # one: the table is bounded in entries, this bounds each entry).
+                if message.startswith(b"HB:") or b":" not in message:
                     continue
-                request_id = message.rsplit(b":", 1)[0].decode("utf-8", "replace")
+                raw_id = message.rsplit(b":", 1)[0]
+                if not checkable(raw_id, reader):
+                    continue
+                request_id = raw_id.decode("utf-8", "replace")
                 self._verdicts.append((request_id, reader, self._is_leased(request_id),
                                        self._rank))
         return notifs

@@ -25,7 +25,7 @@ import zmq
 import zmq.asyncio
 
 from pd_plugins.routers.policy.prefix_index import PrefixIndex
-from pd_plugins.vocab.block_keys import adapter_root, block_keys
+from pd_plugins.vocab.block_keys import block_keys, prompt_root
 
 log = logging.getLogger("pd_router.prefix_index")
 
@@ -79,14 +79,16 @@ class EventApplier:
         adapter = event.get("lora_name")  # a prompt under a LoRA adapter chains from its own root
         if adapter is not None and not isinstance(adapter, str):
             raise EventRejected("BlockStored.lora_name must be a string or null")
-        parent = adapter_root(adapter) if parent_hash is None else self.engine_keys.get(parent_hash)
+        # A block whose engine hash covers multimodal input or prompt embeddings is not indexed,
+        # nor the blocks after it: their tokens alone would match another image's prompt. A
+        # prompt's cache_salt roots its keys, as the router roots a salted request's.
+        plain, salt = _plain_blocks(event.get("extra_keys"), adapter, parent_hash is None,
+                                    len(hashes))
+        parent = (prompt_root(adapter, salt) if parent_hash is None
+                  else self.engine_keys.get(parent_hash))
         if parent is None:  # parent evicted or never seen: these blocks are unreachable
             return
-        # The router's keys cover the tokens and the LoRA adapter. A block whose engine hash also
-        # covers a cache_salt, multimodal input or prompt embeddings (its extra keys) is not
-        # indexed, nor the blocks after it: the tokens alone would match other tenants' or other
-        # images' prompts (a salted tenant's requests get no prefix credit from events).
-        hashes = hashes[:_plain_blocks(event.get("extra_keys"), adapter, len(hashes))]
+        hashes = hashes[:plain]
         if not hashes:
             return
         keys = block_keys(tokens[:len(hashes) * size], size, parent)
@@ -98,22 +100,29 @@ class EventApplier:
         self.index.hold(self.worker_url, keys)
 
 
-def _plain_blocks(extra_keys: Any, adapter: str | None, count: int) -> int:
-    """How many of an event's blocks, from the first, have no extra keys but the LoRA name (vLLM
-    publishes them untagged, one entry per block: the LoRA name, multimodal pairs, the cache
-    salt, prompt-embedding digests)."""
+def _plain_blocks(extra_keys: Any, adapter: str | None, first: bool, count: int
+                  ) -> tuple[int, str | None]:
+    """(how many of an event's blocks, from the first, the router can key, the prompt's
+    cache_salt). vLLM publishes the extra keys of each block's hash untagged, one entry per block
+    (kv_cache_utils.to_event_extra_keys): the LoRA name, multimodal (id, offset) pairs, the cache
+    salt (on a prompt's first block, `first`), prompt-embedding digests. The router's keys cover
+    tokens, the adapter and the salt: a block with anything else is not keyable, nor any after."""
     if extra_keys is None:
-        return count
+        return count, None
     if not isinstance(extra_keys, list):
         raise EventRejected("BlockStored.extra_keys must be a list or null")
+    salt = None
     for i, entry in enumerate(extra_keys[:count]):
         if entry is None:
             continue
         if not isinstance(entry, list):
             raise EventRejected("BlockStored.extra_keys entries must be lists or null")
-        if entry not in ([], [adapter]):
-            return i
-    return count
+        rest = entry[1:] if adapter is not None and entry[:1] == [adapter] else entry
+        if i == 0 and first and len(rest) == 1 and isinstance(rest[0], str):
+            salt = rest[0]  # a string beside the adapter's name on a prompt's first block
+        elif rest:
+            return i, salt
+    return count, salt
 
 
 def _engine_hashes(value: Any) -> list:

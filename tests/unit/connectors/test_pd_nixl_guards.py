@@ -38,10 +38,10 @@ def test_notif_tap_classifies_completions_against_the_lease_and_passes_everythin
 
 def test_notif_tap_keeps_no_verdict_for_an_id_too_long_to_ask_about():
     # any NIXL peer can send a notification: megabytes of request id would be kept per entry
-    from pd_plugins.connectors.vllm.pd_nixl_guards import MAX_NOTIF_BYTES
+    from pd_plugins.transfer.lease_check import MAX_ID_BYTES
 
-    long_id = b"r" * (MAX_NOTIF_BYTES + 1) + b":1"
-    notifs = {"decode-a": [long_id, b"req-1:1"], "x" * (MAX_NOTIF_BYTES + 1): [b"req-2:1"]}
+    long_id = b"r" * MAX_ID_BYTES + b":1"  # with the reader's name, past what a check carries
+    notifs = {"decode-a": [long_id, b"req-1:1"], "x" * MAX_ID_BYTES: [b"req-2:1"]}
     tap = NotifTap(FakeAgent(dict(notifs)), lambda r: True)
     assert tap.get_new_notifs() == notifs  # upstream still sees them all
     assert tap.take_verdicts().verdicts == [("req-1", "decode-a", True, 0)]

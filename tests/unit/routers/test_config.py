@@ -65,6 +65,7 @@ policy:
     (("--decode", "ftp://x"), "must look like http://host:port"),
     (("--decode", "http://x:abc"), "must look like http://host:port"),
     (("--decode", "http://x:99999"), "must look like http://host:port"),
+    (("--decode", "http://x:0"), "must look like http://host:port"),
     (("--decode", "http://a:1", "--policy", "best"), "unknown policy 'best'"),
     (("--decode", "http://a:1", "--mode", "sidecar", "--decode", "http://a:2"), "exactly one decode"),
     (("--decode", "http://a:1", "--transfer", "push", "--prefill", "http://a:2"), "needs engine_id and kv_port"),

@@ -11,7 +11,7 @@ import zmq
 from pd_plugins.routers.kv_sources.events import EventApplier, KvEventSubscriber
 from pd_plugins.routers.policy.prefix_index import PrefixIndex
 from pd_plugins.testing.processes import free_port
-from pd_plugins.vocab.block_keys import adapter_root, block_keys
+from pd_plugins.vocab.block_keys import block_keys
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 W = "http://w"
@@ -41,23 +41,31 @@ def test_events_map_engine_hashes_onto_router_keys():
     assert not events.engine_keys
 
 
-def test_blocks_whose_engine_hash_covers_more_than_tokens_and_lora_are_not_indexed():
-    """A cache_salt (or multimodal input) is in the engine's hash, not in the router's keys: a
-    salted tenant's blocks must not make the same tokens look cached to anyone else."""
+def test_a_salted_prompts_blocks_are_keyed_under_its_salt_and_images_are_not_indexed():
+    """vLLM publishes each block's extra keys untagged: the LoRA name, (mm id, offset) pairs, the
+    cache_salt on a prompt's first block. The salt roots the blocks' keys as it roots a salted
+    request's (no credit across tenants); a block with an image is not indexed, nor any after."""
+    from pd_plugins.vocab.block_keys import prompt_root
+
     tokens = list(range(12))
 
-    def indexed(extra_keys, lora=None):
+    def matched(extra_keys, lora=None, salt=None):
         index = PrefixIndex()
         event = kv_events.BlockStored(block_hashes=[1, 2, 3], parent_block_hash=None,
                                       token_ids=tokens, block_size=4, lora_id=None, medium="GPU",
                                       lora_name=lora, extra_keys=extra_keys)
         EventApplier(index, W).apply(as_wire(event))
-        return index.matched_blocks(W, block_keys(tokens, 4, adapter_root(lora)))
+        return index.matched_blocks(W, block_keys(tokens, 4, prompt_root(lora, salt)))
 
-    assert indexed(None) == indexed([None, None, None]) == 3
-    assert indexed([("my-lora",), ("my-lora",), ("my-lora",)], lora="my-lora") == 3
-    assert indexed([("tenant-salt",), None, None]) == 0  # the salt is on the first block
-    assert indexed([None, (("mm-hash", 0),), None]) == 1  # an image from the second block on
+    assert matched(None) == matched([None, None, None]) == 3
+    assert matched([("my-lora",), ("my-lora",), ("my-lora",)], lora="my-lora") == 3
+    salted = [("tenant-a",), None, None]
+    assert matched(salted, salt="tenant-a") == 3  # the salted request finds its own blocks
+    assert matched(salted) == 0 and matched(salted, salt="tenant-b") == 0  # no one else does
+    assert matched([("my-lora", "tenant-a"), ("my-lora",), ("my-lora",)], lora="my-lora",
+                   salt="tenant-a") == 3
+    assert matched([None, (("mm-hash", 0),), None]) == 1  # an image from the second block on
+    assert matched([("a", "b"), None, None]) == 0  # two strings: not a salt the router knows
 
 
 def test_subscriber_reads_vllm_wire_format_over_zmq():

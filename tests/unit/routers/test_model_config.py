@@ -194,8 +194,11 @@ def test_a_removed_workers_connection_pool_is_shut_and_dropped():
     router = Router(two_models())
     pool = router.pools.get(D2)
     assert D2 in router.pools._pools and not pool.closed
-    router.remove_worker(D2, "decode")
+    removed = router.remove_worker(D2, "decode")
     assert D2 not in router.pools._pools and pool.closed
+    # its request in flight (a decode leg after its prefill) gets a pool nobody keeps
+    late = router.pools.of(removed)
+    assert late.closed and D2 not in router.pools._pools
     # a kv_both URL still serving its other role keeps its pool
     both = Router(config_from_mapping({"prefill": [{"url": P1, "kv_both": True}],
                                        "decode": [{"url": P1, "kv_both": True}, {"url": D1}]}))

@@ -197,3 +197,14 @@ def test_a_peer_latency_sample_out_of_any_engines_range_is_not_learned():
     before = models.prefill.coefficients
     channel.apply("rb", [["prefill", 1e200, 0.0], ["prefill", 5.0, 1e9], ["prefill", -1, 1]], 0.0)
     assert models.prefill.coefficients == before and before[1] > 0
+
+
+def test_a_prefix_backlog_goes_out_in_entries_of_bounded_size():
+    # after a Redis outage thousands of long prompts may wait: one entry of them all would pass
+    # what a replica reads (replica_sync.MAX_ENTRY_BYTES) and be dropped whole
+    channel = PrefixChannel(PrefixIndex())
+    channel.max_keys_per_take = 10
+    for n in range(5):
+        channel.routed([f"http://d{n}"], list(range(4)))
+    assert [len(channel.take(0.0)) for _ in range(2)] == [3, 2]  # 12 keys, then the rest
+    assert channel.take(0.0) is None

@@ -146,4 +146,5 @@ def test_hostile_peer_entries_are_counted_unreadable_and_the_reader_goes_on():
 
     table, sync = asyncio.run(run())
     assert table.get("good") is not None and table.get("s-inf") is None
-    assert sync.counts["unreadable"] == 4
+    assert sync.counts["unreadable"] == 3  # the inf, the nesting, the size
+    assert table.counts["replica_refused"] == 1  # the id: that pin alone, the entry's others go on
