@@ -268,10 +268,23 @@ def receive_together(manager, memory: EngineMemory, backend: str, bootstrap_port
         emit_received(manager, memory, backend, receiver, job, receiver.poll())
 
 
+def decode_queue_reads(receiver) -> str:
+    """What SGLang's decode queue reads of a concluded receiver (decode.py pop_transferred, for
+    a failed room; an AttributeError there stops the scheduler): "ok", or the error."""
+    try:
+        deferred = receiver.kv_mgr.enable_deferred_decode_kv_release
+        return "ok" if (deferred, receiver.abort_notified, receiver.conclude_state) else "?"
+    except AttributeError as exc:
+        return f"AttributeError: {exc}"
+
+
 def emit_received(manager, memory: EngineMemory, backend: str, receiver, job: dict,
                   state: int) -> None:
     emit(event="received", room=job["room"], state=state,
          failure=failure_of(receiver) if state == KVPoll.Failed else "",
+         decode_queue_reads=decode_queue_reads(receiver),
+         concluded=getattr(receiver, "conclude_state", "missing")
+         if state in (KVPoll.Success, KVPoll.Failed) else None,
          thread_nice=thread_nice(),
          pool_after=manager.pool.stats().__dict__ if backend == "pd-shm" else None,
          kv_verdict=getattr(receiver, "kv_verdict", None), **kv_checks(manager),

@@ -269,6 +269,10 @@ def test_aborted_unsent_and_expired_rooms_end_in_failed(backend, pool_env, roles
     assert got[0]["state"] == KV_POLL_FAILED and "aborted" in got[0]["failure"], got[0]
     assert got[1]["state"] == KV_POLL_FAILED
     assert got[1]["failure"].startswith("TimeoutError: room 99: no KV from the prefill"), got[1]
+    # what SGLang's decode queue reads of a failed room is there (its AttributeError had stopped
+    # the decode's scheduler on every failed room), and the room says it concluded failed
+    assert all(g["decode_queue_reads"] == "ok" and g["concluded"] == KV_POLL_FAILED
+               for g in got), got
     assert time.monotonic() - start < 90
     if nixl:
         assert got[2]["state"] == KV_POLL_FAILED and "lease ran out" in got[2]["failure"], got[2]

@@ -323,6 +323,9 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
     def __init__(self, mgr: HostKVManager, bootstrap_addr: str,
                  bootstrap_room: Optional[int] = None) -> None:
         self.mgr, self.prefill_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
+        # what SGLang's decode queue reads of every receiver (decode.py pop_transferred, for a
+        # failed room): without them its AttributeError stopped the scheduler, the engine too
+        self.kv_mgr, self.abort_notified = mgr, False
         self.state = KVPoll.Bootstrapping
         self.pages: np.ndarray | None = None
         self.first_page = 0
@@ -339,6 +342,11 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
     def init(self, prefill_dp_rank: int) -> None:
         self.prefill_dp_rank = int(prefill_dp_rank)
         self._bootstrap()
+
+    @property
+    def conclude_state(self) -> int | None:
+        """SGLang's name for a room's final state (None while it goes on)."""
+        return self.state if self.state in (KVPoll.Success, KVPoll.Failed) else None
 
     @property
     def prefill_rank_key(self) -> str:
