@@ -183,8 +183,12 @@ class LMCacheMPClient:
 
     # ------------------------------------------------------------------ health
 
-    def _check_chunk_size(self, server_chunk: int) -> bool:
-        if int(server_chunk) != self.chunk_size:
+    def _check_chunk_size(self, server_chunk: Any) -> bool:
+        try:  # the server's answer: an int, or whatever a broken one (or another program) sent
+            matches = int(server_chunk) == self.chunk_size
+        except (TypeError, ValueError, OverflowError):
+            matches = False
+        if not matches:
             logger.error("LMCache MP server %s has chunk size %s, this client %d: disabled",
                          self.url, server_chunk, self.chunk_size)
             self._usable = False

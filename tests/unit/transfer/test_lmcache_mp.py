@@ -251,3 +251,23 @@ def test_namespaces_keep_requests_apart_on_the_server(server):
         assert all(torch.all(t[10:14] == 3.0) for t in src)
     finally:
         worker.close()
+
+
+def test_a_handshake_answer_that_is_no_chunk_size_disables_the_client_not_the_engine():
+    # LMCache's client resolves a reply without a payload (a broken server, or another program
+    # on the port) to None: int(None) raised out of lookup(), in vLLM's scheduler
+    class NoPayload:  # stands in for the handshake's future (named as such: its answer is the test)
+        def result(self, timeout=None):
+            return None
+
+        def query(self):
+            return True
+
+    client = LMCacheMPClient(f"mp://127.0.0.1:{free_port()}", layout=LAYOUT, timeout_s=1.0,
+                             **GEOMETRY)
+    try:
+        client._probe = NoPayload()
+        assert client.lookup(TOKENS) == 0 and client.lookup(TOKENS) == 0
+        assert not client._usable  # disabled, as for a chunk size that does not match
+    finally:
+        client.close()
