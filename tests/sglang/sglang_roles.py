@@ -365,7 +365,9 @@ def malformed_peer_records() -> None:
             return f"escaped: {type(exc).__name__}: {exc}"
         return f"failed: {room.error}" if state == KVPoll.Failed else f"state {state}"
 
-    outcomes = {}
+    from pd_plugins.transfer.nixl_rooms import LeaseTable
+
+    outcomes, leases_kept = {}, {}
     lookup, target_action = registry.lookup, registry.target_action
     try:
         for cls, backend in ((pd_nixl.PdNixlKVReceiver, "pd-nixl"),
@@ -388,7 +390,7 @@ def malformed_peer_records() -> None:
         mgr.transfer_mode, mgr.bootstrap_addr, mgr.rank_key = "push", "x:1", "0.0"
         mgr.agent = types.SimpleNamespace(add_peer=lambda metadata, name: "peer")
         mgr.buffers = types.SimpleNamespace(page_items=lambda: [(1000, 64)], num_pages=8)
-        mgr.leases, mgr.pump = types.SimpleNamespace(status=lambda room: "held"), lambda: None
+        mgr.pump = lambda: None
         for name, target in (("kv not pairs", {"agent_metadata": "", "kv": [1]}),
                              ("no agent_metadata", {"kv": [[1, 64]]}),
                              ("first_page null",
@@ -397,10 +399,13 @@ def malformed_peer_records() -> None:
             room = object.__new__(pd_nixl.PdNixlKVSender)
             room.mgr, room.room, room.state, room.num_pages, room.next_page, room.pages = \
                 mgr, 7, KVPoll.Transferring, 1, 1, [3]
+            mgr.leases = LeaseTable(60.0)
+            mgr.leases.lease(7)  # the room's pages, held for the decode
             outcomes[f"pd-nixl push sender: {name}"] = outcome(room)
+            leases_kept[name] = mgr.leases.until(7) > 0  # a failed room's lease must go
     finally:
         registry.lookup, registry.target_action = lookup, target_action
-    emit(event="malformed_peer_records", outcomes=outcomes)
+    emit(event="malformed_peer_records", outcomes=outcomes, leases_kept=leases_kept)
 
 
 def pool_verification() -> None:

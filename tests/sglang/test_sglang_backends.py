@@ -143,6 +143,9 @@ def test_a_malformed_peer_record_fails_its_room_and_never_the_scheduler(startup_
         assert got.startswith("failed: "), f"{name}: {got}"
     assert "agent_metadata" in outcomes["pd-nixl receiver"]
     assert "scope" in outcomes["pd-shm receiver"]
+    # a push prefill's failed room forgets its lease (SGLang neither aborts nor clears it)
+    kept = startup_events["malformed_peer_records"]["leases_kept"]
+    assert kept and not any(kept.values()), kept
 
 
 def start_prefill_ranks(roles, env, backend, rooms, tp_size: int, **spec):

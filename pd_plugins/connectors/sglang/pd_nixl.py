@@ -65,6 +65,7 @@ from pd_plugins.connectors.sglang.host_kv import (
     HostKVManager,
     HostKVReceiver,
     HostKVSender,
+    ROOM_FAULTS,
     RegistryBootstrapServer,
     engine_device,
     page_ranges,
@@ -216,7 +217,11 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
     def _progress(self) -> None:
         self.mgr.pump()
         if self.mgr.transfer_mode == "push":
-            return self._push()
+            try:
+                return self._push()
+            except ROOM_FAULTS:  # the room fails (SGLang neither aborts nor clears it then):
+                self.mgr.leases.forget(self.room)  # its lease goes with it, or the table grows
+                raise
         status = self.mgr.leases.status(self.room)
         if status == "held":
             until = self.mgr.leases.until(self.room)
