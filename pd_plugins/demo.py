@@ -15,6 +15,7 @@ import time
 import requests
 
 from pd_plugins.testing.engine_harness import VllmServer, metric_value, nixl_config, start_all
+from pd_plugins.testing.processes import stop_servers_on_signals
 from pd_plugins.testing.router_harness import RouterProcess
 from pd_plugins.testing.tiny_models import ensure_tiny_model
 
@@ -79,6 +80,7 @@ def main() -> None:
                                  "--policy", "prefix_cache"))
     print("starting vLLM prefill (core 0) and decode (core 1) with PdNixlConnector, then pd-router ...")
     started = time.monotonic()
+    stop_servers_on_signals()  # `kill`, `timeout` or a closed terminal stop the servers too
     try:
         start_all([prefill, decode])
         start_all([router], timeout=120)

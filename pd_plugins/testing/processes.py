@@ -45,6 +45,17 @@ def _ephemeral_floor() -> int:
         return 32768
 
 
+def stop_servers_on_signals() -> None:
+    """SIGTERM and SIGHUP end this process through its `finally` blocks (SystemExit), so that the
+    servers it started are stopped: each runs in a session of its own (start_new_session), where
+    the terminal's hangup never reaches it, and Python's default for SIGTERM runs no cleanup."""
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, leave)
+
+
 def free_port() -> int:
     """A port free now, below the kernel's ephemeral range, never handed out twice by this process.
 

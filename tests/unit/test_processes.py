@@ -58,3 +58,50 @@ def test_test_servers_log_under_pytests_own_temporary_directory(tmp_path_factory
         assert elsewhere.parent == Path(tempfile.gettempdir())
     finally:
         elsewhere.rmdir()
+
+
+def test_a_parent_stopped_by_sigterm_or_sighup_stops_the_servers_it_started(tmp_path):
+    # servers run in sessions of their own: a terminal's hangup never reaches them, and Python's
+    # default SIGTERM runs no `finally`; `make demo` left its three servers running so
+    import signal
+    import subprocess
+
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        pid_file = tmp_path / f"child-{signum}"
+        script = (
+            "import sys, time\n"
+            "from dataclasses import dataclass\n"
+            "from pd_plugins.testing.processes import ManagedProcess, stop_servers_on_signals\n"
+            "@dataclass\n"
+            "class Server(ManagedProcess):\n"
+            "    name: str = 'server'\n"
+            "    def command(self):\n"
+            "        return [sys.executable, '-c', 'import time; time.sleep(60)']\n"
+            "server = Server()\n"
+            "stop_servers_on_signals()\n"
+            "try:\n"
+            "    server.start()\n"
+            f"    open({str(pid_file)!r}, 'w').write(str(server.proc.pid))\n"
+            "    time.sleep(60)\n"
+            "finally:\n"
+            "    server.stop()\n")
+        parent = subprocess.Popen([sys.executable, "-c", script])
+        try:
+            deadline = time.monotonic() + 30
+            while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            child = int(pid_file.read_text())
+            parent.send_signal(signum)
+            parent.wait(timeout=30)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(child, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(child, signal.SIGKILL)
+                pytest.fail(f"the server outlived its parent after signal {signum}")
+        finally:
+            parent.kill()
