@@ -6,6 +6,7 @@ error that names the bad key and where it is (`... at $.timeouts.prefil_s`).
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -146,6 +147,14 @@ class LatencySpec(_Strict):
     decode_step_per_request_s: float = 0.002
     kv_bytes_per_token: float = 0.0     # 0: KV transfer time not modelled
     link_bytes_per_s: float = 25e9
+
+    def __post_init__(self) -> None:
+        # every policy piece computes with these: one 0 link or NaN failed every request
+        values = {f: getattr(self, f) for f in self.__struct_fields__}
+        bad = [f"{f}={v!r}" for f, v in values.items() if not (math.isfinite(v) and v >= 0)]
+        if bad or self.link_bytes_per_s <= 0:
+            raise ValueError("latency priors must be finite and >= 0, link_bytes_per_s > 0: "
+                             + (", ".join(bad) or f"link_bytes_per_s={self.link_bytes_per_s!r}"))
 
 
 class SessionSpec(_Strict):

@@ -60,6 +60,8 @@ def parse_engine_metrics(text: str, engine: str) -> tuple[float, float, float]:
                 value = _sample_value(line[len(name):])
                 if value is not None:
                     totals[i] += value
+    if not all(math.isfinite(t) for t in totals):  # finite values whose sum is not
+        raise ValueError("engine metrics sum past any finite load")
     waiting, running, usage = totals
     return waiting, running, min(1.0, usage)
 

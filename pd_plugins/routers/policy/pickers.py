@@ -17,6 +17,8 @@ class MaxScorePicker:
         best = max(scores)
         tied = [w for w, s in zip(workers, scores) if s >= best - 1e-9]
         self._turn += 1
+        if not tied:  # no score compares (NaN): any of them, in turn, rather than no answer
+            tied = workers
         return tied[self._turn % len(tied)]
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 from pd_plugins.routers.cli import build_parser, config_from_args
-from pd_plugins.routers.config import ConfigError, parse_worker_arg
+from pd_plugins.routers.config import ConfigError, config_from_mapping, parse_worker_arg
 
 
 def config(*argv: str, yaml_text: str | None = None, tmp_path=None):
@@ -74,6 +74,14 @@ policy:
 def test_invalid_configurations_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):
         config(*argv)
+
+
+def test_latency_priors_that_would_fail_every_request_are_refused():
+    # link_bytes_per_s 0 divided by zero in every admission and schedule (a 500 per request)
+    for latency in ({"link_bytes_per_s": 0}, {"prefill_per_token_s": -1},
+                    {"decode_step_base_s": float("nan")}):
+        with pytest.raises(ConfigError, match="latency priors"):
+            config_from_mapping({"decode": [{"url": "http://d:1"}], "latency": latency})
 
 
 DECODE = ("--decode", "http://127.0.0.1:8200")

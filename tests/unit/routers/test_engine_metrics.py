@@ -137,3 +137,19 @@ def test_a_probe_answer_past_its_bound_fails_the_probe(monkeypatch):
                 await session.close()
 
     asyncio.run(scenario())
+
+
+def test_finite_samples_whose_sum_is_not_are_an_unusable_scrape():
+    # two label sets of 1e308 sum to inf: the load was inf, every score NaN, and the pickers
+    # of least_loaded, default and goodput raised on every request to the model
+    text = ('vllm:num_requests_running{engine="0"} 1e308\n'
+            'vllm:num_requests_running{engine="1"} 1e308\n')
+    with pytest.raises(ValueError, match="finite"):
+        parse_engine_metrics(text, "vllm")
+
+
+def test_a_picker_given_scores_that_do_not_compare_still_picks():
+    from pd_plugins.routers.policy.pickers import MaxScorePicker
+
+    picker = MaxScorePicker()
+    assert {picker.pick(["a", "b"], [math.nan, math.nan]) for _ in range(4)} == {"a", "b"}
