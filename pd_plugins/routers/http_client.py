@@ -49,6 +49,13 @@ MAX_BUFFERED = 1 << 20
 # fault: a generous bound (a 128k-token answer with top-20 logprobs is about 100 MB), so that no
 # worker can make the router buffer without end.
 MAX_ANSWER_BYTES = 256 << 20
+# A pooled connection idle this long is closed, not reused: uvicorn (vLLM's and SGLang's server)
+# closes keep-alive connections after 5 s, and reusing one it is closing is the race below.
+MAX_IDLE_S = 4.0
+# A reused connection closed with no answer within this of the request's write is the keep-alive
+# race (the server closed it as the request went out): the request is sent again, once. Closed
+# later, the server may have received and begun it: a worker failure, never a second generation.
+STALE_WINDOW_S = 0.25
 
 
 def header_value(headers: list[tuple[bytes, bytes]], name: bytes,
@@ -85,6 +92,8 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.reused = False
+        self.idle = False  # in the pool: nothing may arrive now
+        self.idle_since = self.sent_at = 0.0
         self.closed = False
         self.deadline = Deadline(loop, self._timed_out)
         self.timeout_s, self.answered = 0.0, False  # the timeout armed, and for which part
@@ -96,7 +105,7 @@ class _Conn(asyncio.Protocol):
         self.status, self.headers, self.chunks = 0, [], []
         self.buffered = 0  # bytes in chunks, not yet taken by the reader
         self.paused = False
-        self.got_bytes = self.headers_done = self.done = False
+        self.got_bytes = self.headers_done = self.done = self.interim = False
         self.exc: BaseException | None = None
         self.waiter: asyncio.Future | None = None
 
@@ -105,6 +114,9 @@ class _Conn(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        if self.idle:  # bytes nobody asked for would prefix the next answer: drop the connection
+            self.abort()
+            return
         self.got_bytes = True
         try:
             self.parser.feed_data(data)
@@ -123,7 +135,8 @@ class _Conn(asyncio.Protocol):
         self.closed = True
         self.deadline.cancel()  # an idle pooled connection too: nothing will arm it again
         if not self.done:
-            if not self.got_bytes and self.reused:
+            if (not self.got_bytes and self.reused
+                    and self.loop.time() - self.sent_at < STALE_WINDOW_S):
                 self.fail(_Stale("keep-alive connection closed by the server"))
             else:
                 self.fail(UpstreamError(f"connection closed mid-response: {exc or 'EOF'}"))
@@ -133,7 +146,13 @@ class _Conn(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            self.headers, self.interim = [], True
+            return
+        if self.done:  # a second answer where one was asked for: it must not reach the next
+            raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
+        self.status = status
         self.headers_done = True
         if self.whole:
             # the body's own timeout for an answer that is one; an error answer's body comes
@@ -157,6 +176,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.done = True
         if not self.parser.should_keep_alive():
             self.closed = True
@@ -343,16 +365,22 @@ class Upstream:
 
     def _put(self, conn: _Conn) -> None:
         if len(self._idle) < self.max_idle and not self.closed:
-            conn.reused = True
+            conn.reused = conn.idle = True
+            conn.idle_since = conn.loop.time()
             self._idle.append(conn)
         else:
             conn.abort()
 
     def _idle_conn(self) -> _Conn | None:
         while self._idle:
-            c = self._idle.pop()
-            if not c.closed and not c.transport.is_closing():
-                return c
+            c = self._idle.pop()  # the newest: if it idled too long, so did every other
+            if c.closed or c.transport.is_closing():
+                continue
+            if c.loop.time() - c.idle_since > MAX_IDLE_S:
+                c.abort()
+                continue
+            c.idle = False
+            return c
         return None
 
     def json_request(self, path: str, body: bytes, request_id: str) -> bytes:
@@ -416,6 +444,7 @@ class Upstream:
         else:
             conn.deadline.disarm()
         try:
+            conn.sent_at = conn.loop.time()
             conn.transport.write(data)
             if on_sent is not None:
                 on_sent()

@@ -386,3 +386,86 @@ def test_exchange_retries_once_on_a_keep_alive_connection_the_server_closed():
             server.close()
             await server.wait_closed()
     asyncio.run(main())
+
+
+class RawServer:
+    """A loopback server whose answers are raw bytes (what aiohttp would never send): `answer(n)`
+    gives the bytes for the n-th request on the server (from 0), None to close the connection
+    after `close_after_s` without answering. It counts requests and connections."""
+
+    def __init__(self, answer, close_after_s: float = 0.0):
+        self.answer, self.close_after_s = answer, close_after_s
+        self.requests = self.connections = 0
+
+    async def __aenter__(self):
+        async def serve(reader, writer):
+            self.connections += 1
+            try:
+                while await reader.readuntil(b"\r\n\r\n"):
+                    n, self.requests = self.requests, self.requests + 1
+                    data = self.answer(n)
+                    if data is None:
+                        await asyncio.sleep(self.close_after_s)
+                        break
+                    writer.write(data)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return Upstream("127.0.0.1", self.server.sockets[0].getsockname()[1])
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+
+def ok(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+
+
+def test_an_interim_answer_is_skipped_and_the_real_one_returned():
+    async def main():
+        async with RawServer(lambda n: b"HTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n"
+                                       + ok(b"REAL")) as up:
+            status, headers, body = await up.exchange(up.json_request("/a", b"{}", "r"), 5)
+            assert (status, body) == (200, b"REAL") and (b"Link", b"</x>") not in headers
+            assert len(up._idle) == 1
+    asyncio.run(main())
+
+
+def test_bytes_past_the_end_of_an_answer_never_reach_the_next_one():
+    async def main():
+        server = RawServer(lambda n: ok(b"ONE") + ok(b"EXTRA") if n == 0 else ok(b"TWO"))
+        async with server as up:
+            status, _, body = await up.exchange(up.json_request("/a", b"{}", "r1"), 5)
+            assert (status, body) == (200, b"ONE") and not up._idle  # closed, not pooled
+            status, _, body = await up.exchange(up.json_request("/a", b"{}", "r2"), 5)
+            assert (status, body) == (200, b"TWO") and server.connections == 2
+    asyncio.run(main())
+
+
+def test_a_reused_connection_dropped_after_the_request_went_out_is_not_sent_again():
+    # the server may have begun it (a decode generating): a second send is a second generation
+    async def main():
+        server = RawServer(lambda n: ok(b"warm") if n == 0 else None, close_after_s=0.5)
+        async with server as up:
+            await up.exchange(up.json_request("/a", b"{}", "r1"), 5)  # pooled: the next reuses it
+            with pytest.raises(UpstreamError):
+                await up.exchange(up.json_request("/a", b"{}", "r2"), 5)
+            assert server.requests == 2  # not 3
+    asyncio.run(main())
+
+
+def test_a_connection_idle_past_the_servers_keep_alive_is_not_reused(monkeypatch):
+    from pd_plugins.routers import http_client
+
+    monkeypatch.setattr(http_client, "MAX_IDLE_S", 0.05)
+
+    async def main():
+        server = RawServer(lambda n: ok(b"x"))
+        async with server as up:
+            await up.exchange(up.json_request("/a", b"{}", "r1"), 5)
+            await asyncio.sleep(0.1)
+            await up.exchange(up.json_request("/a", b"{}", "r2"), 5)
+            assert server.connections == 2
+    asyncio.run(main())
