@@ -79,10 +79,12 @@ class NixlOptions(msgspec.Struct, kw_only=True, frozen=True):
         "pull: the decode READs the prefill's KV; push: the prefill WRITEs it. Every engine of a "
         "deployment must use the same mode (a decode refuses a prefill in the other)",
         env="PD_NIXL_MODE")] = "pull"
-    kv_lease_duration: Annotated[float, Meta(gt=0), doc(
+    # Upper bounds on every time and size below: `inf` passes `gt=0` (vLLM's JSON parser takes
+    # Infinity), and an infinite lease never frees a prefill's KV nobody claims.
+    kv_lease_duration: Annotated[float, Meta(ge=2, le=3600), doc(
         "seconds a prefill keeps KV no decode has claimed; the decode's heartbeats extend it "
         "(vLLM: upstream's own key, read by upstream too)", env="PD_NIXL_LEASE_S")] = 30.0
-    push_timeout_s: Annotated[Annotated[float, Meta(gt=0)] | UnsetType, doc(
+    push_timeout_s: Annotated[Annotated[float, Meta(gt=0, le=3600)] | UnsetType, doc(
         "push: how long a decode waits for the prefill's WRITE before the load fails. Keep it "
         "above the lease, and below pd-router's `timeouts.decode_first_byte_s` (60 s) so the "
         "router sees the outcome", default="lease + 15")] = UNSET
@@ -149,10 +151,10 @@ class ShmOptions(msgspec.Struct, kw_only=True, frozen=True):
         "used only if this user owns it and nobody else may read it (\"Who may open a pool\"). "
         "Every engine of a deployment names the same pool", env="PD_SHM_POOL",
         default="vLLM: /dev/shm/pd-kv-<model>-<layout hash>; SGLang: /dev/shm/pd-sglang-kv")] = None
-    pool_size_gb: Annotated[float, Meta(gt=0), doc(
+    pool_size_gb: Annotated[float, Meta(gt=0, le=1 << 16), doc(
         "size of the file when this engine creates it (a device has its own size)",
         env="PD_SHM_POOL_GB")] = 2.0
-    hold_s: Annotated[float, Meta(ge=0), doc(
+    hold_s: Annotated[float, Meta(ge=0, le=86_400), doc(
         "a prefill's blocks are not evicted for this long, so its decode can load them (as "
         "long as pd-router waits for a decode's first byte)", env="PD_SHM_HOLD_S")] = 60.0
     pool_group: Annotated[str | None, doc(
@@ -163,7 +165,7 @@ class ShmOptions(msgspec.Struct, kw_only=True, frozen=True):
         "unlink the pool file when the last engine that maps it read-write exits cleanly. Off by "
         "default: the pool is a prefix cache engines share across restarts; `pd-pool remove` "
         "frees it", env="PD_SHM_REMOVE_WHEN_UNUSED")] = False
-    read_lease_s: Annotated[float, Meta(gt=0), doc(
+    read_lease_s: Annotated[float, Meta(gt=0, le=3600), doc(
         "a reader (or writer) that dies mid-copy pins its slots at most this long")] = 30.0
     save_mode: Annotated[Literal["layer", "step"], doc(
         "`layer`: write each layer as it is computed; `step`: all layers after the step")] = "layer"
@@ -211,9 +213,9 @@ class LMCacheOptions(msgspec.Struct, kw_only=True, frozen=True):
     chunk_size: Annotated[int, Meta(ge=0), doc(
         "tokens per LMCache chunk, a multiple of the block size (0: one block; an `mp://` "
         "server's `--chunk-size` must match)")] = 0
-    local_cpu_gb: Annotated[float, Meta(gt=0), doc(
+    local_cpu_gb: Annotated[float, Meta(gt=0, le=1 << 16), doc(
         "LMCache's CPU tier in this engine (in front of a remote backend)")] = 0.5
-    timeout_s: Annotated[float, Meta(gt=0), doc(
+    timeout_s: Annotated[float, Meta(gt=0, le=3600), doc(
         "a store, lookup or retrieval that takes longer counts as failed (LMCache waits on some "
         "remote calls without a limit)")] = 5.0
     head_groups: Annotated[Annotated[int, Meta(ge=1)] | None, doc(

@@ -134,6 +134,14 @@ def test_host_environment_from_env():
     (LMCacheOptions, "chunk_size", -1, "kv_connector_extra_config.chunk_size: "),
     (LMCacheOptions, "timeout_s", "long", "kv_connector_extra_config.timeout_s: "),
     (LMCacheOptions, "local_cpu_gb", 0, "kv_connector_extra_config.local_cpu_gb: "),
+    # infinity passes "> 0" (vLLM's JSON takes Infinity): an infinite lease never frees the KV
+    # nobody claims, an infinite pool or timeout overflowed at startup without saying what to set
+    (NixlOptions, "kv_lease_duration", float("inf"), "kv_connector_extra_config.kv_lease_duration"),
+    (NixlOptions, "kv_lease_duration", 1, "kv_connector_extra_config.kv_lease_duration"),
+    (NixlOptions, "push_timeout_s", float("inf"), "kv_connector_extra_config.push_timeout_s"),
+    (ShmOptions, "pool_size_gb", float("inf"), "kv_connector_extra_config.pool_size_gb"),
+    (ShmOptions, "hold_s", float("inf"), "kv_connector_extra_config.hold_s"),
+    (LMCacheOptions, "timeout_s", float("inf"), "kv_connector_extra_config.timeout_s"),
 ])
 def test_bad_extra_config_value_names_the_option(cls, key, value, message):
     extra = {"backend": "cpu", key: value} if cls is LMCacheOptions else {key: value}
