@@ -103,6 +103,9 @@ class VllmServer(ManagedProcess):
             "PYTHONHASHSEED": "0",
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
         })
+        extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
+        if extra.get("expert_signatures"):  # the capture hooks the V1 model runner (on a GPU
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # with Triton, vLLM's default is V2)
         env.update(self.env)
         return env
 

@@ -30,10 +30,23 @@ class ExpertSignatures:
         self._capture = self._sender = self._receiver = None
         if not self.enabled:
             return
-        from pd_plugins.patches.moe_capture import install, version_supported
+        from pd_plugins.patches.moe_capture import CHECKED, install, version_supported
+        from pd_plugins.patches.vllm_version import installed_vllm
 
-        if not version_supported() or vllm_config.model_config.get_num_experts() <= 0:
-            self.enabled = False  # the workers will not capture (install says why): no waiting
+        # Asked for and impossible: refused at startup (a capture that never runs left every
+        # finished prefill waiting for a signature in the scheduler, and the log silent).
+        if not version_supported():
+            raise RuntimeError(f"{OPTION}: the expert capture hooks vLLM internals checked on "
+                               f"{CHECKED}, not on the installed {installed_vllm()}; set "
+                               f"kv_connector_extra_config.{OPTION} to false")
+        if getattr(vllm_config, "use_v2_model_runner", False):
+            raise RuntimeError(f"{OPTION}: the expert capture hooks vLLM's V1 model runner, and "
+                               "this engine runs V2; set VLLM_USE_V2_MODEL_RUNNER=0, or "
+                               f"kv_connector_extra_config.{OPTION} to false")
+        if vllm_config.model_config.get_num_experts() <= 0:
+            logger.warning("pd-plugins: %s ignored: %s is not a MoE model", OPTION,
+                           vllm_config.model_config.model)
+            self.enabled = False  # nothing to capture: no waiting for signatures
             return
         address = channel_address(config.engine_id)
         if role == KVConnectorRole.SCHEDULER:

@@ -70,3 +70,29 @@ def test_capture_times_itself_per_prompt(monkeypatch):
     # hook 2 x 1 us + counting 1 us, split over 2 prompts, + 1 us for each signature: 2.5 us
     assert sigs["a"]["capture_us"] == sigs["b"]["capture_us"] == 2
     assert ExpertSignature.decode(sigs["a"]).layers == 2  # the extra field does not disturb decoding
+
+
+def test_expert_signatures_asked_for_where_the_capture_cannot_run_refuse_to_start(monkeypatch):
+    # the capture hooks V1's GPUModelRunner._prepare_inputs: under the V2 runner (vLLM's default
+    # where Triton is), or on an unchecked vLLM, it never ran, and every finished prefill waited
+    # for a signature in the scheduler with nothing in the log saying why
+    import pytest
+
+    from pd_plugins.connectors.vllm import expert_signatures as es
+    from pd_plugins.patches import moe_capture
+
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    def config(v2: bool):
+        transfer = SimpleNamespace(kv_role="kv_producer", engine_id="e",
+                                   get_from_extra_config=lambda key, default: True)
+        return SimpleNamespace(kv_transfer_config=transfer, use_v2_model_runner=v2,
+                               model_config=SimpleNamespace(get_num_experts=lambda: 8, model="m"))
+
+    monkeypatch.setattr(es, "extra_flag", lambda cfg, option: True)
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        es.ExpertSignatures(config(v2=True), KVConnectorRole.SCHEDULER)
+    monkeypatch.setattr(moe_capture, "version_supported", lambda: False)
+    with pytest.raises(RuntimeError, match="expert_signatures to false"):
+        es.ExpertSignatures(config(v2=False), KVConnectorRole.SCHEDULER)
