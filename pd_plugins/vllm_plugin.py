@@ -23,14 +23,21 @@ def register() -> list[str]:
         logger.warning("pd-plugins: vLLM KV connector factory unavailable (%s); skipping", exc)
         return []
 
+    # vLLM calls every general plugin in every vLLM process without catching what it raises:
+    # nothing here may stop an engine that does not even use pd-plugins
     registered = []
     for spec in (*VLLM_CONNECTORS, *allowed_test_connectors(os.environ)):
-        if spec.name in KVConnectorFactory._registry:
-            continue
         missing = spec.missing_requirements()
         if missing:
             logger.info("pd-plugins: %s not registered, missing %s", spec.name, ", ".join(missing))
             continue
-        KVConnectorFactory.register_connector(spec.name, spec.module_path, spec.class_name)
+        try:
+            KVConnectorFactory.register_connector(spec.name, spec.module_path, spec.class_name)
+        except ValueError:  # registered already (this plugin ran before in this process)
+            continue
+        except Exception as exc:  # noqa: BLE001 - a factory of another vLLM: leave it alone
+            logger.warning("pd-plugins: cannot register %s with vLLM (%r); skipping", spec.name,
+                           exc)
+            continue
         registered.append(spec.name)
     return registered

@@ -28,6 +28,20 @@ def test_vllm_registration_is_idempotent():
     assert cls.__name__ == "PdNixlConnector"
 
 
+def test_a_factory_that_fails_is_left_alone_and_no_vllm_process_stops(monkeypatch, caplog):
+    # vLLM runs general plugins in every vLLM process without catching: a raise here stopped
+    # engines that do not use pd-plugins at all
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    def broken(name, module_path, class_name):
+        raise AttributeError("'KVConnectorFactory' has no attribute '_registry'")
+
+    monkeypatch.setattr(KVConnectorFactory, "register_connector", broken)
+    with caplog.at_level("WARNING", logger="pd_plugins"):
+        assert vllm_plugin.register() == []
+    assert "cannot register" in caplog.text
+
+
 def test_missing_optional_dependency_skips_that_connector(monkeypatch, caplog):
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
