@@ -196,8 +196,8 @@ class Router:
         for group in groups:
             worker = group.remove(url, role)
             if worker is not None:
-                if not any(g.pool.get(worker.url, r) for g in self.groups.values()
-                           for r in ("prefill", "decode")):  # a kv_both worker may hold the other
+                # a kv_both worker may still hold the other role
+                if not any(g.has_worker(worker.url) for g in self.groups.values()):
                     self.pools.forget(worker.url)
                 self._release_pool_view(worker.spec.kv_pool)
                 self.refresh_served()
