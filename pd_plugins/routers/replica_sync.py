@@ -156,6 +156,9 @@ class ReplicaSync:
         self._live_from: tuple[int, int] | None = None  # entries up to this id are history
         self._logged_at = -math.inf
         self._tasks: list[asyncio.Task] = []
+        # Checked by both loops: redis-py's blocking reads have been known to swallow a cancel
+        # (redis-py #2028, #2551), and a CI run hung in asyncio.run's final cancel on one.
+        self._stopping = False
 
     def add(self, channel: Channel) -> Channel:
         if channel.name in self.channels:
@@ -172,6 +175,7 @@ class ReplicaSync:
     async def aclose(self) -> None:
         """Stop the loops and close the log, each wait bounded: shutdown never hangs on Redis
         (a CI run once hung here, in the outage test, with no wait left unbounded but these)."""
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         if self._tasks:
@@ -191,7 +195,7 @@ class ReplicaSync:
     # -- publishing -------------------------------------------------------------------------
     async def _publisher(self) -> None:
         retry_at = -math.inf
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.interval_s)
             now = self.clock()
             self._tick(now)  # peers' loads expire even while Redis is down
@@ -252,7 +256,7 @@ class ReplicaSync:
     # -- reading ----------------------------------------------------------------------------
     async def _reader(self) -> None:
         block_ms = max(1, int(self.interval_s * 2000))
-        while True:
+        while not self._stopping:
             try:
                 # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancel that
                 # arrives as its awaitable finishes, and this loop would then outlive aclose()

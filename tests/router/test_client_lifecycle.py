@@ -141,6 +141,10 @@ class SilentServer:
 
     def close(self) -> None:
         self._stop = True
+        try:  # on Linux close() alone leaves the accept thread blocked for good
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.listener.close()
         for conn in self._conns:
             conn.close()

@@ -148,3 +148,32 @@ def test_hostile_peer_entries_are_counted_unreadable_and_the_reader_goes_on():
     assert table.get("good") is not None and table.get("s-inf") is None
     assert sync.counts["unreadable"] == 3  # the inf, the nesting, the size
     assert table.counts["replica_refused"] == 1  # the id: that pin alone, the entry's others go on
+
+
+class SwallowingLog(MemoryLog):
+    """A stream client that swallows every cancel of a blocking read, as redis-py's blocking
+    commands have been seen to (redis-py #2028, #2551): the read just returns nothing."""
+
+    swallowed = 0
+
+    async def read(self, after: str, block_ms: int, count: int = 200):
+        try:
+            return await super().read(after, block_ms, count)
+        except asyncio.CancelledError:
+            SwallowingLog.swallowed += 1
+            return []
+
+
+def test_aclose_stops_a_reader_whose_client_swallows_the_cancel():
+    """A CI run hung for good in asyncio.run's final cancel of a reader that lived on after
+    aclose(): the loops end on aclose() whatever the client does with the cancel."""
+    async def run():
+        sync = ReplicaSync(SwallowingLog(), replica_id="me", interval_s=0.05)
+        await sync.start()
+        await asyncio.sleep(0.05)  # the reader is in its blocking read (100 ms)
+        await sync.aclose()
+        return sync
+
+    sync = asyncio.run(asyncio.wait_for(run(), 10))
+    assert SwallowingLog.swallowed >= 1  # the client did swallow it ...
+    assert all(task.done() for task in sync._tasks)  # ... and the reader stopped all the same
