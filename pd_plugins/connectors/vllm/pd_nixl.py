@@ -112,6 +112,16 @@ def nixl_options(vllm_config: VllmConfig) -> NixlOptions:
     return extra_options(NixlOptions, vllm_config.kv_transfer_config, "PdNixlConnector")
 
 
+def _give_upstream_the_checked_lease(kv_transfer_config: Any, options: NixlOptions) -> None:
+    """Upstream reads `kv_lease_duration` raw and does arithmetic on it: a lease written as a
+    string ("30", as CLI JSON often has it) passed our checks and then stopped the engine at
+    startup with a TypeError naming no key. Upstream gets the checked number."""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+    if isinstance(extra, dict) and "kv_lease_duration" in extra:
+        lease = options.kv_lease_duration
+        extra["kv_lease_duration"] = int(lease) if lease.is_integer() else lease
+
+
 def transfer_mode_of(vllm_config: VllmConfig) -> TransferMode:
     return nixl_options(vllm_config).mode
 
@@ -156,6 +166,7 @@ class _PdAdditions(_PdStatsClassMethods):
         # cores 0 and 1 both computed on core 1, a busy-stepping prefill starving its decode: the
         # concurrent-pull stalls (docs/connectors.md, "Under load"). Keep the engine's own binding.
         options = nixl_options(vllm_config)
+        _give_upstream_the_checked_lease(vllm_config.kv_transfer_config, options)
         keep = (role == KVConnectorRole.WORKER and hasattr(os, "sched_getaffinity")
                 and options.keep_cpu_affinity)
         bound = os.sched_getaffinity(0) if keep else None

@@ -225,3 +225,15 @@ def test_unusable_params_retried_after_a_failed_allocation_are_still_failed_not_
         _report_rejected(scheduler, output)  # vLLM had asserted on this
     finally:
         scheduler.shutdown()
+
+
+def test_pd_nixl_gives_upstream_a_lease_written_as_a_string_as_a_number():
+    """Upstream reads `kv_lease_duration` raw (`lease // 6`): "12" stopped the engine at startup
+    with a TypeError naming no key."""
+    scheduler = make_scheduler("PdNixlConnector", "kv_producer",
+                               {"kv_lease_duration": "12", "lease_check_port": 0})
+    try:
+        upstream = scheduler.connector.connector_scheduler
+        assert (upstream._kv_lease_duration, upstream._heartbeat_interval) == (12, 2)
+    finally:
+        scheduler.shutdown()
