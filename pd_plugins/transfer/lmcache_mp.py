@@ -28,6 +28,7 @@ skips storing chunks whose blocks are all its `--null-block-id` (default 0, vLLM
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import logging
@@ -80,6 +81,8 @@ SHM_DIR, SHM_PREFIX = "/dev/shm", "lmcache_kv_"
 
 
 def _pid_alive(pid: int) -> bool:
+    """In this PID namespace only: a segment's pid may be another container's (containers of one
+    pod share /dev/shm, not PIDs), which is why a live owner also holds a lock on it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -99,15 +102,45 @@ def remove_dead_kv_segments(directory: str = SHM_DIR) -> int:
         return 0
     for name in names:
         pid = name[len(SHM_PREFIX):].split("_", 1)[0] if name.startswith(SHM_PREFIX) else ""
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        path = os.path.join(directory, name)
+        if pid.isdigit() and not _pid_alive(int(pid)) and not _locked(path):
             try:
-                os.unlink(os.path.join(directory, name))
+                os.unlink(path)
                 removed += 1
             except OSError:
                 pass
     if removed:
         logger.info("removed %d LMCache KV segments of dead processes from %s", removed, directory)
     return removed
+
+
+def _locked(path: str) -> bool:
+    """Whether some live process holds `path` locked (hold_own_kv_segments), in any namespace."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False  # gone already, or not ours to judge: the unlink decides
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # releases the probe's own lock
+
+
+def hold_own_kv_segments(held: dict[str, int], directory: str = SHM_DIR) -> None:
+    """Lock this process's KV segments not yet in `held` (name -> descriptor) for as long as
+    the descriptors stay open: the kernel drops the locks when the process dies, however."""
+    prefix = f"{SHM_PREFIX}{os.getpid()}_"
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        if name.startswith(prefix) and name not in held:
+            try:
+                fd = os.open(os.path.join(directory, name), os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            held[name] = fd
 
 
 def remove_own_kv_segments(directory: str = SHM_DIR) -> None:
@@ -171,6 +204,7 @@ class LMCacheMPClient:
         self._ctx.setsockopt(zmq.LINGER, 0)  # close() never waits for undelivered requests
         self._client = RequestClientFactory.create(self.zmq_url, context=self._ctx)
         self._closed = False
+        self._segment_locks: dict[str, int] = {}  # flocked KV segments (hold_own_kv_segments)
         self._usable = True  # False for good after a configuration mismatch
         # health: None = not yet handshaken; the handshake request is in flight from here on
         self._healthy: bool | None = None
@@ -291,6 +325,8 @@ class LMCacheMPClient:
         except Exception as err:
             self._mark_down("KV registration failed", err)
             return False
+        finally:  # LMCache moves the KV into shared memory as it registers it
+            hold_own_kv_segments(self._segment_locks)
         self._registered_at = time.monotonic()
         return True
 
@@ -486,6 +522,9 @@ class LMCacheMPClient:
             logger.debug("LMCache MP client close: %r", err)
         if transfer is not None:
             remove_own_kv_segments()
+        for fd in self._segment_locks.values():
+            os.close(fd)
+        self._segment_locks.clear()
         # LINGER 0 makes term() quick once every socket is closed; a daemon thread keeps a
         # socket some other code left open from hanging close()
         term = threading.Thread(target=self._term, name="lmcache-mp-zmq-term", daemon=True)

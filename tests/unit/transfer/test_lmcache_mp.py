@@ -15,7 +15,7 @@ import torch
 from pd_plugins.testing.lmcache_mp_server import LMCacheMPServer
 from pd_plugins.testing.processes import free_port
 from pd_plugins.transfer.lmcache_mp import (
-    SHM_DIR, SHM_PREFIX, LMCacheMPClient, remove_dead_kv_segments,
+    SHM_DIR, SHM_PREFIX, LMCacheMPClient, _locked, remove_dead_kv_segments,
 )
 
 pytestmark = pytest.mark.processes  # an `lmcache server` and client subprocesses (tests/tiers.py)
@@ -48,6 +48,32 @@ def test_segments_of_dead_processes_are_removed_and_live_ones_kept():
         for path in paths.values():
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_a_locked_segment_of_a_pid_dead_here_is_kept_until_its_holder_dies():
+    """Containers of one pod share /dev/shm but not PIDs: a segment named with a pid that no
+    process here has is another container's while its owner (any namespace) holds the lock."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that names no process here, as another namespace's would
+    path = os.path.join(SHM_DIR, f"{SHM_PREFIX}{dead.pid}_0")
+    with open(path, "wb") as f:
+        f.write(b"kv")
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({path!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_SH)\n"
+        "print('held', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        remove_dead_kv_segments()
+        assert os.path.exists(path)  # its owner lives (elsewhere): kept
+        holder.kill()
+        holder.wait()
+        assert remove_dead_kv_segments() >= 1 and not os.path.exists(path)  # the lock went with it
+    finally:
+        holder.kill()
+        holder.wait()
+        if os.path.exists(path):
+            os.unlink(path)
 
 
 def zeros() -> list[torch.Tensor]:
@@ -140,10 +166,11 @@ def test_store_in_other_process_then_retrieve_bit_exact(server, tmp_path):
         assert worker.stats["retrieved_tokens"] == 48 + 64 + 32
         assert sched.stats["lookup_errors"] == 0
         assert own_segments(), "LMCache moved the attached KV into /dev/shm"
+        assert all(_locked(os.path.join(SHM_DIR, n)) for n in own_segments())  # held while alive
     finally:
         worker.close()
         sched.close()
-    assert own_segments() == []  # unlinked at close: an engine's KV never outlives it there
+    assert own_segments() == [] and worker._segment_locks == {}  # unlinked at close: an engine's KV never outlives it there
 
 
 def test_server_down_answers_zero_quickly(tmp_path):
