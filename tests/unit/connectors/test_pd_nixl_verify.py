@@ -652,3 +652,32 @@ def test_digests_that_cannot_be_sent_never_cost_the_write():
     sender = PushDigestSender(worker, lambda: prefill, lambda: None, KvFaults.none())
     assert sender.before_write("p-1", [pair.prefill_blocks], registration("decode-1", [1]))
     assert sender.take_counts() == (1, 0)  # counted as a WRITE without digests
+
+
+def test_tp_workers_lease_verdicts_and_load_outcomes_both_reach_the_scheduler():
+    """kv_both with verify_kv at TP 2: rank 0 has a lease verdict and no load this step, rank 1
+    a load outcome and no verdict. vLLM's own aggregation (KVOutputAggregator: the first rank's
+    meta's aggregate()) keeps both only when every rank returns the same type; a LeaseVerdicts
+    beside a PdNixlWorkerMeta lost one. The connector's method runs on stand-ins for its tap and
+    verifier (named as such: a worker-role connector needs a NIXL agent and KV caches)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    from pd_plugins.connectors.vllm.pd_nixl import PdNixlPullConnector
+
+    def rank(verdicts: LeaseVerdicts | None, outcomes: KvLoadOutcomes) -> ModelRunnerOutput:
+        stand_in = SimpleNamespace(
+            _experts=SimpleNamespace(after_step=lambda: None),
+            _notif_tap=SimpleNamespace(take_verdicts=lambda: verdicts),
+            _load_verifier=SimpleNamespace(take_outcomes=lambda: outcomes))
+        meta = PdNixlPullConnector.build_connector_worker_meta(stand_in)
+        return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=KVConnectorOutput(
+            kv_connector_worker_meta=meta))
+
+    outputs = [rank(LeaseVerdicts([("p1", "agent", True, 0)]), KvLoadOutcomes()),
+               rank(None, KvLoadOutcomes({"d1": LoadOutcome(3, 0, 0, True)}))]
+    meta = KVOutputAggregator(2).aggregate(outputs).kv_connector_output.kv_connector_worker_meta
+    assert meta.lease.verdicts == [("p1", "agent", True, 0)]
+    assert meta.loads.outcomes == {"d1": LoadOutcome(3, 0, 0, True)}
