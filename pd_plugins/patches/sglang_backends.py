@@ -54,12 +54,21 @@ def _add_enum_member(enum_cls, name: str, value: str):
     return member
 
 
+_registered: list[str] | None = None  # once per process: a second AROUND hook would wrap ours
+
+
 def register() -> list[str]:
-    """Make our backends selectable; returns the names registered ([] if SGLang is unchecked)."""
+    """Make our backends selectable; returns the names registered ([] if SGLang is unchecked).
+    Idempotent: SGLang's load_plugins() runs it in every process, and so may a user's code."""
+    global _registered
+    if _registered is not None:
+        return _registered
     found = sglang_version()
     if not version_supported(found):
         logger.warning("pd-plugins: SGLang %s is not a checked release (0.5.23+ of 0.5.x): "
-                       "no pd-plugins transfer backends registered", found)
+                       "no pd-plugins transfer backends registered, so SGLang refuses "
+                       "`--disaggregation-transfer-backend %s` as an invalid choice", found,
+                       "|".join(BACKENDS))
         return []
     from sglang.srt.arg_groups.choices import (
         DISAGG_TRANSFER_BACKEND_CHOICES,
@@ -82,4 +91,5 @@ def register() -> list[str]:
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", get_kv_class,
                           HookType.AROUND)
     logger.info("pd-plugins: SGLang %s transfer backends registered: %s", found, list(BACKENDS))
-    return list(BACKENDS)
+    _registered = list(BACKENDS)
+    return _registered

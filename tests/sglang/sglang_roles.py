@@ -134,6 +134,10 @@ def failure_of(obj) -> str:
 
 def registration() -> None:
     load_plugins()
+    from pd_plugins import sglang_plugin
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    again = sglang_plugin.register()  # after SGLang's loader: registers nothing twice
     from sglang.srt.disaggregation import decode as decode_module
     from sglang.srt.disaggregation import prefill as prefill_module
     from sglang.srt.disaggregation.utils import get_kv_class
@@ -147,7 +151,9 @@ def registration() -> None:
                  for m in (prefill_module, decode_module)},
              classes={k.value: getattr(get_kv_class(TransferBackend(backend), k), "__qualname__",
                                        None) for k in KVClassType},
-             nixl_manager=get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER).__qualname__)
+             nixl_manager=get_kv_class(TransferBackend.NIXL, KVClassType.MANAGER).__qualname__,
+             registered_again=again,
+             hooks=len(HookRegistry._hooks["sglang.srt.disaggregation.utils.get_kv_class"]))
 
 
 def kv_checks(manager) -> dict:

@@ -82,6 +82,7 @@ def test_sglang_accepts_and_resolves_the_backends(pool_env, roles):
                                   "bootstrap_server": "RegistryBootstrapServer"}
         assert got["schedulers"] == {"prefill": f"{prefix}KVSender", "decode": f"{prefix}KVSender"}
         assert got["nixl_manager"] == "NixlKVManager"  # SGLang's own backends untouched
+        assert got["registered_again"] == ["pd-shm", "pd-nixl"] and got["hooks"] == 1
 
 
 @pytest.fixture(scope="module")
