@@ -47,7 +47,8 @@ logger = logging.getLogger("pd_plugins.sglang")
 # What a room's work raises when a transfer fails or a peer's record (the bootstrap registry's
 # rank record, a decode's push target) is malformed: a missing field (KeyError), a field of the
 # wrong type or shape (TypeError, ValueError, IndexError). Each fails that room; escaping poll()
-# or send() would stop SGLang's scheduler, and the engine with it.
+# or send() would stop SGLang's scheduler, and the engine with it. (Our own bugs raise the last
+# three too: _fail logs their traceback.)
 ROOM_FAULTS = (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError)
 
 
@@ -236,10 +237,13 @@ class _Outcome:
     bytes_moved: int = 0
 
     def _fail(self, exc: Exception) -> None:
+        # A malformed peer record and a bug of ours both raise these: the room fails either
+        # way (the engine lives on), with the traceback in the log so a bug stays visible.
+        where = exc if isinstance(exc, (KeyError, TypeError, IndexError)) else None
         if isinstance(exc, KeyError):  # str() of a KeyError is the bare key
             exc = RuntimeError(f"room {self.room}: a record without its field {exc}")
         logger.warning("%s %s, room %d: %s", self.mgr.backend_name, type(self).__name__,
-                       self.room, exc)
+                       self.room, exc, exc_info=where)
         self.error, self.state = exc, KVPoll.Failed
 
     def _succeed(self) -> None:
