@@ -268,6 +268,41 @@ def test_a_body_that_never_completes_on_the_aiohttp_side_gets_a_408(monkeypatch)
     run(scenario, read_timeout_s=30, keepalive_timeout_s=30)
 
 
+def test_the_routers_own_generate_answers_408_for_a_body_that_never_completes(monkeypatch):
+    """The same bound through the router's real handler (Router.generate on its aiohttp app, as
+    after a handoff), counted as a read_timeout rejection; workers that answer nothing."""
+    from pd_plugins.routers.cli import build_parser, config_from_args
+    from pd_plugins.routers.server import Router
+
+    monkeypatch.setattr(http_server, "READ_TIMEOUT_S", 0.5)
+    router = Router(config_from_args(build_parser().parse_args(
+        ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9"])))
+
+    async def main():
+        runner = web.AppRunner(router.app())
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            port = site._server.sockets[0].getsockname()[1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(post()[:-5])
+            got = b""
+            async with asyncio.timeout(5):
+                while b"\r\n\r\n" not in got or not got.endswith(b"}"):
+                    got += await reader.read(65536) or b"}"
+            writer.close()  # aiohttp lingers up to 10 s for the rest of a body otherwise
+            await writer.wait_closed()
+            await asyncio.sleep(0.1)  # the server sees the close before its shutdown
+        finally:
+            await runner.cleanup()
+        return got
+
+    got = asyncio.run(main())
+    assert got.startswith(b"HTTP/1.1 408") and b"not received within 0.5 s" in got, got[-300:]
+    assert router.metrics.rejections.labels("read_timeout")._value.get() == 1
+
+
 def test_a_client_that_leaves_cancels_its_handler():
     async def scenario(app, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
