@@ -46,7 +46,7 @@ def prefill_succeeded(ctx: PolicyContext, worker: Worker, info: RequestInfo, cha
     if info.exact_tokens and engine_cached_tokens is not None:
         uncached = max(1, info.prompt_tokens - engine_cached_tokens)  # the engine's own count
     ctx.latency.prefill.observe(charge.ahead_tokens + uncached, elapsed_s)
-    if record_prefixes:
+    if record_prefixes and not worker.removed:  # a removed worker's index entries stay gone
         ctx.prefix_index.record_routed(worker.url, info.block_keys)
     worker.record_success()
 
@@ -95,5 +95,5 @@ def decode_observed(ctx: PolicyContext, worker: Worker, tpot_s: float) -> None:
 def request_succeeded(ctx: PolicyContext, decode: Worker, info: RequestInfo,
                       record_prefixes: bool) -> None:
     """The decode worker now caches the prompt too (approximate prefix index)."""
-    if record_prefixes:
+    if record_prefixes and not decode.removed:
         ctx.prefix_index.record_routed(decode.url, info.block_keys)

@@ -154,10 +154,11 @@ class ModelGroup:
         """Stop routing to the worker (requests it holds finish) and forget what it held."""
         worker = self.pool.remove(url, role)
         if worker is not None:
-            task = self._subscribers.pop(worker.url, None)
-            if task:
-                task.cancel()
-            self.prefix_index.forget_worker(worker.url)
+            if not self.has_worker(worker.url):  # a kv_both engine may still hold the other role:
+                task = self._subscribers.pop(worker.url, None)  # its events, pool and prefixes
+                if task:                                         # are that one's too
+                    task.cancel()
+                self.prefix_index.forget_worker(worker.url)
             if self.sessions is not None and role == "decode":
                 self.sessions.forget_worker(worker.url)
         return worker
@@ -179,6 +180,8 @@ class ModelGroup:
             if self.pool.get(url, to) is not None:
                 raise MoveRefused(f"{url} is already a {to} worker", 409)
             raise MoveRefused(f"no worker {url}" + (f" of model {self.name}" if self.name else ""), 404)
+        if self.pool.get(url, to) is not None:  # the engine is in both pools already
+            raise MoveRefused(f"{url} is already a {to} worker", 409)
         spec = spec or worker.spec
         if worker.moving_to is not None:
             raise MoveRefused(f"{url} is already moving to {worker.moving_to}", 409)

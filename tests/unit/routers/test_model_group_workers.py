@@ -1,0 +1,75 @@
+"""A model group's workers coming and going (model_group.py, accounting.py): what a removed worker
+or role leaves behind in the group's tables, and role moves the group must refuse. In-process
+routers over URLs nothing listens on (no leg is sent; the KV-event subscriber just retries)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pd_plugins.routers import accounting
+from pd_plugins.routers.config import config_from_mapping
+from pd_plugins.routers.model_group import MoveRefused
+from pd_plugins.routers.policy.base import RequestInfo
+from pd_plugins.routers.server import Router
+
+X, Y = "http://127.0.0.1:18100", "http://127.0.0.1:18200"
+PREFIX_POLICY = {"prefill": {"scorers": [{"name": "prefix_cache"}]},
+                 "decode": {"scorers": [{"name": "prefix_cache"}]}}
+
+
+def test_removing_one_role_of_a_kv_both_engine_keeps_the_other_roles_state():
+    """The same engine (URL) as prefill and decode: removing its decode keeps what its prefill
+    uses (KV events, the prefix index entries); removing both forgets them."""
+    worker = {"url": X, "kv_both": True, "kv_events": "tcp://127.0.0.1:15557"}
+    config = config_from_mapping({"policy": PREFIX_POLICY, "prefill": [worker],
+                                  "decode": [worker, {"url": Y}]})
+
+    async def main():
+        router = Router(config)
+        group = router.groups[""]
+        await group.start(router.metrics, router.pools, router._pool_views, None)
+        try:
+            group.prefix_index.record_routed(X, [1, 2, 3])
+            assert router.remove_worker(X, "decode") is not None
+            assert X in group._subscribers and not group._subscribers[X].done()
+            assert group.prefix_index.held_blocks(X) == 3
+            assert router.remove_worker(X, "prefill") is not None
+            await asyncio.sleep(0)
+            assert X not in group._subscribers and group.prefix_index.held_blocks(X) == 0
+        finally:
+            await group.stop()
+
+    asyncio.run(main())
+
+
+def test_a_leg_that_ends_on_a_removed_worker_does_not_put_it_back_in_the_index():
+    config = config_from_mapping({"policy": PREFIX_POLICY, "prefill": [{"url": X}],
+                                  "decode": [{"url": Y}]})
+    router = Router(config)
+    group = router.groups[""]
+    prefill = group.pool.get(X, "prefill")
+    info = RequestInfo(prompt_tokens=48, block_keys=[7, 8, 9])
+    charge = accounting.prefill_started(group.ctx, prefill, info)  # a leg in flight ...
+    router.remove_worker(X, "prefill")  # ... when the worker is removed
+    accounting.prefill_ended(prefill, info, charge)
+    accounting.prefill_succeeded(group.ctx, prefill, info, charge, 0.1, None, record_prefixes=True)
+    assert group.ctx.prefix_index.held_blocks(X) == 0
+    decode = group.pool.get(Y, "decode")
+    router.remove_worker(Y, "decode")
+    accounting.request_succeeded(group.ctx, decode, info, record_prefixes=True)
+    assert group.ctx.prefix_index.held_blocks(Y) == 0
+
+
+def test_a_role_move_into_a_pool_that_holds_the_engine_already_is_refused():
+    worker = {"url": X, "kv_both": True}
+    router = Router(config_from_mapping({"prefill": [worker], "decode": [worker, {"url": Y}]}))
+    group = router.groups[""]
+    for w in group.pool:
+        w.healthy = True
+    prefill = group.pool.get(X, "prefill")
+    with pytest.raises(MoveRefused) as refused:
+        asyncio.run(router.move_worker(X, "prefill", drain_timeout_s=0))
+    assert refused.value.status == 409 and "already a prefill worker" in str(refused.value)
+    assert group.pool.get(X, "prefill") is prefill and group.pool.get(X, "decode") is not None
