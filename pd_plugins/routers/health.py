@@ -168,6 +168,11 @@ class PoolUpkeep:
         models = [m for m in listing.get("data", []) if isinstance(m, dict)
                   and isinstance(m.get("id"), str)][:MAX_MODELS_PER_WORKER]
         worker.models = tuple(m["id"] for m in models)
+        if worker.model and worker.model not in worker.models:
+            # requests for this model would reach an engine serving another (its 404s, or worse,
+            # another model's answers): a worker is up only once it serves its model
+            raise ValueError(f"it serves {', '.join(worker.models[:3]) or 'no model'}, not "
+                             f"{worker.model!r}")
         # vLLM lists each LoRA adapter with its base model as `parent` (the base: parent null)
         worker.adapter_parents = {m["id"]: m["parent"] for m in models
                                   if isinstance(m.get("parent"), str) and m["parent"] != m["id"]}

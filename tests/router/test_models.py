@@ -121,9 +121,19 @@ def test_models_listing_and_refusals_name_the_known_models():
 
 def test_admin_adds_and_removes_a_models_workers():
     spare = MockEngineProcess("beta-decode-new", role="decode", args=("--model", "org/beta"))
+    stray = MockEngineProcess("alpha-decode-stray", role="decode", args=("--model", "alpha"))
     with two_models() as (router, pools):
-        spare.start().wait_healthy(30)
+        start_all([spare, stray], timeout=30)
         try:
+            # an engine of another model, added to beta: never up, so none of beta's requests
+            # reach it (an engine serves its own model: vLLM would 404 them, or worse)
+            wrong = admin(router, "POST", role="decode", worker={"url": stray.url}, model="org/beta")
+            assert wrong.status_code == 200 and wrong.json()["healthy"] is False, wrong.text
+            for _ in range(3):
+                assert complete(router, "org/beta").status_code == 200
+            assert stray.stats()["remote_decodes"] == 0
+            assert admin(router, "DELETE", role="decode", worker={"url": stray.url}).status_code == 200
+
             listing = admin(router, "GET").json()["workers"]
             assert sorted((w["model"], w["role"]) for w in listing) == sorted(
                 (m, r) for m in MODELS for r in ("prefill", "decode"))
@@ -165,6 +175,7 @@ def test_admin_adds_and_removes_a_models_workers():
             assert ready.status_code == 200 and ready.json()["models"]["org/beta"]["ready"] is False
         finally:
             spare.stop()
+            stray.stop()
 
 
 def test_a_model_whose_workers_are_all_down_does_not_take_the_others_down():
