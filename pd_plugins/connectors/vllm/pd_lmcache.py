@@ -98,6 +98,9 @@ LMCACHE_COUNTERS = {
     "failed_tokens": ("vllm:pd_lmcache_failed_tokens",
                       "Tokens the scheduler found in the pool but the retrieval did not bring "
                       "(evicted, backend down): recomputed or failed per kv_load_failure_policy."),
+    "unstored_tokens": ("vllm:pd_lmcache_unstored_tokens",
+                        "Prompt tokens not stored in the step a load of their prompt failed "
+                        "(not the prompt's KV; stored once recomputed)."),
     "store_seconds": ("vllm:pd_lmcache_store_seconds", "Time spent storing into the pool."),
     "retrieve_seconds": ("vllm:pd_lmcache_retrieve_seconds",
                          "Time spent retrieving from the pool."),
@@ -410,7 +413,7 @@ class _WorkerSide(PoolWorkerSide):
     def _fail(self, op: RetrieveOp, first_bad: int) -> list[int]:
         """Blocks first_bad.. of the load are not used (vLLM recomputes or fails them)."""
         bad = op.block_ids[first_bad:-(-op.needed_tokens // self.c.block_size)]
-        self._invalid.update(bad)
+        self.fail_blocks(op.req_id, bad)
         return bad
 
     def _verify(self, op: RetrieveOp, got: int, lost: int) -> None:
@@ -452,6 +455,11 @@ class _WorkerSide(PoolWorkerSide):
     def wait_for_save(self, meta: PdLMCacheMetadata) -> None:
         due: dict[str, list[int]] = {}
         for op in meta.stores:
+            own = self.own_blocks(op.req_id, op.block_ids)
+            if own < len(op.block_ids):  # a load of this prompt failed: its own chunks only
+                op = self._own_chunks(op, own)
+                if op is None:
+                    continue
             start = time.perf_counter()
             self.stats.count("stored_tokens", self.c.pool.store(
                 op.tokens, self._stale_chunk(op), op.namespace))
@@ -460,6 +468,19 @@ class _WorkerSide(PoolWorkerSide):
                 due[op.req_id] = op.block_ids  # ours: computed, or loaded by this leg (lookup)
         if due:
             self.c.digests.send(self.verifier, due)
+        self.end_step()
+
+    def _own_chunks(self, op: StoreOp, own_blocks: int) -> StoreOp | None:
+        """`op` cut to the whole chunks before its request's first failed load block, without
+        digests (the scheduler stores the rest, and digests, once vLLM has recomputed it)."""
+        tokens = own_blocks * self.c.block_size // self.c.chunk_size * self.c.chunk_size
+        self.stats.count("unstored_tokens", len(op.tokens) - tokens)
+        logger.warning("PdLMCacheConnector: request %s: %d prompt tokens not stored (a load of "
+                       "this prompt failed: they are not its KV)", op.req_id, len(op.tokens) - tokens)
+        if not tokens:
+            return None
+        return StoreOp(op.req_id, op.tokens[:tokens], op.block_ids[:tokens // self.c.block_size],
+                       op.namespace, digest=False)
 
     def _stale_chunk(self, op: StoreOp) -> list[int]:
         """The blocks to store `op` from: its own, except under fault `stale_chunk`, where one

@@ -299,6 +299,8 @@ class _WorkerSide(PoolWorkerSide):
         start = time.perf_counter()
         if self.c.options.save_mode == "step":
             self._reserve(meta.stores)
+        self._drop_unowned_stores()
+        self.end_step()
         if not self._pending:
             return
         pool, kv = self.c.pool, self.kv
@@ -322,6 +324,32 @@ class _WorkerSide(PoolWorkerSide):
         self.stats.count("unstored_blocks", len(ok) - stored)
         self.stats.count("stored_bytes", stored * kv.block_bytes)
         self.stats.count("store_seconds", time.perf_counter() - start)
+
+    def _drop_unowned_stores(self) -> None:
+        """A store's blocks from its request's first failed load of this step on are not
+        published (own_blocks): their reservations are given back, and the scheduler stores
+        them once vLLM has recomputed them."""
+        kept = []
+        for p in self._pending:
+            first_bad = self.own_blocks(p.op.req_id, p.op.block_ids) * self.c.pieces
+            keep = [i for i, position in enumerate(p.positions) if position < first_bad]
+            if len(keep) < len(p.positions):
+                dropped = [p.refs[i] for i in range(len(keep), len(p.positions))]
+                self.c.pool.abandon(dropped)
+                self.stats.count("unstored_blocks", len(dropped))
+                logger.warning("PdShmConnector: request %s: %d blocks not stored (a load of this "
+                               "prompt failed: they are not its KV)", p.op.req_id, len(dropped))
+                if not keep:
+                    if p.fence is not None:
+                        p.fence.close()
+                    continue
+                p.positions = [p.positions[i] for i in keep]
+                p.refs = SlotRefs(p.refs.slots[keep], p.refs.seqs[keep])
+                p.checksums = p.checksums[keep]
+                if p.owned is not None:
+                    p.owned = p.owned[keep]
+            kept.append(p)
+        self._pending = kept
 
     def _flip_slots(self, pending: list[_PendingStore], ok: list[bool]) -> None:
         """Fault injection (`flip_slot`): one byte of one slot each targeted store published,
@@ -378,7 +406,7 @@ class _WorkerSide(PoolWorkerSide):
         failed = [b for n, b in enumerate(op.block_ids)
                   if any(n * k + j not in good for j in range(k))]
         if failed:
-            self._invalid.update(failed)
+            self.fail_blocks(op.req_id, failed)
             logger.warning("PdShmConnector: request %s: %d of %d pool blocks failed to load "
                            "(%d slots gone, %d replaced while copied, %d checksum mismatches)",
                            op.req_id, len(failed), len(op.block_ids),

@@ -11,6 +11,7 @@ which keeps the step's failed loads, counters and load outcomes (kv_verdicts.py)
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -60,9 +61,28 @@ class PoolWorkerSide:
 
     def __init__(self) -> None:
         self._invalid: set[int] = set()
+        self._failed_now: dict[str, set[int]] = {}  # this step's failed load blocks, by request
         self._outcomes = KvLoadOutcomes()
         self.stats = self.STATS()
         self.verifier: Any = None  # a BlockVerifier where the transport digests blocks (LMCache)
+
+    def fail_blocks(self, req_id: str, block_ids: Iterable[int]) -> None:
+        """Blocks of a load that vLLM must not use (it recomputes or fails them)."""
+        self._invalid.update(block_ids)
+        self._failed_now.setdefault(req_id, set()).update(block_ids)
+
+    def own_blocks(self, req_id: str, block_ids: Sequence[int]) -> int:
+        """How many of a store's leading blocks (prompt order) hold the request's own KV this
+        step: not a block whose load failed (stale bytes, or damaged ones), nor any after it
+        (this step computed those from it). Storing them would put KV under the prompt's key
+        that is not its KV, with fresh checksums and digests: every later reader 'verified'."""
+        failed = self._failed_now.get(req_id)
+        if not failed:
+            return len(block_ids)
+        return next((i for i, b in enumerate(block_ids) if b in failed), 0)
+
+    def end_step(self) -> None:
+        self._failed_now.clear()
 
     def take_load_errors(self) -> set[int]:
         out, self._invalid = self._invalid, set()

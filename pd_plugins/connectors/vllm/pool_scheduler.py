@@ -159,18 +159,22 @@ class PoolSchedulerSide(Generic[HitT]):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         loads, self._loads = self._loads, []
         stores = []
+        bs = self.c.block_size
         for req_id, storing in list(self._storing.items()):
+            request = storing.request
+            computed = request.num_computed_tokens  # not yet this step's tokens
+            if computed >= request.num_prompt_tokens:  # computed, and every load of it held
+                del self._storing[req_id]
+                continue
+            # Blocks vLLM computes again (a failed load: the workers did not store them, nor
+            # any after them) are stored again as they are computed.
+            storing.next_block = min(storing.next_block, computed // bs)
             scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if not scheduled:
                 continue
-            request = storing.request
-            # num_computed_tokens does not yet include this step's tokens
-            done = min(request.num_computed_tokens + scheduled, request.num_prompt_tokens)
-            op = self.store_op(storing, done)
+            op = self.store_op(storing, min(computed + scheduled, request.num_prompt_tokens))
             if op is not None:
                 stores.append(op)
-            if done >= request.num_prompt_tokens:
-                del self._storing[req_id]
         return self.metadata(loads, stores)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

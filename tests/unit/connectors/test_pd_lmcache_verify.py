@@ -68,21 +68,29 @@ class Engine:
         self.metas: list = []
         keep_scheduler_stats(self.connector, self.reports)
 
-    def step(self) -> dict:
+    def step(self, before_worker=None) -> dict:
+        """One engine step; `before_worker(meta)`: what happens elsewhere between the schedule
+        and the worker."""
         from vllm.v1.outputs import KVConnectorOutput
 
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         self.metas.append(meta)
+        if before_worker is not None:
+            before_worker(meta)
         w = self.worker
         w.bind_connector_metadata(meta)
         w.start_load_kv(None)
+        self.compute(output)
         w.wait_for_save()
         report = KVConnectorOutput(invalid_block_ids=w.get_block_ids_with_load_errors(),
                                    kv_connector_worker_meta=w.build_connector_worker_meta())
         self.reports.append(w.get_kv_connector_stats())
         w.clear_connector_metadata()
         return sample_one_token(self.scheduler, output, kv_connector_output=report)
+
+    def compute(self, output) -> None:
+        """The forward pass's KV, where a test asks for it (ComputingEngine)."""
 
     def counted(self, key: str) -> float:
         return counted(self.reports, key)
@@ -103,6 +111,25 @@ def engines(tmp_path):
     yield engine
     for e in made:
         e.close()
+
+
+class ComputingEngine(Engine):
+    """Plays the forward pass's KV too: the blocks a step computes get the prompt's true KV
+    (true_kv), and blocks it retrieves keep what the retrieval put there."""
+
+    def compute(self, output) -> None:
+        manager = self.scheduler.kv_cache_manager
+        for req_id, tokens in output.num_scheduled_tokens.items():
+            # the scheduler counted this step's tokens as computed already
+            start = self.scheduler.requests[req_id].num_computed_tokens - tokens
+            ids = manager.get_block_ids(req_id)[0]
+            for block in range(start // BLOCK_SIZE, -(-(start + tokens) // BLOCK_SIZE)):
+                self.cache[ids[block]] = true_kv(block)
+
+
+def true_kv(block: int) -> torch.Tensor:
+    """What the model computes for a prompt's block `block` (every engine alike)."""
+    return torch.rand(2, BLOCK_SIZE, 1, 1, generator=torch.Generator().manual_seed(1000 + block))
 
 
 @pytest.fixture
@@ -228,6 +255,47 @@ def test_loads_without_digests_are_unverified_or_not_used_under_required(engines
     assert out.kv_transfer_params is None  # nothing loaded: computed, no verdict
     assert strict.metas[0].retrieves == []
     assert strict.counted("unverifiable_hits") == 1
+
+
+def test_a_prefill_whose_retrieval_failed_never_stores_those_blocks(tmp_path):
+    """A prefill finds the prompt in the pool, but its chunks are gone before the worker
+    retrieves them: the load fails and vLLM recomputes. The blocks of that step are not the
+    prompt's KV, so they must not be stored (nor digested); the recomputed ones are. A decode
+    then retrieves the prompt's true KV, verified."""
+    import os
+
+    from pd_plugins.vocab.transfer_params import prefill_flags
+    from tests.unit.connectors.vllm_scheduler import make_request
+
+    backend = f"fs://{tmp_path}"
+    tokens = prompt(9, 56)  # three full chunks
+    first, second = ComputingEngine("kv_producer", backend), ComputingEngine("kv_producer", backend)
+    decode = ComputingEngine("kv_consumer", backend)
+    try:
+        prefill_leg(first, tokens, "first")
+        assert os.listdir(tmp_path)
+
+        def lose_the_chunks(meta) -> None:  # evicted, or the store cleaned up
+            assert meta.retrieves
+            for name in os.listdir(tmp_path):
+                os.unlink(tmp_path / name)
+
+        second.scheduler.add_request(make_request(
+            "second", tokens, {"kv_transfer_params": prefill_flags()}, max_tokens=1))
+        finished = second.step(lose_the_chunks)
+        for _ in range(3):
+            if "second" in finished:
+                break
+            finished.update(second.step())
+        assert second.counted("failed_tokens") > 0  # the load did fail, and was recomputed
+        out = decode_leg(decode, tokens, finished["second"].kv_transfer_params)
+        (load,) = decode.metas[0].retrieves
+        for i, block in enumerate(load.block_ids[:3]):
+            assert torch.equal(decode.cache[block], true_kv(i)), f"block {i}: not its KV"
+        assert kv_verdict_of(out.kv_transfer_params).verdict == "verified"
+    finally:
+        for engine in (first, second, decode):
+            engine.close()
 
 
 def test_verify_off_digests_and_reports_nothing(engines):

@@ -16,7 +16,7 @@ import torch
 
 from pd_plugins.transfer.kv_faults import ALLOWED_VAR, PRODUCTION_VAR
 from pd_plugins.transfer.options import OptionError
-from pd_plugins.vocab.transfer_params import KvVerdict, kv_verdict_of
+from pd_plugins.vocab.transfer_params import KvVerdict, kv_verdict_of, prefill_flags
 from tests.unit.connectors.vllm_scheduler import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -62,15 +62,19 @@ class Engine:
         self.metas: list = []
         keep_scheduler_stats(self.connector, self.scheduler_stats)
 
-    def step(self) -> dict:
-        """One engine step: schedule, the worker's loads and stores, the model's one token."""
+    def step(self, before_worker=None) -> dict:
+        """One engine step: schedule, the worker's loads and stores, the model's one token.
+        `before_worker(meta)`: what happens elsewhere between the schedule and the worker."""
         from vllm.v1.outputs import KVConnectorOutput
 
         output = self.scheduler.schedule()
         meta = output.kv_connector_metadata
         self.metas.append(meta)
+        if before_worker is not None:
+            before_worker(meta)
         self.worker.begin_step(meta)
         self.worker.start_load_kv(meta)
+        self.compute(output)
         self.worker.save_kv_layer(LAYER)
         self.worker.wait_for_save(meta)
         report = KVConnectorOutput(invalid_block_ids=self.worker.take_load_errors(),
@@ -78,11 +82,34 @@ class Engine:
         self.worker_stats.append(self.worker.take_stats())
         return sample_one_token(self.scheduler, output, kv_connector_output=report)
 
+    def compute(self, output) -> None:
+        """The forward pass's KV, where a test asks for it (ComputingEngine)."""
+
     def counted(self, key: str) -> float:
         return counted([*self.worker_stats, *self.scheduler_stats], key)
 
     def close(self) -> None:
         self.scheduler.shutdown()
+
+
+def true_kv(block: int, words: int) -> torch.Tensor:
+    """What the model computes for a prompt's block `block` (every engine alike)."""
+    return torch.from_numpy(np.random.default_rng(1000 + block).standard_normal(words)
+                            .astype(np.float32))
+
+
+class ComputingEngine(Engine):
+    """Plays the forward pass's KV too: the blocks a step computes get the prompt's true KV
+    (true_kv), and blocks it loads keep what the load put there."""
+
+    def compute(self, output) -> None:
+        manager = self.scheduler.kv_cache_manager
+        for req_id, tokens in output.num_scheduled_tokens.items():
+            # the scheduler counted this step's tokens as computed already
+            start = self.scheduler.requests[req_id].num_computed_tokens - tokens
+            ids = manager.get_block_ids(req_id)[0]
+            for block in range(start // BLOCK_SIZE, -(-(start + tokens) // BLOCK_SIZE)):
+                self.cache[ids[block]] = true_kv(block, self.cache.shape[1])
 
 
 @pytest.fixture
@@ -204,6 +231,48 @@ def test_a_slot_reused_between_pin_and_copy_is_never_used(engines, monkeypatch, 
     assert kv_verdict_of(decode_leg(decode, [600] + PROMPT[1:], clean, "cmpl-clean-0")
                          .kv_transfer_params).verdict == "verified"
     assert decode.counted("kv_faults_injected") == 1
+
+
+@pytest.mark.parametrize("save_mode", ["layer", "step"])
+def test_a_prefill_whose_pool_load_failed_never_republishes_those_blocks(tmp_path, save_mode):
+    """A prefill finds the prompt in the pool, but its slots are evicted between the scheduler's
+    lookup and the worker's pin: the load fails and vLLM recomputes. The blocks of that step are
+    not the prompt's KV (stale cache bytes), so they must not be stored with fresh checksums; the
+    recomputed ones are. A decode then loads the prompt's true KV, verified."""
+    from pd_plugins.connectors.vllm.pd_shm import pool_key
+
+    path = str(tmp_path / "pool")
+    first = ComputingEngine("kv_producer", path, save_mode=save_mode)
+    second = ComputingEngine("kv_producer", path, save_mode=save_mode)
+    decode = ComputingEngine("kv_consumer", path)
+    try:
+        prefill_leg(first, PROMPT, "first")  # the prompt's true KV into the pool
+        pool = first.connector.pool
+        words = first.cache.shape[1]
+
+        def evict(meta) -> None:  # another engine's writes evict the slots; played by dropping
+            (load,) = meta.loads
+            pinned = pool.pin([pool_key(h, 0) for h in load.block_hashes])
+            pool.unpin(pinned)
+            assert pool.discard(pinned) == 2
+
+        second.scheduler.add_request(make_request(
+            "second", PROMPT, {"kv_transfer_params": prefill_flags()}, max_tokens=1))
+        finished = second.step(evict)
+        for _ in range(3):
+            if "second" in finished:
+                break
+            finished.update(second.step())
+        assert second.counted("failed_blocks") == 2  # the load did fail, and was recomputed
+        params = finished["second"].kv_transfer_params
+        out = decode_leg(decode, PROMPT, params)
+        (load,) = decode.metas[0].loads
+        for i, block in enumerate(load.block_ids):
+            assert torch.equal(decode.cache[block], true_kv(i, words)), f"block {i}: not its KV"
+        assert kv_verdict_of(out.kv_transfer_params).verdict == "verified"
+    finally:
+        for engine in (first, second, decode):
+            engine.close()
 
 
 def test_verify_off_reports_nothing(engines):
