@@ -93,9 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Merged(msgspec.Struct):
+    """The YAML values that flags and PD_ROUTER_API_KEYS are merged into, checked before they are
+    (a string `api_keys` would be spread into one-character keys, each one valid)."""
+
+    api_keys: list[str] = []
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     data: dict[str, Any] = load_yaml(args.config) if args.config else {}
     source = args.config or "flags"
+    try:
+        msgspec.convert(data, _Merged)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     for key in ("engine", "mode", "transfer", "host", "port", "tokenizer", "block_size",
                 "client_transfer_fields", "route_header", "tls_cert", "tls_key", "api_key_file",
                 "log_level"):

@@ -118,3 +118,14 @@ def test_bad_edge_options_fail_at_startup_naming_the_file(tmp_path, monkeypatch)
     with pytest.raises(ConfigError, match="metrics_need_api_key is set but no API key"):
         config(yaml_text="decode: [{url: 'http://127.0.0.1:1'}]\nmetrics_need_api_key: true\n",
                tmp_path=tmp_path)
+
+
+def test_yaml_api_keys_must_be_strings_before_the_environment_joins(tmp_path, monkeypatch):
+    # a string was spread into its characters beside PD_ROUTER_API_KEYS: each one a valid key
+    monkeypatch.setenv("PD_ROUTER_API_KEYS", "env-key")
+    yaml_text = "decode: [{url: 'http://127.0.0.1:1'}]\napi_keys: %s\n"
+    with pytest.raises(ConfigError, match=r"yaml: Expected `array`, got `str` - at `\$.api_keys`"):
+        config(yaml_text=yaml_text % "sk-live-abc", tmp_path=tmp_path)
+    with pytest.raises(ConfigError, match=r"Expected `str`, got `int` - at `\$.api_keys\[1\]`"):
+        config(yaml_text=yaml_text % "[k0, 5]", tmp_path=tmp_path)
+    assert config(yaml_text=yaml_text % "[k0]", tmp_path=tmp_path).api_keys == ["k0", "env-key"]
