@@ -369,14 +369,25 @@ class RouterConfig(_Strict):
                               f"(got {len(self.decode)} decode workers)")
         # what each engine needs of its workers is checked by its profile (flows/<engine>.py)
         # when the router is built
-        for name, value in msgspec.structs.asdict(self.timeouts).items():
-            if value <= 0:
-                raise ConfigError(f"timeouts.{name} must be > 0 (got {value})")
-        kv_verify = self.health.kv_verify
+        # NaN compares false with everything: `value <= 0` let it through (a 500 per request, a
+        # health loop that died silently)
+        health = self.health
+        for name, value in [*[(f"timeouts.{name}", value) for name, value
+                              in msgspec.structs.asdict(self.timeouts).items()],
+                            *[(f"health.{name}", getattr(health, name))
+                              for name in ("interval_s", "timeout_s", "metrics_interval_s")]]:
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be finite and > 0 (got {value})")
+        for name in ("failure_threshold", "success_threshold"):
+            if getattr(health, name) < 1:
+                raise ConfigError(f"health.{name} must be >= 1 (got {getattr(health, name)})")
+        kv_verify = health.kv_verify
         if kv_verify is not None and not (kv_verify.failures >= 1 and kv_verify.window_s > 0
-                                          and kv_verify.quarantine_s >= 0):
+                                          and kv_verify.quarantine_s >= 0
+                                          and math.isfinite(kv_verify.window_s)
+                                          and math.isfinite(kv_verify.quarantine_s)):
             raise ConfigError("health.kv_verify: failures must be >= 1, window_s > 0, "
-                              "quarantine_s >= 0")
+                              "quarantine_s >= 0, both finite")
         if self.failover.prefill_retries < 0 or self.failover.decode_retries < 0:
             raise ConfigError("failover retries must be >= 0")
         if self.sessions.ttl_s <= 0 or self.sessions.max_sessions < 1:

@@ -129,3 +129,28 @@ def test_yaml_api_keys_must_be_strings_before_the_environment_joins(tmp_path, mo
     with pytest.raises(ConfigError, match=r"Expected `str`, got `int` - at `\$.api_keys\[1\]`"):
         config(yaml_text=yaml_text % "[k0, 5]", tmp_path=tmp_path)
     assert config(yaml_text=yaml_text % "[k0]", tmp_path=tmp_path).api_keys == ["k0", "env-key"]
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ("health", "interval_s", 0), ("health", "interval_s", -1), ("health", "interval_s", "nan"),
+    ("health", "timeout_s", 0), ("health", "timeout_s", "inf"),
+    ("health", "metrics_interval_s", 0), ("health", "metrics_interval_s", "nan"),
+    ("health", "failure_threshold", 0), ("health", "success_threshold", 0),
+    ("timeouts", "prefill_s", "nan"), ("timeouts", "connect_s", "inf"),
+    ("timeouts", "client_write_s", 0), ("timeouts", "decode_idle_s", -1),
+])
+def test_health_and_timeouts_need_finite_positive_values(section, key, value):
+    # interval_s 0 probed back to back, NaN killed the health loop or failed every request,
+    # timeout_s 0 never let a worker be ready
+    data = {"decode": [{"url": "http://d:1"}], section: {key: float(value)}}
+    if key.endswith("threshold"):
+        data[section][key] = value
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} must be "):
+        config_from_mapping(data)
+
+
+def test_kv_verify_windows_must_be_finite():
+    for kv_verify in ({"window_s": float("inf")}, {"quarantine_s": float("nan")}):
+        with pytest.raises(ConfigError, match="health.kv_verify"):
+            config_from_mapping({"decode": [{"url": "http://d:1"}],
+                                 "health": {"kv_verify": kv_verify}})
