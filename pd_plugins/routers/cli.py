@@ -21,12 +21,13 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
 
 from pd_plugins.routers.config import (
-    ConfigError, RouterConfig, config_from_mapping, load_yaml, parse_model_arg, parse_worker_arg,
+    ConfigError, LogLevel, RouterConfig, config_from_mapping, load_yaml, parse_model_arg,
+    parse_worker_arg,
 )
 from pd_plugins.routers.policy import DEFAULT_POLICY, PRESETS, preset
 from pd_plugins.vocab.engines import ENGINES, TRANSFER_MODES
@@ -87,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--traffic-record", metavar="PATH",
                    help="write what the router routes to PATH, one JSON line per request (no prompt "
                         "text; rotated; the YAML's traffic_record sets the limits)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", choices=get_args(LogLevel))
     p.add_argument("--log-format", choices=["json", "text"], default="json")
     p.add_argument("--check-config", action="store_true", help="validate the configuration and exit")
     return p
@@ -95,9 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 class _Merged(msgspec.Struct):
     """The YAML values that flags and PD_ROUTER_API_KEYS are merged into, checked before they are
-    (a string `api_keys` would be spread into one-character keys, each one valid)."""
+    (a string `api_keys` would be spread into one-character keys, each one valid; the others
+    failed with a traceback)."""
 
     api_keys: list[str] = []
+    models: list[Any] = []
+    traffic_record: dict[str, Any] | None = None
+    discovery: dict[str, Any] | None = None
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:

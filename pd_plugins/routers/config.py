@@ -241,6 +241,10 @@ class DiscoverySpec(_Strict):
     retry_max_s: float = 10.0        # longest wait between retries while the API is unusable
 
 
+# logging's levels as --log-level spells them (setup_logging upper-cases them)
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
 class RouterConfig(_Strict):
     # what the router knows of each engine is in its profile (flows/<engine>.py)
     engine: Engine = "vllm"
@@ -282,7 +286,7 @@ class RouterConfig(_Strict):
     api_keys: list[str] = []
     api_key_file: str | None = None
     metrics_need_api_key: bool = False  # /metrics behind the same keys (/health, /ready stay open)
-    log_level: str = "info"
+    log_level: LogLevel = "info"
     discovery: DiscoverySpec | None = None  # None: only the configured workers (and admin API)
     traffic_record: TrafficRecordSpec | None = None  # None: nothing recorded
 

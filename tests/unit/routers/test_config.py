@@ -154,3 +154,21 @@ def test_kv_verify_windows_must_be_finite():
         with pytest.raises(ConfigError, match="health.kv_verify"):
             config_from_mapping({"decode": [{"url": "http://d:1"}],
                                  "health": {"kv_verify": kv_verify}})
+
+
+@pytest.mark.parametrize("yaml_line, flags, message", [
+    ("log_level: verbose", (), r"Invalid enum value 'verbose' - at `\$.log_level`"),
+    ("models: 5", (), r"Expected `array`, got `int` - at `\$.models`"),
+    ("traffic_record: /tmp/x", ("--traffic-record", "/tmp/y"),
+     r"Expected `object \| null`, got `str` - at `\$.traffic_record`"),
+    ("discovery: kubernetes", ("--k8s-namespace", "ns"),
+     r"Expected `object \| null`, got `str` - at `\$.discovery`"),
+    ("api_keys: 5", (), r"Expected `array`, got `int` - at `\$.api_keys`"),
+])
+def test_yaml_values_the_flags_merge_into_are_type_checked(tmp_path, monkeypatch, yaml_line,
+                                                           flags, message):
+    # each was a traceback (TypeError, or a ValueError from logging once --check-config passed)
+    monkeypatch.setenv("PD_ROUTER_API_KEYS", "env-key")
+    with pytest.raises(ConfigError, match="router.yaml: " + message):
+        config(*flags, yaml_text=f"decode: [{{url: 'http://127.0.0.1:1'}}]\n{yaml_line}\n",
+               tmp_path=tmp_path)
