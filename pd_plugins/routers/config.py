@@ -66,6 +66,11 @@ class WorkerSpec(_Strict):
             port = 0
         if parts.scheme != "http" or not parts.hostname or port == 0:  # legs speak plain HTTP
             raise ValueError(f"worker url {self.url!r} must look like http://host:port")
+        for name in ("kv_port", "bootstrap_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 65536:
+                raise ValueError(f"worker {self.url}: {name} must be within 1 and 65535 "
+                                 f"(got {value})")
         self.url = self.url.rstrip("/")
         if self.kv_events and self.kv_events.startswith("bind:"):
             from pd_plugins.routers.kv_sources.events import check_bind_endpoint  # loads ZMQ
@@ -408,6 +413,8 @@ class RouterConfig(_Strict):
                 raise ConfigError("sessions.peer_load_ttl_s must exceed twice sync_interval_s")
             if not 10 <= self.sessions.redis_stream_len <= 1_000_000:
                 raise ConfigError("sessions.redis_stream_len must be within 10 and 1000000")
+        if not 0 <= self.port <= 65535:  # the OS took 70000 as 70000 - 65536
+            raise ConfigError(f"port must be within 0 and 65535 (got {self.port})")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
         record = self.traffic_record

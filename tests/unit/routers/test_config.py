@@ -172,3 +172,22 @@ def test_yaml_values_the_flags_merge_into_are_type_checked(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match="router.yaml: " + message):
         config(*flags, yaml_text=f"decode: [{{url: 'http://127.0.0.1:1'}}]\n{yaml_line}\n",
                tmp_path=tmp_path)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--port", "70000"), r"port must be within 0 and 65535 \(got 70000\)"),
+    (("--port", "-5"), r"port must be within 0 and 65535 \(got -5\)"),
+    (("--prefill", "http://a:2", "engine_id=p0", "kv_port=70000"),
+     r"kv_port must be within 1 and 65535 \(got 70000\) - at `\$.prefill\[0\]`"),
+    (("--prefill", "http://a:2", "0"), r"bootstrap_port must be within 1 and 65535"),
+])
+def test_ports_out_of_range_are_refused(argv, message):
+    # port 70000 was accepted and the OS listened on 70000 - 65536
+    with pytest.raises(ConfigError, match=message):
+        config("--decode", "http://a:1", *argv)
+
+
+def test_ports_at_the_edges_are_accepted():
+    cfg = config("--decode", "http://a:1", "--port", "0", "--transfer", "push", "--prefill",
+                 "http://a:2", "engine_id=p0", "kv_port=65535")
+    assert cfg.port == 0 and cfg.prefill[0].kv_port == 65535
