@@ -123,6 +123,10 @@ class Params(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base for each piece's parameter schema."""
 
 
+class NoParams(Params):
+    """The schema of a piece without parameters: any key in its `params` is refused."""
+
+
 def uncached_tokens(ctx: PolicyContext, worker: Worker, request: RequestInfo) -> int:
     """Prompt tokens `worker` must compute (at least one), by the router's prefix index."""
     cached = ctx.prefix_index.matched_blocks(worker.url, request.block_keys) * ctx.block_size

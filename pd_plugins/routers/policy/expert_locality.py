@@ -14,7 +14,9 @@ the signature is known, see Scheduler.rebind_decode).
 from __future__ import annotations
 
 from pd_plugins.routers.config import ConfigError
-from pd_plugins.routers.policy.base import Params, RequestInfo, parse_params, register
+from pd_plugins.routers.policy.base import (
+    NoParams, Params, RequestInfo, parse_params, register,
+)
 from pd_plugins.routers.policy.expert_signature import locality_band, similarity
 
 
@@ -57,4 +59,7 @@ def _expert_band(params, ctx):
     return ExpertBandFilter(parsed)
 
 
-register("scorer", "expert_locality")(lambda params, ctx: ExpertLocalityScorer())
+@register("scorer", "expert_locality")
+def _expert_locality(params, ctx):
+    parse_params(params, NoParams, "scorer expert_locality")
+    return ExpertLocalityScorer()

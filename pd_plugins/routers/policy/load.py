@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pd_plugins.routers.policy.base import RequestInfo, normalise_lower_is_better, register
+from pd_plugins.routers.policy.base import (
+    NoParams, RequestInfo, normalise_lower_is_better, parse_params, register,
+)
 
 
 class LeastLoadedScorer:
@@ -19,5 +21,13 @@ class KvUsageScorer:
         return [max(0.0, 1.0 - w.kv_usage) for w in workers]
 
 
-register("scorer", "least_loaded")(lambda params, ctx: LeastLoadedScorer())
-register("scorer", "kv_usage")(lambda params, ctx: KvUsageScorer())
+@register("scorer", "least_loaded")
+def _least_loaded(params, ctx):
+    parse_params(params, NoParams, "scorer least_loaded")
+    return LeastLoadedScorer()
+
+
+@register("scorer", "kv_usage")
+def _kv_usage(params, ctx):
+    parse_params(params, NoParams, "scorer kv_usage")
+    return KvUsageScorer()

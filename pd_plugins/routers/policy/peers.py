@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pd_plugins.routers.policy.base import (
-    Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params, register,
+    NoParams, Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params,
+    register,
 )
 from pd_plugins.routers.policy.ttft import SloAdmission, SloParams, TtftEstimator, TtftScorer
 
@@ -192,7 +193,10 @@ def _sglang_cache_aware(params, ctx):
     return SglangCacheAwareScorer(parsed, ctx)
 
 
-register("scorer", "queue_depth")(lambda params, ctx: QueueDepthScorer())
+@register("scorer", "queue_depth")
+def _queue_depth(params, ctx):
+    parse_params(params, NoParams, "scorer queue_depth")
+    return QueueDepthScorer()
 
 
 @register("scorer", "mooncake_ttft")

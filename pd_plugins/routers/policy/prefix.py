@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pd_plugins.routers.policy.base import PolicyContext, RequestInfo, register
+from pd_plugins.routers.policy.base import (
+    NoParams, PolicyContext, RequestInfo, parse_params, register,
+)
 
 
 class PrefixCacheScorer:
@@ -18,4 +20,7 @@ class PrefixCacheScorer:
         return [self.index.matched_blocks(w.url, request.block_keys) / total for w in workers]
 
 
-register("scorer", "prefix_cache")(lambda params, ctx: PrefixCacheScorer(ctx))
+@register("scorer", "prefix_cache")
+def _prefix_cache(params, ctx):
+    parse_params(params, NoParams, "scorer prefix_cache")
+    return PrefixCacheScorer(ctx)

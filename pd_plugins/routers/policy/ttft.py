@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 from pd_plugins.routers.policy.base import (
-    Params, PolicyContext, Rejection, RequestInfo, parse_params, register, uncached_tokens,
+    NoParams, Params, PolicyContext, Rejection, RequestInfo, parse_params, register,
+    uncached_tokens,
 )
 
 
@@ -94,7 +95,10 @@ def _retry_after(excess_s: float) -> float:
     return float(min(60, max(1, math.ceil(excess_s))))
 
 
-register("scorer", "ttft")(lambda params, ctx: TtftScorer(ctx))
+@register("scorer", "ttft")
+def _ttft(params, ctx):
+    parse_params(params, NoParams, "scorer ttft")
+    return TtftScorer(ctx)
 
 
 @register("admission", "slo")

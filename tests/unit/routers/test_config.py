@@ -191,3 +191,10 @@ def test_ports_at_the_edges_are_accepted():
     cfg = config("--decode", "http://a:1", "--port", "0", "--transfer", "push", "--prefill",
                  "http://a:2", "engine_id=p0", "kv_port=65535")
     assert cfg.port == 0 and cfg.prefill[0].kv_port == 65535
+
+
+def test_a_scorer_without_parameters_refuses_params_at_config_check(tmp_path):
+    with pytest.raises(ConfigError, match="scorer prefix_cache params: .*unknown field `x`"):
+        config("--check-config", tmp_path=tmp_path, yaml_text=(
+            "decode: [{url: 'http://127.0.0.1:1'}]\n"
+            "policy: {decode: {scorers: [{name: prefix_cache, params: {x: 1}}]}}\n"))

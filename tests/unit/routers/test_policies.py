@@ -4,7 +4,7 @@ import pytest
 
 from pd_plugins.routers.config import ConfigError
 from pd_plugins.routers.policy import preset
-from pd_plugins.routers.policy.base import build
+from pd_plugins.routers.policy.base import build, registered
 from pd_plugins.routers.policy.scheduler import Scheduler
 from tests.unit.routers.helpers import BLOCK, context, request
 
@@ -192,3 +192,12 @@ def test_presets_build_and_unknown_names_fail_clearly():
         build("scorer", "nope", {}, ctx)
     with pytest.raises(ConfigError, match="unknown field `weight_x`"):
         build("decider", "uncached_length", {"weight_x": 1}, ctx)
+
+
+@pytest.mark.parametrize("kind, name", [(kind, name) for kind in
+                                        ("filter", "scorer", "picker", "decider", "admission")
+                                        for name in registered(kind)])
+def test_every_piece_refuses_unknown_params(kind, name):
+    # the pieces without parameters ignored whatever `params` held (docs: unknown keys fail)
+    with pytest.raises(ConfigError, match=rf"{kind} {name} params: .*unknown field `x`"):
+        build(kind, name, {"x": 1}, context())
