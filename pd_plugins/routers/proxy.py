@@ -83,7 +83,9 @@ class Proxy:
         if self.recorder is None:
             return await self._serve(http, request, path)
         measured = http[MEASURED_KEY] = Measured(time.time())
-        model = self.model or request.model or ""
+        # the group's name, not the client's: the planner and the calibration key the unnamed
+        # group "" however its clients spell the model (an adapter name is its base model's group)
+        model = self.model
         self.recorder.started(model, request.info, self.ctx.block_size, measured)  # in flight
         status = 499  # the client left (the handler was cancelled)
         try:

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import stat
+import types
 
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pd_plugins.routers.config import ConfigError, RouterConfig, TrafficRecordSpec, config_from_mapping
 from pd_plugins.routers.policy.base import RequestInfo
+from pd_plugins.routers.proxy import Proxy
 from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 
 
@@ -155,3 +158,27 @@ def test_requests_are_listed_in_flight_until_recorded_oldest_first_and_bounded(t
     monkeypatch.setattr(traffic_record, "MAX_IN_FLIGHT", 3)  # full: listed no more, counted
     rec.started("a", info(), 16, Measured(9.0))
     assert rec.in_flight(None, 10, 100)["total"] == 3 and rec.counts["unlisted"] == 1
+
+
+def test_requests_are_recorded_under_their_model_group_not_the_clients_spelling(tmp_path):
+    """The unnamed group is "" in the record (as in /admin/calibration) whatever model a client
+    names; a named group records its own name."""
+    async def served(http, request, path):
+        return types.SimpleNamespace(status=200)
+
+    path = tmp_path / "r.jsonl"
+    rec = TrafficRecorder(TrafficRecordSpec(path=str(path)))
+    rec.start()
+
+    async def go():
+        for group in ("", "llama"):
+            proxy = Proxy.__new__(Proxy)  # serve() reads only these
+            proxy.recorder, proxy.model, proxy.sessions = rec, group, None
+            proxy.ctx, proxy._serve = types.SimpleNamespace(block_size=16), served
+            for client_model in ("llama", "meta-llama/Llama-3.1-8B", None):
+                request = types.SimpleNamespace(model=client_model, info=info())
+                await proxy.serve({}, request, "/v1/completions")
+
+    asyncio.run(go())
+    rec.close()
+    assert [r["model"] for r in read(path)] == [""] * 3 + ["llama"] * 3
