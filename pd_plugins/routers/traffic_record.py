@@ -21,6 +21,7 @@ requests that have not ended (`started()` to `record()`: one dict insert and one
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
@@ -143,7 +144,8 @@ class TrafficRecorder:
     def _open(self) -> None:
         fd = os.open(self.spec.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)  # an existing file keeps no wider mode
-        self._file = os.fdopen(fd, "ab")
+        # unbuffered: a write that failed leaves no bytes behind in a buffer to land later
+        self._file = os.fdopen(fd, "ab", buffering=0)
         self._size = os.fstat(fd).st_size
 
     def _replaced(self) -> bool:
@@ -201,16 +203,34 @@ class TrafficRecorder:
 
     def _write(self, lines: list[bytes]) -> None:
         chunk: list[bytes] = []
+        size = self._size
         for line in lines:
-            if self._size + len(line) > self.spec.max_bytes and (self._size or chunk):
-                self._file.write(b"".join(chunk))
-                chunk = []
+            if size + len(line) > self.spec.max_bytes and (size or chunk):
+                self._append(chunk)
+                chunk, size = [], 0
                 self._rotate()
             chunk.append(line)
-            self._size += len(line)
-        self._file.write(b"".join(chunk))
-        self._file.flush()
-        self.counts["written"] += len(lines)
+            size += len(line)
+        self._append(chunk)
+
+    def _append(self, chunk: list[bytes]) -> None:
+        """All of the chunk's lines or none: a write that fails part-way (a full disk) is cut
+        back off, or the next batch would append to a torn line and the file would not parse."""
+        fd = self._file.fileno()
+        start = os.fstat(fd).st_size
+        data = memoryview(b"".join(chunk))
+        try:
+            while data:
+                written = self._file.write(data)  # may be short (the disk filled up mid-write)
+                if not written:
+                    raise OSError(errno.ENOSPC, "nothing written")
+                data = data[written:]
+        except BaseException:
+            os.ftruncate(fd, start)
+            self._size = start
+            raise
+        self._size = start + sum(map(len, chunk))
+        self.counts["written"] += len(chunk)
 
     def _line(self, model: str, info: RequestInfo, block_size: int, m: Measured,
               status: int, turn: int | None) -> bytes:

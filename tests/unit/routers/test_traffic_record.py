@@ -6,8 +6,12 @@ import asyncio
 import json
 import os
 import stat
+import subprocess
+import sys
 import types
+from pathlib import Path
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pd_plugins.routers.config import ConfigError, RouterConfig, TrafficRecordSpec, config_from_mapping
@@ -108,6 +112,54 @@ def test_a_record_file_deleted_under_the_writer_is_made_again(tmp_path):
     rec.close()
     assert read(path)[-1]["t"] == 199.0  # the newest records are in a file at the path again
     assert rec.counts["write_errors"] == 0
+
+
+# The disk fills up in the middle of a line (RLIMIT_FSIZE stands in for ENOSPC: a write past it
+# is cut short, the next fails with EFBIG), then space comes back. A process of its own: the limit
+# would hold for every file the test run writes.
+DISK_FULL_SCRIPT = """
+import json, os, resource, signal, sys, time
+from pd_plugins.routers.config import TrafficRecordSpec
+from pd_plugins.routers.policy.base import RequestInfo
+from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
+
+path = sys.argv[1]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+def one(rec, i):
+    rec.record("m", RequestInfo(prompt_tokens=100 + i, block_keys=[11, 22, 33]), 16,
+               Measured(float(i)), 200, None)
+first = TrafficRecorder(TrafficRecordSpec(path=path))  # three lines already there
+first.start()
+for i in range(3):
+    one(first, i)
+first.close()
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 50, hard))
+rec = TrafficRecorder(TrafficRecordSpec(path=path))
+for i in range(3, 6):  # queued before the writer starts: one batch of ~600 bytes, 50 fit
+    one(rec, i)
+rec.start()
+for _ in range(1000):
+    if rec.counts["write_errors"]:
+        break
+    time.sleep(0.01)
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+for i in range(6, 9):
+    one(rec, i)
+rec.close()
+print(json.dumps(rec.counts))
+"""
+
+
+@pytest.mark.processes
+def test_a_batch_that_fails_part_way_leaves_whole_lines_and_counts_only_them(tmp_path):
+    path = tmp_path / "r.jsonl"
+    run = subprocess.run([sys.executable, "-c", DISK_FULL_SCRIPT, str(path)], capture_output=True,
+                         text=True, timeout=60, cwd=Path(__file__).resolve().parents[3])
+    assert run.returncode == 0, run.stderr
+    counts = json.loads(run.stdout)
+    assert [r["t"] for r in read(path)] == [0.0, 1.0, 2.0, 6.0, 7.0, 8.0]  # the failed batch gone
+    assert counts["written"] == 3 and counts["write_errors"] == 1  # the second recorder's
 
 
 def test_config_checks_the_record_spec():
