@@ -167,6 +167,12 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model: str |
     values = {key: _number(entry, key, model) for key in _FIELDS}
     if values["link_bytes_per_s"] <= 0:
         raise ValueError(f"model {model!r}: link_bytes_per_s must be > 0")
+    # a step of no time: the planner's throughput (tokens / step time) would divide by zero
+    for base, slope in (("prefill_base_s", "prefill_per_token_s"),
+                        ("decode_step_base_s", "decode_step_per_request_s")):
+        if not values[base] and not values[slope]:
+            raise ValueError(f"model {model!r}: {base} and {slope} are both 0 (a step that takes "
+                             "no time): not a fitted line")
     samples = entry.get("samples") or {}
     if require_fitted:
         need = samples.get("min_samples", 1)

@@ -55,10 +55,20 @@ def test_decode_first_line_times_the_pull():
     (exported(m={**ENTRY, "decode_step_base_s": "fast"}), None, "decode_step_base_s"),
     (exported(m={**ENTRY, "samples": {"prefill": 3, "decode_step": 20, "min_samples": 8}}),
      None, "fitted from 3 samples"),
+    # a step of no time: the planner's throughputs would divide by zero
+    (exported(m={**ENTRY, "prefill_base_s": 0, "prefill_per_token_s": 0}), None,
+     "prefill_base_s and prefill_per_token_s are both 0"),
+    (exported(m={**ENTRY, "decode_step_base_s": 0.0, "decode_step_per_request_s": 0}), None,
+     "decode_step_base_s and decode_step_per_request_s are both 0"),
 ])
 def test_refuses_what_is_not_a_usable_calibration(data, model, message):
     with pytest.raises(ValueError, match=message):
         load_calibration(data, model)
+
+
+def test_a_line_with_only_a_base_or_only_a_slope_is_fine():
+    cal = load_calibration(exported(m={**ENTRY, "prefill_base_s": 0, "decode_step_per_request_s": 0}))
+    assert cal.hardware().prefill_s(100) > 0 and cal.hardware().decode_step_s(4) > 0
 
 
 def test_priors_pass_when_asked():
