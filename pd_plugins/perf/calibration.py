@@ -147,10 +147,15 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model: str |
     `model`: which model's, required when it holds several. `require_fitted`: refuse a model
     whose lines are still the router's priors (fewer samples than it needs to fit)."""
     if isinstance(source, Mapping):
-        data = source
-    else:
+        return _calibration(source, model, require_fitted)
+    try:  # a file's errors name it (invalid JSON, UTF-8 or shape: all ValueErrors)
         with open(source, encoding="utf-8") as f:
-            data = json.load(f)
+            return _calibration(json.load(f), model, require_fitted)
+    except ValueError as e:
+        raise ValueError(f"{os.fspath(source)}: {e}") from None
+
+
+def _calibration(data: Any, model: str | None, require_fitted: bool) -> Calibration:
     models = data.get("models") if isinstance(data, Mapping) else None
     if not isinstance(models, Mapping) or not models:
         raise ValueError("not a calibration: expected {\"models\": {name: {...}}} "
@@ -164,6 +169,8 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model: str |
         raise ValueError(f"no model {model!r} in the calibration (it has "
                          f"{', '.join(repr(m) for m in sorted(models))})")
     entry = models[model]
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"model {model!r}: expected an object of fitted lines, got {entry!r}")
     values = {key: _number(entry, key, model) for key in _FIELDS}
     if values["link_bytes_per_s"] <= 0:
         raise ValueError(f"model {model!r}: link_bytes_per_s must be > 0")
@@ -174,6 +181,10 @@ def load_calibration(source: str | os.PathLike | Mapping[str, Any], model: str |
             raise ValueError(f"model {model!r}: {base} and {slope} are both 0 (a step that takes "
                              "no time): not a fitted line")
     samples = entry.get("samples") or {}
+    if not isinstance(samples, Mapping) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in samples.values()):
+        raise ValueError(f"model {model!r}: samples must map each line to a count >= 0, "
+                         f"got {samples!r}")
     if require_fitted:
         need = samples.get("min_samples", 1)
         for line in ("prefill", "decode_step"):

@@ -60,10 +60,30 @@ def test_decode_first_line_times_the_pull():
      "prefill_base_s and prefill_per_token_s are both 0"),
     (exported(m={**ENTRY, "decode_step_base_s": 0.0, "decode_step_per_request_s": 0}), None,
      "decode_step_base_s and decode_step_per_request_s are both 0"),
+    (exported(m=5), None, "model 'm': expected an object of fitted lines, got 5"),
+    (exported(m={**ENTRY, "samples": [1, 2]}), None, "model 'm': samples must map"),
+    (exported(m={**ENTRY, "samples": {**ENTRY["samples"], "prefill": "20"}}), None,
+     "model 'm': samples must map"),
+    (exported(m={**ENTRY, "samples": {**ENTRY["samples"], "decode_step": -1}}), None,
+     "model 'm': samples must map"),
 ])
 def test_refuses_what_is_not_a_usable_calibration(data, model, message):
     with pytest.raises(ValueError, match=message):
         load_calibration(data, model)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "Expecting property name"),
+    (json.dumps(exported(m=5)), "model 'm': expected an object"),
+    (json.dumps(exported(m={**ENTRY, "samples": [1]})), "model 'm': samples must map"),
+    (b"\xff{}", "utf-8"),
+])
+def test_a_file_that_is_not_a_calibration_is_named_in_the_error(tmp_path, text, message):
+    path = tmp_path / "cal.json"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as e:
+        load_calibration(path)
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value)
 
 
 def test_a_line_with_only_a_base_or_only_a_slope_is_fine():
