@@ -11,7 +11,7 @@ import os
 import re
 from datetime import datetime
 
-from pd_plugins.workloads.trace import TraceFormatError, TraceRequest, blocks_for
+from pd_plugins.workloads.trace import TraceFormatError, TraceRequest, blocks_for, utf8_line
 
 HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 AZURE_ID_BASE = 1 << 40
@@ -56,14 +56,14 @@ def load_azure(path: str | os.PathLike, id_offset: int = AZURE_ID_BASE) -> list[
     `id_offset`: no two requests share a block. Bad rows raise TraceFormatError with the line.
     """
     rows: list[tuple[int, int, int]] = []
-    with open(path, encoding="utf-8-sig") as f:
-        header = tuple(c.strip() for c in f.readline().split(","))
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+        header = tuple(c.strip() for c in utf8_line(path, 1, f.readline()).split(","))
         if header != HEADER:
             raise TraceFormatError(path, 1, f"header must be {','.join(HEADER)}, "
                                             f"got {','.join(header)}")
         for lineno, line in enumerate(f, 2):
             if line.strip():
-                rows.append(_parse_row(path, lineno, line))
+                rows.append(_parse_row(path, lineno, utf8_line(path, lineno, line)))
     rows.sort(key=lambda row: row[0])
     t0 = rows[0][0] if rows else 0
     requests, next_id = [], id_offset

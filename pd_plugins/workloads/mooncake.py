@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from pd_plugins.workloads.trace import JsonLine, TraceRequest, blocks_for, is_int
+from pd_plugins.workloads.trace import JsonLine, TraceRequest, blocks_for, is_int, utf8_line
 
 _KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
@@ -34,10 +34,10 @@ def load_mooncake(path: str | os.PathLike) -> list[TraceRequest]:
     earliest one, ids 0.. in that order. Empty lines are skipped; any bad line raises
     TraceFormatError naming the file and line."""
     rows = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
-                rows.append(_parse_line(path, lineno, line))
+                rows.append(_parse_line(path, lineno, utf8_line(path, lineno, line)))
     rows.sort(key=lambda row: row[0])  # stable: equal timestamps keep file order
     t0 = rows[0][0] if rows else 0
     return [TraceRequest(request_id=i, arrival_s=(ts - t0) / 1000, input_tokens=n_in,

@@ -56,6 +56,19 @@ class TraceFormatError(ValueError):
         self.path, self.line, self.what = str(path), line, what
 
 
+def utf8_line(path: object, lineno: int, line: str) -> str:
+    """A line of a file opened with errors="surrogateescape" (as the loaders open traces): bytes
+    that were not UTF-8 are a TraceFormatError naming the line, not a UnicodeDecodeError from
+    wherever in the file the decoder's buffer reached them."""
+    if not line.isascii():
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise TraceFormatError(path, lineno, f"not UTF-8 text (a bad byte at column "
+                                                 f"{e.start + 1})") from None
+    return line
+
+
 def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from pd_plugins.workloads.trace import JsonLine, TraceRequest, blocks_for, is_int
+from pd_plugins.workloads.trace import JsonLine, TraceRequest, blocks_for, is_int, utf8_line
 
 _MASK64 = (1 << 64) - 1
 _KEYS = ("t", "model", "input_tokens", "output_tokens", "block_keys", "block_size")
@@ -94,10 +94,10 @@ def read_records(path: str | os.PathLike | Sequence[str | os.PathLike],
         paths = [os.fspath(p) for p in path]
     rows: list[dict[str, Any]] = []
     for file in paths:
-        with open(file, encoding="utf-8") as f:
+        with open(file, encoding="utf-8", errors="surrogateescape") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    rows.append(_parse(file, lineno, line))
+                    rows.append(_parse(file, lineno, utf8_line(file, lineno, line)))
     models = {r["model"] for r in rows}
     if model is None and len(models) > 1:
         raise ValueError(f"the record holds several models ({', '.join(sorted(models))}): name one")

@@ -62,3 +62,16 @@ def test_bad_rows_name_file_and_line(write, bad, message):
     with pytest.raises(TraceFormatError, match=message) as info:
         load_azure(path)
     assert str(info.value).startswith(f"{path}:5: ") and info.value.line == 5
+
+
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+    path = tmp_path / "latin1.csv"
+    good = "2023-11-16 18:15:46.6805900,374,44\n"
+    path.write_bytes((HEADER + good).encode() + b"2023-11-16 18:15:47.0,1\xe90,10\n")
+    with pytest.raises(TraceFormatError, match="not UTF-8") as info:
+        load_azure(path)
+    assert str(info.value).startswith(f"{path}:3: ") and info.value.line == 3
+    path.write_bytes(b"TIME\xa7STAMP,ContextTokens,GeneratedTokens\n" + good.encode())
+    with pytest.raises(TraceFormatError, match="not UTF-8") as info:
+        load_azure(path)
+    assert info.value.line == 1

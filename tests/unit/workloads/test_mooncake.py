@@ -71,3 +71,12 @@ def test_bad_lines_name_file_and_line(write, bad, message):
     with pytest.raises(TraceFormatError, match=message) as info:
         load_mooncake(path)
     assert str(info.value).startswith(f"{path}:4: ") and info.value.line == 4
+
+
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+    good = line(0, 600, 10, [1, 2]) + "\n"
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(good.encode() * 2 + b"\x00\xff\xfe" + good.encode())
+    with pytest.raises(TraceFormatError, match="not UTF-8") as info:
+        load_mooncake(path)
+    assert str(info.value).startswith(f"{path}:3: ") and info.value.line == 3

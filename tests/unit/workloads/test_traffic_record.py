@@ -69,6 +69,17 @@ def test_bad_lines_name_file_and_line(tmp_path, bad, what):
     assert info.value.line == 2
 
 
+def test_bytes_that_are_not_utf8_name_file_and_line(tmp_path):
+    path = tmp_path / "r.jsonl"
+    cafe = line().replace('"m"', '"caf\u00e9"')  # a model name written as Latin-1
+    path.write_bytes((line() * 2).encode() + cafe.encode("latin-1"))
+    with pytest.raises(TraceFormatError, match="not UTF-8") as info:
+        load_traffic_record(path)
+    assert str(info.value).startswith(f"{path}:3: ") and info.value.line == 3
+    path.write_bytes(cafe.encode("utf-8"))  # UTF-8 itself is fine
+    assert [r.input_tokens for r in load_traffic_record(path)] == [40]
+
+
 def test_a_record_of_n_requests_round_trips_and_simulates(tmp_path):
     """The router's writer, fed what it would compute for a generated workload, read back: the
     same tokens, arrivals, sessions and prefix sharing; the simulator runs it."""
