@@ -11,7 +11,8 @@ import os
 import re
 from datetime import datetime
 
-from pd_plugins.workloads.trace import TraceFormatError, TraceRequest, blocks_for, utf8_line
+from pd_plugins.workloads.trace import (MAX_TRACE_TOKENS, TraceFormatError, TraceRequest,
+                                        blocks_for, utf8_line)
 
 HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 AZURE_ID_BASE = 1 << 40
@@ -45,6 +46,10 @@ def _parse_row(path: str | os.PathLike, lineno: int, line: str) -> tuple[int, in
     for name, text in zip(HEADER[1:], cols[1:]):
         if not (text.isascii() and text.isdigit()):
             raise TraceFormatError(path, lineno, f"{name} must be a non-negative int, got {text!r}")
+        if len(text.lstrip("0")) > len(str(MAX_TRACE_TOKENS)) or int(text) > MAX_TRACE_TOKENS:
+            shown = text if len(text) <= 20 else text[:20] + "..."
+            raise TraceFormatError(path, lineno, f"{name} {shown} is over {MAX_TRACE_TOKENS} "
+                                                 "tokens (a corrupt line?)")
         counts.append(int(text))
     return ts, counts[0], counts[1]
 

@@ -22,6 +22,9 @@ HASH_BLOCK_SIZE = 512
 traces; generated conversations may use a finer one, as an engine's prefix cache does)."""
 
 _MASK64 = (1 << 64) - 1
+MAX_TRACE_TOKENS = 1 << 24
+"""Most tokens a trace line may give a prompt or an answer (16M, past any model's context): a
+larger count is a corrupt line, and loading it would allocate its blocks (or simulate its steps)."""
 
 
 @dataclass(slots=True)
@@ -103,6 +106,8 @@ class JsonLine:
         value = self.rec[key]
         if not is_int(value) or value < 0:
             raise self.bad(f"{key} must be a non-negative int, got {value!r}")
+        if value > MAX_TRACE_TOKENS:
+            raise self.bad(f"{key} {value} is over {MAX_TRACE_TOKENS} tokens (a corrupt line?)")
         return value
 
 

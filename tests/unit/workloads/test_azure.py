@@ -55,6 +55,10 @@ def test_bad_header_is_line_1(write):
     ("2023-11-16 18:15:47.1,ten,10", "ContextTokens"),
     ("2023-11-16 18:15:47.1,10,-3", "GeneratedTokens"),
     ("2023-11-16 18:15:47.1,10", "expected 3 columns"),
+    # one short row must not allocate 2e11 block ids
+    ("2023-11-16 18:15:47.1,99999999999999,10", "ContextTokens 99999999999999 is over 16777216"),
+    ("2023-11-16 18:15:47.1,10,16777217", "GeneratedTokens 16777217 is over"),
+    ("2023-11-16 18:15:47.1," + "9" * 5000 + ",10", "ContextTokens 9999"),  # past int()'s digits
 ])
 def test_bad_rows_name_file_and_line(write, bad, message):
     good = "2023-11-16 18:15:46.6805900,374,44\n"

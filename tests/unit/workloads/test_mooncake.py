@@ -59,6 +59,7 @@ def test_sorts_stably_rebases_and_lifts_zero_outputs(write):
     ('{"timestamp": 1, "input_length": 10, "hash_ids": [1]}', "output_length"),
     (line(1, -5, 10, []), "input_length"),
     (line(1, 10, True, [1]), "output_length"),
+    (line(1, 10, 10**12, [1]), "output_length 1000000000000 is over 16777216 tokens"),
     (line(-1, 10, 10, [1]), "timestamp"),
     (line(1, 1025, 10, [1, 2]), "has 2 ids, expected"),
     (line(1, 600, 10, [1, "x"]), "hash_ids"),

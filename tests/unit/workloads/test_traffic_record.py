@@ -56,6 +56,9 @@ def test_models_and_block_sizes_are_kept_apart(tmp_path):
     ("[1]", "expected a JSON object"),
     (line(t=-1), "t must be"),
     (line(input_tokens="many"), "input_tokens must be"),
+    # one short line must not allocate 6e9 block ids (or simulate 1e11 steps)
+    (line(input_tokens=10**11, block_keys=[]), "input_tokens 100000000000 is over 16777216"),
+    (line(output_tokens=2**24 + 1), "output_tokens 16777217 is over 16777216"),
     (line(block_keys=[1, 2, 3]), "more than its full blocks"),
     (line(block_keys=["x"]), "block_keys must be a list of ints"),
     (line(block_size=0), "block_size must be"),
