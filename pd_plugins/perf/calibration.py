@@ -70,7 +70,8 @@ class Calibration:
     samples: Mapping[str, int] = field(default_factory=dict)
 
     def hardware(self, kv_capacity_tokens: int | None = None) -> CalibratedHardware:
-        return CalibratedHardware(self, kv_capacity_tokens or DEFAULT_KV_CAPACITY_TOKENS)
+        return CalibratedHardware(self, DEFAULT_KV_CAPACITY_TOKENS if kv_capacity_tokens is None
+                                  else kv_capacity_tokens)
 
     def latency_spec(self) -> LatencySpec:
         """The router's latency priors as this calibration found them."""

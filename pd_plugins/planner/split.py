@@ -123,8 +123,18 @@ def sim_config(*, hardware: str = "llama-3.1-8b@h100", calibration: str | None =
     `host_kv_gb`: each instance's host tier for KV copies (CPU offloading; 0: none)."""
     if not (math.isfinite(host_kv_gb) and host_kv_gb >= 0):
         raise ValueError(f"host_kv_gb must be a finite number >= 0, got {host_kv_gb}")
+    if kv_capacity_tokens is not None and kv_capacity_tokens < block_tokens:
+        raise ValueError(f"--kv-capacity-tokens must be at least one KV block ({block_tokens} "
+                         f"tokens), got {kv_capacity_tokens}")
     if calibration:
-        engines = load_calibration(calibration, model=model).hardware(kv_capacity_tokens)
+        cal = load_calibration(calibration, model=model)
+        if host_kv_gb > 0 and not cal.kv_bytes_per_token:
+            # a host tier's size in tokens is its bytes / kv_bytes_per_token: 0 would hold nothing
+            raise ValueError(f"--host-kv-gb {host_kv_gb:g}: the calibration has no "
+                             "kv_bytes_per_token (0, the router's default latency prior); set "
+                             "latency.kv_bytes_per_token in the router's config and export the "
+                             "calibration again, or put it in the calibration file")
+        engines = cal.hardware(kv_capacity_tokens)
         engines = dataclasses.replace(engines, host_kv_bytes=host_kv_gb * 1e9)
         return SimConfig(engines, block_tokens=block_tokens)
     return SimConfig(hardware_preset(hardware).with_(host_kv_bytes=host_kv_gb * 1e9),

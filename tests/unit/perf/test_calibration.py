@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pd_plugins.perf.calibration import load_calibration
+from pd_plugins.perf.calibration import DEFAULT_KV_CAPACITY_TOKENS, load_calibration
 from pd_plugins.perf.cluster_sim import SimConfig, latency_priors, simulate
 from pd_plugins.workloads.trace import TraceRequest
 
@@ -89,6 +89,12 @@ def test_a_file_that_is_not_a_calibration_is_named_in_the_error(tmp_path, text, 
 def test_a_line_with_only_a_base_or_only_a_slope_is_fine():
     cal = load_calibration(exported(m={**ENTRY, "prefill_base_s": 0, "decode_step_per_request_s": 0}))
     assert cal.hardware().prefill_s(100) > 0 and cal.hardware().decode_step_s(4) > 0
+
+
+def test_a_kv_capacity_of_zero_is_kept_not_replaced_by_the_default():
+    cal = load_calibration(exported())
+    assert cal.hardware(0).kv_capacity_tokens() == 0
+    assert cal.hardware().kv_capacity_tokens() == DEFAULT_KV_CAPACITY_TOKENS
 
 
 def test_priors_pass_when_asked():

@@ -103,3 +103,28 @@ def test_a_host_tier_saves_prefill_work_the_device_cache_cannot(mooncake_availab
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="host_kv_gb"):
             sim_config(host_kv_gb=bad)
+
+
+def write_calibration(path, **over):
+    path.write_text(json.dumps({"models": {"m": {
+        "prefill_base_s": 0.01, "prefill_per_token_s": 5e-5, "decode_step_base_s": 0.008,
+        "decode_step_per_request_s": 4e-4, "kv_bytes_per_token": 131072, "link_bytes_per_s": 25e9,
+        "block_size": 16, "samples": {"prefill": 50, "decode_step": 50, "min_samples": 8},
+        **over}}}))
+    return path
+
+
+@pytest.mark.parametrize("flags, message", [
+    # the router's default export has no KV size: a host tier of it would silently hold nothing
+    (["--host-kv-gb", "64"], "--host-kv-gb 64: the calibration has no kv_bytes_per_token"),
+    (["--kv-capacity-tokens", "0"], "--kv-capacity-tokens must be at least one KV block (16 tokens)"),
+    (["--kv-capacity-tokens", "15"], "--kv-capacity-tokens must be at least one KV block"),
+])
+def test_kv_sizes_the_simulation_cannot_use_are_refused_before_it_runs(tmp_path, capsys, flags,
+                                                                        message):
+    record = write_record(tmp_path / "traffic.jsonl", n=10)
+    calibration = write_calibration(tmp_path / "cal.json", kv_bytes_per_token=0.0)
+    rc = main(["--record", str(record), "--calibration", str(calibration), "--slo-ttft-ms", "500",
+               "--slo-tpot-ms", "30", "--instances", "2", "--quiet", *flags])
+    captured = capsys.readouterr()
+    assert rc == 2 and f"pd-planner: {message}" in captured.err and captured.out == ""
