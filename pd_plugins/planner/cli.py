@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -137,23 +138,45 @@ def summary(plan: SplitPlan, source: str, n_requests: int) -> str:
     return "\n".join(lines)
 
 
+def parse_rates(parser: argparse.ArgumentParser, text: str | None) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        parser.error(f"--rates must be comma-separated numbers (req/s), got {text!r}")
+    for rate in rates:
+        if not (math.isfinite(rate) and rate > 0):
+            parser.error(f"--rates must be finite and > 0 req/s, got {rate:g}")
+    return rates
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # before anything runs: a SLO of 0, NaN or inf would score every split alike
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-tpot-ms", args.slo_tpot_ms)):
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"{flag} must be a finite number > 0, got {value:g}")
     if getattr(args, "apply", None):
         from pd_plugins.planner import live
         return live.run_apply(args)
     if args.instances is None and args.target_rate is None:
         parser.error("give --instances (a budget) or --target-rate")
+    if args.target_rate is not None and not (math.isfinite(args.target_rate) and args.target_rate > 0):
+        parser.error(f"--target-rate must be a finite number > 0, got {args.target_rate:g}")
+    # a split is at least 1P:1D, so 2 instances (the search for --target-rate starts at 2)
     for flag, value, low in (("--sample", args.sample, 2), ("--jobs", args.jobs, 1),
+                             ("--instances", args.instances, 2),
+                             ("--max-instances", args.max_instances, 2),
                              ("--duration", args.duration, 1e-9), ("--start", args.start, 0)):
-        if value is not None and value < low:
+        if value is not None and not value >= low:  # not >=: NaN too
             parser.error(f"{flag} must be at least {low:g}, got {value:g}")
+    rates = parse_rates(parser, args.rates)
     try:
         requests = load_requests(args)
         if len(requests) < 2:
             parser.error(f"{len(requests)} request(s) to replay: widen --duration / --sample")
-        rates = [float(r) for r in args.rates.split(",")] if args.rates else None
         progress = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
         plan = plan_split(requests, slo=Slo(args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3),
                           policy=args.policy, instances=args.instances, target_rate=args.target_rate,
@@ -166,16 +189,22 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(plan, args.record or args.trace, len(requests)))
     print()
     print(format_table(plan))
+    # the plan is printed already: a file that cannot be written is reported, not a traceback
+    failed = False
     if args.json:
-        Path(args.json).write_text(json.dumps(plan.to_json(), indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(plan.to_json(), indent=1))
+        except OSError as e:
+            print(f"pd-planner: --json {args.json}: {e}", file=sys.stderr)
+            failed = True
     if args.plot:
         from pd_plugins.planner.plot import write_plot
         try:
             print(f"plot: {write_plot(plan, args.plot)}")
-        except RuntimeError as e:
-            print(f"pd-planner: {e}", file=sys.stderr)
-            return 2
-    return 0
+        except (RuntimeError, OSError, ValueError) as e:  # ValueError: a format matplotlib lacks
+            print(f"pd-planner: --plot {args.plot}: {e}", file=sys.stderr)
+            failed = True
+    return 2 if failed else 0
 
 
 if __name__ == "__main__":

@@ -63,7 +63,9 @@ def write_plot(plan: SplitPlan, path: str | Path) -> Path:
     scores.tick_params(axis="x", rotation=45, labelsize=8)
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
     return out

@@ -128,3 +128,45 @@ def test_kv_sizes_the_simulation_cannot_use_are_refused_before_it_runs(tmp_path,
                "--slo-tpot-ms", "30", "--instances", "2", "--quiet", *flags])
     captured = capsys.readouterr()
     assert rc == 2 and f"pd-planner: {message}" in captured.err and captured.out == ""
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--slo-ttft-ms", "0"], "--slo-ttft-ms must be a finite number > 0, got 0"),
+    (["--slo-ttft-ms", "nan"], "--slo-ttft-ms must be a finite number > 0, got nan"),
+    (["--slo-tpot-ms", "inf"], "--slo-tpot-ms must be a finite number > 0, got inf"),
+    (["--slo-tpot-ms", "-5"], "--slo-tpot-ms must be a finite number > 0"),
+    (["--rates", "1,x"], "--rates must be comma-separated numbers"),
+    (["--rates", "1,nan"], "--rates must be finite and > 0 req/s, got nan"),
+    (["--rates", "inf"], "--rates must be finite and > 0 req/s, got inf"),
+    (["--rates", "2,0"], "--rates must be finite and > 0 req/s, got 0"),
+    (["--instances", "1"], "--instances must be at least 2, got 1"),
+    (["--max-instances", "1"], "--max-instances must be at least 2, got 1"),
+    (["--target-rate", "inf"], "--target-rate must be a finite number > 0, got inf"),
+    (["--duration", "nan"], "--duration must be at least"),
+])
+def test_flags_out_of_range_are_refused_naming_the_flag(tmp_path, capsys, flags, message):
+    record = write_record(tmp_path / "traffic.jsonl", n=10)
+    args = {"--record": str(record), "--slo-ttft-ms": "500", "--slo-tpot-ms": "30",
+            "--instances": "2"}
+    if "--target-rate" in flags or "--max-instances" in flags:
+        del args["--instances"]
+        args["--target-rate"] = "5"
+    args.update(zip(flags[::2], flags[1::2]))
+    with pytest.raises(SystemExit) as exit_:
+        main([*(x for pair in args.items() for x in pair), "--quiet"])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_written_are_reported_after_the_plan(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    record = write_record(tmp_path / "traffic.jsonl", n=10)
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the --json's directory would be
+    rc = main(["--record", str(record), "--slo-ttft-ms", "500", "--slo-tpot-ms", "30",
+               "--instances", "2", "--quiet", "--json", str(blocker / "plan.json"),
+               "--plot", str(tmp_path / "split.xyz")])
+    captured = capsys.readouterr()
+    assert rc == 2 and "best split of 2 instances" in captured.out  # the plan itself is printed
+    assert f"pd-planner: --json {blocker / 'plan.json'}: " in captured.err
+    assert f"pd-planner: --plot {tmp_path / 'split.xyz'}: Format 'xyz' is not supported" in captured.err
+    assert "Traceback" not in captured.err and not (tmp_path / "split.xyz").exists()
