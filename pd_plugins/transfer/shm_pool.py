@@ -15,7 +15,8 @@ Who may touch a slot, and when:
 - A writer reserves a slot (state WRITING, a write lease, a new generation), copies the data,
   then publishes it (state READY, checksum) in a second, later header change that checks the
   generation: data first, index entry second. A writer killed mid-copy never publishes; its
-  lease runs out and the slot is reclaimed.
+  lease runs out and the slot is reclaimed. A slot that is freed (reclaimed, abandoned,
+  discarded) gets a new generation too: no reference to it stays valid.
 - A writer copies only inside a fence (`writing`): a shared OFD lock on each of its slots, under
   which it checks the slots still hold its generation. A reservation whose lease ran out is
   reused only once `reserve` gets that slot's exclusive lock (the writer is not copying: dead, or
@@ -761,11 +762,20 @@ class ShmKVPool:
         idle = np.array([_range_lock(fd, fcntl.F_WRLCK, SLOT_LOCK_BASE + s, 1)
                          for s in expired.tolist()], dtype=bool)
         try:
-            c["state"][expired[idle]] = FREE
+            self._free_locked(expired[idle])
             c["write_until"][expired[~idle]] = now + lease_s
         finally:
             _range_lock(fd, fcntl.F_UNLCK, SLOT_LOCK_BASE, self.num_slots)
         return int(idle.sum())
+
+    def _free_locked(self, slots: np.ndarray) -> None:
+        """Free slots (under the pool's lock) with a new generation each: a freed slot keeps no
+        generation a reference holds, so a writer's unlocked fence check (generation, then state)
+        cannot pass on a slot that another writer reserved between its two reads."""
+        c, seq = self._cols, self._next_seq[0]
+        self._next_seq[0] = seq + np.uint64(len(slots))
+        c["seq"][slots] = seq + np.arange(len(slots), dtype=np.uint64)
+        c["state"][slots] = FREE
 
     @contextmanager
     def writing(self, refs: Sequence[SlotRef] | SlotRefs) -> Iterator[np.ndarray]:
@@ -875,9 +885,8 @@ class ShmKVPool:
         self._require_writable()
         with self._file_lock():
             c = self._cols
-            for ref in refs:
-                if c["seq"][ref.slot] == ref.seq and c["state"][ref.slot] == WRITING:
-                    c["state"][ref.slot] = FREE
+            self._free_locked(np.array([ref.slot for ref in refs if c["seq"][ref.slot] == ref.seq
+                                        and c["state"][ref.slot] == WRITING], dtype=np.int64))
 
     # -- reading ---------------------------------------------------------------------------------
     def pin(self, keys: Sequence[bytes], hints: Sequence[SlotRef | None] | None = None,
@@ -958,16 +967,15 @@ class ShmKVPool:
         Returns how many were dropped."""
         self._require_writable()
         pinned = PinnedSlots.of(pinned)
-        dropped = 0
         with self._file_lock():
             c, now = self._cols, time.time()
-            for slot, seq in zip(pinned.slots.tolist(), pinned.seqs.tolist()):
-                if (c["seq"][slot] == seq and c["state"][slot] == READY
-                        and not (c["readers"][slot] > 0 and c["read_until"][slot] > now)):
-                    c["state"][slot] = FREE
-                    c["hold_until"][slot] = 0.0
-                    dropped += 1
-        return dropped
+            drop = np.unique(np.array(
+                [slot for slot, seq in zip(pinned.slots.tolist(), pinned.seqs.tolist())
+                 if c["seq"][slot] == seq and c["state"][slot] == READY
+                 and not (c["readers"][slot] > 0 and c["read_until"][slot] > now)], dtype=np.int64))
+            c["hold_until"][drop] = 0.0
+            self._free_locked(drop)
+        return len(drop)
 
     def release_hold(self, refs: Iterable[SlotRef]) -> None:
         """End the publisher's hold early (the decode has what it needed)."""

@@ -164,3 +164,73 @@ def test_write_many_skips_rows_whose_slots_are_gone(pool):
     assert np.array_equal(pool.data[a.slot], before)  # c's slot: not written by a's writer
     assert np.array_equal(pool.data[b.slot], block(2))
     assert pool.publish([(a, 0, SLOT), (b, 0, SLOT)]) == [False, True]
+
+
+class _PausedBetweenReads(dict):
+    """The pool's header columns, as the stale writer's fence check reads them: the first read
+    of `state` (after `seq`) waits until told to go on, as a writer descheduled between its two
+    header reads would."""
+
+    def __init__(self, cols, paused, resume):
+        super().__init__(cols)
+        self.paused, self.resume, self.armed = paused, resume, True
+
+    def __getitem__(self, name):
+        if name == "state" and self.armed:
+            self.armed = False
+            self.paused.set()
+            self.resume.wait(10)
+        return super().__getitem__(name)
+
+
+def _writer_paused_in_its_fence_check(path, how, freed, fence, paused, resume, result):
+    """Reserve key 1, lose the reservation (`how`: its lease runs out, or this writer abandons it),
+    then fence a copy of 0xAA, pausing between the check's two header reads."""
+    pool = open_pool(path)
+    (ref,) = pool.reserve([key_of(1)], write_lease_s=LEASE_S if how == "reclaimed" else 30)
+    if how == "abandoned":
+        pool.abandon([ref])
+    freed.put((ref.slot, ref.seq))
+    fence.wait(10)
+    pool._cols = _PausedBetweenReads(pool._cols, paused, resume)
+    with pool.writing([ref]) as owned:
+        if owned[0]:
+            pool.data[ref.slot] = block(0xAA)
+    result.put(bool(owned[0]))
+
+
+@pytest.mark.processes  # tests/tiers.py
+@pytest.mark.parametrize("how", ["reclaimed", "abandoned"])
+def test_a_freed_reservation_is_never_mistaken_for_its_next_owners(tmp_path, how):
+    """A writer's reservation is freed (reclaimed once its lease ran out, or abandoned); the writer
+    then checks its fence, reading the slot's generation, and is paused there until another writer
+    has reserved the freed slot and copied into it (not yet published); then it reads the slot's state (WRITING: the
+    new owner's). Freeing gives the slot a new generation, so the check fails and the stale copy
+    never lands in the new owner's block. Three writers, two processes, one step at a time."""
+    path = f"/dev/shm/pd-fence-{os.getpid()}-{tmp_path.name}"
+    q, result = CTX.Queue(), CTX.Queue()
+    fence, paused, resume = CTX.Event(), CTX.Event(), CTX.Event()
+    try:
+        with open_pool(path) as pool:
+            proc = CTX.Process(target=_writer_paused_in_its_fence_check,
+                               args=(path, how, q, fence, paused, resume, result))
+            proc.start()
+            slot, seq = q.get(timeout=30)
+            if how == "reclaimed":
+                time.sleep(LEASE_S + 0.1)
+                (other,) = pool.reserve([key_of(2)])  # reclaims the lapsed reservation
+                assert other is not None and other.slot != slot
+                assert pool.stats().writing == 1  # only its own: the lapsed one was freed
+            fence.set()
+            assert paused.wait(30)  # the stale writer has read the slot's generation
+            (new,) = pool.reserve([key_of(3)])
+            assert new is not None and new.slot == slot  # the lowest free slot: the freed one
+            chk = pool.write(new, block(0x55))  # copied; published only later (still WRITING)
+            resume.set()
+            assert result.get(timeout=30) is False  # the fence said: not yours any more
+            proc.join(10)
+            assert pool.publish([(new, chk, SLOT)]) == [True]
+            assert np.array_equal(read(pool, 3), block(0x55))
+    finally:
+        resume.set()
+        remove_pool(path)
