@@ -18,7 +18,9 @@ Processes that still map a removed file keep their mapping; the memory goes with
 Who maps a pool is read from /proc/PID/maps. Other users' processes are not readable there: a
 pool only its owner can open (mode 0600, the default) cannot be mapped by them, but a
 group-shared pool (`pool_group`) is removed only when every process could be read (as root).
-The same check serves `remove_when_unused` (ShmKVPool.close).
+Processes in another PID namespace (another container of the pod, sharing /dev/shm) are not in
+this /proc at all: a pool is also in use while a read-write handle holds its in-use lock
+(shm_pool.in_use_elsewhere). The same checks serve `remove_when_unused` (ShmKVPool.close).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from pd_plugins.transfer.pool_mappers import Mapper, MappersUnknown, mappers, writable_mappers
-from pd_plugins.transfer.shm_pool import MAGIC, PoolError, ShmKVPool
+from pd_plugins.transfer.shm_pool import MAGIC, PoolError, ShmKVPool, in_use_elsewhere
 
 DEFAULT_DIRS = ("/dev/shm",)
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -117,8 +119,11 @@ def remove(path: str, idle_for: float = 0.0) -> tuple[bool, str]:
             busy = writable_mappers(path, st)
         except MappersUnknown as exc:
             return False, str(exc)
-        if busy:
+        if busy:  # named where this /proc shows them
             return False, "in use by " + ", ".join(f"pid {m.pid}" for m in busy)
+        if in_use_elsewhere(fd):
+            return False, ("in use by a process in another PID namespace (it holds the pool's "
+                           "in-use lock; /proc here does not show it): another container?")
         now = os.stat(path, follow_symlinks=False)
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
             return False, "replaced meanwhile"

@@ -1,7 +1,9 @@
 """Which processes map a file, read from /proc/PID/maps (pd-pool and `remove_when_unused`).
 
 Other users' processes are not readable there: `writable_mappers` says so (MappersUnknown) when
-the file is open to more than its owner, since then they might map it.
+the file is open to more than its owner, since then they might map it. Processes in another PID
+namespace (another container of the pod, sharing /dev/shm) are not there at all: callers also test
+the pool's in-use lock (shm_pool.in_use_elsewhere).
 """
 
 from __future__ import annotations

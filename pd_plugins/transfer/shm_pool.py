@@ -52,7 +52,10 @@ Who may open the region (the pool holds every prompt's KV, so it is as private a
 - `readonly` handles (the router's view, pd-pool) open the file O_RDONLY and map it read-only.
 
 Removing pools: `remove_when_unused` unlinks the file when the last process that maps it
-read-write closes its handle; `pd-pool` (pool_admin.py) lists pools and removes idle ones. An
+read-write closes its handle; `pd-pool` (pool_admin.py) lists pools and removes idle ones. A
+read-write handle holds a shared OFD lock on the file's byte IN_USE_BYTE while it is open, which
+removal checks besides /proc/PID/maps: containers of one pod share /dev/shm but not PIDs, so an
+engine in another container is not in this /proc, yet its lock is seen. An
 opener that finds the path unlinked or replaced under it (between its open and its lock) opens
 again, so engines never settle on a pool that was just removed.
 
@@ -240,6 +243,9 @@ def _unlink_if_same(path: str, fd: int) -> bool:
 # far past its data. A writer holds a shared lock on its slots while it copies into them; taking
 # over a reservation whose lease ran out needs the exclusive lock (ShmKVPool.writing, _reclaim).
 SLOT_LOCK_BASE = 1 << 62
+# Byte the read-write handles hold a shared OFD lock on while open (not `flock`: that is the pool's
+# header lock, and one open file description holds one flock at a time).
+IN_USE_BYTE = SLOT_LOCK_BASE - 1
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on 64-bit Linux (l_pid 0, as OFD locks need)
 
 
@@ -253,6 +259,16 @@ def _range_lock(fd: int, kind: int, start: int, length: int) -> bool:
         if exc.errno in (errno.EAGAIN, errno.EACCES):
             return False
         raise
+
+
+def in_use_elsewhere(fd: int) -> bool:
+    """Whether a read-write handle on another open file description than `fd` has the pool
+    open, in any PID namespace (its in-use lock). Ask under the pool's lock: openers take their
+    in-use lock under it, so the answer holds until it is released. A test (F_OFD_GETLK), not a
+    lock: it works on pd-pool's read-only descriptor."""
+    got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, IN_USE_BYTE,
+                                                          1, 0))
+    return _FLOCK.unpack(got)[0] != fcntl.F_UNLCK
 
 
 def _round_up(n: int, to: int) -> int:
@@ -446,6 +462,8 @@ class ShmKVPool:
                     replaced = not _same_file(path, self._fd)
                     if not replaced:
                         self._map(size_bytes, slot_bytes, layout_b, create, checksums)
+                        if not readonly and not self._device:  # see in_use_elsewhere
+                            _range_lock(self._fd, fcntl.F_RDLCK, IN_USE_BYTE, 1)
             except BaseException:
                 if created:  # ours alone so far: leave no half-made pool behind
                     _unlink_if_same(path, self._fd)
@@ -638,15 +656,20 @@ class ShmKVPool:
             os.close(fd)
         if self.remove_when_unused:
             self._remove_if_unused()
+        # dropped explicitly: a forked child that inherited the descriptor would keep it
+        _range_lock(self._fd, fcntl.F_UNLCK, IN_USE_BYTE, 1)
         os.close(self._fd)
 
     def _remove_if_unused(self) -> None:
-        """Unlink the file if no other process maps it read-write (checked under the pool's lock,
-        which openers take before they map: one that opened the file before the unlink sees the
-        path gone once it has the lock, and opens again)."""
+        """Unlink the file if no other process maps it read-write, in this PID namespace or
+        another (checked under the pool's lock, which openers take before they map and lock: one
+        that opened the file before the unlink sees the path gone once it has the lock, and opens
+        again)."""
         with self._file_lock():
+            _range_lock(self._fd, fcntl.F_UNLCK, IN_USE_BYTE, 1)  # ours first: we are leaving
             try:
-                if not writable_mappers(self.path, os.fstat(self._fd)):
+                if (not writable_mappers(self.path, os.fstat(self._fd))
+                        and not in_use_elsewhere(self._fd)):
                     _unlink_if_same(self.path, self._fd)
             except MappersUnknown:
                 pass  # users we cannot see: keep it

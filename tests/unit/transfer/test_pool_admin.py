@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from pd_plugins.transfer import pool_admin, shm_pool
 from pd_plugins.transfer.shm_pool import ShmKVPool
 
 pytestmark = pytest.mark.processes  # forked engines and pd-pool runs (tests/tiers.py)
@@ -133,6 +134,36 @@ def test_a_corrupt_pool_is_listed_with_its_error_and_can_be_removed(shm_dir):
     [info] = [json.loads(line) for line in pd_pool("list", "--json", path).stdout.splitlines()]
     assert "truncated" in info["error"]
     assert pd_pool("remove", path).returncode == 0 and not os.path.exists(path)
+
+
+@pytest.mark.parametrize("remover", ["pd-pool remove", "remove_when_unused"])
+def test_a_pool_an_engine_in_another_pid_namespace_maps_is_not_removed(shm_dir, monkeypatch,
+                                                                       remover):
+    """Containers of one pod share /dev/shm but not PIDs: an engine in another one is not in this
+    /proc. Stand-in for it: a real engine process (here, in this namespace) keeps the pool open
+    read-write, while the /proc lookup of this test's process, where pd-pool's `remove` or a
+    closing `remove_when_unused` engine runs, is replaced by one that finds nobody
+    (`writable_mappers` in pool_admin and shm_pool). Only the engine's in-use lock is left to
+    keep its pool."""
+    path = f"{shm_dir}/other-namespace"
+    make(path).close()
+    engine, done = holder(path)
+    blind = lambda path, st: []  # noqa: E731
+    monkeypatch.setattr(pool_admin, "writable_mappers", blind)
+    monkeypatch.setattr(shm_pool, "writable_mappers", blind)
+    try:
+        if remover == "pd-pool remove":
+            removed, why = pool_admin.remove(path)
+            assert not removed and "another PID namespace" in why
+        else:
+            with make(path, remove_when_unused=True):  # an engine here that exits cleanly
+                pass
+        assert os.path.exists(path)
+    finally:
+        stop(engine, done)
+    with make(path, remove_when_unused=True):  # its own lock does not keep it: the last user
+        pass
+    assert not os.path.exists(path)
 
 
 def _open_close(path, remove_when_unused, opened, go):
