@@ -17,7 +17,8 @@ Processes that still map a removed file keep their mapping; the memory goes with
 
 Who maps a pool is read from /proc/PID/maps. Other users' processes are not readable there: a
 pool only its owner can open (mode 0600, the default) cannot be mapped by them, but a
-group-shared pool (`pool_group`) is removed only when every process could be read (as root).
+group-shared pool (`pool_group`) is removed only when every process could be read (as root);
+such a pool is listed (mapped read-only) in the file's own group.
 Processes in another PID namespace (another container of the pod, sharing /dev/shm) are not in
 this /proc at all: a pool is also in use while a read-write handle holds its in-use lock
 (shm_pool.in_use_elsewhere). The same checks serve `remove_when_unused` (ShmKVPool.close).
@@ -79,6 +80,14 @@ def find_pools(dirs: tuple[str, ...] | list[str] = DEFAULT_DIRS) -> list[str]:
     return found
 
 
+def _look_at(path: str, st: os.stat_result) -> ShmKVPool:
+    """The pool mapped read-only, for pd-pool to look at. A group-shared pool (`pool_group`:
+    0660, no access for others) is accepted in its own group: pd-pool changes nothing, and an
+    engine still opens it only in its configured group."""
+    shared = stat.S_IMODE(st.st_mode) & 0o070 and not st.st_mode & 0o007
+    return ShmKVPool.attach(path, readonly=True, group=st.st_gid if shared else None)
+
+
 def pool_info(path: str) -> PoolInfo:
     try:
         st = os.stat(path, follow_symlinks=False)
@@ -86,7 +95,7 @@ def pool_info(path: str) -> PoolInfo:
         return PoolInfo(path, 0, error=exc.strerror or str(exc))
     info = PoolInfo(path, st.st_size, users=mappers(st)[0])
     try:
-        with ShmKVPool.attach(path, readonly=True) as pool:
+        with _look_at(path, st) as pool:
             stats = pool.stats()
             info.num_slots, info.used_slots = stats.num_slots, stats.num_slots - stats.free
             info.last_use = pool.last_use()
@@ -140,7 +149,7 @@ def remove(path: str, idle_for: float = 0.0) -> tuple[bool, str]:
 def _last_use(path: str, st: os.stat_result) -> float:
     """When a slot was last used; the file's change time for a pool whose header is unreadable."""
     try:
-        with ShmKVPool.attach(path, readonly=True) as pool:
+        with _look_at(path, st) as pool:
             return pool.last_use()
     except PoolError:
         return max(st.st_mtime, st.st_ctime)

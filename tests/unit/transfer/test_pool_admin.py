@@ -88,6 +88,22 @@ def test_list_shows_size_slots_users_and_last_use(shm_dir):
         stop(router, router_done)
 
 
+def test_list_shows_a_pool_shared_with_its_group(shm_dir):
+    """A `pool_group` pool (0660 in its group) is a valid pool: pd-pool, which only looks,
+    reads it in the file's own group; one that others may read is still refused."""
+    path = f"{shm_dir}/pool-group"
+    engine = make(path, group=os.getgid())
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o660
+        [info] = [json.loads(line) for line in pd_pool("list", "--json", path).stdout.splitlines()]
+        assert not info["error"] and info["num_slots"] == engine.num_slots
+        os.chmod(path, 0o664)
+        [info] = [json.loads(line) for line in pd_pool("list", "--json", path).stdout.splitlines()]
+        assert "refused" in info["error"]
+    finally:
+        engine.close()
+
+
 def test_remove_refuses_a_pool_an_engine_maps_and_removes_it_once_idle(shm_dir):
     path = f"{shm_dir}/pool-b"
     make(path).close()
