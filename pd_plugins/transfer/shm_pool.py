@@ -29,7 +29,8 @@ Who may touch a slot, and when:
   it has no live pins, so a changed generation means the copy may be torn and must not be used.
   A reader killed mid-copy leaves its pin behind only until its read lease runs out.
 - A published block may carry a hold (`hold_until`): the prefill's promise to the decode that
-  the block stays until then. Eviction is LRU over slots with no hold, no live pin, and no live
+  the block stays until then, set at publish, or by `extend_hold` for a block the prefill found
+  already published. Eviction is LRU over slots with no hold, no live pin, and no live
   write lease.
 - Checksums (a 64-bit sum of the slot's words, taken by the writer from its source data) let a
   reader check the bytes themselves: what keeps the pool correct on memory that is not cache
@@ -999,6 +1000,21 @@ class ShmKVPool:
             c["hold_until"][drop] = 0.0
             self._free_locked(drop)
         return len(drop)
+
+    def extend_hold(self, refs: Iterable[SlotRef | None] | SlotRefs, hold_s: float) -> list[bool]:
+        """Hold published slots for `hold_s` seconds from now, or longer where their hold already
+        runs longer: what `publish(..., hold_s)` promises for the blocks a writer wrote, for the
+        blocks it found already in the pool (`lookup`), whose own hold may be over. True where
+        held; False for a missing ref (None) and a slot that no longer holds that generation,
+        READY (evicted or reused since it was found)."""
+        self._require_writable()
+        refs = SlotRefs.of(refs)
+        if not len(refs):
+            return []
+        with self._file_lock():
+            c = self._cols
+            return kernels.hold(c["state"], c["seq"], c["hold_until"], refs.slots, refs.seqs,
+                                time.time() + float(hold_s)).tolist()
 
     def release_hold(self, refs: Iterable[SlotRef]) -> None:
         """End the publisher's hold early (the decode has what it needed)."""

@@ -1,6 +1,6 @@
 """The shared-memory KV pool's hot paths, compiled (numba): header updates and copy-with-checksum.
 
-Each of the pool's locked calls (reserve, publish, pin, unpin, lookup) is one call into a kernel
+Each of the pool's locked calls (reserve, publish, hold, pin, unpin, lookup) is one call into a kernel
 here, which walks the batch and the header columns in plain loops. As numpy the same work took a
 few dozen array operations per call, ~400 us per batch right after a large copy had swept the
 caches: as much as copying 128 blocks of 64 KiB (docs/benchmarks.md, "Shared-memory KV pool
@@ -243,6 +243,19 @@ def publish(state, seq, checksum, nbytes, hold_until, last_use, slots, seqs, sum
 
 
 @jit
+def hold(state, seq, hold_until, slots, seqs, until):
+    """Hold published slots until at least `until` (a hold is never shortened); False where the
+    slot no longer holds that generation, READY (evicted, dropped or reused since it was found)."""
+    ok = np.zeros(slots.shape[0], np.bool_)
+    for i in range(slots.shape[0]):
+        s = slots[i]
+        ok[i] = 0 <= s < state.shape[0] and seq[s] == seqs[i] and state[s] == READY
+        if ok[i] and hold_until[s] < until:
+            hold_until[s] = until
+    return ok
+
+
+@jit
 def pin(state, key, key64, seq, checksum, nbytes, readers, read_until, last_use, rows,
         hint_slots, hint_seqs, now, lease_s):
     """Pin the published slot of each key: (slots, generations, checksums, sizes), slot -1 where
@@ -360,6 +373,7 @@ def warm_up() -> None:
     slots, seqs, _ = reserve(state, key, key64, ints, seq, f8, f8, readers, f8, f8, pid,
                              np.ones(1, np.uint64), rows, np.zeros(0, np.int64), 0.0, 1.0, 1)
     publish(state, seq, u64, u64, f8, f8, slots, seqs, u64[:1], u64[:1], 0.0, 0.0)
+    hold(state, seq, f8, slots, seqs, 0.0)
     pinned = pin(state, key, key64, seq, u64, u64, readers, f8, f8, rows, np.zeros(0, np.int64),
                  np.zeros(0, np.uint64), 0.0, 1.0)
     unpin(state, seq, readers, pinned[0], pinned[1])

@@ -110,6 +110,27 @@ def test_lru_eviction_spares_held_and_pinned_slots(pool_path):
         assert get(pool, 0) is None and get(pool, 1) is None
 
 
+def test_extend_hold_keeps_a_block_a_writer_found_already_published(pool_path):
+    """A writer that finds its prompt's blocks already published (stored earlier, their hold
+    over) holds them for its decode as it would hold blocks it wrote: eviction takes the unheld
+    ones and spares them. A hold is never shortened, and a ref whose slot was reused since is
+    not held."""
+    with open_pool(pool_path, size=16 * SLOT) as pool:
+        n = pool.num_slots
+        put(pool, 0)  # stored earlier, no hold
+        gone = put(pool, 1)  # likewise, and not held again
+        long_held = put(pool, 2, hold_s=600)
+        found = pool.lookup([key_of(0), key_of(99), key_of(2)])  # the writer's lookup
+        assert pool.extend_hold(found, 60) == [True, False, True]
+        assert pool._cols["hold_until"][long_held.slot] > time.time() + 500  # not shortened
+        for i in range(3, 3 + 3 * n):  # other writers churn through the pool
+            put(pool, i)
+        assert np.array_equal(get(pool, 0), block(0))
+        assert get(pool, 1) is None  # the unheld one was evicted
+        assert pool.extend_hold([gone], 60) == [False]  # its slot holds another block now
+        assert pool.extend_hold([], 60) == []
+
+
 def test_full_pool_reserves_nothing(pool_path):
     with open_pool(pool_path, size=16 * SLOT) as pool:
         for i in range(pool.num_slots):
