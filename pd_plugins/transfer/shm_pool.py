@@ -722,13 +722,14 @@ class ShmKVPool:
             raise ValueError(f"pool keys are {KEY_BYTES} bytes each")
         return np.frombuffer(joined, dtype=np.uint8).reshape(len(keys), KEY_BYTES)
 
-    def lookup(self, keys: Sequence[bytes]) -> SlotRefs:
-        """Where each key is published now (None: not in the pool). A hint: pin before reading."""
+    def lookup(self, keys: Sequence[bytes], writing: bool = False) -> SlotRefs:
+        """Where each key is published now (None: not in the pool; `writing`: or being written).
+        A hint: pin before reading."""
         rows = self._key_rows(keys)
         slots = np.empty(len(keys), dtype=np.int64)
         with self._file_lock():
             c = self._cols
-            kernels.find(c["state"], c["key"], c["key64"], rows, True, False, slots)
+            kernels.find(c["state"], c["key"], c["key64"], rows, True, writing, slots)
             seqs = c["seq"][np.maximum(slots, 0)]
         return SlotRefs(slots, seqs)
 

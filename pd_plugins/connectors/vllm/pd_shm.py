@@ -259,10 +259,17 @@ class _WorkerSide(PoolWorkerSide):
             refs = self.c.pool.reserve(keys, content, write_lease_s=self.c.options.read_lease_s)
             positions = [i for i, r in enumerate(refs) if r is not None]
             if len(positions) < len(refs):
-                present = self.c.pool.lookup([keys[i] for i, r in enumerate(refs) if r is None])
+                # in the pool, or being written by another writer (it publishes them); the
+                # rest found no slot (the pool is full of held, pinned or leased ones)
+                present = self.c.pool.lookup([keys[i] for i, r in enumerate(refs) if r is None],
+                                             writing=True)
                 n_present = sum(r is not None for r in present)
                 self.stats.count("present_blocks", n_present)
                 self.stats.count("unstored_blocks", len(present) - n_present)
+                if self.c.options.hold_s and n_present:
+                    # its decode loads these too: the hold a publish gives (one being written
+                    # gets its writer's at publish)
+                    self.c.pool.extend_hold(present, self.c.options.hold_s)
             if positions:
                 self._pending.append(_PendingStore(
                     op, self._ids(op.block_ids), positions, refs.present(),

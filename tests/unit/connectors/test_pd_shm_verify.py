@@ -305,3 +305,36 @@ def test_faults_are_refused_without_permission(engines, monkeypatch):
     monkeypatch.setenv(PRODUCTION_VAR, "1")
     with pytest.raises(OptionError, match=f"{PRODUCTION_VAR} is set"):
         engines("kv_producer", faults="flip_slot")
+
+
+def test_blocks_a_prefill_found_in_the_pool_are_held_for_its_decode(engines):
+    """`hold_s` keeps a prefill's blocks for its decode: those it found already published too
+    (their own hold long over), not only those it wrote."""
+    from pd_plugins.connectors.vllm.pd_shm import pool_key
+
+    earlier = engines("kv_producer", hold_s=0)
+    prefill_leg(earlier, PROMPT, "earlier")  # stored long ago: no hold left
+    prefill = engines("kv_producer", hold_s=60)
+    found = prefill_leg(prefill, PROMPT, "found")  # present: nothing written by this leg
+    fresh = [1000 + t for t in PROMPT]
+    prefill_leg(prefill, fresh, "fresh")  # written by this leg
+    pool = prefill.connector.pool
+    filler = [bytes([i % 256, i // 256]) * 16 for i in range(pool.num_slots)]
+    pool.publish([(r, 0, 0) for r in pool.reserve(filler) if r is not None])  # other traffic
+    for prompt in (PROMPT, fresh):
+        keys = [pool_key(h, 0) for h in make_request("x", prompt).block_hashes]
+        assert pool.count_prefix(keys) == 2, "a held block was evicted before its decode"
+    assert found["pool_slots"] and all(found["pool_slots"])
+
+
+def test_blocks_another_leg_is_writing_are_not_counted_unstored(engines):
+    """Two PD legs of one prompt in one step: the second finds the first's blocks being written
+    (it publishes them), which is not a full pool."""
+    prefill = engines("kv_producer")
+    for req_id in ("one", "two"):
+        prefill.scheduler.add_request(make_request(
+            req_id, PROMPT, {"kv_transfer_params": prefill_flags()}, max_tokens=1))
+    finished = prefill.step()
+    assert {"one", "two"} <= finished.keys()
+    assert prefill.counted("stored_blocks") == 2 and prefill.counted("present_blocks") == 2
+    assert prefill.counted("unstored_blocks") == 0
