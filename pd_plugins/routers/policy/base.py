@@ -100,6 +100,14 @@ def register(kind: str, name: str) -> Callable[[Factory], Factory]:
     return wrap
 
 
+def register_plain(kind: str, name: str, make: Callable[[PolicyContext], Any]) -> None:
+    """A piece without parameters, built by make(ctx): any key in its `params` is refused."""
+    def factory(params: dict[str, Any], ctx: PolicyContext) -> Any:
+        parse_params(params, NoParams, f"{kind} {name}")
+        return make(ctx)
+    _REGISTRY[kind][name] = factory
+
+
 def build(kind: str, name: str, params: dict[str, Any], ctx: PolicyContext) -> Any:
     factories = _REGISTRY[kind]
     if name not in factories:

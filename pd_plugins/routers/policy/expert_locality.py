@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pd_plugins.routers.config import ConfigError
 from pd_plugins.routers.policy.base import (
-    NoParams, Params, RequestInfo, parse_params, register,
+    Params, RequestInfo, parse_params, register, register_plain,
 )
 from pd_plugins.routers.policy.expert_signature import locality_band, similarity
 
@@ -59,7 +59,4 @@ def _expert_band(params, ctx):
     return ExpertBandFilter(parsed)
 
 
-@register("scorer", "expert_locality")
-def _expert_locality(params, ctx):
-    parse_params(params, NoParams, "scorer expert_locality")
-    return ExpertLocalityScorer()
+register_plain("scorer", "expert_locality", lambda ctx: ExpertLocalityScorer())

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from pd_plugins.routers.policy.base import (
-    NoParams, RequestInfo, normalise_lower_is_better, parse_params, register,
-)
+from pd_plugins.routers.policy.base import RequestInfo, normalise_lower_is_better, register_plain
 
 
 class LeastLoadedScorer:
@@ -21,13 +19,7 @@ class KvUsageScorer:
         return [max(0.0, 1.0 - w.kv_usage) for w in workers]
 
 
-@register("scorer", "least_loaded")
-def _least_loaded(params, ctx):
-    parse_params(params, NoParams, "scorer least_loaded")
-    return LeastLoadedScorer()
+register_plain("scorer", "least_loaded", lambda ctx: LeastLoadedScorer())
 
 
-@register("scorer", "kv_usage")
-def _kv_usage(params, ctx):
-    parse_params(params, NoParams, "scorer kv_usage")
-    return KvUsageScorer()
+register_plain("scorer", "kv_usage", lambda ctx: KvUsageScorer())

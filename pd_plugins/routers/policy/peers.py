@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pd_plugins.routers.policy.base import (
-    NoParams, Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params,
-    register,
+    Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params, register,
+    register_plain,
 )
 from pd_plugins.routers.policy.ttft import SloAdmission, SloParams, TtftEstimator, TtftScorer
 
@@ -193,10 +193,7 @@ def _sglang_cache_aware(params, ctx):
     return SglangCacheAwareScorer(parsed, ctx)
 
 
-@register("scorer", "queue_depth")
-def _queue_depth(params, ctx):
-    parse_params(params, NoParams, "scorer queue_depth")
-    return QueueDepthScorer()
+register_plain("scorer", "queue_depth", lambda ctx: QueueDepthScorer())
 
 
 @register("scorer", "mooncake_ttft")

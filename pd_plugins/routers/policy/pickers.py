@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from pd_plugins.routers.policy.base import NoParams, Params, parse_params, register
+from pd_plugins.routers.policy.base import Params, parse_params, register, register_plain
 
 
 class MaxScorePicker:
@@ -56,16 +56,10 @@ class WeightedRandomPicker:
         return self.rng.choices(workers, weights=scores, k=1)[0]
 
 
-@register("picker", "max_score")
-def _max_score(params, ctx):
-    parse_params(params, NoParams, "picker max_score")
-    return MaxScorePicker()
+register_plain("picker", "max_score", lambda ctx: MaxScorePicker())
 
 
-@register("picker", "round_robin")
-def _round_robin(params, ctx):
-    parse_params(params, NoParams, "picker round_robin")
-    return RoundRobinPicker()
+register_plain("picker", "round_robin", lambda ctx: RoundRobinPicker())
 
 
 register("picker", "random")(

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from pd_plugins.routers.policy.base import (
-    NoParams, PolicyContext, RequestInfo, parse_params, register,
-)
+from pd_plugins.routers.policy.base import PolicyContext, RequestInfo, register_plain
 
 
 class PrefixCacheScorer:
@@ -20,7 +18,4 @@ class PrefixCacheScorer:
         return [self.index.matched_blocks(w.url, request.block_keys) / total for w in workers]
 
 
-@register("scorer", "prefix_cache")
-def _prefix_cache(params, ctx):
-    parse_params(params, NoParams, "scorer prefix_cache")
-    return PrefixCacheScorer(ctx)
+register_plain("scorer", "prefix_cache", PrefixCacheScorer)

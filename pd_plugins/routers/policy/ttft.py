@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from pd_plugins.routers.policy.base import (
-    NoParams, Params, PolicyContext, Rejection, RequestInfo, parse_params, register,
+    Params, PolicyContext, Rejection, RequestInfo, parse_params, register, register_plain,
     uncached_tokens,
 )
 
@@ -95,10 +95,7 @@ def _retry_after(excess_s: float) -> float:
     return float(min(60, max(1, math.ceil(excess_s))))
 
 
-@register("scorer", "ttft")
-def _ttft(params, ctx):
-    parse_params(params, NoParams, "scorer ttft")
-    return TtftScorer(ctx)
+register_plain("scorer", "ttft", TtftScorer)
 
 
 @register("admission", "slo")

@@ -20,6 +20,7 @@ from pd_plugins.vocab.transfer_params import KvVerdict, kv_verdict_of, prefill_f
 from tests.unit.connectors.vllm_scheduler import (
     BLOCK_SIZE,
     NUM_BLOCKS,
+    computed_blocks,
     counted,
     decode_leg,
     keep_scheduler_stats,
@@ -103,13 +104,8 @@ class ComputingEngine(Engine):
     (true_kv), and blocks it loads keep what the load put there."""
 
     def compute(self, output) -> None:
-        manager = self.scheduler.kv_cache_manager
-        for req_id, tokens in output.num_scheduled_tokens.items():
-            # the scheduler counted this step's tokens as computed already
-            start = self.scheduler.requests[req_id].num_computed_tokens - tokens
-            ids = manager.get_block_ids(req_id)[0]
-            for block in range(start // BLOCK_SIZE, -(-(start + tokens) // BLOCK_SIZE)):
-                self.cache[ids[block]] = true_kv(block, self.cache.shape[1])
+        for block, block_id in computed_blocks(self.scheduler, output):
+            self.cache[block_id] = true_kv(block, self.cache.shape[1])
 
 
 @pytest.fixture

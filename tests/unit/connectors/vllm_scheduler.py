@@ -143,3 +143,15 @@ def decode_leg(engine, prompt: list[int], params: dict | None, req_id: str = "d"
         if req_id in finished:
             return finished[req_id]
     raise AssertionError("the decode leg did not finish in three steps")
+
+
+def computed_blocks(scheduler, output):
+    """(prompt block index, engine block id) of every block a scheduled step computes (what a
+    test that plays the forward pass's KV writes; blocks loaded instead are not computed)."""
+    manager = scheduler.kv_cache_manager
+    for req_id, tokens in output.num_scheduled_tokens.items():
+        # the scheduler counted this step's tokens as computed already
+        start = scheduler.requests[req_id].num_computed_tokens - tokens
+        ids = manager.get_block_ids(req_id)[0]
+        for block in range(start // BLOCK_SIZE, -(-(start + tokens) // BLOCK_SIZE)):
+            yield block, ids[block]
