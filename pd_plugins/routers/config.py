@@ -9,11 +9,12 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import msgspec
 import yaml
+from msgspec import Meta
 
 from pd_plugins.vocab.engines import Engine, TransferMode
 
@@ -30,6 +31,21 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pass
 
 
+# Bounds of the numbers below (Meta): msgspec refuses a value outside them while reading a config
+# (YAML, flags, an admin API worker), naming its key: `Expected `float` > 0.0 - at
+# `$.sessions.ttl_s``. Any bound also refuses NaN, and every float has an upper one, which
+# refuses inf. (Older checks with their own messages are in RouterConfig.validate.)
+
+# The prefix index's token block. Engines' KV blocks are 1 to a few hundred tokens; a prompt
+# shorter than one block has no block key, so a larger size only turns prefix routing off
+# (10**15 was accepted).
+MAX_BLOCK_SIZE = 4096
+BlockSize = Annotated[int, Meta(ge=1, le=MAX_BLOCK_SIZE)]
+# An engine's tensor- or data-parallel ranks: SGLang picks the DP rank as room % dp_size (0
+# divided by zero on every request); vLLM push hands tp_size to the decode.
+Ranks = Annotated[int, Meta(ge=1, le=1024)]
+
+
 class WorkerSpec(_Strict):
     url: str
     # vLLM push mode: the prefill's fixed NIXL engine id and side-channel port, which the decode
@@ -37,10 +53,10 @@ class WorkerSpec(_Strict):
     engine_id: str | None = None
     kv_host: str | None = None
     kv_port: int | None = None
-    tp_size: int = 1
+    tp_size: Ranks = 1
     # SGLang prefill: bootstrap server port and data-parallel size (rooms pick the DP rank).
     bootstrap_port: int | None = None
-    dp_size: int = 1
+    dp_size: Ranks = 1
     # vLLM KV events (ZMQ PUB endpoint, e.g. tcp://127.0.0.1:5557) for the prefix_cache scorer.
     kv_events: str | None = None
     # `bind:` endpoints other than loopback or ipc accept events from any host that reaches them
@@ -86,7 +102,8 @@ class ComponentSpec(_Strict):
     """One named policy piece and its parameters (validated by the piece's own factory)."""
 
     name: str
-    weight: float = 1.0
+    # a scorer's share of the total; NaN made every total NaN
+    weight: Annotated[float, Meta(ge=0, le=1e6)] = 1.0
     params: dict[str, Any] = {}
 
 
@@ -117,9 +134,14 @@ class TimeoutSpec(_Strict):
     client_write_s: float = 30.0
 
 
+# Each retry is one more leg a failing request waits for (up to its timeout) before the client
+# hears of it: 16 already tries more workers than a failing deployment has healthy ones.
+Retries = Annotated[int, Meta(ge=0, le=16)]
+
+
 class FailoverSpec(_Strict):
-    prefill_retries: int = 1         # another prefill worker after a failed prefill leg
-    decode_retries: int = 1          # another decode worker, only before the first byte
+    prefill_retries: Retries = 1     # another prefill worker after a failed prefill leg
+    decode_retries: Retries = 1      # another decode worker, only before the first byte
     local_prefill_fallback: bool = True  # no usable prefill worker: decode prefills itself
 
 
@@ -165,17 +187,24 @@ class LatencySpec(_Strict):
 class SessionSpec(_Strict):
     """Conversation tracking (routers/sessions.py), on when a policy piece uses sessions."""
 
-    ttl_s: float = 3600.0            # a conversation idle this long is forgotten
-    max_sessions: int = 100_000      # past this, the least recently used are forgotten
+    # a conversation idle this long is forgotten (at most 30 days; Redis keeps the replicas'
+    # stream as long, in ms: NaN or inf failed at startup)
+    ttl_s: Annotated[float, Meta(gt=0, le=30 * 86400)] = 3600.0
+    # past this, the least recently used are forgotten (memory: 4x as many prefix chains are kept)
+    max_sessions: Annotated[int, Meta(ge=1, le=10_000_000)] = 100_000
     detect: bool = True              # find a session without an id from its prompt's prefix chain
     # Share session pins, in-flight loads, learned prefixes and latency samples between router
     # replicas through Redis (routers/replica_sync.py), e.g. redis://127.0.0.1:6379/0; None: alone.
     redis_url: str | None = None
     redis_prefix: str = "pd-router:session:"  # the stream's key is this + "replicas"
-    redis_timeout_s: float = 0.25    # per Redis command (never on a request's path)
-    sync_interval_s: float = 0.05    # local changes go out in batches this often
-    peer_load_ttl_s: float = 2.0     # a replica not heard from this long counts no load
-    redis_stream_len: int = 2000     # batches Redis keeps (what a starting replica catches up on)
+    # per Redis command (never on a request's path)
+    redis_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 0.25
+    # local changes go out in batches this often
+    sync_interval_s: Annotated[float, Meta(ge=0.005, le=10)] = 0.05
+    # a replica not heard from this long counts no load (more than twice sync_interval_s)
+    peer_load_ttl_s: Annotated[float, Meta(gt=0, le=3600)] = 2.0
+    # batches Redis keeps (what a starting replica catches up on)
+    redis_stream_len: Annotated[int, Meta(ge=10, le=1_000_000)] = 2000
 
 
 MAX_MODEL_NAME = 256
@@ -205,7 +234,7 @@ class ModelSpec(_Strict):
     decode: list[WorkerSpec] = []
     policy: PolicySpec | None = None
     transfer: TransferMode | None = None
-    block_size: int | None = None
+    block_size: BlockSize | None = None
     tokenizer: str | None = None
     # Kubernetes discovery: the pods' `pd.model` label value (None: default_discovery_label)
     discovery_label: str | None = None
@@ -241,9 +270,13 @@ class DiscoverySpec(_Strict):
     namespace: str | None = None     # None: the pod's own in a cluster, else the kubeconfig's
     selector: str = "app.kubernetes.io/part-of=pd-plugins"  # label selector of the engine pods
     kubeconfig: str | None = None    # None: in-cluster service account, else $KUBECONFIG
-    max_pods: int = 1000             # worker pods held at most; more wait for room (logged)
-    watch_timeout_s: int = 300       # each watch's timeoutSeconds, then it resumes
-    retry_max_s: float = 10.0        # longest wait between retries while the API is unusable
+    # worker pods held at most; more wait for room (logged)
+    max_pods: Annotated[int, Meta(ge=1, le=100_000)] = 1000
+    # each watch's timeoutSeconds, then it resumes (the API server ends a watch itself after
+    # --min-request-timeout, 30 to 60 minutes by default)
+    watch_timeout_s: Annotated[int, Meta(ge=1, le=3600)] = 300
+    # longest wait between retries while the API is unusable (NaN never capped the doubling)
+    retry_max_s: Annotated[float, Meta(gt=0, le=3600)] = 10.0
 
 
 # logging's levels as --log-level spells them (setup_logging upper-cases them)
@@ -273,12 +306,16 @@ class RouterConfig(_Strict):
     models: list[ModelSpec] = []
     # Optional tokenizer (a local path) so text prompts get exact token-block keys.
     tokenizer: str | None = None
-    block_size: int = 16             # token block size of the prefix index (match the engines)
-    max_body_bytes: int = 4 * 1024 * 1024
+    block_size: BlockSize = 16       # token block size of the prefix index (match the engines)
+    # a request body past this is refused (413); 0 or less refused every request, and the router
+    # holds a body in memory: at most 1 GiB
+    max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 4 * 1024 * 1024
     # What to do with client-sent transfer fields (kv_transfer_params, bootstrap_*, and those in
     # vllm_xargs; request.py): they never reach a worker.
     client_transfer_fields: Literal["reject", "strip"] = "reject"
-    push_head_start_s: float = 0.1   # vLLM push: decode leg goes this much before the prefill
+    # vLLM push: decode leg goes this much before the prefill (every request's TTFT grows by it;
+    # NaN or < 0 was accepted)
+    push_head_start_s: Annotated[float, Meta(ge=0, le=10)] = 0.1
     admin_token: str | None = None   # bearer token for /admin; None: admin API disabled
     # x-pd-route response header: minimal (the decision and retries, nothing about the
     # deployment) or full (worker URLs, scores, session ids: for operators and tests).
@@ -333,8 +370,6 @@ class RouterConfig(_Strict):
             if not model.decode and not self.workers_discovered():
                 raise ConfigError(f"model {name!r} has no decode worker (give one, or configure "
                                   "discovery to find them)")
-            if model.block_size is not None and model.block_size <= 0:
-                raise ConfigError(f"model {name!r}: block_size must be > 0 (got {model.block_size})")
             if self.workers_discovered():  # the label only matters to discovery
                 label = model.pod_label
                 if not is_label_value(label):
@@ -369,10 +404,6 @@ class RouterConfig(_Strict):
         if self.discovery is not None:
             if self.mode == "sidecar":
                 raise ConfigError("mode sidecar runs beside one fixed decode server: no discovery")
-            if self.discovery.max_pods < 1 or self.discovery.watch_timeout_s < 1 \
-                    or self.discovery.retry_max_s <= 0:
-                raise ConfigError("discovery: max_pods and watch_timeout_s must be >= 1, "
-                                  "retry_max_s > 0")
         if self.mode == "sidecar" and len(self.decode) != 1:
             raise ConfigError("mode sidecar runs beside exactly one decode server "
                               f"(got {len(self.decode)} decode workers)")
@@ -397,26 +428,15 @@ class RouterConfig(_Strict):
                                           and math.isfinite(kv_verify.quarantine_s)):
             raise ConfigError("health.kv_verify: failures must be >= 1, window_s > 0, "
                               "quarantine_s >= 0, both finite")
-        if self.failover.prefill_retries < 0 or self.failover.decode_retries < 0:
-            raise ConfigError("failover retries must be >= 0")
-        if self.sessions.ttl_s <= 0 or self.sessions.max_sessions < 1:
-            raise ConfigError("sessions: ttl_s must be > 0 and max_sessions >= 1")
+        # failover, sessions, discovery and block sizes: their fields' bounds (Meta)
         if self.sessions.redis_url is not None:
             if not self.sessions.redis_url.startswith(("redis://", "rediss://", "unix://")):
                 raise ConfigError("sessions.redis_url must be a redis://, rediss:// or unix:// URL "
                                   f"(got {self.sessions.redis_url!r})")
-            if self.sessions.redis_timeout_s <= 0:
-                raise ConfigError("sessions.redis_timeout_s must be > 0")
-            if not 0.005 <= self.sessions.sync_interval_s <= 10:
-                raise ConfigError("sessions.sync_interval_s must be within 0.005 and 10 s")
             if self.sessions.peer_load_ttl_s <= 2 * self.sessions.sync_interval_s:
                 raise ConfigError("sessions.peer_load_ttl_s must exceed twice sync_interval_s")
-            if not 10 <= self.sessions.redis_stream_len <= 1_000_000:
-                raise ConfigError("sessions.redis_stream_len must be within 10 and 1000000")
         if not 0 <= self.port <= 65535:  # the OS took 70000 as 70000 - 65536
             raise ConfigError(f"port must be within 0 and 65535 (got {self.port})")
-        if self.block_size <= 0:
-            raise ConfigError(f"block_size must be > 0 (got {self.block_size})")
         record = self.traffic_record
         if record is not None and not (record.path and record.max_bytes >= 4096
                                        and 0 <= record.backups <= 100

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from pd_plugins.routers.cli import build_parser, config_from_args
@@ -198,3 +200,47 @@ def test_a_scorer_without_parameters_refuses_params_at_config_check(tmp_path):
         config("--check-config", tmp_path=tmp_path, yaml_text=(
             "decode: [{url: 'http://127.0.0.1:1'}]\n"
             "policy: {decode: {scorers: [{name: prefix_cache, params: {x: 1}}]}}\n"))
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("path, value", [
+    ("max_body_bytes", -1), ("max_body_bytes", 0), ("max_body_bytes", 2**40),
+    ("push_head_start_s", NAN), ("push_head_start_s", -5.0), ("push_head_start_s", INF),
+    ("block_size", 10**15), ("block_size", 0),
+    ("sessions.ttl_s", NAN), ("sessions.ttl_s", INF), ("sessions.max_sessions", 0),
+    ("sessions.redis_timeout_s", NAN), ("sessions.sync_interval_s", NAN),
+    ("sessions.peer_load_ttl_s", NAN), ("sessions.redis_stream_len", 5),
+    ("failover.decode_retries", 10**9), ("failover.prefill_retries", -1),
+    ("discovery.retry_max_s", NAN), ("discovery.retry_max_s", INF),
+    ("discovery.watch_timeout_s", 10**9), ("discovery.max_pods", 0),
+    ("decode[0].dp_size", 0), ("decode[0].tp_size", -1), ("decode[0].dp_size", 10**9),
+    ("policy.decode.scorers[0].weight", NAN), ("policy.decode.scorers[0].weight", INF),
+    ("policy.decode.scorers[0].weight", -1.0),
+])
+def test_sizes_durations_and_counts_out_of_bounds_are_refused_naming_the_key(path, value):
+    # each was accepted: NaN passed `<= 0` checks (and killed a loop or a request later), a
+    # negative body limit refused every request, 10**9 retries or a 10**15 block were kept
+    data = {"decode": [{"url": "http://d:1"}],
+            "policy": {"decode": {"scorers": [{"name": "least_loaded"}]}}, "discovery": {},
+            "failover": {}, "sessions": {}}
+    *parents, key = path.split(".")
+    node = data
+    for part in parents:
+        name, _, index = part.partition("[")
+        node = node[name][int(index[:-1])] if index else node[name]
+    node[key] = value
+    where = re.escape("$." + path)
+    with pytest.raises(ConfigError, match=rf"Expected `(int|float)` [<>]=? \S+ - at `{where}`"):
+        config_from_mapping(data)
+
+
+def test_bounds_leave_the_defaults_and_their_edges_accepted():
+    cfg = config_from_mapping({
+        "decode": [{"url": "http://d:1", "dp_size": 1024, "tp_size": 8}], "block_size": 4096,
+        "max_body_bytes": 1024, "push_head_start_s": 0, "failover": {"decode_retries": 16},
+        "sessions": {"ttl_s": 30 * 86400}, "discovery": {"retry_max_s": 3600},
+        "policy": {"decode": {"scorers": [{"name": "least_loaded", "weight": 0}]}}})
+    assert cfg.block_size == 4096 and cfg.decode[0].dp_size == 1024
+

@@ -88,7 +88,8 @@ def test_discovery_label_default_is_a_label_safe_slug():
     (("--model", "m1", "oops", "--decode", D1), "expected KEY=VALUE"),
     (("--model", "m1", "colour=red", "--decode", D1), r"unknown field `colour` - at `\$.models\[0\]`"),
     (("--model", "m1", "policy=best", "--decode", D1), "unknown policy 'best'"),
-    (("--model", "m1", "block_size=0", "--decode", D1), "block_size must be > 0"),
+    (("--model", "m1", "block_size=0", "--decode", D1),
+     r"Expected `int` >= 1 - at `\$.models\[0\].block_size`"),
     (("--model", "m1", "--decode", D1, "--mode", "sidecar"), "cannot serve `models:`"),
     (("--model", "m1", "transfer=push", "--prefill", P1, "--decode", D1), "model 'm1': prefill .* needs engine_id"),
 ])
