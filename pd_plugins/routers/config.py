@@ -444,6 +444,15 @@ class RouterConfig(_Strict):
                                        and 1 <= record.queue_size <= 1_000_000):
             raise ConfigError("traffic_record: path required, max_bytes >= 4096, backups 0..100, "
                               "max_block_keys 0..100000, queue_size 1..1000000")
+        token = self.admin_token
+        # None turns the admin API off; '' turned it on with a token no client can send (HTTP
+        # strips `Bearer `'s trailing space), and a token with a space or newline at either end
+        # (a secret file's) could never match either
+        if token is not None and (not token or token != token.strip() or not token.isprintable()):
+            raise ConfigError("admin_token (--admin-token, PD_ROUTER_ADMIN_TOKEN) must be "
+                              "printable, without spaces at either end, and not empty "
+                              f"(got {len(token)} characters); leave it unset to turn the admin "
+                              "API off")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
         if self.metrics_need_api_key and not (self.api_keys or self.api_key_file):

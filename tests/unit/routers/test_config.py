@@ -244,3 +244,19 @@ def test_bounds_leave_the_defaults_and_their_edges_accepted():
         "policy": {"decode": {"scorers": [{"name": "least_loaded", "weight": 0}]}}})
     assert cfg.block_size == 4096 and cfg.decode[0].dp_size == 1024
 
+
+@pytest.mark.parametrize("token", ["", " ", "secret\n", " secret", "sec\x00ret"])
+def test_an_admin_token_no_client_can_send_is_refused(token):
+    # '' turned the admin API on with a token no request can carry ("Bearer " loses its space)
+    with pytest.raises(ConfigError, match=r"admin_token .* not empty \(got \d+ characters\)"):
+        config_from_mapping({"decode": [{"url": "http://d:1"}], "admin_token": token})
+
+
+def test_an_empty_admin_token_from_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("PD_ROUTER_ADMIN_TOKEN", "")
+    with pytest.raises(ConfigError, match="PD_ROUTER_ADMIN_TOKEN"):
+        config(*DECODE)
+    monkeypatch.setenv("PD_ROUTER_ADMIN_TOKEN", "t0k3n")
+    assert config(*DECODE).admin_token == "t0k3n"
+    monkeypatch.delenv("PD_ROUTER_ADMIN_TOKEN")
+    assert config(*DECODE).admin_token is None
