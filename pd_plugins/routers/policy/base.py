@@ -9,9 +9,10 @@ factory that takes its parameters, so a YAML file can compose them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Protocol, Sequence
 
 import msgspec
+from msgspec import Meta
 
 from pd_plugins.routers.config import ConfigError
 
@@ -129,6 +130,19 @@ def parse_params(params: dict[str, Any], schema: type, owner: str) -> Any:
 
 class Params(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base for each piece's parameter schema."""
+
+
+# The kinds of number a piece's parameters are, with their bounds (as the config's, Meta): outside
+# them parse_params refuses the value naming the piece and the key (`admission slo params:
+# Expected `float` > 0.0 - at `$.ttft_slo_ms``). Any bound refuses NaN, which compares false with
+# everything (a NaN threshold silently never or always applied); each float has an upper bound,
+# which refuses inf.
+Share = Annotated[float, Meta(ge=0, le=1)]              # a fraction: KV usage, a match rate
+Factor = Annotated[float, Meta(ge=0, le=1e6)]           # a multiplier or weight
+Tokens = Annotated[int, Meta(ge=0, le=10_000_000)]      # past any model's context length
+Requests = Annotated[float, Meta(ge=0, le=1_000_000)]   # a queue length or a load
+Count = Annotated[int, Meta(ge=0, le=1_000_000)]        # requests, as a whole number
+Millis = Annotated[float, Meta(gt=0, le=3_600_000)]     # an SLO: at most an hour
 
 
 class NoParams(Params):

@@ -19,7 +19,9 @@ new tokens there without a prefill leg when that pays (PPD's append-prefill).
 
 from __future__ import annotations
 
-from pd_plugins.routers.policy.base import Params, PolicyContext, RequestInfo, parse_params, register
+from pd_plugins.routers.policy.base import (
+    Factor, Params, PolicyContext, RequestInfo, Share, Tokens, parse_params, register,
+)
 from pd_plugins.routers.policy.ttft import TtftEstimator
 
 
@@ -30,7 +32,7 @@ def pinned_later_turn(request: RequestInfo, decode) -> bool:
 
 
 class SessionPinParams(Params):
-    min_resident_share: float = 0.5
+    min_resident_share: Share = 0.5
 
 
 class SessionPinFilter:
@@ -54,9 +56,9 @@ class SessionPinFilter:
 
 
 class AppendPrefillParams(Params):
-    max_append_tokens: int = 512
-    w_ttft: float = 1.0
-    w_tpot: float = 0.1
+    max_append_tokens: Tokens = 512
+    w_ttft: Factor = 1.0
+    w_tpot: Factor = 0.1
 
 
 class AppendPrefillDecider:

@@ -12,7 +12,9 @@ rules, tuned on single-turn traffic, would otherwise overrule its choice to go t
 
 from __future__ import annotations
 
-from pd_plugins.routers.policy.base import Params, PolicyContext, RequestInfo, parse_params, register
+from pd_plugins.routers.policy.base import (
+    Count, Factor, Params, PolicyContext, RequestInfo, Share, Tokens, parse_params, register,
+)
 from pd_plugins.routers.policy.conversation import pinned_later_turn
 from pd_plugins.routers.policy.ttft import TtftEstimator
 
@@ -20,7 +22,7 @@ LEFT_TO_APPEND = "a later turn on its pinned worker: append_prefill's call"
 
 
 class UncachedLengthParams(Params):
-    min_uncached_tokens: int = 16
+    min_uncached_tokens: Tokens = 16
     skip_pinned_turns: bool = False
 
 
@@ -41,9 +43,9 @@ class UncachedLengthDecider:
 
 
 class PrefillLoadParams(Params):
-    margin: float = 1.5             # local prefill must be this many times faster
-    min_prefill_queue: int = 2      # only when every prefill worker has this many queued
-    max_decode_kv_usage: float = 1.0  # and the decode worker's KV cache (scraped) is below this
+    margin: Factor = 1.5            # local prefill must be this many times faster
+    min_prefill_queue: Count = 2    # only when every prefill worker has this many queued
+    max_decode_kv_usage: Share = 1.0  # and the decode worker's KV cache (scraped) is below this
     skip_pinned_turns: bool = False
 
 

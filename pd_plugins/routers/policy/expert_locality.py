@@ -13,9 +13,8 @@ the signature is known, see Scheduler.rebind_decode).
 
 from __future__ import annotations
 
-from pd_plugins.routers.config import ConfigError
 from pd_plugins.routers.policy.base import (
-    Params, RequestInfo, parse_params, register, register_plain,
+    Params, RequestInfo, Share, parse_params, register, register_plain,
 )
 from pd_plugins.routers.policy.expert_signature import locality_band, similarity
 
@@ -27,7 +26,7 @@ def _similarities(request: RequestInfo, workers: list) -> list[float]:
 
 
 class ExpertBandParams(Params):
-    tau: float = 0.1
+    tau: Share = 0.1                # 0: strict affinity
 
 
 class ExpertBandFilter:
@@ -53,10 +52,7 @@ class ExpertLocalityScorer:
 
 @register("filter", "expert_band")
 def _expert_band(params, ctx):
-    parsed = parse_params(params, ExpertBandParams, "filter expert_band")
-    if not 0.0 <= parsed.tau <= 1.0:
-        raise ConfigError(f"filter expert_band: tau must be in [0, 1], got {parsed.tau}")
-    return ExpertBandFilter(parsed)
+    return ExpertBandFilter(parse_params(params, ExpertBandParams, "filter expert_band"))
 
 
 register_plain("scorer", "expert_locality", lambda ctx: ExpertLocalityScorer())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from pd_plugins.routers.policy.base import Params, RequestInfo, parse_params, register
+from pd_plugins.routers.policy.base import (
+    Factor, Params, RequestInfo, Requests, Share, parse_params, register,
+)
 
 
 class SaturationParams(Params):
-    max_waiting: float = 64.0       # engine queue length above which a worker is skipped
-    max_kv_usage: float = 0.98
+    max_waiting: Requests = 64.0    # engine queue length above which a worker is skipped
+    max_kv_usage: Share = 0.98
 
 
 class SaturationFilter:
@@ -28,8 +30,8 @@ def _saturation(params, ctx):
 
 
 class LoadBandParams(Params):
-    slack: float = 0.25             # keep workers within this share above the least loaded ...
-    margin: float = 2.0             # ... plus this many requests
+    slack: Factor = 0.25            # keep workers within this share above the least loaded ...
+    margin: Requests = 2.0          # ... plus this many requests
 
 
 class LoadBandFilter:

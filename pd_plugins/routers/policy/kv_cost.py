@@ -16,12 +16,12 @@ disaggregated flow.
 from __future__ import annotations
 
 from pd_plugins.routers.policy.base import (
-    Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params, register,
+    Factor, Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params, register,
 )
 
 
 class KvCostParams(Params):
-    prefill_load_scale: float = 1.0
+    prefill_load_scale: Factor = 1.0
     use_overlap: bool = True
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pd_plugins.routers.policy.base import (
-    Params, PolicyContext, RequestInfo, normalise_lower_is_better, parse_params, register,
-    register_plain,
+    Count, Factor, Params, PolicyContext, RequestInfo, Share, normalise_lower_is_better,
+    parse_params, register, register_plain,
 )
 from pd_plugins.routers.policy.ttft import SloAdmission, SloParams, TtftEstimator, TtftScorer
 
@@ -73,9 +73,9 @@ class VllmKvAwareScorer:
 
 
 class CacheAwareParams(Params):
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
+    cache_threshold: Share = 0.3
+    balance_abs_threshold: Count = 64
+    balance_rel_threshold: Factor = 1.5
     # 0.3.2 sends a low match to the least loaded worker; older sglang-routers (and the comment
     # atop cache_aware.rs) to the worker with the smallest tree.
     low_match: Literal["min_load", "smallest_tree"] = "min_load"
@@ -160,7 +160,7 @@ class MooncakeEstimator(TtftEstimator):
 
 
 class MooncakeParams(Params):
-    kvcache_balancing_threshold: float = KVCACHE_BALANCING_THRESHOLD
+    kvcache_balancing_threshold: Factor = KVCACHE_BALANCING_THRESHOLD
 
 
 class MooncakeTtftScorer(TtftScorer):
@@ -171,7 +171,7 @@ class MooncakeTtftScorer(TtftScorer):
 
 
 class MooncakeSloParams(SloParams):
-    kvcache_balancing_threshold: float = KVCACHE_BALANCING_THRESHOLD
+    kvcache_balancing_threshold: Factor = KVCACHE_BALANCING_THRESHOLD
 
 
 class MooncakeSloAdmission(SloAdmission):

@@ -9,9 +9,13 @@ the least-loaded decode worker's next step would miss the TPOT SLO (Mooncake Con
 from __future__ import annotations
 
 import math
+from typing import Annotated
+
+from msgspec import Meta
 
 from pd_plugins.routers.policy.base import (
-    Params, PolicyContext, Rejection, RequestInfo, parse_params, register, register_plain,
+    Millis, Params, PolicyContext, Rejection, RequestInfo, parse_params, register,
+    register_plain,
     uncached_tokens,
 )
 
@@ -43,13 +47,14 @@ class TtftScorer:
 
 
 class SloParams(Params):
-    ttft_slo_ms: float = 2000.0
-    tpot_slo_ms: float | None = None
+    ttft_slo_ms: Millis = 2000.0
+    tpot_slo_ms: Millis | None = None
     # Also reject while every decode worker's KV cache is this full (scraped), or more than half
     # that and its engine queues: a new request would wait there for KV space, a delay the TTFT
     # estimate cannot see. (A queue alone is no sign: vLLM counts a request that is pulling its
     # KV as waiting.)
-    decode_kv_limit: float | None = None
+    # (0 would reject every request)
+    decode_kv_limit: Annotated[float, Meta(gt=0, le=1)] | None = None
 
 
 class SloAdmission:

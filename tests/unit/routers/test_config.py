@@ -260,3 +260,41 @@ def test_an_empty_admin_token_from_the_environment_is_refused(monkeypatch):
     assert config(*DECODE).admin_token == "t0k3n"
     monkeypatch.delenv("PD_ROUTER_ADMIN_TOKEN")
     assert config(*DECODE).admin_token is None
+
+
+@pytest.mark.parametrize("kind, name, key, value", [
+    ("filter", "session_pin", "min_resident_share", ".nan"),
+    ("filter", "session_pin", "min_resident_share", 2),
+    ("decider", "append_prefill", "max_append_tokens", -1),
+    ("decider", "append_prefill", "w_tpot", ".nan"),
+    ("decider", "uncached_length", "min_uncached_tokens", 10**12),
+    ("decider", "prefill_load", "margin", ".inf"),
+    ("decider", "prefill_load", "max_decode_kv_usage", ".nan"),
+    ("decider", "prefill_load", "min_prefill_queue", -1),
+    ("filter", "expert_band", "tau", ".nan"),
+    ("filter", "not_saturated", "max_waiting", ".nan"),
+    ("filter", "not_saturated", "max_kv_usage", -0.5),
+    ("filter", "load_band", "slack", ".nan"),
+    ("filter", "load_band", "margin", ".inf"),
+    ("scorer", "kv_cost", "prefill_load_scale", ".nan"),
+    ("scorer", "sglang_cache_aware", "cache_threshold", ".nan"),
+    ("scorer", "sglang_cache_aware", "balance_abs_threshold", -1),
+    ("scorer", "sglang_cache_aware", "balance_rel_threshold", ".inf"),
+    ("scorer", "mooncake_ttft", "kvcache_balancing_threshold", ".nan"),
+    ("admission", "slo", "ttft_slo_ms", ".nan"),
+    ("admission", "slo", "ttft_slo_ms", 0),
+    ("admission", "slo", "tpot_slo_ms", -5),
+    ("admission", "slo", "decode_kv_limit", 0),
+    ("admission", "mooncake_slo", "kvcache_balancing_threshold", ".inf"),
+])
+def test_policy_parameters_out_of_bounds_are_refused_naming_piece_and_key(tmp_path, kind, name,
+                                                                          key, value):
+    # NaN compares false with everything: a NaN threshold silently never (or always) applied
+    piece = f"{{name: {name}, params: {{{key}: {value}}}}}"
+    policy = {"filter": f"{{decode: {{filters: [{piece}]}}}}",
+              "scorer": f"{{prefill: {{scorers: [{piece}]}}}}",
+              "decider": f"{{deciders: [{piece}]}}", "admission": f"{{admission: {piece}}}"}[kind]
+    with pytest.raises(ConfigError, match=rf"{kind} {name} params: Expected `(int|float)` "
+                                          rf"[<>]=? \S+ - at `\$\.{key}`"):
+        config(yaml_text=f"decode: [{{url: 'http://127.0.0.1:1'}}]\npolicy: {policy}\n",
+               tmp_path=tmp_path)
