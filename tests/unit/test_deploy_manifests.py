@@ -49,7 +49,8 @@ def kubectl_problem() -> tuple[str, str | None]:
     (kubectl 1.27 or later); Debian 12's kubernetes-client is 1.20, with kustomize v2."""
     path = shutil.which("kubectl")
     if path is None:
-        return "", "kubectl is not installed (Debian: kubernetes-client; .ci/run installs it)"
+        return "", ("kubectl is not installed (1.27 or later: pkgs.k8s.io's kubectl package; .ci/run "
+                     "installs it)")
     done = subprocess.run([path, "version", "--client", "-o", "json"], capture_output=True,
                           text=True, timeout=60)
     try:
