@@ -2,7 +2,8 @@
 
 A session is named by the client (x-session-id and friends, or the body's `session_id` / `user`;
 request.py reads them) or found automatically: a request whose prompt extends the prompt of an
-earlier one is its next turn (their prefix block keys chain). After every successful turn the
+earlier one is its next turn (their prefix block keys chain, and the new prompt goes on with the
+earlier one's partial last block). After every successful turn the
 table records the decode worker that served it; the `session_pin` filter sends the next turn there,
 where the conversation's KV is cached, and the `append_prefill` decider may skip the prefill leg.
 
@@ -13,7 +14,7 @@ cluster simulator both call `resolve` before scheduling and `record` after a tur
 
 from __future__ import annotations
 
-import itertools
+import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ class Session:
     turns: int = 0                  # turns served so far
     resident_tokens: int = 0        # prompt tokens of its last turn, cached on decode_url
     last_use: float = 0.0
-    auto: bool = False              # found by prefix detection (`auto-N`), not named by the client
+    auto: bool = False              # found by prefix detection (`auto-<random>`), not client-named
     chain_key: int | None = None    # its last turn's last prompt block key (detection's chain)
+    # its last turn's prompt after that block (token ids, or text): a next turn extends it too
+    tail: tuple[int, ...] | str | None = None
 
 
 class SessionTable:
@@ -39,7 +42,6 @@ class SessionTable:
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         # last prompt block key of a served turn -> its session (automatic detection)
         self._chains: OrderedDict[int, str] = OrderedDict()
-        self._auto_ids = itertools.count(1)
         # Replicas sharing sessions (routers/replica_channels.py) each set their own, so that
         # automatic ids never collide between them.
         self.auto_prefix = "auto-"
@@ -54,7 +56,7 @@ class SessionTable:
         now = self.clock()
         self._expire(now)
         if info.session_id is None and self.spec.detect:
-            info.session_id = self._detect(info.block_keys)
+            info.session_id = self._detect(info)
         if info.session_id is None:
             return
         session = self._sessions.get(info.session_id)
@@ -64,13 +66,24 @@ class SessionTable:
         info.pinned_decode = session.decode_url
         info.resident_tokens = session.resident_tokens
 
-    def _detect(self, keys: list[int]) -> str | None:
-        """The session whose last turn's prompt is the longest prefix of this prompt."""
-        for key in reversed(keys):
-            session_id = self._chains.get(key)
-            if session_id is not None and session_id in self._sessions:
-                self.counts["detected"] += 1
-                return session_id
+    def _detect(self, info: RequestInfo) -> str | None:
+        """The session whose last turn's prompt is the longest prefix of this prompt: its full
+        blocks (the chain key) and its partial last block (the tail). Without the tail check, a
+        short prompt sharing a long system prompt made every later request with that system
+        prompt its next turn, all pinned to one decode."""
+        keys = info.block_keys
+        for i in range(len(keys) - 1, -1, -1):
+            session_id = self._chains.get(keys[i])
+            session = self._sessions.get(session_id) if session_id is not None else None
+            if session is None:
+                continue
+            if session.tail and info.prompt is not None:
+                start = (i + 1) * info.block_width
+                head = info.prompt[start:start + len(session.tail)]
+                if (head if isinstance(head, str) else tuple(head)) != session.tail:
+                    continue  # shares its full blocks, not its tail: another conversation
+            self.counts["detected"] += 1
+            return session_id
         return None
 
     # -- after a successful turn ----------------------------------------------------------------
@@ -82,8 +95,10 @@ class SessionTable:
         if session_id is None:
             if not self.spec.detect or not info.block_keys:
                 return ""
-            session_id = info.session_id = f"{self.auto_prefix}{next(self._auto_ids)}"
-            session = self._sessions.pop(session_id, None) or Session(None, auto=True)
+            # unguessable: a client may name any session id, and one that named a sequential
+            # `auto-N` took over that conversation's pin (or was merged into the next one found)
+            session_id = info.session_id = f"{self.auto_prefix}{secrets.token_hex(8)}"
+            session = Session(None, auto=True)
         else:
             session = self._sessions.pop(session_id, None) or Session(None)
         if session.decode_url != decode_url:
@@ -94,6 +109,7 @@ class SessionTable:
         self._bound()
         if info.block_keys:
             session.chain_key = info.block_keys[-1]
+            session.tail = _tail(info)
             self._chain(session.chain_key, session_id)
         return session_id
 
@@ -144,3 +160,11 @@ class SessionTable:
 
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
+
+
+def _tail(info: RequestInfo) -> tuple[int, ...] | str | None:
+    """The prompt after its last full block (less than a block: bounded per session)."""
+    if info.prompt is None or not info.block_width:
+        return None
+    rest = info.prompt[len(info.block_keys) * info.block_width:]
+    return rest if isinstance(rest, str) else tuple(rest)

@@ -3,7 +3,7 @@
 Turn 1 of a conversation runs disaggregated: the prefill server computes the prompt's KV and the
 decode server reads it over NIXL (PdNixlConnector, pull). Turns 2 and 3 stay on that (pinned)
 decode server with no prefill leg (append-prefill: `prefill=local`), named by an `x-session-id`
-header or found automatically from the prompt's prefix chain (`session=auto-N`). Every turn's
+header or found automatically from the prompt's prefix chain (`session=auto-<random>`). Every turn's
 greedy float32 output equals a connector-less aggregated server's, and the decode's prefix-cache
 counters show that turn t+1 hits the blocks of turn t's prompt, so the blocks that arrived over
 NIXL on turn 1 are reused from the decode's own prefix cache (vLLM caches them when the receive

@@ -33,6 +33,11 @@ class RequestInfo:
     session_id: str | None = None
     exact_tokens: bool = True
     adapter: str | None = None      # the LoRA adapter the request names (its block keys salted)
+    # The prompt as its block keys were computed (token ids, or the text when they are estimated
+    # from characters) and the width of a block in its units: session detection checks that a
+    # next turn extends an earlier prompt's partial last block too. None: not known (traces).
+    prompt: Sequence[int] | str | None = None
+    block_width: int = 0
     # Filled in by the session table (routers/sessions.py) when sessions are tracked:
     turn: int = 0                   # turns of this conversation served before this one
     pinned_decode: str | None = None  # the decode worker that holds the conversation's KV

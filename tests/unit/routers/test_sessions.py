@@ -198,3 +198,51 @@ def test_multi_turn_preset_routes_turn_two_to_its_pinned_worker_without_a_prefil
     d2 = scheduler.schedule(second)
     assert d2.decode is d1.decode and d2.prefill is None
     assert any("append-prefill" in r for r in d2.reasons)
+
+
+def test_a_client_cannot_name_an_automatic_session():
+    """Automatic ids are unguessable: a client that sends `auto-1` (ids were sequential) neither
+    takes over the first detected conversation's pin nor absorbs the next one."""
+    table = SessionTable(SessionSpec())
+    victim = parse({"prompt": HISTORY})
+    table.resolve(victim.info)
+    auto = table.record(victim.info, "http://d0")
+    assert auto.startswith("auto-") and auto not in {f"auto-{n}" for n in range(1, 1000)}
+    attacker = parse({"prompt": [1]}, {"x-session-id": "auto-1"})
+    table.resolve(attacker.info)
+    assert attacker.info.pinned_decode is None  # not the victim's
+    table.record(attacker.info, "http://d1")
+    later = parse({"prompt": TURN2})
+    table.resolve(later.info)
+    assert (later.info.session_id, later.info.pinned_decode) == (auto, "http://d0")
+    stranger = parse({"prompt": list(range(700, 740))})  # the router's next automatic session
+    table.resolve(stranger.info)
+    assert table.record(stranger.info, "http://d2") not in (auto, "auto-1")
+    assert SessionTable(SessionSpec()).record(parse({"prompt": HISTORY}).info, "x") != auto
+
+
+def test_a_shared_full_block_prefix_with_another_tail_is_not_a_next_turn():
+    """A short request made of a system prompt and a few tokens chains at a block of the system
+    prompt: later requests sharing that system prompt are not its next turns (their prompts do
+    not extend its tail), while a real next turn is found."""
+    system = list(range(100, 140))  # 10 full blocks
+    table = SessionTable(SessionSpec())
+    short = parse({"prompt": system + [7, 8]})
+    table.resolve(short.info)
+    session = table.record(short.info, "http://d0")
+    for n in range(5):  # other users' requests with the same system prompt
+        other = parse({"prompt": system + [300 + n, 400 + n, 5, 6, 7]})
+        table.resolve(other.info)
+        assert other.info.session_id is None and other.info.pinned_decode is None
+    turn2 = parse({"prompt": system + [7, 8, 9, 10, 11, 12]})
+    table.resolve(turn2.info)
+    assert (turn2.info.session_id, turn2.info.turn) == (session, 1)
+    # text prompts estimated from characters are checked the same way
+    text = SessionTable(SessionSpec())
+    first = parse({"prompt": "s" * 160 + "ab"})
+    text.resolve(first.info)
+    text_session = text.record(first.info, "http://d0")
+    stranger, follow = parse({"prompt": "s" * 160 + "xy" * 9}), parse({"prompt": "s" * 160 + "abz"})
+    text.resolve(stranger.info)
+    text.resolve(follow.info)
+    assert stranger.info.session_id is None and follow.info.session_id == text_session
