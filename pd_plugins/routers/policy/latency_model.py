@@ -3,9 +3,10 @@
 prefill_s(uncached) = a + b * uncached   fitted online from every prefill leg the router runs;
 decode_step_s(batch) = a + b * batch      fitted online from streamed TPOT and the decode's load.
 Both forget old samples exponentially, so they follow a machine whose speed drifts. Until enough
-samples arrive they use the configured priors. Router replicas feed each other's samples in
-(routers/replica_channels.py, LatencyChannel): each measures only the legs it runs, and alone it
-would stay on the priors twice as long.
+samples arrive they use the configured priors. a and b stay >= 0 (a negative intercept refits the
+line through the origin), and samples of (nearly) one size keep the prior's slope. Router replicas
+feed each other's samples in (routers/replica_channels.py, LatencyChannel): each measures only the
+legs it runs, and alone it would stay on the priors twice as long.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ from typing import Callable
 from pd_plugins.routers.config import LatencySpec
 
 
+# Below this spread of the samples' x (standard deviation over mean) the slope is the prior's.
+MIN_RELATIVE_SPREAD = 0.1
+
+
 class OnlineLinearFit:
-    """Exponentially weighted least squares for y = a + b x."""
+    """Exponentially weighted least squares for y = a + b x, with a >= 0 and b >= 0."""
 
     def __init__(self, prior_a: float, prior_b: float, decay: float = 0.98, min_samples: int = 8):
         self.prior = (prior_a, prior_b)
@@ -43,15 +48,26 @@ class OnlineLinearFit:
 
     @property
     def coefficients(self) -> tuple[float, float]:
+        """(a, b) with a, b >= 0: the line through the samples' (weighted) mean, or, where that
+        needs a < 0, the least-squares line through the origin (b = sum xy / sum xx, same
+        weights). Clamping a to 0 and keeping the slope fitted with the negative a lifted the
+        line off the samples (up to 10x at their own size)."""
         if self.n < self.min_samples:
             return self.prior
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var_x = self._xx / self._w - mean_x * mean_x
-        if var_x <= 1e-9 * max(1.0, mean_x * mean_x):  # all samples at one x: keep the prior slope
+        if var_x < (MIN_RELATIVE_SPREAD * mean_x) ** 2 or var_x <= 1e-12:
+            # The samples sit at (nearly) one x: their jitter, not the machine, would set the
+            # slope (a 1-token spread and 10 ms of jitter gave 250x the real one). Keep the prior.
             slope = self.prior[1]
         else:
             slope = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
-        return max(0.0, mean_y - slope * mean_x), slope
+        intercept = mean_y - slope * mean_x
+        if intercept >= 0.0:
+            return intercept, slope
+        if self._xx <= 0.0:  # every sample at x = 0
+            return max(0.0, mean_y), 0.0
+        return 0.0, max(0.0, self._xy / self._xx)  # least squares through the origin
 
     def predict(self, x: float) -> float:
         a, b = self.coefficients

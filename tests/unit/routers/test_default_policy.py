@@ -135,3 +135,16 @@ def test_skip_pinned_turns_leaves_a_pinned_turn_to_append_prefill(decider, param
     assert skipping.disaggregate(turn, d1, prefills) == plain.disaggregate(turn, d1, prefills)
     first = request(HISTORY, session_id="c1")
     assert skipping.disaggregate(first, d0, prefills) == plain.disaggregate(first, d0, prefills)
+
+
+def test_legs_of_one_length_do_not_lock_longer_prompts_out():
+    """8 prefill legs of ~1000 tokens taking 60-80 ms: the fit with its negative intercept clamped
+    predicted 6.3 s for 500 tokens, so everything over ~120 tokens was refused, and what was
+    admitted was prefilled locally, which gives the fit no sample to recover from."""
+    ctx = context()  # the shipped latency priors
+    scheduler = Scheduler(preset("default"), ctx)
+    for x, jitter in [(1000, -0.01), (1000, 0.0), (1000, -0.01), (1001, 0.01), (1000, 0.0),
+                      (1001, 0.01), (1000, -0.01), (1001, 0.0)]:
+        ctx.latency.prefill.observe(x, 0.02 + 5e-5 * x + jitter)
+    for tokens in (500, 1000, 4000):
+        assert scheduler.admit(request(list(range(tokens)))) is None, tokens
