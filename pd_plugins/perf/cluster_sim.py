@@ -359,12 +359,12 @@ class ClusterSim:
         flight = _Flight(r, info, outcome)
         if self.sessions is not None:
             self.sessions.resolve(info)
-        if self.scheduler.admit(info) is not None:
-            self._end(flight, "rejected")
-            return
-        decision = self.scheduler.schedule(info)
+        decision = self.scheduler.schedule(info)  # admission judges the route (as the proxy)
         if decision is None:
             self._end(flight, "failed")
+            return
+        if self.scheduler.admit(info, decision) is not None:
+            self._end(flight, "rejected")
             return
         flight.decision = decision
         outcome.decode = self.instances[decision.decode].index

@@ -100,7 +100,10 @@ class Proxy:
         started = time.monotonic()
         if self.sessions is not None:
             self.sessions.resolve(request.info)  # its session, turn and pinned decode worker
-        rejection = self.scheduler.admit(request.info)
+        # Admission judges the route chosen (a prompt its decode worker prefills never waits in
+        # the prefill pool's queues); the first attempt takes that route. No route: 503 below.
+        decision = self.scheduler.schedule(request.info)
+        rejection = self.scheduler.admit(request.info, decision) if decision is not None else None
         if rejection is not None:
             if (measured := http.get(MEASURED_KEY)) is not None:
                 measured.decision = "rejected"
@@ -118,7 +121,8 @@ class Proxy:
         client_id = http.headers.get("X-Request-Id")
         base_id = f"{self._id_prefix}-{next(self._ids)}" + (f"-{client_id[:64]}" if client_id else "")
         for attempt_no in range(1 + failover.prefill_retries + failover.decode_retries + 1):
-            decision = self.scheduler.schedule(request.info, excluded_prefill, excluded_decode)
+            if attempt_no:  # the first attempt: the decision admission judged
+                decision = self.scheduler.schedule(request.info, excluded_prefill, excluded_decode)
             if decision is None:
                 if not self.scheduler.local_prefill and self.ctx.pool.usable("decode"):
                     return self._fail("none", 503, "no usable prefill worker (an SGLang decode "

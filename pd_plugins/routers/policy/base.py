@@ -90,7 +90,10 @@ class Decider(Protocol):
 
 
 class Admission(Protocol):
-    def admit(self, request: RequestInfo) -> Rejection | None: ...
+    """Early rejection, judged once the scheduler has chosen the request's route (`decision`;
+    None where no route is known) and before any leg is sent."""
+
+    def admit(self, request: RequestInfo, decision: Decision | None = None) -> Rejection | None: ...
 
 
 Factory = Callable[[dict[str, Any], PolicyContext], Any]

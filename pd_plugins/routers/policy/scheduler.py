@@ -216,8 +216,15 @@ class Scheduler:
         self.uses_expert_signatures = any(getattr(p, "uses_expert_signatures", False)
                                           for p in pieces)
 
-    def admit(self, request: RequestInfo) -> Rejection | None:
-        return self.admission.admit(request) if self.admission else None
+    def admit(self, request: RequestInfo, decision: Decision | None = None) -> Rejection | None:
+        """The admission step on the route `schedule` chose for the request (`decision`; None:
+        scheduled here first). The route matters: a request the deciders leave on its decode
+        worker never waits in the prefill pool's queues."""
+        if self.admission is None:
+            return None
+        if decision is None:
+            decision = self.schedule(request)
+        return self.admission.admit(request, decision)
 
     def choose_decode(self, request: RequestInfo, exclude: set) -> Choice | None:
         candidates = serving_adapter(request, [w for w in self.ctx.pool.usable("decode")

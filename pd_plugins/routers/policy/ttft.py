@@ -4,6 +4,9 @@ For a prefill worker: TTFT = queue (its queued prefills) + prefill(uncached toke
 cache) + transfer (the prompt's KV over the link). The scorer prefers the lowest estimate; the
 admission step answers 429 with Retry-After when even the best estimate misses the TTFT SLO, or when
 the least-loaded decode worker's next step would miss the TPOT SLO (Mooncake Conductor, Alg. 1).
+Admission judges the route the scheduler chose: a request its deciders leave on the decode worker
+(local prefill, append-prefill, an adapter no prefill worker serves) is judged on that worker's
+own prefill estimate, not on the prefill pool's queues it never joins.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Annotated
 from msgspec import Meta
 
 from pd_plugins.routers.policy.base import (
-    Millis, Params, PolicyContext, Rejection, RequestInfo, parse_params, register,
+    Decision, Millis, Params, PolicyContext, Rejection, RequestInfo, parse_params, register,
     register_plain,
     uncached_tokens,
 )
@@ -32,6 +35,14 @@ class TtftEstimator:
         return (model.queue_s(worker.in_flight_prefill_tokens, worker.in_flight)
                 + model.prefill_s(self.uncached_tokens(request, worker))
                 + model.transfer_s(request.prompt_tokens))
+
+    def local_estimate_s(self, request: RequestInfo, decode) -> float:
+        """TTFT when `decode` prefills the prompt itself: the local prefills it already runs
+        (their tokens) + its own uncached tokens; no KV moves."""
+        model = self.ctx.latency
+        _, per_token = model.prefill.coefficients
+        return (per_token * decode.in_flight_prefill_tokens
+                + model.prefill_s(self.uncached_tokens(request, decode)))
 
 
 class TtftScorer:
@@ -64,15 +75,22 @@ class SloAdmission:
         self.params, self.ctx = params, ctx
         self.estimator = TtftEstimator(ctx)
 
-    def admit(self, request: RequestInfo) -> Rejection | None:
+    def admit(self, request: RequestInfo, decision: Decision | None = None) -> Rejection | None:
+        """`decision`: the route the scheduler chose for the request (None: not known, judged as
+        if disaggregated)."""
         pool = self.ctx.pool
-        prefills = pool.usable("prefill") or pool.usable("decode")
-        if not prefills:
-            return None  # nothing to estimate on: the proxy answers 503 itself
-        best = min(self.estimator.estimate_s(request, w) for w in prefills)
+        if decision is not None and decision.prefill is None:
+            best = self.estimator.local_estimate_s(request, decision.decode)
+            route = " (prefilled on its decode worker)"
+        else:
+            prefills = pool.usable("prefill") or pool.usable("decode")
+            if not prefills:
+                return None  # nothing to estimate on: the proxy answers 503 itself
+            best = min(self.estimator.estimate_s(request, w) for w in prefills)
+            route = ""
         slo = self.params.ttft_slo_ms / 1e3
         if best > slo:
-            return Rejection(429, f"predicted TTFT {best * 1e3:.0f} ms exceeds the "
+            return Rejection(429, f"predicted TTFT {best * 1e3:.0f} ms{route} exceeds the "
                                   f"{self.params.ttft_slo_ms:.0f} ms SLO; retry later",
                              retry_after_s=_retry_after(best - slo))
         limit = self.params.decode_kv_limit

@@ -148,3 +148,69 @@ def test_legs_of_one_length_do_not_lock_longer_prompts_out():
         ctx.latency.prefill.observe(x, 0.02 + 5e-5 * x + jitter)
     for tokens in (500, 1000, 4000):
         assert scheduler.admit(request(list(range(tokens)))) is None, tokens
+
+
+def _busy_prefill_pool():
+    ctx = context(prefills=1, decodes=2)  # the shipped latency priors: 20 ms + 0.2 ms per token
+    p = ctx.pool.by_role("prefill")[0]
+    p.in_flight, p.in_flight_prefill_tokens = 8, 20_000  # ~4.2 s of queued prefills
+    for d in ctx.pool.by_role("decode"):  # too full for prefill_load to convert them
+        d.kv_usage = 0.75
+    return ctx
+
+
+@pytest.mark.parametrize("name", ["default", "goodput"])
+def test_admission_judges_a_local_prefill_on_its_decode_worker(name):
+    """A 200-token prompt the deciders prefill on an idle decode worker (~60 ms) was refused on
+    the busy prefill pool's 4.2 s queue, which it never joins."""
+    ctx = _busy_prefill_pool()
+    scheduler = Scheduler(preset(name), ctx)
+    short = request(list(range(100, 300)))
+    assert scheduler.admit(short) is None  # no decision given: the scheduler's own
+    decision = scheduler.schedule(short)
+    assert decision.prefill is None and "uncached_length" in decision.reasons[-1]
+    assert scheduler.admit(short, decision) is None
+    # a prompt the deciders disaggregate is still judged on the prefill pool
+    long = request(list(range(2000)))
+    assert scheduler.schedule(long).prefill is not None
+    assert scheduler.admit(long).status == 429
+    # and a local prefill behind the decode worker's own local prefills
+    for d in ctx.pool.by_role("decode"):
+        d.in_flight_prefill_tokens = 10_000  # 2 s of them
+    rejection = scheduler.admit(short)
+    assert rejection.status == 429 and "prefilled on its decode worker" in rejection.message
+
+
+def test_the_proxy_admits_on_the_route_its_first_attempt_takes():
+    import asyncio
+    import itertools
+    import types
+    from unittest.mock import MagicMock
+
+    from aiohttp import web
+
+    from pd_plugins.routers.config import FailoverSpec
+    from pd_plugins.routers.proxy import Proxy
+
+    ctx = _busy_prefill_pool()
+    taken = []
+
+    async def run(http, attempt, started, history):
+        taken.append(attempt.decision)
+        return web.Response(status=200)
+
+    proxy = Proxy.__new__(Proxy)  # _serve() reads only these
+    proxy.sessions, proxy.scheduler, proxy.ctx = None, Scheduler(preset("default"), ctx), ctx
+    proxy.metrics, proxy.config = MagicMock(), types.SimpleNamespace(failover=FailoverSpec())
+    proxy._id_prefix, proxy._ids, proxy._run = "t", itertools.count(), run
+    http = types.SimpleNamespace(get=lambda key, default=None: default, headers={})
+
+    def serve(tokens):
+        client = types.SimpleNamespace(info=request(tokens))
+        return asyncio.run(proxy._serve(http, client, "/v1/completions"))
+
+    assert serve(list(range(100, 300))).status == 200
+    assert len(taken) == 1 and taken[0].prefill is None
+    refused = serve(list(range(2000)))
+    assert refused.status == 429 and len(taken) == 1
+    proxy.metrics.rejections.labels.assert_called_with("slo")
