@@ -47,12 +47,17 @@ class OnlineLinearFit:
         self.n += 1
 
     @property
+    def fitted(self) -> bool:
+        """Whether the line comes from samples (below `min_samples` it is the prior)."""
+        return self.n >= self.min_samples
+
+    @property
     def coefficients(self) -> tuple[float, float]:
         """(a, b) with a, b >= 0: the line through the samples' (weighted) mean, or, where that
         needs a < 0, the least-squares line through the origin (b = sum xy / sum xx, same
         weights). Clamping a to 0 and keeping the slope fitted with the negative a lifted the
         line off the samples (up to 10x at their own size)."""
-        if self.n < self.min_samples:
+        if not self.fitted:
             return self.prior
         mean_x, mean_y = self._x / self._w, self._y / self._w
         var_x = self._xx / self._w - mean_x * mean_x

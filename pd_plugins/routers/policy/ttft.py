@@ -6,7 +6,11 @@ admission step answers 429 with Retry-After when even the best estimate misses t
 the least-loaded decode worker's next step would miss the TPOT SLO (Mooncake Conductor, Alg. 1).
 Admission judges the route the scheduler chose: a request its deciders leave on the decode worker
 (local prefill, append-prefill, an adapter no prefill worker serves) is judged on that worker's
-own prefill estimate, not on the prefill pool's queues it never joins.
+own prefill estimate, not on the prefill pool's queues it never joins. A prompt whose estimate
+misses the SLO even with nothing queued ahead of it gets its 429 without Retry-After (waiting
+cannot help), and only from a fitted line (`min_samples` samples): on the configured priors a
+refusal is only ever for the queue ahead, which drains (a fresh router on the shipped priors
+refused every prompt over ~7,400 tokens for good, as a refused request teaches the fit nothing).
 """
 
 from __future__ import annotations
@@ -30,9 +34,13 @@ class TtftEstimator:
     def uncached_tokens(self, request: RequestInfo, worker) -> int:
         return uncached_tokens(self.ctx, worker, request)
 
+    def queue_s(self, worker) -> float:
+        """The wait for the prefills queued on `worker` (part of estimate_s)."""
+        return self.ctx.latency.queue_s(worker.in_flight_prefill_tokens, worker.in_flight)
+
     def estimate_s(self, request: RequestInfo, worker) -> float:
         model = self.ctx.latency
-        return (model.queue_s(worker.in_flight_prefill_tokens, worker.in_flight)
+        return (self.queue_s(worker)
                 + model.prefill_s(self.uncached_tokens(request, worker))
                 + model.transfer_s(request.prompt_tokens))
 
@@ -78,21 +86,33 @@ class SloAdmission:
     def admit(self, request: RequestInfo, decision: Decision | None = None) -> Rejection | None:
         """`decision`: the route the scheduler chose for the request (None: not known, judged as
         if disaggregated)."""
-        pool = self.ctx.pool
-        if decision is not None and decision.prefill is None:
-            best = self.estimator.local_estimate_s(request, decision.decode)
+        pool, latency, estimator = self.ctx.pool, self.ctx.latency, self.estimator
+        local = decision is not None and decision.prefill is None
+        prefills = [] if local else pool.usable("prefill") or pool.usable("decode")
+        if not local and not prefills:
+            return None  # nothing to estimate on: the proxy answers 503 itself
+        if local:
+            idle = latency.prefill_s(estimator.uncached_tokens(request, decision.decode))
+            best = estimator.local_estimate_s(request, decision.decode)
             route = " (prefilled on its decode worker)"
         else:
-            prefills = pool.usable("prefill") or pool.usable("decode")
-            if not prefills:
-                return None  # nothing to estimate on: the proxy answers 503 itself
-            best = min(self.estimator.estimate_s(request, w) for w in prefills)
+            estimates = [(estimator.estimate_s(request, w), estimator.queue_s(w)) for w in prefills]
+            best = min(e for e, _ in estimates)
+            idle = min(e - queued for e, queued in estimates)  # with nothing queued ahead
             route = ""
-        slo = self.params.ttft_slo_ms / 1e3
-        if best > slo:
+        slo_ms = self.params.ttft_slo_ms
+        if idle * 1e3 > slo_ms:
+            # Retrying cannot help. On the priors (under min_samples samples) that is no verdict:
+            # refused, the prompt would stay refused, and teach the fit nothing.
+            if latency.prefill.fitted:
+                return Rejection(429, f"predicted TTFT {best * 1e3:.0f} ms{route} exceeds the "
+                                      f"{slo_ms:.0f} ms SLO: the prompt's prefill alone takes "
+                                      f"{idle * 1e3:.0f} ms with nothing queued; a retry will "
+                                      "not meet it")
+        elif best * 1e3 > slo_ms:  # the queue ahead: it drains, then a retry is admitted
             return Rejection(429, f"predicted TTFT {best * 1e3:.0f} ms{route} exceeds the "
-                                  f"{self.params.ttft_slo_ms:.0f} ms SLO; retry later",
-                             retry_after_s=_retry_after(best - slo))
+                                  f"{slo_ms:.0f} ms SLO; retry later",
+                             retry_after_s=_retry_after(best - slo_ms / 1e3))
         limit = self.params.decode_kv_limit
         if limit is not None:
             decodes = pool.usable("decode")
@@ -102,8 +122,13 @@ class SloAdmission:
         if self.params.tpot_slo_ms is not None:
             decodes = pool.usable("decode")
             if decodes:
-                step = min(self.ctx.latency.decode_step_s(w.load + 1) for w in decodes)
-                if step * 1e3 > self.params.tpot_slo_ms:
+                step = min(latency.decode_step_s(w.load + 1) for w in decodes)
+                alone = latency.decode_step_s(1) * 1e3 > self.params.tpot_slo_ms
+                if alone and latency.decode_step.fitted:  # no load to wait out
+                    return Rejection(429, f"predicted TPOT {step * 1e3:.0f} ms exceeds the "
+                                          f"{self.params.tpot_slo_ms:.0f} ms SLO: a step of one "
+                                          "request alone misses it")
+                if not alone and step * 1e3 > self.params.tpot_slo_ms:
                     return Rejection(429, f"predicted TPOT {step * 1e3:.0f} ms exceeds the "
                                           f"{self.params.tpot_slo_ms:.0f} ms SLO; retry later",
                                      retry_after_s=1.0)

@@ -28,6 +28,17 @@ def context(prefills: int = 2, decodes: int = 2, **latency) -> PolicyContext:
     return PolicyContext(pool, PrefixIndex(), LatencyModels(LatencySpec(**latency)), BLOCK)
 
 
+def learn_priors(ctx: PolicyContext) -> PolicyContext:
+    """Feed both latency lines `min_samples` samples on their priors: the same line, now fitted
+    (the `slo` admission refuses nothing on the priors alone)."""
+    for fit in (ctx.latency.prefill, ctx.latency.decode_step):
+        a, b = fit.prior
+        for i in range(fit.min_samples):
+            x = 100.0 * (i + 1) if fit is ctx.latency.prefill else float(i + 1)
+            fit.learn(x, a + b * x)
+    return ctx
+
+
 def request(tokens: list[int], **kw) -> RequestInfo:
     return RequestInfo(prompt_tokens=len(tokens), block_keys=block_keys(tokens, BLOCK), **kw)
 

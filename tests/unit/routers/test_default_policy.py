@@ -11,7 +11,7 @@ from pd_plugins.routers.policy import DEFAULT_POLICY, preset
 from pd_plugins.routers.policy.base import build
 from pd_plugins.routers.policy.scheduler import Scheduler
 from pd_plugins.routers.sessions import SessionTable
-from tests.unit.routers.helpers import context, request
+from tests.unit.routers.helpers import context, learn_priors, request
 
 HISTORY = list(range(100, 140))  # turn 1: 40 tokens, 10 blocks of 4
 
@@ -151,7 +151,7 @@ def test_legs_of_one_length_do_not_lock_longer_prompts_out():
 
 
 def _busy_prefill_pool():
-    ctx = context(prefills=1, decodes=2)  # the shipped latency priors: 20 ms + 0.2 ms per token
+    ctx = learn_priors(context(prefills=1, decodes=2))  # the shipped: 20 ms + 0.2 ms per token
     p = ctx.pool.by_role("prefill")[0]
     p.in_flight, p.in_flight_prefill_tokens = 8, 20_000  # ~4.2 s of queued prefills
     for d in ctx.pool.by_role("decode"):  # too full for prefill_load to convert them
@@ -173,7 +173,7 @@ def test_admission_judges_a_local_prefill_on_its_decode_worker(name):
     # a prompt the deciders disaggregate is still judged on the prefill pool
     long = request(list(range(2000)))
     assert scheduler.schedule(long).prefill is not None
-    assert scheduler.admit(long).status == 429
+    assert scheduler.admit(long).retry_after_s == 4.0
     # and a local prefill behind the decode worker's own local prefills
     for d in ctx.pool.by_role("decode"):
         d.in_flight_prefill_tokens = 10_000  # 2 s of them
@@ -214,3 +214,6 @@ def test_the_proxy_admits_on_the_route_its_first_attempt_takes():
     refused = serve(list(range(2000)))
     assert refused.status == 429 and len(taken) == 1
     proxy.metrics.rejections.labels.assert_called_with("slo")
+    assert refused.headers["Retry-After"] == "4"  # 4.6 s behind the queue, 0.42 s alone
+    hopeless = serve(list(range(10_000)))  # 2.0 s alone: no wait helps
+    assert hopeless.status == 429 and "Retry-After" not in hopeless.headers and len(taken) == 1

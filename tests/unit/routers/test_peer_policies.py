@@ -5,7 +5,7 @@ import pytest
 from pd_plugins.routers.policy import preset
 from pd_plugins.routers.policy.base import build
 from pd_plugins.routers.policy.scheduler import PEER_PRESETS, PREFIX_SOURCE, PRESETS, Scheduler
-from tests.unit.routers.helpers import BLOCK, context, request
+from tests.unit.routers.helpers import BLOCK, context, learn_priors, request
 
 PROMPT = list(range(100, 132))      # 32 tokens = 8 blocks of 4
 PROMPT40 = list(range(200, 240))    # 40 tokens = 10 blocks
@@ -199,7 +199,7 @@ def test_mooncake_balancing_threshold_decides_between_fetch_and_recompute():
 
 
 def test_mooncake_rejects_with_429_over_the_ttft_slo_judged_by_its_own_estimate():
-    ctx = mooncake_context()
+    ctx = learn_priors(mooncake_context())  # fitted: the `slo` refusal below is from the idle b
     a, _ = ctx.pool.by_role("prefill")
     req = request(LONG)
     ctx.prefix_index.record_routed(a.url, req.block_keys)

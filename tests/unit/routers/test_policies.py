@@ -6,7 +6,7 @@ from pd_plugins.routers.config import ConfigError
 from pd_plugins.routers.policy import preset
 from pd_plugins.routers.policy.base import build, registered
 from pd_plugins.routers.policy.scheduler import Scheduler
-from tests.unit.routers.helpers import BLOCK, context, request
+from tests.unit.routers.helpers import BLOCK, context, learn_priors, request
 
 PROMPT = list(range(100, 132))  # 32 tokens = 8 blocks of 4
 
@@ -157,6 +157,48 @@ def test_slo_admission_rejects_with_retry_after():
     rejection = admission.admit(request(PROMPT))
     assert rejection.status == 429 and rejection.retry_after_s == 3.0
     assert "exceeds the 500 ms SLO" in rejection.message
+
+
+def test_slo_admission_sends_no_retry_after_when_the_prompt_alone_misses_the_slo():
+    """An idle cluster and a prompt whose own prefill misses the SLO: the Retry-After promised
+    a wait that cannot help (every retry was refused the same way)."""
+    ctx = learn_priors(context(prefill_base_s=0.01, prefill_per_token_s=0.01))
+    admission = build("admission", "slo", {"ttft_slo_ms": 300}, ctx)
+    rejection = admission.admit(request(PROMPT))  # 0.33 s with nothing queued
+    assert rejection.status == 429 and rejection.retry_after_s is None
+    assert "exceeds the 300 ms SLO" in rejection.message and "alone takes 330 ms" in rejection.message
+    # the same prompt behind a queue, where it alone would make it: wait and retry
+    admission = build("admission", "slo", {"ttft_slo_ms": 500}, ctx)
+    for w in ctx.pool.by_role("prefill"):
+        w.in_flight, w.in_flight_prefill_tokens = 3, 300
+    assert admission.admit(request(PROMPT)).retry_after_s == 3.0
+    # TPOT alike: a step of one request over the SLO is no matter of load
+    ctx = learn_priors(context(decode_step_base_s=0.06, decode_step_per_request_s=0.01))
+    rejection = build("admission", "slo", {"ttft_slo_ms": 10_000, "tpot_slo_ms": 50},
+                      ctx).admit(request(PROMPT))
+    assert rejection.status == 429 and rejection.retry_after_s is None and "TPOT" in rejection.message
+
+
+def test_slo_admission_refuses_on_the_priors_only_what_a_retry_can_fix():
+    """A fresh router on the shipped priors (20 ms + 0.2 ms per token) refused every prompt over
+    ~7,400 tokens at 1.5 s on an idle cluster, for good: a refused request gives the fit no
+    sample. On the priors a refusal is only for the queue ahead."""
+    ctx = context()
+    admission = build("admission", "slo", {"ttft_slo_ms": 1500}, ctx)
+    long = request(list(range(32_000)))  # 6.4 s alone on the priors
+    assert admission.admit(long) is None
+    p0, p1 = ctx.pool.by_role("prefill")
+    for w in (p0, p1):
+        w.in_flight, w.in_flight_prefill_tokens = 2, 6000  # 1.24 s queued on each
+    assert admission.admit(long) is None
+    rejection = admission.admit(request(list(range(2000))))  # 0.42 s alone: the queue decides
+    assert rejection.status == 429 and rejection.retry_after_s == 1.0
+    fit = ctx.latency.prefill
+    for i in range(fit.min_samples):  # the legs ran at the prior's speed: now a verdict
+        assert admission.admit(long) is None, i
+        fit.observe(1000 * (i + 1), 0.02 + 0.0002 * 1000 * (i + 1))
+    rejection = admission.admit(long)
+    assert rejection.status == 429 and rejection.retry_after_s is None
 
 
 def test_slo_admission_checks_tpot():
