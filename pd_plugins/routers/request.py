@@ -153,7 +153,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     info = RequestInfo(prompt_tokens=prompt_tokens, block_keys=keys, max_tokens=max_tokens,
                        stream=stream, session_id=session, exact_tokens=exact, adapter=adapter,
                        prompt=tokens if tokens is not None else text,
-                       block_width=block_size if tokens is not None else block_size * CHARS_PER_TOKEN)
+                       block_width=(block_size or 0) * (1 if tokens is not None else CHARS_PER_TOKEN))
     return ClientRequest(kind, body, info, target)
 
 
