@@ -40,12 +40,17 @@ def complete(router, prompt, max_tokens, stream=True, **extra):
 
 def test_record_says_what_was_routed_rejected_and_failed(tmp_path):
     path = tmp_path / "traffic.jsonl"
-    # SLO admission on the router's priors (20 ms + 0.2 ms a token): 3000 tokens predict ~620 ms
+    # SLO admission: once the fit has 8 prefill legs (100 to 800 tokens at 0.25 ms a token),
+    # 3000 tokens predict over 500 ms with nothing queued
     policy = msgspec.to_builtins(policy_preset("prefix_cache"))
     policy["admission"] = {"name": "slo", "params": {"ttft_slo_ms": 500}}
-    prefills, decodes = mocks(prefill_args=MOCK_ARGS, decode_args=(*MOCK_ARGS, "--tpot-ms", "5"))
+    prefills, decodes = mocks(prefill_args=(*MOCK_ARGS, "--prefill-ms-per-token", "0.25"),
+                              decode_args=(*MOCK_ARGS, "--tpot-ms", "5"))
     config = {"policy": policy, "traffic_record": {"path": str(path), "max_block_keys": 4}}
     with deployment(prefills, decodes, config=config) as router:
+        for i in range(8):  # the latency fit's samples (on its priors no prompt is refused)
+            prompt = list(range(10_000 * (i + 1), 10_000 * (i + 1) + 100 * (i + 1)))
+            assert complete(router, prompt, 1, stream=False).status_code == 200
         streamed = complete(router, list(range(1000, 1100)), 6, user="alice")
         assert streamed.status_code == 200
         _ = streamed.text
@@ -56,13 +61,14 @@ def test_record_says_what_was_routed_rejected_and_failed(tmp_path):
         decodes[0].set_faults(fail_rate=1.0)
         failed = complete(router, list(range(5000, 5100)), 3)
         assert failed.status_code >= 500
-        wait_until(lambda: path.exists() and len(lines(path)) == 4, timeout=10, what="4 records")
+        wait_until(lambda: path.exists() and len(lines(path)) == 12, timeout=10, what="12 records")
         metrics = router.metrics()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     records = lines(path)
-    s, w, rej, fail = records  # each request ended before the next was sent
+    s, w, rej, fail = records[8:]  # each request ended before the next was sent
     assert s["input_tokens"] == 100 and s["output_tokens"] == 6 and s["status"] == 200
-    assert s["decision"] == "disaggregated" and s["model"] == "mock"
+    # the model group's name: "" for a router without `models:`, whatever the client spelled
+    assert s["decision"] == "disaggregated" and s["model"] == ""
     assert s["prefill"] == prefills[0].url and s["decode"] == decodes[0].url
     assert s["block_size"] == 16 and len(s["block_keys"]) == 4  # 6 full blocks, capped at 4
     assert 0 < s["ttft_s"] < s["e2e_s"] and s["tpot_s"] >= 0.004  # tokens 5 ms apart
@@ -71,13 +77,14 @@ def test_record_says_what_was_routed_rejected_and_failed(tmp_path):
     assert w["decision"] == "disaggregated" and w["e2e_s"] > 0 and w["ttft_s"] is None
     assert len(w["block_keys"]) == 2
     assert rej["decision"] == "rejected" and rej["status"] == 429 and rej["input_tokens"] == 3000
+    assert "will not meet it" in rejected.text  # nothing queued: a retry cannot help
     assert rej["output_tokens"] == 4 and rej["ttft_s"] is None and rej["prefill"] is None
     assert fail["decision"] == "failed" and fail["status"] >= 500 and fail["e2e_s"] is None
     assert fail["decode"] == decodes[0].url
     assert s["t"] <= w["t"] <= rej["t"] <= fail["t"]
     text = path.read_text()
     assert "prompt" not in text and "1000, 1001" not in text  # no prompt, not even token ids
-    assert 'pd_router_traffic_records_total{event="written"} 4.0' in metrics
+    assert 'pd_router_traffic_records_total{event="written"} 12.0' in metrics
     assert 'pd_router_traffic_records_total{event="dropped"} 0.0' in metrics
 
 
@@ -151,7 +158,7 @@ def test_requests_in_flight_are_listed_until_they_end_and_the_planner_plans_from
         assert body["total"] == n and len(body["requests"]) == n and not lines(path)
         assert sent <= body["requests"][0]["t"] <= body["now"] <= time.time()
         for e in body["requests"]:
-            assert e["model"] == "mock" and e["input_tokens"] == 120 and e["max_tokens"] == 250
+            assert e["model"] == "" and e["input_tokens"] == 120 and e["max_tokens"] == 250
             assert e["block_size"] == 16 and len(e["block_keys"]) == 4  # 7 full blocks, capped
             assert 3 <= e["output_tokens"] < 250
         assert len({tuple(e["block_keys"]) for e in body["requests"]}) == 1  # the shared prefix
