@@ -453,6 +453,12 @@ class _WorkerSide(PoolWorkerSide):
             self.stats.count(FAULTS_INJECTED_KEY)
 
     def wait_for_save(self, meta: PdLMCacheMetadata) -> None:
+        try:
+            self._save(meta)
+        finally:
+            self.end_step()  # this step's failed loads concern this step's stores only
+
+    def _save(self, meta: PdLMCacheMetadata) -> None:
         due: dict[str, list[int]] = {}
         for op in meta.stores:
             own = self.own_blocks(op.req_id, op.block_ids)
@@ -468,7 +474,6 @@ class _WorkerSide(PoolWorkerSide):
                 due[op.req_id] = op.block_ids  # ours: computed, or loaded by this leg (lookup)
         if due:
             self.c.digests.send(self.verifier, due)
-        self.end_step()
 
     def _own_chunks(self, op: StoreOp, own_blocks: int) -> StoreOp | None:
         """`op` cut to the whole chunks before its request's first failed load block, without

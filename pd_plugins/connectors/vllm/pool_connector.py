@@ -75,11 +75,16 @@ class PoolWorkerSide:
         """How many of a store's leading blocks (prompt order) hold the request's own KV this
         step: not a block whose load failed (stale bytes, or damaged ones), nor any after it
         (this step computed those from it). Storing them would put KV under the prompt's key
-        that is not its KV, with fresh checksums and digests: every later reader 'verified'."""
-        failed = self._failed_now.get(req_id)
-        if not failed:
+        that is not its KV, with fresh checksums and digests: every later reader 'verified'.
+        Any request's failed load counts: vLLM lets a request of the same step share a block
+        another one is loading (its prefix cache), and rewinds both."""
+        if not self._failed_now:
             return len(block_ids)
-        return next((i for i, b in enumerate(block_ids) if b in failed), 0)
+        failed = set().union(*self._failed_now.values())
+        first = next((i for i, b in enumerate(block_ids) if b in failed), None)
+        if first is not None:
+            return first
+        return 0 if req_id in self._failed_now else len(block_ids)
 
     def end_step(self) -> None:
         self._failed_now.clear()

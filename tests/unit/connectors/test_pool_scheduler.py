@@ -313,3 +313,21 @@ def test_slot_hints_outside_the_pools_integer_range_are_dropped():
     from pd_plugins.transfer.shm_pool import SlotRef
     params = {"pool_id": "p", "pool_slots": [[1 << 63, 1], [3, 1 << 64], [-1, 0], [3, 4]]}
     assert _slot_hints(params, "p", 0, 4) == [None, None, None, SlotRef(3, 4)]
+
+
+def test_a_store_keeps_only_the_blocks_before_any_failed_load_of_the_step():
+    """PoolWorkerSide.own_blocks: a request's store stops at the first block whose load failed
+    in this step, whichever request loaded it (vLLM lets a request of the same step share a block
+    another is loading); a request whose own load failed before its store's blocks keeps none."""
+    from pd_plugins.connectors.vllm.pool_connector import PoolWorkerSide
+
+    worker = PoolWorkerSide()
+    assert worker.own_blocks("a", [3, 5, 7]) == 3  # no failed load: all
+    worker.fail_blocks("a", [5])
+    assert worker.own_blocks("a", [3, 5, 7]) == 1
+    assert worker.own_blocks("b", [2, 3, 5, 9]) == 2  # b shares a's block 5
+    assert worker.own_blocks("b", [10, 11]) == 2  # nothing of a's
+    assert worker.own_blocks("a", [8, 9]) == 0  # computed after a's failed block
+    assert worker.take_load_errors() == {5}
+    worker.end_step()
+    assert worker.own_blocks("a", [3, 5, 7]) == 3  # the next step stores what it recomputed
