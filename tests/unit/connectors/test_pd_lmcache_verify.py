@@ -260,9 +260,6 @@ def test_a_prefill_whose_retrieval_failed_never_stores_those_blocks(tmp_path):
     then retrieves the prompt's true KV, verified."""
     import os
 
-    from pd_plugins.vocab.transfer_params import prefill_flags
-    from tests.unit.connectors.vllm_scheduler import make_request
-
     backend = f"fs://{tmp_path}"
     tokens = prompt(9, 56)  # three full chunks
     first, second = ComputingEngine("kv_producer", backend), ComputingEngine("kv_producer", backend)
@@ -276,15 +273,9 @@ def test_a_prefill_whose_retrieval_failed_never_stores_those_blocks(tmp_path):
             for name in os.listdir(tmp_path):
                 os.unlink(tmp_path / name)
 
-        second.scheduler.add_request(make_request(
-            "second", tokens, {"kv_transfer_params": prefill_flags()}, max_tokens=1))
-        finished = second.step(lose_the_chunks)
-        for _ in range(3):
-            if "second" in finished:
-                break
-            finished.update(second.step())
+        params = prefill_leg(second, tokens, "second", lose_the_chunks, steps=4)
         assert second.counted("failed_tokens") > 0  # the load did fail, and was recomputed
-        out = decode_leg(decode, tokens, finished["second"].kv_transfer_params)
+        out = decode_leg(decode, tokens, params)
         (load,) = decode.metas[0].retrieves
         for i, block in enumerate(load.block_ids[:3]):
             assert torch.equal(decode.cache[block], true_kv(i)), f"block {i}: not its KV"

@@ -252,15 +252,8 @@ def test_a_prefill_whose_pool_load_failed_never_republishes_those_blocks(tmp_pat
             pool.unpin(pinned)
             assert pool.discard(pinned) == 2
 
-        second.scheduler.add_request(make_request(
-            "second", PROMPT, {"kv_transfer_params": prefill_flags()}, max_tokens=1))
-        finished = second.step(evict)
-        for _ in range(3):
-            if "second" in finished:
-                break
-            finished.update(second.step())
+        params = prefill_leg(second, PROMPT, "second", evict, steps=4)
         assert second.counted("failed_blocks") == 2  # the load did fail, and was recomputed
-        params = finished["second"].kv_transfer_params
         out = decode_leg(decode, PROMPT, params)
         (load,) = decode.metas[0].loads
         for i, block in enumerate(load.block_ids):

@@ -122,15 +122,23 @@ def counted(reports: list, key: str) -> float:
     return sum(sum(r.data.get(key, ())) for r in reports if r is not None)
 
 
-def prefill_leg(engine, prompt: list[int], req_id: str) -> dict:
+def prefill_leg(engine, prompt: list[int], req_id: str, before_worker=None,
+                steps: int = 1) -> dict:
     """A PD prefill leg (max 1 token) through `engine` (its `scheduler` and `step()`, which plays
-    one engine step with the connector's worker side); the leg's answer (kv_transfer_params)."""
+    one engine step with the connector's worker side), finished within `steps` steps; the leg's
+    answer (kv_transfer_params). `before_worker(meta)`: what happens elsewhere between its first
+    schedule and the worker (engines whose step() takes it)."""
     from pd_plugins.vocab.transfer_params import prefill_flags
 
     engine.scheduler.add_request(make_request(req_id, prompt,
                                               {"kv_transfer_params": prefill_flags()},
                                               max_tokens=1))
-    return engine.step()[req_id].kv_transfer_params
+    finished = engine.step(before_worker) if before_worker is not None else engine.step()
+    for _ in range(steps - 1):
+        if req_id in finished:
+            break
+        finished.update(engine.step())
+    return finished[req_id].kv_transfer_params
 
 
 def decode_leg(engine, prompt: list[int], params: dict | None, req_id: str = "d"):
