@@ -221,6 +221,10 @@ class PdLMCacheMetadata(KVConnectorMetadata):
     retrieves: list[RetrieveOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
 
+    @property
+    def has_loads(self) -> bool:
+        return bool(self.retrieves)
+
 
 def loaded_blocks(op: RetrieveOp, block_size: int) -> tuple[int, int]:
     """The first block a retrieval loads for vLLM (below it: the engine's own prefix cache) and

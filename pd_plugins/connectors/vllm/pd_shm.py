@@ -107,6 +107,10 @@ class PdShmMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
 
+    @property
+    def has_loads(self) -> bool:
+        return bool(self.loads)
+
 
 def _slot_hints(params: Any, pool_id: str, first: int, count: int) -> list[SlotRef | None]:
     """Slot hints from a prefill's kv_transfer_params (for this pool only; anything malformed

@@ -53,6 +53,20 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+def engine_rank_groups(parallel_config: Any) -> list[Any]:
+    """The CPU process groups over which an engine's ranks share a step's failed loads
+    (PoolWorkerSide.share_failed_loads): none for one rank. vLLM's own groups (gloo), set up
+    before the KV connector's worker side."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    groups = []
+    if parallel_config.tensor_parallel_size > 1:
+        groups.append(get_tp_group().cpu_group)
+    if parallel_config.pipeline_parallel_size > 1:
+        groups.append(get_pp_group().cpu_group)
+    return groups
+
+
 class PoolWorkerSide:
     """A worker side's failed block loads, counters and load outcomes, handed to vLLM once
     each."""
@@ -85,6 +99,22 @@ class PoolWorkerSide:
         if first is not None:
             return first
         return 0 if req_id in self._failed_now else len(block_ids)
+
+    def share_failed_loads(self, groups: Sequence[Any]) -> None:
+        """An engine of several ranks: every rank's failed loads of the step, so that each
+        rank's stores stop where any rank's load failed. A rank whose own slots loaded fine
+        still computes its later blocks from the other ranks' (each layer's all-reduce mixes
+        the heads), so its own loads alone do not say which of its blocks are the prompt's KV.
+        `groups`: engine_rank_groups' process groups, every rank of the engine calling in the
+        same step (a union over the TP group, then over the PP group, reaches every rank)."""
+        for group in groups:
+            gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
+            torch.distributed.all_gather_object(gathered, self._failed_now, group=group)
+            merged: dict[str, set[int]] = {}
+            for failed in gathered:
+                for req_id, block_ids in failed.items():
+                    merged.setdefault(req_id, set()).update(block_ids)
+            self._failed_now = merged
 
     def end_step(self) -> None:
         self._failed_now.clear()
@@ -131,6 +161,8 @@ class SyncPoolConnector(KVConnectorBase_V1):
         self.stores = config.kv_role in ("kv_producer", "kv_both")  # this engine fills the pool
         self.failure_policy = config.kv_load_failure_policy  # "recompute" or "fail"
         self.options = extra_options(self.OPTIONS, config, type(self).__name__)
+        self.parallel_config = vllm_config.parallel_config
+        self._rank_groups: list[Any] | None = None  # worker side, at its first load
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -200,7 +232,16 @@ class SyncPoolConnector(KVConnectorBase_V1):
         self._worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        self._worker.start_load_kv(self._get_connector_metadata())
+        meta = self._get_connector_metadata()
+        self._worker.start_load_kv(meta)
+        # An engine of several ranks that stores: its ranks agree on the step's failed loads
+        # before the forward pass. Every rank gets the same metadata, so all of them take part
+        # in a step with loads, or none does.
+        if self.stores and meta.has_loads:
+            if self._rank_groups is None:
+                self._rank_groups = engine_rank_groups(self.parallel_config)
+            if self._rank_groups:
+                self._worker.share_failed_loads(self._rank_groups)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are synchronous (start_load_kv copies before the forward pass)
