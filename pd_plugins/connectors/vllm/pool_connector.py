@@ -55,16 +55,15 @@ logger = init_logger(__name__)
 
 def engine_rank_groups(parallel_config: Any) -> list[Any]:
     """The CPU process groups over which an engine's ranks share a step's failed loads
-    (PoolWorkerSide.share_failed_loads): none for one rank. vLLM's own groups (gloo), set up
-    before the KV connector's worker side."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+    (PoolWorkerSide.share_failed_loads): vLLM's TP group (gloo, set up before the KV
+    connector's worker side); none for one rank. Not the PP group: a later stage waits in its
+    receive for the earlier one's forward pass, which ends after both connector hooks, so a
+    collective between stages in either hook would deadlock (SyncPoolConnector warns)."""
+    if parallel_config.tensor_parallel_size == 1:
+        return []
+    from vllm.distributed.parallel_state import get_tp_group
 
-    groups = []
-    if parallel_config.tensor_parallel_size > 1:
-        groups.append(get_tp_group().cpu_group)
-    if parallel_config.pipeline_parallel_size > 1:
-        groups.append(get_pp_group().cpu_group)
-    return groups
+    return [get_tp_group().cpu_group]
 
 
 class PoolWorkerSide:
@@ -105,8 +104,8 @@ class PoolWorkerSide:
         rank's stores stop where any rank's load failed. A rank whose own slots loaded fine
         still computes its later blocks from the other ranks' (each layer's all-reduce mixes
         the heads), so its own loads alone do not say which of its blocks are the prompt's KV.
-        `groups`: engine_rank_groups' process groups, every rank of the engine calling in the
-        same step (a union over the TP group, then over the PP group, reaches every rank)."""
+        `groups`: engine_rank_groups' process groups, every rank in them calling in the same
+        step."""
         for group in groups:
             gathered: list[Any] = [None] * torch.distributed.get_world_size(group)
             torch.distributed.all_gather_object(gathered, self._failed_now, group=group)
@@ -163,6 +162,11 @@ class SyncPoolConnector(KVConnectorBase_V1):
         self.options = extra_options(self.OPTIONS, config, type(self).__name__)
         self.parallel_config = vllm_config.parallel_config
         self._rank_groups: list[Any] | None = None  # worker side, at its first load
+        if self.stores and self.parallel_config.pipeline_parallel_size > 1:
+            logger.warning("%s: with pipeline parallelism a stage does not learn of an earlier "
+                           "stage's failed pool loads (no collective between stages within a "
+                           "step), so after one it may store blocks computed from the stale "
+                           "KV; the TP ranks of one stage do agree", type(self).__name__)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
