@@ -15,13 +15,12 @@ only if no process maps it read-write (and, with --idle-for, no slot was used fo
 read-only mappers do not keep a pool (the router maps the new file once engines make one).
 Processes that still map a removed file keep their mapping; the memory goes with the last one.
 
-Who maps a pool is read from /proc/PID/maps. Other users' processes are not readable there: a
-pool only its owner can open (mode 0600, the default) cannot be mapped by them, but a
-group-shared pool (`pool_group`) is removed only when every process could be read (as root);
-such a pool is listed (mapped read-only) in the file's own group.
-Processes in another PID namespace (another container of the pod, sharing /dev/shm) are not in
-this /proc at all: a pool is also in use while a read-write handle holds its in-use lock
-(shm_pool.in_use_elsewhere). The same checks serve `remove_when_unused` (ShmKVPool.close).
+Who maps a pool is read from /proc/PID/maps, where it can be: other users' processes are not
+readable there (a group-shared pool, `pool_group`, is open to them), and processes in another
+PID namespace (another container of the pod, sharing /dev/shm) are not there at all. So a pool is
+also in use while any read-write handle holds its in-use lock (shm_pool.in_use_elsewhere), which
+decides for every process /proc does not show. A group-shared pool is listed (mapped read-only)
+in the file's own group. The same checks serve `remove_when_unused` (ShmKVPool.close).
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from pd_plugins.transfer.pool_mappers import Mapper, MappersUnknown, mappers, writable_mappers
+from pd_plugins.transfer.pool_mappers import Mapper, mappers, writable_mappers
 from pd_plugins.transfer.shm_pool import MAGIC, PoolError, ShmKVPool, in_use_elsewhere
 
 DEFAULT_DIRS = ("/dev/shm",)
@@ -124,15 +123,13 @@ def remove(path: str, idle_for: float = 0.0) -> tuple[bool, str]:
             if time.time() - last < idle_for:
                 return False, f"used {time.time() - last:.0f} s ago (< {idle_for:g} s)"
         fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            busy = writable_mappers(path, st)
-        except MappersUnknown as exc:
-            return False, str(exc)
+        busy = writable_mappers(st)
         if busy:  # named where this /proc shows them
             return False, "in use by " + ", ".join(f"pid {m.pid}" for m in busy)
         if in_use_elsewhere(fd):
-            return False, ("in use by a process in another PID namespace (it holds the pool's "
-                           "in-use lock; /proc here does not show it): another container?")
+            return False, ("in use by a process this /proc does not show (it holds the pool's "
+                           "in-use lock): another user's, or in another PID namespace (another "
+                           "container?)")
         now = os.stat(path, follow_symlinks=False)
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
             return False, "replaced meanwhile"

@@ -1,19 +1,15 @@
 """Which processes map a file, read from /proc/PID/maps (pd-pool and `remove_when_unused`).
 
-Other users' processes are not readable there: `writable_mappers` says so (MappersUnknown) when
-the file is open to more than its owner, since then they might map it. Processes in another PID
-namespace (another container of the pod, sharing /dev/shm) are not there at all: callers also test
-the pool's in-use lock (shm_pool.in_use_elsewhere).
+What /proc does not show, callers learn from the pool's in-use lock (shm_pool.in_use_elsewhere),
+which every read-write handle holds: other users' processes (their maps are not readable here;
+a `pool_group` pool is open to them) and processes in another PID namespace (another container
+of the pod, sharing /dev/shm). /proc names the processes it can see.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-
-
-class MappersUnknown(Exception):
-    """Some processes could not be read, and the file is shared: whether they map it is unknown."""
 
 
 @dataclass
@@ -62,11 +58,6 @@ def mappers(st: os.stat_result) -> tuple[list[Mapper], bool]:
     return found, complete
 
 
-def writable_mappers(path: str, st: os.stat_result) -> list[Mapper]:
-    """Processes that map the pool read-write (its engines). PoolError when some processes could
-    not be read and the pool is open to more than its owner (they might map it)."""
-    found, complete = mappers(st)
-    if not complete and st.st_mode & 0o077 and os.geteuid() != 0:
-        raise MappersUnknown(f"KV pool {path} is shared with a group, and other users' processes "
-                        "cannot be read here: whether they map it is unknown")
-    return [m for m in found if m.writable]
+def writable_mappers(st: os.stat_result) -> list[Mapper]:
+    """The processes /proc shows mapping the pool read-write (its engines)."""
+    return [m for m in mappers(st)[0] if m.writable]

@@ -81,7 +81,7 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 import numpy as np
 
 from pd_plugins.transfer import shm_pool_kernels as kernels
-from pd_plugins.transfer.pool_mappers import MappersUnknown, writable_mappers
+from pd_plugins.transfer.pool_mappers import writable_mappers
 from pd_plugins.transfer.shm_pool_kernels import FREE, KEY_BYTES, READY, WRITING  # one definition
 
 MAGIC = b"PDSHMPL1"
@@ -668,12 +668,8 @@ class ShmKVPool:
         again)."""
         with self._file_lock():
             _range_lock(self._fd, fcntl.F_UNLCK, IN_USE_BYTE, 1)  # ours first: we are leaving
-            try:
-                if (not writable_mappers(self.path, os.fstat(self._fd))
-                        and not in_use_elsewhere(self._fd)):
-                    _unlink_if_same(self.path, self._fd)
-            except MappersUnknown:
-                pass  # users we cannot see: keep it
+            if not writable_mappers(os.fstat(self._fd)) and not in_use_elsewhere(self._fd):
+                _unlink_if_same(self.path, self._fd)
 
     def file_id(self) -> tuple[int, int]:
         """(device, inode) of the mapped region: whether its path still names it."""

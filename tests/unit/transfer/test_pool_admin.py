@@ -44,8 +44,8 @@ def pd_pool(*args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
-def _hold(path, readonly, ready, done):
-    pool = ShmKVPool.attach(path, readonly=readonly) if readonly else make(path)
+def _hold(path, readonly, ready, done, group=None):
+    pool = ShmKVPool.attach(path, readonly=readonly) if readonly else make(path, group=group)
     if not readonly:
         pool.reserve([b"k" * 32])  # one slot in use
     ready.set()
@@ -53,10 +53,10 @@ def _hold(path, readonly, ready, done):
     pool.close()
 
 
-def holder(path, readonly=False):
+def holder(path, readonly=False, group=None):
     """A process that maps the pool (an engine, or read-only like the router) until told."""
     ready, done = CTX.Event(), CTX.Event()
-    proc = CTX.Process(target=_hold, args=(path, readonly, ready, done))
+    proc = CTX.Process(target=_hold, args=(path, readonly, ready, done, group))
     proc.start()
     assert ready.wait(60)
     return proc, done
@@ -164,13 +164,13 @@ def test_a_pool_an_engine_in_another_pid_namespace_maps_is_not_removed(shm_dir, 
     path = f"{shm_dir}/other-namespace"
     make(path).close()
     engine, done = holder(path)
-    blind = lambda path, st: []  # noqa: E731
+    blind = lambda st: []  # noqa: E731
     monkeypatch.setattr(pool_admin, "writable_mappers", blind)
     monkeypatch.setattr(shm_pool, "writable_mappers", blind)
     try:
         if remover == "pd-pool remove":
             removed, why = pool_admin.remove(path)
-            assert not removed and "another PID namespace" in why
+            assert not removed and "another PID namespace" in why, why
         else:
             with make(path, remove_when_unused=True):  # an engine here that exits cleanly
                 pass
@@ -179,6 +179,56 @@ def test_a_pool_an_engine_in_another_pid_namespace_maps_is_not_removed(shm_dir, 
         stop(engine, done)
     with make(path, remove_when_unused=True):  # its own lock does not keep it: the last user
         pass
+    assert not os.path.exists(path)
+
+
+NOBODY = 65534  # uid and gid of `nobody` / `nogroup`
+
+
+def _run_as_nobody(conn, action, path):
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    try:
+        conn.send(action(path))
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        conn.send(repr(exc))
+
+
+def as_nobody(action, path):
+    """`action(path)` in a process of another user (uid and gid 65534), as a user of a pool's
+    group runs pd-pool; its result."""
+    ours, theirs = CTX.Pipe()
+    proc = CTX.Process(target=_run_as_nobody, args=(theirs, action, path))
+    proc.start()
+    try:
+        assert ours.poll(60), "the other user's process did not answer"
+        return ours.recv()
+    finally:
+        proc.join(30)
+
+
+def _make_group_pool(path):
+    make(path, group=NOBODY).close()
+    return os.stat(path).st_uid
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs pd-pool as another user (needs root)")
+def test_a_group_pool_is_removed_by_its_owner_once_no_user_of_its_group_holds_it(shm_dir):
+    """`pool_group`: engines of several users share the pool. Its owner's pd-pool cannot read the
+    other users' /proc entries (it used to refuse every such pool: only root could remove it);
+    the in-use lock shows whether any of them holds it."""
+    os.chmod(shm_dir, 0o1777)  # like /dev/shm: anyone creates, a file's owner removes it
+    path = f"{shm_dir}/group-pool"
+    assert as_nobody(_make_group_pool, path) == NOBODY
+    engine, done = holder(path, group=NOBODY)  # an engine of another user of the group (root)
+    try:
+        removed, why = as_nobody(pool_admin.remove, path)
+        assert not removed and "does not show" in why, why
+        assert os.path.exists(path)
+    finally:
+        stop(engine, done)
+    assert as_nobody(pool_admin.remove, path) == (True, "")
     assert not os.path.exists(path)
 
 
