@@ -16,9 +16,12 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import urllib.parse
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,7 @@ import yaml
 
 from pd_plugins.connectors.registry import VLLM_CONNECTORS
 from pd_plugins.routers.config import ModelSpec, default_discovery_label, is_label_value
+from pd_plugins.testing.kv_servers import REDIS_SERVER, RedisServer
 from pd_plugins.testing.tiny_models import ensure_tiny_model
 from pd_plugins.transfer import options
 
@@ -352,6 +356,54 @@ def test_engines_refuse_kv_fault_injection(overlay: str) -> None:
 
 
 ROUTER_CHECK_ENV = {"PD_ROUTER_ADMIN_TOKEN": "test-admin-token", "PD_ROUTER_API_KEYS": "test-key"}
+# What the Secret pd-redis-auth holds in these tests: characters a URL must percent-encode.
+TEST_REDIS_PASSWORD = "p@ss:w/rd%?#"
+REDIS_SECRET = {"name": "pd-redis-auth", "key": "password"}
+
+
+def mounts(c: dict[str, Any]) -> dict[str, str]:
+    """mountPath -> volume name."""
+    return {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+
+
+def volume(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+    (found,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == name]
+    return found
+
+
+def secret_refs(c: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """A container's variables that come from a Secret: name -> {name, key}."""
+    return {e["name"]: {k: e["valueFrom"]["secretKeyRef"][k] for k in ("name", "key")}
+            for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def router_config_as_written(objects, tmp_path: Path, password: str) -> Path:
+    """router.yaml as the router container reads it: the init container that writes the
+    volume holding --config, run here (its own script) on the ConfigMap it mounts, with
+    PD_REDIS_PASSWORD as the Secret gives it."""
+    router = named(objects, "Deployment", "pd-router")
+    config_path = Path(flag(expanded_args(container(router, "router")), "--config"))
+    config_volume = mounts(container(router, "router"))[str(config_path.parent)]
+    # memory-backed and the pod's own: the password never lands on the node's disk
+    assert volume(router, config_volume)["emptyDir"]["medium"] == "Memory"
+    (writer,) = [c for c in router["spec"]["template"]["spec"].get("initContainers", [])
+                 if config_volume in mounts(c).values()]
+    assert writer["command"] == ["python3", "-c"]
+    script, template, target = writer["args"]
+    assert target == str(config_path)
+    template_volume = volume(router, mounts(writer)[str(Path(template).parent)])
+    text = named(objects, "ConfigMap", template_volume["configMap"]["name"])["data"][Path(template).name]
+    assert secret_refs(writer) == {"PD_REDIS_PASSWORD": REDIS_SECRET}
+    (tmp_path / "template").mkdir(exist_ok=True)
+    (tmp_path / "written").mkdir(exist_ok=True)
+    (tmp_path / "template" / "router.yaml").write_text(local_paths(text))
+    out = tmp_path / "written" / "router.yaml"
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "template" / "router.yaml"),
+                           str(out)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PD_REDIS_PASSWORD": password})
+    assert done.returncode == 0, done.stderr
+    assert out.stat().st_mode & 0o077 == 0, "router.yaml holds a password: the pod's user only"
+    return out
 
 
 def local_paths(text: str) -> str:
@@ -364,16 +416,15 @@ def local_paths(text: str) -> str:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pd_router_accepts_the_arguments_and_configuration(overlay: str, tmp_path: Path) -> None:
-    """The router's container command, with its mounted ConfigMap, through `--check-config`."""
+    """The router's container command, with router.yaml as its pod has it (the ConfigMap's,
+    through the init container that adds Redis's password), through `--check-config`."""
     objects = rendered(overlay)
     router = named(objects, "Deployment", "pd-router")
     c = container(router, "router")
     assert c["command"] == ["pd-router"]
-    (volume,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
-    config = named(objects, "ConfigMap", volume["configMap"]["name"])["data"]["router.yaml"]
-    (tmp_path / "router.yaml").write_text(local_paths(config))
+    config = router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD)
     args = [local_paths(arg) for arg in expanded_args(c)]
-    args[args.index("--config") + 1] = str(tmp_path / "router.yaml")
+    args[args.index("--config") + 1] = str(config)
     # A kubeconfig that points nowhere: checking the configuration must not need a cluster.
     (tmp_path / "kubeconfig").write_text(textwrap.dedent("""\
         apiVersion: v1
@@ -439,3 +490,106 @@ def test_vllm_accepts_every_engines_arguments(tmp_path: Path) -> None:
         assert "error" not in result, f"{overlay} {name}: {result['error']}"
         # the router's prefix index keys blocks as the engines do
         assert result["block_size"] == router_block_size, f"{overlay} {name}"
+
+
+# ---- Redis: a password from a Secret, which the routers get too -----------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_redis_requires_the_password_the_routers_are_given(overlay: str, tmp_path: Path) -> None:
+    """Redis starts with requirepass from the Secret pd-redis-auth (never from the manifests),
+    its probe authenticates, and the router's sessions.redis_url carries the same password once
+    its pod has written router.yaml; the ConfigMap itself holds none."""
+    objects = rendered(overlay)
+    redis = container(named(objects, "Deployment", "pd-redis"), "redis")
+    assert secret_refs(redis) == {"REDISCLI_AUTH": REDIS_SECRET}
+    assert "--requirepass \"$REDISCLI_AUTH\"" in " ".join(redis["command"] + redis["args"])
+    router = named(objects, "Deployment", "pd-router")
+    template = yaml.safe_load(named(objects, "ConfigMap",
+                                    volume(router, "config-template")["configMap"]["name"])["data"]["router.yaml"])
+    import redis as redis_py
+    assert redis_py.connection.parse_url(template["sessions"]["redis_url"]).get("password") is None
+    written = yaml.safe_load(router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
+    url = written["sessions"]["redis_url"]
+    assert redis_py.connection.parse_url(url)["password"] == TEST_REDIS_PASSWORD
+    assert redis_py.connection.parse_url(url)["host"] == named(objects, "Service", "pd-redis")["metadata"]["name"]
+    # everything else in router.yaml as the ConfigMap has it
+    written["sessions"]["redis_url"] = template["sessions"]["redis_url"]
+    assert written == yaml.safe_load(local_paths(yaml.safe_dump(template)))
+
+
+def test_an_empty_redis_password_stops_redis_and_the_routers(tmp_path: Path) -> None:
+    """requirepass "" would be no password at all: both pods refuse to start with one."""
+    objects = rendered("cpu")
+    redis = container(named(objects, "Deployment", "pd-redis"), "redis")
+    done = subprocess.run([*redis["command"], *redis["args"]], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "REDISCLI_AUTH": ""})
+    assert done.returncode != 0 and "empty password" in done.stderr
+    with pytest.raises(AssertionError, match="empty password"):
+        router_config_as_written(objects, tmp_path, "")
+
+
+@dataclass
+class ManifestRedis(RedisServer):
+    """The pd-redis container's own command, on a loopback port (a `redis-server` on PATH that
+    adds --port and --bind after the manifest's arguments: the last one wins)."""
+
+    name: str = "manifest-redis"
+    argv: list[str] = field(default_factory=list)
+    password: str = ""
+
+    def command(self) -> list[str]:
+        shim = self.log_dir / "bin" / "redis-server"
+        shim.parent.mkdir(exist_ok=True)
+        shim.write_text(f'#!/bin/sh\nexec {REDIS_SERVER} "$@" --port {self.port} '
+                        f'--bind 127.0.0.1 --dir {self.log_dir}\n')
+        shim.chmod(0o755)
+        return self.argv
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "PATH": f"{self.log_dir / 'bin'}:{os.environ['PATH']}",
+                "REDISCLI_AUTH": self.password}
+
+    def ready(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(16).startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
+
+
+def test_redis_as_deployed_takes_the_routers_password_and_no_other(tmp_path: Path) -> None:
+    """The Redis container's command run on a real redis-server, its readiness probe, and a
+    client with the router's written sessions.redis_url (the way replica_sync connects)."""
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    redis_py = pytest.importorskip("redis")
+    objects = rendered("cpu")
+    deployment = named(objects, "Deployment", "pd-redis")
+    redis = container(deployment, "redis")
+    server = ManifestRedis(argv=[*redis["command"], *redis["args"]], password=TEST_REDIS_PASSWORD)
+    try:
+        server.start().wait_healthy()
+        # the readiness probe, with the container's environment
+        probe = redis["readinessProbe"]["exec"]["command"]
+        assert probe[0] == "redis-cli"
+        for password, answer in ((TEST_REDIS_PASSWORD, "PONG"), ("", "NOAUTH")):
+            done = subprocess.run([probe[0], "-p", str(server.port), *probe[1:]], capture_output=True,
+                                  text=True, timeout=30, env={**os.environ, "REDISCLI_AUTH": password})
+            assert answer in done.stdout + done.stderr, (password, done)
+        # the router's URL, pointed at this server
+        written = yaml.safe_load(router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
+        parts = urllib.parse.urlsplit(written["sessions"]["redis_url"])
+        secret, _, service = parts.netloc.rpartition("@")
+        local = urllib.parse.urlunsplit(parts._replace(netloc=f"{secret}@127.0.0.1:{server.port}"))
+        with redis_py.from_url(local, socket_timeout=5) as client:
+            assert client.ping()
+        with redis_py.Redis(host="127.0.0.1", port=server.port, socket_timeout=5) as client:
+            with pytest.raises(redis_py.exceptions.AuthenticationError):
+                client.ping()
+        # redis-server's process title hides the password that is in its arguments
+        cmdline = Path(f"/proc/{server.proc.pid}/cmdline")
+        if cmdline.exists():
+            assert TEST_REDIS_PASSWORD.encode() not in cmdline.read_bytes()
+    finally:
+        server.stop(grace=5)
