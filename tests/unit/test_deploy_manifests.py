@@ -255,7 +255,10 @@ def test_selectors_select_something(overlay: str) -> None:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_discovery_labels_annotations_and_rbac(overlay: str) -> None:
-    objects = rendered(overlay)
+    assert_discovery_matches(rendered(overlay))
+
+
+def assert_discovery_matches(objects) -> None:
     router = named(objects, "Deployment", "pd-router")
     args = expanded_args(container(router, "router"))
     assert flag(args, "--discovery") == "kubernetes"
@@ -593,3 +596,124 @@ def test_redis_as_deployed_takes_the_routers_password_and_no_other(tmp_path: Pat
             assert TEST_REDIS_PASSWORD.encode() not in cmdline.read_bytes()
     finally:
         server.stop(grace=5)
+
+
+# ---- NetworkPolicies: who reaches which port --------------------------------------------------
+
+NAMESPACE = "pd-plugins"
+
+
+def pod_ports(deployment: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"]
+            for c in deployment["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+            if "name" in p}
+
+
+def all_ports(deployment: dict[str, Any]) -> set[int]:
+    return {p["containerPort"]
+            for c in deployment["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])}
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """matchLabels only (what these manifests use; an expression would fail here, not pass)."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def admitted(objects, target: dict[str, Any], source_labels: dict[str, str],
+             source_namespace: str = NAMESPACE,
+             namespace_labels: dict[str, str] | None = None) -> set[int]:
+    """The target Deployment's pod ports that a pod with these labels, in that namespace (with
+    those namespace labels), may open, as NetworkPolicy decides: no policy selecting the pod admits
+    everything; else the union of the rules that match the source, a named port being the
+    target's container port of that name."""
+    labels = target["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in of_kind(objects, "NetworkPolicy") if selects(p["spec"]["podSelector"], labels)
+                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not policies:
+        return all_ports(target)
+    names = pod_ports(target)
+    ns_labels = {"kubernetes.io/metadata.name": source_namespace, **(namespace_labels or {})}
+    ports: set[int] = set()
+    for policy in policies:
+        assert policy["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+        for rule in policy["spec"].get("ingress", []):
+            def peer_matches(peer: dict[str, Any]) -> bool:
+                if "ipBlock" in peer:
+                    return False
+                if "namespaceSelector" in peer and not selects(peer["namespaceSelector"], ns_labels):
+                    return False
+                if "namespaceSelector" not in peer and source_namespace != NAMESPACE:
+                    return False
+                return "podSelector" not in peer or selects(peer["podSelector"], source_labels)
+            if "from" in rule and not any(peer_matches(peer) for peer in rule["from"]):
+                continue
+            if "ports" not in rule:
+                return all_ports(target)
+            for port in rule["ports"]:
+                assert port.get("protocol", "TCP") == "TCP" and "endPort" not in port, port
+                number = names.get(port["port"]) if isinstance(port["port"], str) else port["port"]
+                if number is not None:
+                    ports.add(number)
+    return ports
+
+
+def assert_network_policies(objects) -> None:
+    router = named(objects, "Deployment", "pd-router")
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    redis = named(objects, "Deployment", "pd-redis")
+    stranger = {"app.kubernetes.io/name": "something-else"}
+    prometheus = {"pd-plugins.io/scrape-engines": "true"}
+    clients = {"pd-plugins.io/router-clients": "true"}
+    for engine in engines(objects):
+        name = engine["metadata"]["name"]
+        notes = engine["spec"]["template"]["metadata"]["annotations"]
+        # what discovery makes the router open: the annotations' ports
+        used = {int(notes[f"pd-plugins.io/{key}"]) for key in ("http-port", "kv-events-port")}
+        assert used <= admitted(objects, engine, router_labels), name
+        assert admitted(objects, engine, router_labels) == used, name
+        for other in engines(objects):  # NIXL, UCX and lease checks: any port between engines
+            assert admitted(objects, engine, other["spec"]["template"]["metadata"]["labels"]) == \
+                all_ports(engine), name
+        assert admitted(objects, engine, stranger) == set(), name
+        assert admitted(objects, engine, {}, "monitoring", prometheus) == {int(notes["prometheus.io/port"])}
+        assert admitted(objects, engine, router_labels, "elsewhere") == set(), name
+    # Redis: the port of the routers' redis_url, from the routers only
+    (config_volume,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    config = yaml.safe_load(named(objects, "ConfigMap", config_volume["configMap"]["name"])["data"]["router.yaml"])
+    redis_port = urllib.parse.urlsplit(config["sessions"]["redis_url"]).port or 6379
+    assert admitted(objects, redis, router_labels) == {redis_port}
+    assert admitted(objects, redis, stranger) == set()
+    assert admitted(objects, redis, {}, "elsewhere", clients) == set()
+    # the routers: their Service's port, from this namespace and labelled namespaces only
+    (service_port,) = named(objects, "Service", "pd-router")["spec"]["ports"]
+    http = pod_ports(router)[service_port["targetPort"]]
+    assert admitted(objects, router, stranger) == {http}
+    assert admitted(objects, router, {}, "elsewhere", clients) == {http}
+    assert admitted(objects, router, {}, "monitoring", prometheus) == {http}
+    assert admitted(objects, router, {}, "elsewhere") == set()
+    assert admitted(objects, router, router_labels, "elsewhere") == set()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_admit_what_discovery_uses_and_nothing_else(overlay: str) -> None:
+    assert_network_policies(rendered(overlay))
+
+
+def test_moved_engine_ports_stay_reachable(tmp_path: Path) -> None:
+    """Change an engine's HTTP and KV-events ports everywhere engines.yaml names them (the
+    annotations discovery reads, the container ports, vLLM's arguments): the router may still
+    open both (the policies name the container ports, not numbers)."""
+    deploy = copy_of_deploy(tmp_path)
+    path = deploy / "base" / "engines" / "engines.yaml"
+    text = path.read_text()
+    assert text.count('"8000"') >= 4 and text.count("5557") >= 3
+    path.write_text(text.replace('"8000"', '"8100"').replace("containerPort: 8000", "containerPort: 8100")
+                    .replace("5557", "5558"))
+    objects = render(deploy / "overlays" / "cpu")
+    assert_discovery_matches(objects)
+    for engine in engines(objects):
+        notes = engine["spec"]["template"]["metadata"]["annotations"]
+        assert (notes["pd-plugins.io/http-port"], notes["pd-plugins.io/kv-events-port"]) == ("8100", "5558")
+    assert_network_policies(objects)
+
