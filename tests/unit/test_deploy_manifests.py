@@ -717,3 +717,32 @@ def test_moved_engine_ports_stay_reachable(tmp_path: Path) -> None:
         assert (notes["pd-plugins.io/http-port"], notes["pd-plugins.io/kv-events-port"]) == ("8100", "5558")
     assert_network_policies(objects)
 
+
+# ---- the admin API ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_admin_api_needs_a_token_from_a_secret(overlay: str) -> None:
+    """/admin shares the routers' port with the API: the token is always set, from the Secret
+    (the Secret and its key are required: no optional), never in the ConfigMap."""
+    objects = rendered(overlay)
+    router = named(objects, "Deployment", "pd-router")
+    c = container(router, "router")
+    (entry,) = [e for e in c["env"] if e["name"] == "PD_ROUTER_ADMIN_TOKEN"]
+    assert entry["valueFrom"]["secretKeyRef"] == {"name": "pd-router-secrets", "key": "admin-token"}
+    assert "--admin-token" not in c["args"]
+    for config_map in of_kind(objects, "ConfigMap"):
+        for text in config_map["data"].values():
+            assert "admin_token" not in text, config_map["metadata"]["name"]
+
+
+def test_an_empty_admin_token_stops_the_router(tmp_path: Path) -> None:
+    """An empty admin-token key: pd-router refuses to start, it never serves /admin open."""
+    objects = rendered("cpu")
+    c = container(named(objects, "Deployment", "pd-router"), "router")
+    config = router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD)
+    args = [local_paths(arg) for arg in expanded_args(c)]
+    args[args.index("--config") + 1] = str(config)
+    done = subprocess.run([sys.executable, "-m", "pd_plugins.routers", *args, "--check-config"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, **ROUTER_CHECK_ENV, "PD_ROUTER_ADMIN_TOKEN": ""})
+    assert done.returncode != 0 and "admin_token" in done.stderr, done.stderr
