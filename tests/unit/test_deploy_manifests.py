@@ -598,6 +598,30 @@ def test_redis_as_deployed_takes_the_routers_password_and_no_other(tmp_path: Pat
         server.stop(grace=5)
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_pods_that_call_the_api_mount_a_token(overlay: str) -> None:
+    """A service-account token is mounted only where the account is bound to a Role (the
+    router's, for discovery); engines and Redis never call the Kubernetes API."""
+    objects = rendered(overlay)
+    bound = {s["name"] for b in of_kind(objects, "RoleBinding") for s in b["subjects"]
+             if s["kind"] == "ServiceAccount"}
+    assert "default" not in bound
+    for deployment in of_kind(objects, "Deployment"):
+        spec = deployment["spec"]["template"]["spec"]
+        account = spec.get("serviceAccountName", "default")
+        where = deployment["metadata"]["name"]
+        if account in bound:
+            assert spec.get("automountServiceAccountToken", True) is True, where
+        else:
+            assert spec.get("automountServiceAccountToken") is False, where
+    # discovery needs the token: the router's account is the bound one, and it does not refuse
+    # tokens either (a pod's own setting would override the account's, but keep them agreeing)
+    router = named(objects, "Deployment", "pd-router")["spec"]["template"]["spec"]
+    assert router["serviceAccountName"] in bound
+    account = named(objects, "ServiceAccount", router["serviceAccountName"])
+    assert account.get("automountServiceAccountToken", True) is True
+
+
 # ---- NetworkPolicies: who reaches which port --------------------------------------------------
 
 NAMESPACE = "pd-plugins"
