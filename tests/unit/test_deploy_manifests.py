@@ -3,7 +3,10 @@ it renders is valid against the Kubernetes schemas (offline, strict: an unknown 
 the manifests agree with our own programs: pd-router accepts the router's arguments and
 configuration, vLLM's parser accepts the engines' arguments, each kv-transfer-config names a
 connector we register with options it knows, and labels, annotations, ports and block sizes match
-what discovery and the router expect.
+what discovery and the router expect. The security posture too: Redis's password comes from a
+Secret and reaches the routers (Redis's own command run on a real redis-server), the
+NetworkPolicies admit what discovery uses and nothing else, the admin token is required, and
+only the router's pods mount a service-account token.
 
 No cluster runs here: nothing is applied. kubectl (1.27 or later, for kustomize v5) comes from the
 machine or .ci/run's install; without it these tests skip, except under CI=true, where they fail.
@@ -369,7 +372,7 @@ def mounts(c: dict[str, Any]) -> dict[str, str]:
     return {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
 
 
-def volume(deployment: dict[str, Any], name: str) -> dict[str, Any]:
+def pod_volume(deployment: dict[str, Any], name: str) -> dict[str, Any]:
     (found,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == name]
     return found
 
@@ -380,6 +383,14 @@ def secret_refs(c: dict[str, Any]) -> dict[str, dict[str, str]]:
             for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}
 
 
+def router_config_map(objects) -> dict[str, Any]:
+    """The router's router.yaml as its ConfigMap has it (the one ConfigMap its pod mounts)."""
+    router = named(objects, "Deployment", "pd-router")
+    (mounted,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    return yaml.safe_load(
+        named(objects, "ConfigMap", mounted["configMap"]["name"])["data"]["router.yaml"])
+
+
 def router_config_as_written(objects, tmp_path: Path, password: str) -> Path:
     """router.yaml as the router container reads it: the init container that writes the
     volume holding --config, run here (its own script) on the ConfigMap it mounts, with
@@ -388,14 +399,15 @@ def router_config_as_written(objects, tmp_path: Path, password: str) -> Path:
     config_path = Path(flag(expanded_args(container(router, "router")), "--config"))
     config_volume = mounts(container(router, "router"))[str(config_path.parent)]
     # memory-backed and the pod's own: the password never lands on the node's disk
-    assert volume(router, config_volume)["emptyDir"]["medium"] == "Memory"
+    assert pod_volume(router, config_volume)["emptyDir"]["medium"] == "Memory"
     (writer,) = [c for c in router["spec"]["template"]["spec"].get("initContainers", [])
                  if config_volume in mounts(c).values()]
     assert writer["command"] == ["python3", "-c"]
     script, template, target = writer["args"]
     assert target == str(config_path)
-    template_volume = volume(router, mounts(writer)[str(Path(template).parent)])
-    text = named(objects, "ConfigMap", template_volume["configMap"]["name"])["data"][Path(template).name]
+    template_volume = pod_volume(router, mounts(writer)[str(Path(template).parent)])
+    config_map = named(objects, "ConfigMap", template_volume["configMap"]["name"])
+    text = config_map["data"][Path(template).name]
     assert secret_refs(writer) == {"PD_REDIS_PASSWORD": REDIS_SECRET}
     (tmp_path / "template").mkdir(exist_ok=True)
     (tmp_path / "written").mkdir(exist_ok=True)
@@ -506,15 +518,14 @@ def test_redis_requires_the_password_the_routers_are_given(overlay: str, tmp_pat
     redis = container(named(objects, "Deployment", "pd-redis"), "redis")
     assert secret_refs(redis) == {"REDISCLI_AUTH": REDIS_SECRET}
     assert "--requirepass \"$REDISCLI_AUTH\"" in " ".join(redis["command"] + redis["args"])
-    router = named(objects, "Deployment", "pd-router")
-    template = yaml.safe_load(named(objects, "ConfigMap",
-                                    volume(router, "config-template")["configMap"]["name"])["data"]["router.yaml"])
-    import redis as redis_py
-    assert redis_py.connection.parse_url(template["sessions"]["redis_url"]).get("password") is None
-    written = yaml.safe_load(router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
-    url = written["sessions"]["redis_url"]
-    assert redis_py.connection.parse_url(url)["password"] == TEST_REDIS_PASSWORD
-    assert redis_py.connection.parse_url(url)["host"] == named(objects, "Service", "pd-redis")["metadata"]["name"]
+    template = router_config_map(objects)
+    assert urllib.parse.urlsplit(template["sessions"]["redis_url"]).password is None
+    written = yaml.safe_load(
+        router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
+    url = urllib.parse.urlsplit(written["sessions"]["redis_url"])
+    # percent-encoded, as redis-py decodes it (the live test below connects with it)
+    assert urllib.parse.unquote(url.password) == TEST_REDIS_PASSWORD
+    assert url.hostname == named(objects, "Service", "pd-redis")["metadata"]["name"]
     # everything else in router.yaml as the ConfigMap has it
     written["sessions"]["redis_url"] = template["sessions"]["redis_url"]
     assert written == yaml.safe_load(local_paths(yaml.safe_dump(template)))
@@ -581,7 +592,8 @@ def test_redis_as_deployed_takes_the_routers_password_and_no_other(tmp_path: Pat
                                   text=True, timeout=30, env={**os.environ, "REDISCLI_AUTH": password})
             assert answer in done.stdout + done.stderr, (password, done)
         # the router's URL, pointed at this server
-        written = yaml.safe_load(router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
+        written = yaml.safe_load(
+            router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
         parts = urllib.parse.urlsplit(written["sessions"]["redis_url"])
         secret, _, service = parts.netloc.rpartition("@")
         local = urllib.parse.urlunsplit(parts._replace(netloc=f"{secret}@127.0.0.1:{server.port}"))
@@ -700,12 +712,11 @@ def assert_network_policies(objects) -> None:
             assert admitted(objects, engine, other["spec"]["template"]["metadata"]["labels"]) == \
                 all_ports(engine), name
         assert admitted(objects, engine, stranger) == set(), name
-        assert admitted(objects, engine, {}, "monitoring", prometheus) == {int(notes["prometheus.io/port"])}
+        scraped = {int(notes["prometheus.io/port"])}
+        assert admitted(objects, engine, {}, "monitoring", prometheus) == scraped, name
         assert admitted(objects, engine, router_labels, "elsewhere") == set(), name
     # Redis: the port of the routers' redis_url, from the routers only
-    (config_volume,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
-    config = yaml.safe_load(named(objects, "ConfigMap", config_volume["configMap"]["name"])["data"]["router.yaml"])
-    redis_port = urllib.parse.urlsplit(config["sessions"]["redis_url"]).port or 6379
+    redis_port = urllib.parse.urlsplit(router_config_map(objects)["sessions"]["redis_url"]).port or 6379
     assert admitted(objects, redis, router_labels) == {redis_port}
     assert admitted(objects, redis, stranger) == set()
     assert admitted(objects, redis, {}, "elsewhere", clients) == set()
@@ -732,13 +743,14 @@ def test_moved_engine_ports_stay_reachable(tmp_path: Path) -> None:
     path = deploy / "base" / "engines" / "engines.yaml"
     text = path.read_text()
     assert text.count('"8000"') >= 4 and text.count("5557") >= 3
-    path.write_text(text.replace('"8000"', '"8100"').replace("containerPort: 8000", "containerPort: 8100")
-                    .replace("5557", "5558"))
+    path.write_text(text.replace('"8000"', '"8100"')
+                    .replace("containerPort: 8000", "containerPort: 8100").replace("5557", "5558"))
     objects = render(deploy / "overlays" / "cpu")
     assert_discovery_matches(objects)
     for engine in engines(objects):
         notes = engine["spec"]["template"]["metadata"]["annotations"]
-        assert (notes["pd-plugins.io/http-port"], notes["pd-plugins.io/kv-events-port"]) == ("8100", "5558")
+        assert notes["pd-plugins.io/http-port"] == "8100"
+        assert notes["pd-plugins.io/kv-events-port"] == "5558"
     assert_network_policies(objects)
 
 
