@@ -38,8 +38,21 @@ from pd_plugins.routers.workers import Worker
 Load = tuple[int, int, int]  # in_flight, in_flight_prefill_tokens, in_flight_tokens
 ZERO: Load = (0, 0, 0)
 MAX_ITEMS = 100_000  # per channel and entry read from a peer: more is not a replica of ours
+MAX_URL_CHARS = 2_048  # a worker URL a peer names; longer is no worker of any pool
+MAX_URLS_PER_ITEM = 2  # the workers a prefix channel item names: a prompt's decode and prefill
 # a peer's latency sample: tokens (or a batch size) and seconds no engine comes near
 MAX_SAMPLE_X, MAX_SAMPLE_Y = 1e8, 86_400.0
+
+
+def pool_url(url: object, known: Callable[[str], bool]) -> str | None:
+    """The URL under which this replica's pool holds the worker a peer names, or None (none
+    here). The pool strips trailing slashes (WorkerSpec, WorkerPool.get): kept as a peer spells
+    it, each spelling of one worker would get a table of its own that removing the worker (by
+    its own URL) never drops."""
+    if not isinstance(url, str) or len(url) > MAX_URL_CHARS:
+        return None
+    url = url.rstrip("/")
+    return url if known(url) else None
 
 
 class PinChannel:
@@ -257,10 +270,20 @@ class PrefixChannel(_PendingItems):
 
 
     def apply(self, origin: str, items: list, now: float) -> None:
+        # a peer's take stops past max_keys_per_take: an entry holding more is no replica's,
+        # and its small keys (a byte each) would cost the event loop seconds per 8 MB
+        budget = self.max_keys_per_take + self.max_keys
         for urls, keys in items[:MAX_ITEMS]:
-            for url in urls:
-                if self.known(str(url)):
-                    self.index.record_routed(str(url), keys[:self.max_keys])
+            if budget <= 0:
+                break
+            if not (isinstance(urls, list) and isinstance(keys, list)):
+                continue
+            keys = keys[:min(self.max_keys, budget)]
+            budget -= len(keys)
+            if not set(map(type, keys)) <= {int}:  # block keys are integers (checked in C)
+                continue
+            for url in {pool_url(url, self.known) for url in urls[:MAX_URLS_PER_ITEM]} - {None}:
+                self.index.record_routed(url, keys)
 
     def tick(self, now: float) -> None:
         pass

@@ -208,3 +208,38 @@ def test_a_prefix_backlog_goes_out_in_entries_of_bounded_size():
         channel.routed([f"http://d{n}"], list(range(4)))
     assert [len(channel.take(0.0)) for _ in range(2)] == [3, 2]  # 12 keys, then the rest
     assert channel.take(0.0) is None
+
+
+def _known(pool):
+    # what a model group passes (ModelGroup.has_worker): its pool, in either role
+    return lambda url: pool.get(url, "prefill") is not None or pool.get(url, "decode") is not None
+
+
+def test_prefixes_are_kept_under_the_pools_own_url_whatever_a_peer_spells():
+    # the pool finds http://d1/ as http://d1: stored as spelled, each spelling took a table of
+    # its own (up to 200,000 blocks each) that removing the worker never dropped
+    pool, index = _pool(), PrefixIndex()
+    prefixes = PrefixChannel(index, known=_known(pool))
+    prefixes.apply("ra", [[[f"http://d1{'/' * n}"], [11, 12]] for n in range(1, 300)], 0.0)
+    assert list(index._blocks) == ["http://d1"]
+    index.forget_worker(pool.remove("http://d1", "decode").url)  # as ModelGroup.remove does
+    assert not index._blocks
+
+
+def test_a_prefix_item_names_two_workers_and_integer_keys_or_is_skipped():
+    pool, index = _pool(), PrefixIndex()
+    prefixes = PrefixChannel(index, known=_known(pool))
+    prefixes.apply("ra", [[["http://gone", "http://gone/", "http://d1"], [11]],  # a third url
+                          [["http://d2"], [11, "12", [13]]],                      # not block keys
+                          [["http://p", "http://d2"], [21, 22]]], 0.0)
+    assert index.held_blocks("http://d1") == 0 and index.held_blocks("http://d2") == 2
+    assert index.matched_blocks("http://p", [21, 22]) == 2
+
+
+def test_a_peers_prefix_entry_applies_no_more_keys_than_one_take_holds():
+    # small keys are a byte each: an 8 MB entry held millions, seconds of the event loop
+    pool, index = _pool(), PrefixIndex()
+    prefixes = PrefixChannel(index, max_keys=4, known=_known(pool))
+    prefixes.max_keys_per_take = 10
+    prefixes.apply("ra", [[["http://d1"], [4 * n + k for k in range(4)]] for n in range(100)], 0.0)
+    assert index.held_blocks("http://d1") == 14  # what a take of 10 keys (+ one item) may hold
