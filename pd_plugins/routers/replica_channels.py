@@ -55,13 +55,20 @@ def pool_url(url: object, known: Callable[[str], bool]) -> str | None:
     return url if known(url) else None
 
 
+def _counts(*values: object) -> bool:
+    """What a peer sends as counts: integers (not floats, strings or booleans), none negative."""
+    return all(type(v) is int and v >= 0 for v in values)
+
+
 class PinChannel:
     live_only = False
 
     def __init__(self, table: SessionTable, replica_id: str, scope: str = "",
-                 max_pending: int = 10_000) -> None:
+                 max_pending: int = 10_000, known: Callable[[str], bool] = lambda url: True) -> None:
         self.name = f"pins:{scope}"
         self.table, self.max_pending = table, max_pending
+        # a decode worker this replica routes to (as PrefixChannel's): a pin elsewhere is refused
+        self.known = known
         table.auto_prefix = f"auto-{replica_id}-"  # automatic ids unique across replicas
         self._pending: OrderedDict[str, None] = OrderedDict()
         for event in ("replica_adopted", "replica_dropped"):
@@ -89,15 +96,18 @@ class PinChannel:
 
     def apply(self, origin: str, items: list, now: float) -> None:
         for session_id, decode_url, turns, resident, chain_key, auto in items[:MAX_ITEMS]:
-            if not (isinstance(session_id, str)
-                    and short_printable_ascii(session_id, MAX_SESSION_ID)):
-                self.table.count("replica_refused")  # an id no client could send: the rest go on
+            # an id no client could send, a decode worker not in this pool, counts that are no
+            # counts: that pin is refused, the rest go on
+            url = pool_url(decode_url, self.known)
+            if not (isinstance(session_id, str) and short_printable_ascii(session_id, MAX_SESSION_ID)
+                    and url is not None and _counts(turns, resident)
+                    and (chain_key is None or type(chain_key) is int)):
+                self.table.count("replica_refused")
                 continue
             local = self.table.get(session_id)
-            if local is None or int(turns) > local.turns:
-                self.table.adopt(str(session_id), Session(
-                    str(decode_url), int(turns), int(resident), auto=bool(auto),
-                    chain_key=int(chain_key) if chain_key is not None else None))
+            if local is None or turns > local.turns:
+                self.table.adopt(session_id, Session(url, turns, resident, auto=bool(auto),
+                                                     chain_key=chain_key))
                 self.table.counts["replica_adopted"] += 1
 
     def tick(self, now: float) -> None:

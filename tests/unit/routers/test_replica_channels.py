@@ -236,6 +236,24 @@ def test_a_prefix_item_names_two_workers_and_integer_keys_or_is_skipped():
     assert index.matched_blocks("http://p", [21, 22]) == 2
 
 
+def test_a_peers_pin_is_kept_only_for_a_decode_worker_of_this_pool_under_its_url():
+    pool, table = _pool(), SessionTable(SessionSpec())
+    pins = PinChannel(table, "rb", known=_known(pool))
+    pins.apply("ra", [["s1", "http://d1/", 1, 16, 5, False],
+                      ["s2", "http://x" + "y" * 100_000, 1, 16, None, False],  # not a worker here
+                      ["s3", "http://elsewhere", 1, 16, None, False],
+                      ["s4", "http://d2", 1.5, 16, None, False],               # not counts
+                      ["s5", "http://d2", 1, 16, "7", False]], 0.0)
+    assert table.get("s1").decode_url == "http://d1"  # found when http://d1 leaves
+    assert [s for s in ("s2", "s3", "s4", "s5") if table.get(s)] == []
+    assert table.counts["replica_refused"] == 4
+    assert table.forget_worker("http://d1") == 1
+    # without a pool to check (known: every URL), the length bound still holds
+    alone = SessionTable(SessionSpec())
+    PinChannel(alone, "rc").apply("ra", [["s2", "http://x" + "y" * 100_000, 1, 16, None, False]], 0.0)
+    assert alone.get("s2") is None
+
+
 def test_a_peers_prefix_entry_applies_no_more_keys_than_one_take_holds():
     # small keys are a byte each: an 8 MB entry held millions, seconds of the event loop
     pool, index = _pool(), PrefixIndex()

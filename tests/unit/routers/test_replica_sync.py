@@ -120,8 +120,9 @@ def test_a_channel_that_raises_in_tick_does_not_stop_the_publisher():
 
 def test_hostile_peer_entries_are_counted_unreadable_and_the_reader_goes_on():
     """Another replica's entries are peer input: an infinite number where an int goes, a session
-    id no client could send, nesting past msgpack's recursion, an entry past MAX_ENTRY_BYTES.
-    Each is counted and skipped; the reader lives on and adopts the good pin after them."""
+    id no client could send (each pin refused alone), nesting past msgpack's recursion, an entry
+    past MAX_ENTRY_BYTES (each entry unreadable). Each is counted and skipped; the reader lives
+    on and adopts the good pin after them."""
     from pd_plugins.routers import replica_sync
 
     async def run():
@@ -146,8 +147,8 @@ def test_hostile_peer_entries_are_counted_unreadable_and_the_reader_goes_on():
 
     table, sync = asyncio.run(run())
     assert table.get("good") is not None and table.get("s-inf") is None
-    assert sync.counts["unreadable"] == 3  # the inf, the nesting, the size
-    assert table.counts["replica_refused"] == 1  # the id: that pin alone, the entry's others go on
+    assert sync.counts["unreadable"] == 2  # the nesting, the size
+    assert table.counts["replica_refused"] == 2  # the inf, the id: that pin alone, the others go on
 
 
 class SwallowingLog(MemoryLog):
