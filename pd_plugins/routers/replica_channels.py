@@ -8,7 +8,8 @@
   tokens). A replica adds the sum of its peers' counts to its workers' counters, so every policy
   that reads `Worker.in_flight` and friends sees the load of all replicas without knowing about
   them; the peers' share is tracked here and replaced, never accumulated. A peer not heard from
-  for `ttl_s` counts nothing (it left, or Redis is down).
+  for `ttl_s` counts nothing (it left, or Redis is down). Only this pool's workers count, each
+  peer's load on one bounded (MAX_PEER_LOAD), from at most MAX_PEERS peers at once.
 - LatencyChannel: the samples of the learned latency models (prefill time over the tokens ahead,
   decode step over the batch). Each replica measures only the legs it runs; with its peers'
   samples its fit is the one a single router would have. Alone, each replica's fit stayed on the
@@ -40,6 +41,10 @@ ZERO: Load = (0, 0, 0)
 MAX_ITEMS = 100_000  # per channel and entry read from a peer: more is not a replica of ours
 MAX_URL_CHARS = 2_048  # a worker URL a peer names; longer is no worker of any pool
 MAX_URLS_PER_ITEM = 2  # the workers a prefix channel item names: a prompt's decode and prefill
+MAX_PEERS = 256  # replicas whose loads count at once; a newcomer's count once one goes quiet
+MAX_LOAD_ROWS = 10_000  # workers in a peer's load snapshot
+# a peer's in-flight requests, prefill tokens and prompt tokens on one worker: far past any engine
+MAX_PEER_LOAD: Load = (1_000_000, 10**9, 10**10)
 # a peer's latency sample: tokens (or a batch size) and seconds no engine comes near
 MAX_SAMPLE_X, MAX_SAMPLE_Y = 1e8, 86_400.0
 
@@ -127,6 +132,7 @@ class LoadChannel:
                  heartbeat_s: float = 0.5) -> None:
         self.workers, self.ttl_s, self.heartbeat_s = workers, ttl_s, heartbeat_s
         self._peers: dict[str, tuple[float, dict[tuple[str, str], Load]]] = {}
+        self._totals: dict[tuple[str, str], Load] = {}  # the sum of the peers' loads per worker
         self._applied: dict[Worker, Load] = {}  # the peers' share now added to each worker
         self._published: dict[tuple[str, str], Load] | None = None
         self._published_at = -math.inf
@@ -156,30 +162,44 @@ class LoadChannel:
         self._published = None  # publish a fresh snapshot next time
 
     def apply(self, origin: str, items: list, now: float) -> None:
+        if origin not in self._peers and len(self._peers) >= MAX_PEERS:
+            raise ValueError(f"loads of more than {MAX_PEERS} replicas")  # counted by the sync
+        here = {(w.role, w.url) for w in self.workers()}
         loads = {}
-        for role, url, *load in items[:MAX_ITEMS]:
-            if url:
-                loads[(str(role), str(url))] = tuple(max(0, int(v)) for v in load[:3])
+        for role, url, *load in items[:MAX_LOAD_ROWS]:
+            # only this pool's workers (by their own URL) and counts, each at most what one
+            # replica could hold: 2**62 requests kept every request off a worker
+            if (role, url) in here and len(load) >= 3 and _counts(*load[:3]):
+                loads[(role, url)] = tuple(min(v, bound) for v, bound in zip(load, MAX_PEER_LOAD))
+        self._forget(origin)
         self._peers[origin] = (now, loads)
+        self._total(loads, +1)
         self._reapply()
 
     def tick(self, now: float) -> None:
         for origin in [o for o, (t, _) in self._peers.items() if now - t > self.ttl_s]:
-            del self._peers[origin]
+            self._forget(origin)
         self._reapply()  # also catches workers added or removed since
 
+    def _forget(self, origin: str) -> None:
+        _, loads = self._peers.pop(origin, (0.0, {}))
+        self._total(loads, -1)
+
+    def _total(self, loads: dict[tuple[str, str], Load], sign: int) -> None:
+        """The peers' sums kept as they change: a tick costs the pool's size, not the peers'."""
+        for key, load in loads.items():
+            total = [t + sign * v for t, v in zip(self._totals.get(key, ZERO), load)]
+            if any(total):
+                self._totals[key] = tuple(total)
+            else:
+                self._totals.pop(key, None)
+
     def _reapply(self) -> None:
-        totals: dict[tuple[str, str], list[int]] = {}
-        for _, loads in self._peers.values():
-            for key, load in loads.items():
-                total = totals.setdefault(key, [0, 0, 0])
-                for i, v in enumerate(load):
-                    total[i] += v
         current = set(self.workers())
         for worker in [w for w in self._applied if w not in current]:
             self._add(worker, self._applied.pop(worker), -1)  # a removed worker: its own counts
         for worker in current:
-            want = tuple(totals.get((worker.role, worker.url), ZERO))
+            want = self._totals.get((worker.role, worker.url), ZERO)
             have = self._applied.get(worker, ZERO)
             if want != have:
                 self._add(worker, have, -1)

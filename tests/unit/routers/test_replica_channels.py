@@ -5,13 +5,14 @@ these lists."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 
 from pd_plugins.routers.config import SessionSpec, WorkerSpec
 from pd_plugins.routers.policy.base import RequestInfo
 from pd_plugins.routers.policy.prefix_index import PrefixIndex
 from pd_plugins.routers.policy.latency_model import LatencyModels
 from pd_plugins.routers.replica_channels import (
-    LatencyChannel, LoadChannel, PinChannel, PrefixChannel, ReplicaShare,
+    MAX_PEER_LOAD, MAX_PEERS, LatencyChannel, LoadChannel, PinChannel, PrefixChannel, ReplicaShare,
 )
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.workers import WorkerPool
@@ -175,8 +176,6 @@ def test_latency_samples_reach_the_other_fit_so_both_leave_the_priors_together()
 
 
 def test_sync_settings_are_checked():
-    import pytest
-
     from pd_plugins.routers.config import ConfigError, config_from_mapping
 
     base = {"decode": [{"url": "http://d1"}], "sessions": {"redis_url": "redis://127.0.0.1:6379/0"}}
@@ -261,3 +260,36 @@ def test_a_peers_prefix_entry_applies_no_more_keys_than_one_take_holds():
     prefixes.max_keys_per_take = 10
     prefixes.apply("ra", [[["http://d1"], [4 * n + k for k in range(4)]] for n in range(100)], 0.0)
     assert index.held_blocks("http://d1") == 14  # what a take of 10 keys (+ one item) may hold
+
+
+def test_a_peers_loads_count_for_this_pools_workers_each_bounded():
+    # one row of 2**62 requests kept every request off d1 (and blocked a role move's drain)
+    pool = _pool()
+    loads = LoadChannel(lambda: pool)
+    d1, d2 = pool.get("http://d1", "decode"), pool.get("http://d2", "decode")
+    loads.apply("rb", [["decode", "http://d1", 2**62, 2**62, 2**62],
+                       ["decode", "http://d2/", 5, 0, 0],        # not how the pool names d2
+                       ["decode", "http://d2", 1.5, 0, 0],       # not counts
+                       ["decode", "http://d2", float("inf"), 0, 0],
+                       ["prefill", "http://d2", 7, 0, 0],        # d2 is no prefill
+                       *(["decode", f"http://gone{n}", 1, 1, 1] for n in range(1000))], 0.0)
+    assert (d1.in_flight, d1.in_flight_prefill_tokens, d1.in_flight_tokens) == MAX_PEER_LOAD
+    assert d2.in_flight == 0
+    assert list(loads._peers["rb"][1]) == [("decode", "http://d1")]  # no rows kept for the rest
+    loads.apply("rb", [], 0.1)
+    assert d1.in_flight == 0
+
+
+def test_loads_of_more_replicas_than_any_deployment_wait_for_one_to_go_quiet():
+    pool = _pool()
+    loads = LoadChannel(lambda: pool, ttl_s=2.0)
+    d1 = pool.get("http://d1", "decode")
+    for n in range(MAX_PEERS):
+        loads.apply(f"r{n}", [["decode", "http://d1", 1, 0, 0]], 0.0)
+    with pytest.raises(ValueError, match="replicas"):  # the sync counts it unreadable
+        loads.apply("one-more", [["decode", "http://d1", 1, 0, 0]], 1.0)
+    loads.apply("r0", [["decode", "http://d1", 2, 0, 0]], 1.0)  # a known one goes on
+    assert d1.in_flight == MAX_PEERS + 1
+    loads.tick(2.5)  # all but r0 went quiet
+    loads.apply("one-more", [["decode", "http://d1", 1, 0, 0]], 2.5)
+    assert d1.in_flight == 3
