@@ -29,7 +29,18 @@ from pd_plugins.vocab.block_keys import block_keys, prompt_root
 
 log = logging.getLogger("pd_router.prefix_index")
 
-MAX_BATCH_BYTES = 16 << 20  # a bigger KV event batch is dropped by ZMQ (vLLM's are far smaller)
+# A bigger KV event batch is skipped undecoded: decoding costs the event loop up to ~0.2 s per
+# MiB of nested empty arrays. vLLM sends one batch per engine step, about 12 bytes per token of
+# blocks stored or evicted (16-token blocks): 1 MiB covers steps of ~88k tokens, more than a
+# max_num_batched_tokens of 64k schedules.
+MAX_BATCH_BYTES = 1 << 20
+# Only a memory bound: past it ZMQ drops the message and ends the connection, for good when the
+# router connects (libzmq 4.3 does not reconnect after that protocol error; the subscription
+# would hear nothing again). No vLLM step comes near it.
+MAX_MESSAGE_BYTES = 16 << 20
+# The smallest event vLLM sends (BlockRemoved with one integer hash) is 42 bytes: a batch of more
+# events than this is no engine's, and is skipped whole before its events are decoded.
+MAX_BATCH_EVENTS = MAX_BATCH_BYTES // 40
 MAX_HASH_BYTES = 64  # an engine block hash as bytes (vLLM's: 32-byte sha256); kept per block
 RECEIVE_QUEUE = 16  # batches ZMQ queues per publisher before it drops (bind: any may connect)
 REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often for bad batches
@@ -203,7 +214,7 @@ class KvEventSubscriber:
         ctx = zmq.asyncio.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
         try:
@@ -223,9 +234,9 @@ class KvEventSubscriber:
                 frames = await sock.recv_multipart()
                 try:
                     self.handle(frames)
-                except Exception:  # a bug here must not end the subscription either
+                except Exception as exc:  # a bug here must not end the subscription either
                     self.batches_rejected += 1
-                    log.exception("KV events of %s: a batch could not be applied", self.worker_url)
+                    self._log_rejection(f"a batch could not be applied: {exc!r}", exc_info=True)
         finally:
             self.index.exact_workers.discard(self.worker_url)
             sock.close(linger=0)
@@ -243,17 +254,27 @@ class KvEventSubscriber:
             self._log_rejection(f"batch {seq} after {self.last_seq}: batches missed, or the "
                                 f"engine restarted ({self.sequence_gaps} gaps so far)")
         self.last_seq = seq
+        if len(payload) > MAX_BATCH_BYTES:
+            self._rejected_batch(f"{len(payload)} bytes (at most {MAX_BATCH_BYTES} are decoded)")
+            return
         try:
-            batch = msgspec.msgpack.decode(payload)
-        except msgspec.DecodeError as exc:
+            # the events are counted before any is decoded: a batch of millions of empty
+            # arrays cost seconds of the loop and as many rejections
+            events = _decode_batch(payload).events
+            count = _array_length(events)
+            if count is None:
+                self._rejected_batch("not an event batch ([ts, [events...], ...])")
+                return
+            if count > MAX_BATCH_EVENTS:
+                self._rejected_batch(f"{count} events (no engine step sends over "
+                                     f"{MAX_BATCH_EVENTS})")
+                return
+            events = msgspec.msgpack.decode(events)
+        except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: deep nesting
             self._rejected_batch(f"undecodable: {exc}")
             return
-        # vLLM's EventBatch is array-like: [ts, events, data_parallel_rank?]
-        if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
-            self._rejected_batch("not an event batch ([ts, [events...], ...])")
-            return
         rejected = None
-        for event in batch[1]:
+        for event in events:
             try:
                 self.events.apply(event)
                 self.events_applied += 1
@@ -267,9 +288,30 @@ class KvEventSubscriber:
         self.batches_rejected += 1
         self._log_rejection(f"skipped a KV event batch: {why}")
 
-    def _log_rejection(self, message: str) -> None:
+    def _log_rejection(self, message: str, exc_info: bool = False) -> None:
         now = time.monotonic()  # a hostile or broken publisher must not flood the log
         if now - self._last_reject_log >= REJECT_LOG_INTERVAL_S:
             self._last_reject_log = now
             log.warning("KV events of %s: %s (%d batches, %d events rejected so far)",
-                        self.worker_url, message, self.batches_rejected, self.events_rejected)
+                        self.worker_url, message, self.batches_rejected, self.events_rejected,
+                        exc_info=exc_info)
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    """vLLM's EventBatch, [ts, events, data_parallel_rank?]: its events still undecoded."""
+
+    ts: msgspec.Raw
+    events: msgspec.Raw
+
+
+_decode_batch = msgspec.msgpack.Decoder(_Batch).decode
+
+
+def _array_length(raw: msgspec.Raw) -> int | None:
+    """How many items the msgpack array `raw` holds, from its header (None: not an array)."""
+    data = memoryview(raw)
+    if 0x90 <= data[0] <= 0x9F:
+        return data[0] & 0x0F
+    if data[0] in (0xDC, 0xDD):
+        return int.from_bytes(data[1:3 if data[0] == 0xDC else 5], "big")
+    return None

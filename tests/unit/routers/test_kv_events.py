@@ -253,3 +253,69 @@ def test_batch_number_gaps_are_counted_and_logged_at_most_once_a_while(caplog):
             subscriber.handle([b"", (i % 2 * 7).to_bytes(8, "big"), empty])
     assert subscriber.sequence_gaps == 999
     assert len([r for r in caplog.records if "batches missed" in r.getMessage()]) == 1
+
+
+def test_a_batch_deeper_or_longer_than_any_engines_is_skipped_whole():
+    # nesting: msgspec's RecursionError escaped handle(); millions of empty events were
+    # decoded and rejected one by one, seconds of the event loop
+    from pd_plugins.routers.kv_sources.events import MAX_BATCH_EVENTS
+
+    subscriber = KvEventSubscriber(PrefixIndex(), W, "tcp://127.0.0.1:1")
+    deep = msgspec.msgpack.encode(0.0)
+    deep = b"\x92" + deep + b"\x91" * 100_000 + b"\x90"
+    many = msgspec.msgpack.encode([0.0, [[]] * (MAX_BATCH_EVENTS + 1)])
+    for n, payload in enumerate((deep, many)):
+        subscriber.handle([b"", n.to_bytes(8, "big"), payload])
+    assert (subscriber.batches_rejected, subscriber.events_rejected) == (2, 0)
+    subscriber.handle([b"", (2).to_bytes(8, "big"), msgspec.msgpack.encode([0.0, [[]] * 3])])
+    assert subscriber.events_rejected == 3  # up to the bound, each event on its own
+
+
+def test_subscriber_drops_batches_over_a_mib_and_logs_bad_ones_once(caplog):
+    """Over a real ZMQ socket: a batch over MAX_BATCH_BYTES (16 MiB before) is skipped undecoded,
+    and the subscription goes on (ZMQ's own bound, MAXMSGSIZE, would end it for good); a deeply
+    nested one is counted, not logged with its traceback each time."""
+    import logging
+
+    port = free_port()
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    index = PrefixIndex()
+    encoder = msgspec.msgpack.Encoder()
+    big_tokens = [100_000 + n for n in range(300_000)]  # 5 bytes each: a step of 300k tokens
+    big = encoder.encode(kv_events.KVEventBatch(ts=0.0, events=[
+        stored(list(range(1, len(big_tokens) // 4 + 1)), None, big_tokens)]))
+    assert 1 << 20 < len(big) < 2 << 20
+    deep = b"\x92" + encoder.encode(0.0) + b"\x91" * 100_000 + b"\x90"
+    seq = 0
+
+    async def send_until_applied(tokens: list[int], first: tuple[bytes, ...] = ()) -> None:
+        nonlocal seq
+        deadline = time.monotonic() + 10
+        while index.matched_blocks(W, block_keys(tokens, 4)) < 2 and time.monotonic() < deadline:
+            good = kv_events.KVEventBatch(ts=time.time(), events=[stored([seq, -seq], None, tokens)])
+            for payload in (*first, encoder.encode(good)):
+                pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
+                seq += 1
+            first = ()
+            await asyncio.sleep(0.05)  # a SUB misses what is sent before it has (re)connected
+
+    async def scenario(sub: KvEventSubscriber) -> bool:
+        task = asyncio.create_task(sub.run())
+        await send_until_applied(list(range(70, 78)))  # connected
+        await send_until_applied(list(range(80, 88)), first=(big, deep, deep, deep))
+        alive = not task.done()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return alive
+
+    sub = KvEventSubscriber(index, W, f"tcp://127.0.0.1:{port}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="pd_router.prefix_index"):
+            alive = asyncio.run(scenario(sub))
+    finally:
+        pub.close(linger=0)
+    assert alive and index.matched_blocks(W, block_keys(list(range(80, 88)), 4)) == 2
+    assert index.matched_blocks(W, block_keys(big_tokens[:8], 4)) == 0
+    assert len([r for r in caplog.records if r.name == "pd_router.prefix_index"
+                and r.levelno >= logging.WARNING]) <= 1
