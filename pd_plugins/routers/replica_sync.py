@@ -68,6 +68,9 @@ _encode = msgspec.msgpack.Encoder().encode
 # empty arrays costs about 0.2-0.3 s of decoding per MB). Publishers stay well under it: the
 # prefix channel takes a bounded number of keys per entry (replica_channels.py).
 MAX_ENTRY_BYTES = 8 << 20
+# Entries one XREAD returns: a reply of 200 entries could hold 1.6 GB; this many hold at most
+# 32 MiB. A starting replica reads the stream's window in as many round trips (a few ms each).
+READ_COUNT = max(1, (32 << 20) // MAX_ENTRY_BYTES)
 # Entries larger than this are decoded in a worker thread: the event loop keeps serving.
 DECODE_IN_THREAD_BYTES = 256 << 10
 _decode = msgspec.msgpack.Decoder(_Entry).decode
@@ -113,7 +116,7 @@ class RedisLog:
         newest = await self._writer.xrevrange(self.key, count=1)
         return newest[0][0].decode() if newest else "0-0"
 
-    async def read(self, after: str, block_ms: int, count: int = 200) -> list[tuple[str, bytes]]:
+    async def read(self, after: str, block_ms: int, count: int = READ_COUNT) -> list[tuple[str, bytes]]:
         answer = await self._reader.xread({self.key: after}, count=count, block=block_ms)
         return [(entry_id.decode(), fields.get(self.FIELD, b""))
                 for _, entries in answer or () for entry_id, fields in entries]

@@ -18,7 +18,7 @@ from pd_plugins.routers.policy.prefix_index import PrefixIndex
 from pd_plugins.routers.replica_channels import (
     LatencyChannel, LoadChannel, PinChannel, PrefixChannel, ReplicaShare,
 )
-from pd_plugins.routers.replica_sync import RedisLog, ReplicaSync
+from pd_plugins.routers.replica_sync import MAX_ENTRY_BYTES, READ_COUNT, RedisLog, ReplicaSync
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.workers import WorkerPool
 from pd_plugins.testing.kv_servers import REDIS_SERVER, RedisServer
@@ -147,4 +147,21 @@ def test_outage_leaves_local_state_and_sharing_resumes(redis_server):
             await until(lambda: b.table.get(during.session_id) is not None, 10, "the outage's pin on B")
             await until(lambda: b.decode("http://d1").in_flight == 2, 5, "A's load on B again")
             assert a.sync.up and b.sync.up
+    asyncio.run(run())
+
+
+def test_one_read_takes_a_bounded_number_of_entries(redis_server):
+    # 200 entries of up to MAX_ENTRY_BYTES each: one XREAD reply could hold 1.6 GB
+    assert READ_COUNT * MAX_ENTRY_BYTES <= 32 << 20
+
+    async def run():
+        log = RedisLog(redis_server.redis_url, "test:count", timeout_s=1.0, stream_len=1000, ttl_s=60)
+        try:
+            for n in range(3 * READ_COUNT):
+                await log.append(bytes([n]))
+            first = await log.read("0-0", 1)
+            assert [payload for _, payload in first] == [bytes([n]) for n in range(READ_COUNT)]
+            assert len(await log.read(first[-1][0], 1)) == READ_COUNT  # the rest on the next reads
+        finally:
+            await log.aclose()
     asyncio.run(run())
