@@ -325,13 +325,14 @@ def markdown(results: dict) -> str:
     lines += [""] + [f"- {v}" for v in verdicts(results)]
     lines += ["", "Reading it. Mooncake: what decides goodput here is the `slo` admission, which "
               "estimates TTFT from the learned latency fit (policy/latency_model.py). Until a fit has 8 "
-              "prefill samples it uses the prior (0.2 ms per token: every prompt over ~7k tokens "
-              "\"misses\" the 1.5 s target), and a rejected request teaches it nothing. Replicas that "
-              "each learned only from their own legs stayed on the prior twice as long: in the first "
-              "measurement (one `--quick` run) they rejected 18 of 80 requests against one router's 6 "
-              "and reached 83% of its goodput. Replicas now share their latency samples too "
-              "(replica_channels.py, LatencyChannel), so each fits all the legs and they reject the "
-              "same requests as one router; the unshared control still shows the old gap.",
+              "prefill samples it refuses a prompt only for the queue ahead of it, never for its own "
+              "size (since 2026-12-05; before, the prior of 0.2 ms per token refused every prompt over "
+              "~7k tokens, and replicas that each learned only from their own legs stayed on it twice "
+              "as long: in the first measurement (one `--quick` run) they rejected 18 of 80 requests "
+              "against one router's 6 and reached 83% of its goodput). Replicas share their latency "
+              "samples (replica_channels.py, LatencyChannel), so each fits all the legs and they "
+              "reject what one router rejects; the unshared control, each replica fitting only its "
+              "own legs, still rejects a few more (column \"rejected\").",
               "",
               multi_turn_reading(results["runs"].get("multi_turn", {}))]
     lags = [r["max_engine_lag_s"] for by in results["runs"].values() for runs in by.values() for r in runs]
