@@ -23,6 +23,7 @@ def prefill_started(ctx: PolicyContext, worker: Worker, info: RequestInfo) -> Pr
     """Count a prefill leg in flight, charged with its uncached tokens."""
     charge = PrefillCharge(uncached_tokens(ctx, worker, info), worker.in_flight_prefill_tokens)
     worker.in_flight += 1
+    worker.own_in_flight += 1
     worker.in_flight_prefill_tokens += charge.uncached
     worker.in_flight_tokens += info.prompt_tokens
     return charge
@@ -30,6 +31,7 @@ def prefill_started(ctx: PolicyContext, worker: Worker, info: RequestInfo) -> Pr
 
 def prefill_ended(worker: Worker, info: RequestInfo, charge: PrefillCharge) -> None:
     worker.in_flight -= 1
+    worker.own_in_flight -= 1
     worker.in_flight_prefill_tokens -= charge.uncached
     worker.in_flight_tokens -= info.prompt_tokens
 
@@ -61,6 +63,7 @@ class DecodeCharge:
 
 def decode_started(worker: Worker, info: RequestInfo) -> DecodeCharge:
     worker.in_flight += 1
+    worker.own_in_flight += 1
     worker.in_flight_tokens += info.prompt_tokens
     charge = DecodeCharge(info.expert_histogram)
     if charge.experts is not None:
@@ -82,6 +85,7 @@ def local_prefill_ended(decode: Worker, uncached: int) -> None:
 
 def decode_ended(worker: Worker, info: RequestInfo, charge: DecodeCharge) -> None:
     worker.in_flight -= 1
+    worker.own_in_flight -= 1
     worker.in_flight_tokens -= info.prompt_tokens
     if charge.experts is not None:
         worker.experts.remove(charge.experts)

@@ -138,10 +138,11 @@ class AdminApi:
         if worker is None:
             of = f" of model {change.model}" if change.model else ""
             return error_response(404, f"no {change.role} worker {change.worker.url}{of}")
+        # this replica's requests (other replicas' load is counted in in_flight too)
         log.info("admin: removed %s worker %s (%d requests still finishing)", change.role,
-                 worker.url, worker.in_flight)
+                 worker.url, worker.own_in_flight)
         return web.json_response({"removed": worker.url, "role": change.role,
-                                  "finishing": worker.in_flight,
+                                  "finishing": worker.own_in_flight,
                                   **({"model": worker.model} if worker.model else {})})
 
     async def move_worker(self, request: web.Request) -> web.Response:

@@ -204,14 +204,16 @@ class ModelGroup:
                               f"have nowhere to decode; add or move in another first", 409)
         worker.moving_to, worker.draining = to, True  # no new requests of the old role from now
         try:
-            holding = worker.in_flight
+            # this replica's requests only: other replicas' load (added to in_flight) is theirs
+            # to finish, and they do not know of the move (they keep sending to the worker)
+            holding = worker.own_in_flight
             loop = asyncio.get_running_loop()
             deadline = loop.time() + drain_timeout_s
-            while worker.in_flight > 0 and loop.time() < deadline:
+            while worker.own_in_flight > 0 and loop.time() < deadline:
                 await asyncio.sleep(DRAIN_POLL_S)
             if self.pool.get(url, old) is not worker:
                 raise MoveRefused(f"{url} was removed while moving", 409)
-            still_running = max(0, worker.in_flight)
+            still_running = max(0, worker.own_in_flight)
             self.pool.move(worker, to)
             worker.spec = spec
             if old == "decode" and self.sessions is not None:

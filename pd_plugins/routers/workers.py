@@ -32,6 +32,9 @@ class Worker:
     ever_up: bool = False           # a probe has succeeded at least once
     probing: bool = False           # a health probe is in flight (one at a time)
     in_flight: int = 0              # requests with a leg running on this worker now
+    # this replica's share of in_flight: other router replicas' loads (replica_channels
+    # LoadChannel) are added to in_flight, but only requests of this process can be waited for
+    own_in_flight: int = 0
     in_flight_prefill_tokens: int = 0  # uncached prompt tokens queued for prefill here
     in_flight_tokens: int = 0       # prompt tokens of every request in flight here (KV it holds)
     engine_waiting: float = 0.0     # scraped: requests waiting in the engine queue

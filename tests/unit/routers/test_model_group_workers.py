@@ -73,3 +73,63 @@ def test_a_role_move_into_a_pool_that_holds_the_engine_already_is_refused():
         asyncio.run(router.move_worker(X, "prefill", drain_timeout_s=0))
     assert refused.value.status == 409 and "already a prefill worker" in str(refused.value)
     assert group.pool.get(X, "prefill") is prefill and group.pool.get(X, "decode") is not None
+
+
+# -- what a role move and a removal wait for -----------------------------------------------------
+
+TOKEN = "unit-admin-token"
+
+
+async def admin_client(router):
+    """The router's admin routes over real HTTP (aiohttp's test server on loopback)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    app = web.Application()
+    app.add_routes(router.admin.routes())
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    return client
+
+
+def test_a_move_and_a_removal_count_only_this_replicas_requests():
+    """Other router replicas' requests (LoadChannel adds them to in_flight) are not this replica's
+    to wait for: those replicas do not know of the move and keep sending. A move with 3 peer
+    requests and 1 of ours waits for ours only; a removal reports ours as finishing."""
+    from pd_plugins.routers.replica_channels import LoadChannel
+
+    worker = {"url": X, "kv_both": True}
+    router = Router(config_from_mapping({"decode": [worker, {"url": Y}], "admin_token": TOKEN}))
+    group = router.groups[""]
+    for w in group.pool:
+        w.healthy = True
+    loads = LoadChannel(lambda: router.workers)
+    loads.apply("peer", [["decode", X, 3, 0, 300], ["decode", Y, 2, 0, 200]], now=0.0)
+    x, y = group.pool.get(X, "decode"), group.pool.get(Y, "decode")
+    assert (x.in_flight, y.in_flight) == (3, 2)
+    info = RequestInfo(prompt_tokens=48, block_keys=[])
+
+    async def main():
+        mine = accounting.decode_started(x, info)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        move = asyncio.create_task(router.move_worker(X, "prefill", drain_timeout_s=5.0))
+        await asyncio.sleep(0.3)
+        assert not move.done()  # our request still runs there
+        accounting.decode_ended(x, info, mine)
+        result = await move
+        assert loop.time() - started < 2.0  # not the whole drain timeout
+        assert (result.drained, result.still_running) == (1, 0)
+        assert group.pool.get(X, "prefill") is x
+
+        accounting.decode_started(y, info)  # ours, still running when Y is removed
+        client = await admin_client(router)
+        try:
+            resp = await client.delete("/admin/workers", json={"role": "decode", "worker": {"url": Y}},
+                                       headers={"Authorization": f"Bearer {TOKEN}"})
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["finishing"] == 1
+        finally:
+            await client.close()
+
+    asyncio.run(main())
