@@ -24,7 +24,8 @@ class ConfigError(ValueError):
 
 
 class WorkerConflict(ConfigError):
-    """A worker added while serving (admin API, discovery) is already another model's."""
+    """A worker added while serving (admin API, discovery) is already another model's, or is
+    moving into that role (a role change draining)."""
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

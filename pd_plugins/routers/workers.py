@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, Literal
 
-from pd_plugins.routers.config import WorkerSpec
+from pd_plugins.routers.config import WorkerConflict, WorkerSpec
 from pd_plugins.routers.policy.expert_signature import ExpertFootprint
 
 Role = Literal["prefill", "decode"]
@@ -92,8 +92,14 @@ class WorkerPool:
     def add(self, spec: WorkerSpec, role: Role, probe_first: bool = False) -> Worker:
         """A new worker; with `probe_first` it takes no requests until a health probe passed
         (the router's choice: a worker that accepts connections but never answers must not get
-        traffic while its first probe waits out the timeout)."""
+        traffic while its first probe waits out the timeout). WorkerConflict for the role the
+        same URL is moving into."""
         key = (role, spec.url)
+        other = self._workers.get(("decode" if role == "prefill" else "prefill", spec.url))
+        if other is not None and other.moving_to == role:
+            # the move puts that worker in `role` when its drain ends: it would replace this one
+            raise WorkerConflict(f"worker {spec.url} is moving to {role} (a role change "
+                                 "draining): it serves that role once the move ends")
         existing = self._workers.get(key)
         if existing is not None:
             if existing.moving_to is None:  # a worker leaving this role stays out of it

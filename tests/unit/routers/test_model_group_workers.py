@@ -133,3 +133,35 @@ def test_a_move_and_a_removal_count_only_this_replicas_requests():
             await client.close()
 
     asyncio.run(main())
+
+
+def test_adding_a_worker_in_the_role_it_is_moving_into_is_refused():
+    """While X drains toward prefill, an admin add of X as a prefill gets 409: the move would
+    otherwise replace the added worker when the drain ends (the add answered success, and the
+    worker it added was neither in the pool nor marked removed)."""
+    worker = {"url": X, "kv_both": True}
+    router = Router(config_from_mapping({"decode": [worker, {"url": Y}], "admin_token": TOKEN}))
+    group = router.groups[""]
+    for w in group.pool:
+        w.healthy = True
+    x = group.pool.get(X, "decode")
+    info = RequestInfo(prompt_tokens=48, block_keys=[])
+
+    async def main():
+        leg = accounting.decode_started(x, info)  # the move drains it
+        move = asyncio.create_task(router.move_worker(X, "prefill", drain_timeout_s=5.0))
+        await asyncio.sleep(0.1)
+        client = await admin_client(router)
+        try:
+            resp = await client.post("/admin/workers", json={"role": "prefill", "worker": worker},
+                                     headers={"Authorization": f"Bearer {TOKEN}"})
+            assert resp.status == 409, await resp.text()
+            assert "moving to prefill" in (await resp.json())["error"]["message"]
+        finally:
+            await client.close()
+        accounting.decode_ended(x, info, leg)
+        await move
+        assert group.pool.get(X, "prefill") is x and group.pool.get(X, "decode") is None
+        assert group.pool.by_role("prefill") == [x]
+
+    asyncio.run(main())
