@@ -284,8 +284,16 @@ class PodWatcher:
         if moved_from is not None:  # a move cut short leaves the worker in its old role
             self.sink.remove_worker(moved_from.spec.url, moved_from.role, moved_from.model)
         removed = self.sink.remove_worker(worker.spec.url, worker.role, worker.model)
+        role = worker.role
+        if removed is None:
+            # moved since through the admin API (POST /admin/workers/role): the engine is gone
+            # from the other role, unless another pod of ours stands for it there (an IP reused)
+            role = "decode" if worker.role == "prefill" else "prefill"
+            if not any(other.key == (worker.spec.url, role, worker.model)
+                       for other in self.pods.values()):
+                removed = self.sink.remove_worker(worker.spec.url, role, worker.model)
         if removed is not None:
-            log.info("kubernetes: %s worker %s removed (%s)", worker.role, worker.spec.url, why)
+            log.info("kubernetes: %s worker %s removed (%s)", role, worker.spec.url, why)
 
 
 class DiscoveryCollector:

@@ -467,6 +467,48 @@ def test_router_puts_pods_into_models_by_label(api):
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def test_a_pod_moved_through_the_admin_api_leaves_with_its_pod(api):
+    """The real Router (in-process, nothing behind the pod): a discovered kv-both prefill moved to
+    decode by the admin API's call (Router.move_worker) is removed when its pod is deleted, in the
+    role it holds now; a later pod on the same address starts afresh (it was left in the decode
+    pool, and a pod reusing the IP revived it)."""
+    from aiohttp import web
+
+    from pd_plugins.routers.config import config_from_mapping
+    from pd_plugins.routers.server import Router
+    from pd_plugins.testing.processes import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    api.add_pod(make_pod("w", "prefill", "127.0.0.1", http_port=port,
+                         annotations={"pd-plugins.io/kv-both": "true"}))
+    config = config_from_mapping({
+        "discovery": {"kubeconfig": str(api.kubeconfig), "selector": SELECTOR},
+        "health": {"interval_s": 60, "timeout_s": 1}})
+
+    async def main():
+        router = Router(config)
+        pool = router.groups[""].pool
+        runner = web.AppRunner(router.app())
+        await runner.setup()  # startup: the watcher starts
+        try:
+            await until(lambda: pool.get(url, "prefill") is not None, what="the pod as a prefill")
+            worker = pool.get(url, "prefill")
+            move = await router.move_worker(url, "decode", drain_timeout_s=0)
+            assert move.worker is worker and pool.get(url, "decode") is worker
+            api.delete_pod("w")
+            await until(lambda: pool.get(url, "decode") is None, what="the moved worker to leave")
+            assert worker.removed and pool.get(url, "prefill") is None
+            api.add_pod(make_pod("w2", "prefill", "127.0.0.1", http_port=port,
+                                 annotations={"pd-plugins.io/kv-both": "true"}))
+            await until(lambda: pool.get(url, "prefill") is not None, what="the new pod")
+            assert pool.get(url, "decode") is None and pool.get(url, "prefill") is not worker
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_pods_past_max_pods_wait_and_join_when_room_frees(api):
     """Pods past max_pods are kept (at most max_pods of them) and added as held ones go, with no
     event of their own; ones past that bound too come back by a re-list once room frees."""
