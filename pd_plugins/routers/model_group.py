@@ -5,7 +5,8 @@ without `models:`). Groups share the router's HTTP clients, metrics, health upke
 shared KV pools (keyed by kv_pool; the config refuses one pool in two models): each model's
 workers, prefix index and latency models are its own, so one model's load or cache never counts
 for another. `served` are the names a request's `model` may give to reach the
-group: its configured name plus whatever its usable workers list in /v1/models (LoRA adapters).
+group: its configured name plus the LoRA adapters of that model its usable workers list in
+/v1/models (the unnamed group: every name they list).
 """
 
 from __future__ import annotations
@@ -226,18 +227,34 @@ class ModelGroup:
                     worker.draining = False
 
     # -- what it serves ---------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Served names, adapters and context length from the usable workers (when they change)."""
+    def refresh(self, others: frozenset[str] = frozenset()) -> None:
+        """Served names, adapters and context length from the usable workers (when they change).
+        `others`: the other models' configured names (a router with `models:`)."""
         usable = [w for w in self.pool if w.usable]
-        names = {m for w in usable for m in w.models}
         if self.name:
-            names.add(self.name)
+            # a named model serves its name and its own adapters: a worker only has to list the
+            # model's name, and whatever else it lists must not capture another model's names
+            names = {self.name}
+            parents = {w: self._adapters(w, others) for w in self.pool}
+        else:  # the unnamed model: every name its workers list
+            names = {m for w in usable for m in w.models}
+            parents = {w: w.adapter_parents for w in self.pool}
+        names.update(a for w in usable for a in parents[w])
         # an adapter stays known while the workers that listed it are down, so a request for it
         # gets 503 (the scheduler finds no usable worker with it), not 404
-        self.adapter_parents = {a: p for w in self.pool for a, p in w.adapter_parents.items()}
+        self.adapter_parents = {a: p for w in self.pool for a, p in parents[w].items()}
         self.served = frozenset(names | self.adapter_parents.keys())
         lengths = [w.max_model_len for w in usable if w.max_model_len]
         self.max_model_len = min(lengths) if lengths else None
+
+    def _adapters(self, worker: Worker, others: frozenset[str]) -> dict[str, str]:
+        """The worker's adapters of this model: `parent` is its name, or another base name the
+        worker lists (vLLM names an adapter's parent by the first --served-model-name), but
+        none of another model's names."""
+        bases = {m for m in worker.models if m not in worker.adapter_parents} - others
+        bases.add(self.name)
+        return {a: p for a, p in worker.adapter_parents.items()
+                if p in bases and a not in others and a != self.name}
 
     def usable_counts(self) -> dict[str, int]:
         return {"usable_decode": len(self.pool.usable("decode")),

@@ -234,15 +234,16 @@ class Router:
     def refresh_served(self) -> None:
         """Each group's served names and context length, and the name -> group table, recomputed
         when workers change (not per request). A configured name always leads to its own model;
-        a name two models' workers both list goes to the first in the config (logged once)."""
+        an adapter two models both serve goes to the first in the config (logged once)."""
         by_name: dict[str, ModelGroup] = {name: g for name, g in self.groups.items() if name}
+        configured = frozenset(by_name)
         for group in self.groups.values():
-            group.refresh()
+            group.refresh(configured - {group.name})
             for name in group.served:
                 owner = by_name.setdefault(name, group)
                 if owner is not group and name not in self._conflicts:
                     self._conflicts.add(name)
-                    log.warning("model name %r is listed by workers of %r and %r: requests for it "
+                    log.warning("model name %r is served by workers of %r and %r: requests for it "
                                 "go to %r", name, owner.name, group.name, owner.name)
         self._by_name = by_name
         names = sorted(by_name)

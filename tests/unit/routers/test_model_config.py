@@ -142,6 +142,60 @@ def test_requests_find_their_model_and_adapters():
     assert missing.value.status == 400 and "'model' is required" in missing.value.message
 
 
+def test_a_model_serves_only_its_own_adapters():
+    """Each engine answers /v1/models as vLLM does (adapters with their base as `parent`), read
+    by the router's own health probe. m1's engine lists, besides "m1": an adapter of org/m2's
+    model, an extra base name, and an adapter of that base name (vLLM names an adapter's parent
+    by the first --served-model-name); only the last is m1's. org/m2's adapter goes to org/m2,
+    not to m1 (first in the config), which used to take every name its workers listed."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from pd_plugins.routers.health import PoolUpkeep
+    from pd_plugins.routers.upstream import new_session
+
+    def engine(*cards):
+        async def models(request):
+            return web.json_response({"object": "list", "data": [
+                {"id": name, "object": "model", "parent": parent, "max_model_len": 2048}
+                for name, parent in cards]})
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        return TestServer(app)
+
+    m1_engine = engine(("m1-full", None), ("m1", None), ("m1-sql", "m1-full"),
+                       ("m2-sql", "org/m2"), ("org/m2", "m1-full"))
+    m2_engine = engine(("org/m2", None), ("m2-sql", "org/m2"))
+
+    async def main():
+        for server in (m1_engine, m2_engine):
+            await server.start_server()
+        try:
+            router = Router(config_from_mapping({
+                "models": [{"name": "m1", "decode": [{"url": str(m1_engine.make_url(""))}]},
+                           {"name": "org/m2", "decode": [{"url": str(m2_engine.make_url(""))}]}],
+                "health": {"canary": False}}))
+            session = new_session(5.0)
+            try:
+                await PoolUpkeep(router.config, router.workers, session).check_all()
+            finally:
+                await session.close()
+            assert all(w.healthy for w in router.workers)
+            router.refresh_served()
+        finally:
+            for server in (m1_engine, m2_engine):
+                await server.close()
+        m1, m2 = router.groups["m1"], router.groups["org/m2"]
+        assert m1.served == {"m1", "m1-sql"} and m1.adapter_parents == {"m1-sql": "m1-full"}
+        assert m2.served == {"org/m2", "m2-sql"}
+        assert router.select_model("m2-sql") is m2 and router.select_model("m1-sql") is m1
+        assert router.select_model("org/m2") is m2
+        with pytest.raises(BadRequest):
+            router.select_model("m1-full")  # a named model answers to its configured name
+
+    asyncio.run(main())
+
+
 def test_a_single_named_model_takes_requests_without_a_model():
     router = Router(config_from_mapping({"models": [{"name": "m1", "decode": [{"url": D1}]}]}))
     assert router.select_model(None) is router.groups["m1"] is router.group_for(None)
