@@ -34,6 +34,7 @@ log = logging.getLogger("pd_router.health")
 # makes the router buffer more
 MAX_PROBE_BYTES = 16 << 20
 MAX_MODELS_PER_WORKER = 1024  # names (base model and adapters) kept from one /v1/models
+ROUND_ERROR_LOG_S = 60.0  # a health round that keeps failing is logged once per this
 
 
 async def read_capped(resp: aiohttp.ClientResponse, what: str) -> bytes:
@@ -120,15 +121,25 @@ class PoolUpkeep:
     async def _health_loop(self) -> None:
         # Healthy workers every interval_s; workers that are down every tick, so they come back
         # quickly. Startup has just checked everyone once.
+        # Nothing may end this loop either: a dead loop never probes a worker again (one that
+        # went down stays out for good).
         tick = min(self.spec.interval_s, 1.0)
+        loop = asyncio.get_running_loop()
+        logged_at = -math.inf
         while True:
             await asyncio.sleep(tick)
-            now = asyncio.get_running_loop().time()
-            due = [w for w in self.pool if not w.probing
-                   and (not w.healthy or now - w.last_probe >= self.spec.interval_s)]
-            if due:
-                await asyncio.gather(*(self.check(w) for w in due))
-                self.on_change()
+            try:
+                now = loop.time()
+                due = [w for w in self.pool if not w.probing
+                       and (not w.healthy or now - w.last_probe >= self.spec.interval_s)]
+                if due:
+                    await asyncio.gather(*(self.check(w) for w in due))
+                    self.on_change()
+            except Exception:  # noqa: BLE001 - logged (at most once a minute); the next round runs
+                if loop.time() - logged_at >= ROUND_ERROR_LOG_S:
+                    logged_at = loop.time()
+                    log.exception("health check round failed (health checks go on; further "
+                                  "failures logged at most every %.0f s)", ROUND_ERROR_LOG_S)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for w in self.pool))

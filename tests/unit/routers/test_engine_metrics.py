@@ -153,3 +153,47 @@ def test_a_picker_given_scores_that_do_not_compare_still_picks():
 
     picker = MaxScorePicker()
     assert {picker.pick(["a", "b"], [math.nan, math.nan]) for _ in range(4)} == {"a", "b"}
+
+
+def test_health_loop_survives_an_unexpected_error_in_a_round(caplog):
+    """A round that raises (here the router's on_change, as a bug there would) is logged, at
+    most once a minute, and the probes go on: before, the health loop ended for good and no
+    worker was ever probed again (a down one never came back)."""
+    async def scenario():
+        probes = []
+
+        async def models(request):
+            probes.append(request.path)
+            return web.json_response({"object": "list", "data": [{"id": "mock", "object": "model"}]})
+
+        async with loopback_server({"/v1/models": models}) as port:
+            pool = WorkerPool()
+            pool.add(WorkerSpec(url=f"http://127.0.0.1:{port}"), "decode", probe_first=True)
+            config = RouterConfig(decode=[WorkerSpec(url=f"http://127.0.0.1:{port}")],
+                                  health=HealthSpec(interval_s=0.05, canary=False))
+            session = new_session(1.0)
+            upkeep = PoolUpkeep(config, pool, session)
+            changes = []
+
+            def on_change():
+                changes.append(1)
+                if len(changes) <= 2:
+                    raise RuntimeError("a bug in on_change")
+            upkeep.on_change = on_change
+            task = asyncio.create_task(upkeep._health_loop())
+            try:
+                with caplog.at_level("ERROR", logger="pd_router.health"):
+                    for _ in range(300):
+                        if len(changes) >= 4 or task.done():
+                            break
+                        await asyncio.sleep(0.01)
+                assert not task.done(), task.exception()
+                assert len(changes) >= 4 and len(probes) >= 4
+            finally:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await session.close()
+        errors = [r for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and "health checks go on" in errors[0].getMessage()
+
+    asyncio.run(scenario())
