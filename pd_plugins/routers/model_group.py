@@ -63,6 +63,7 @@ class RoleMove:
 
 
 DRAIN_POLL_S = 0.05  # how often a move looks at the worker's in-flight count
+SUBSCRIBE_RETRY_S = (0.5, 30.0)  # a KV-event subscriber that ended: first and longest wait
 
 
 class ModelGroup:
@@ -132,7 +133,29 @@ class ModelGroup:
         if worker.spec.kv_events and worker.url not in self._subscribers:
             sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events,
                                     allow_any_host=worker.spec.kv_events_bind_any)
-            self._subscribers[worker.url] = asyncio.create_task(sub.run())
+            self._subscribers[worker.url] = asyncio.create_task(self._keep_subscribed(sub))
+
+    async def _keep_subscribed(self, sub: KvEventSubscriber) -> None:
+        """Run a worker's KV-event subscriber while the worker is in this model's pool (removing
+        it cancels this): one that ends (a bind refused, a socket error) is logged and started
+        again, backing off. Ended for good, the worker's cache would go unseen until a restart."""
+        loop = asyncio.get_running_loop()
+        delay = SUBSCRIBE_RETRY_S[0]
+        while True:
+            started = loop.time()
+            try:
+                await sub.run()
+                why = "it ended"
+            except Exception as exc:  # noqa: BLE001 - logged; started again below
+                why = f"{type(exc).__name__}: {exc}"
+            if not self.has_worker(sub.worker_url):
+                return
+            if loop.time() - started > SUBSCRIBE_RETRY_S[1]:  # it had run a while: wait little
+                delay = SUBSCRIBE_RETRY_S[0]
+            log.warning("KV events of %s stopped (%s): subscribing again in %.1f s",
+                        sub.worker_url, why, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, SUBSCRIBE_RETRY_S[1])
 
     def check(self, spec: WorkerSpec, role: Role) -> None:
         """Refuse a worker this engine cannot run in this model's transfer mode (at startup, and

@@ -165,3 +165,46 @@ def test_adding_a_worker_in_the_role_it_is_moving_into_is_refused():
         assert group.pool.by_role("prefill") == [x]
 
     asyncio.run(main())
+
+
+def test_a_kv_event_subscriber_that_ends_is_started_again(monkeypatch, caplog):
+    """The router binds X's KV-event socket (`bind:`) on a port something else holds: the
+    subscriber ends (address in use), is logged, and subscribes once the port is free. Before,
+    it ended for good and X's events were never read."""
+    import socket
+
+    from pd_plugins.routers import model_group
+    from pd_plugins.testing.processes import free_port
+
+    monkeypatch.setattr(model_group, "SUBSCRIBE_RETRY_S", (0.1, 0.2))
+    port = free_port()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port))
+    blocker.listen()
+    config = config_from_mapping({"decode": [
+        {"url": X, "kv_events": f"bind:tcp://127.0.0.1:{port}"}, {"url": Y}]})
+
+    async def main():
+        router = Router(config)
+        group = router.groups[""]
+        await group.start(router.metrics, router.pools, router._pool_views, None)
+        try:
+            with caplog.at_level("WARNING", logger="pd_router"):
+                await asyncio.sleep(0.5)
+                assert not group._subscribers[X].done(), group._subscribers[X].exception()
+                assert X not in group.prefix_index.exact_workers
+                blocker.close()  # the port is free: the next try binds it
+                for _ in range(200):
+                    if X in group.prefix_index.exact_workers:
+                        break
+                    await asyncio.sleep(0.02)
+                assert X in group.prefix_index.exact_workers
+            assert "KV events of http://127.0.0.1:18100 stopped" in caplog.text
+            router.remove_worker(X, "decode")  # removing the worker ends it
+            await asyncio.sleep(0)
+            assert X not in group._subscribers
+        finally:
+            blocker.close()
+            await group.stop()
+
+    asyncio.run(main())
