@@ -103,7 +103,8 @@ class ModelGroup:
         flow = self.profile.flow(self.spec.transfer, self.config.push_head_start_s)
         if sync is not None:
             # each model's channels apart: one conversation id may exist in two models
-            pins = (sync.add(PinChannel(self.sessions, sync.replica_id, self.name))
+            pins = (sync.add(PinChannel(self.sessions, sync.replica_id, self.name,
+                                        known=self.has_decode))
                     if self.sessions is not None else None)
             prefixes = (sync.add(PrefixChannel(self.prefix_index, self.name, known=self.has_worker))
                         if self.scheduler.uses_prefix_index else None)
@@ -170,6 +171,9 @@ class ModelGroup:
         # Not routable until its probe passes: a worker that accepts connections but never
         # answers would otherwise hold requests for as long as the probe waits.
         return self.pool.add(spec, role, probe_first=True)
+
+    def has_decode(self, url: str) -> bool:
+        return self.pool.get(url, "decode") is not None
 
     def has_worker(self, url: str) -> bool:
         return self.pool.get(url, "prefill") is not None or self.pool.get(url, "decode") is not None
