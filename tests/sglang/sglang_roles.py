@@ -391,6 +391,7 @@ def malformed_peer_records() -> None:
             room = object.__new__(cls)
             room.mgr, room.prefill_addr, room.room, room.prefill_dp_rank = mgr, "p:1", 7, 0
             room.state, room.bootstrap_deadline = KVPoll.Bootstrapping, time.monotonic() + 30
+            room.initialised = True  # SGLang called init(): poll bootstraps
             outcomes[f"{backend} receiver"] = outcome(room)
         mgr = object.__new__(pd_nixl.PdNixlKVManager)  # its own peer_items() checks the kv items
         mgr.transfer_mode, mgr.bootstrap_addr, mgr.rank_key = "push", "x:1", "0.0"
@@ -457,6 +458,10 @@ def main(argv: list[str]) -> None:
         pool_verification()
         state_refusal()
         malformed_peer_records()
+    elif role == "contract":  # SGLang's own queues over our classes: tests/sglang/sglang_contract.py
+        from tests.sglang import sglang_contract
+
+        sglang_contract.run()
     else:
         {"prefill": prefill, "decode": decode}[role](json.loads(argv[1]))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Optional
 
 import numpy as np
@@ -36,6 +37,7 @@ from sglang.srt.disaggregation.base.conn import (
     KVPoll,
     KVTransferMetric,
 )
+from sglang.srt.disaggregation.common.conn import PrefillServerInfo
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.environ import envs
 
@@ -169,6 +171,73 @@ def page_ranges(items: list[tuple[int, int]], pages) -> list[tuple[int, int]]:
     return [(addr + int(p) * width, width) for addr, width in items for p in pages]
 
 
+def _setting(server_args: Any, name: str, default: Any) -> Any:
+    value = getattr(server_args, name, None)
+    return default if value is None else value
+
+
+def dp_layout(server_args: Any) -> tuple[int, int]:
+    """(DP replicas, attention-DP size) of an engine. `--dp-size N --enable-dp-attention` (the
+    deprecated spelling) is attention DP: SGLang resolves it to `attn_dp_size = N, dp_size = 1`;
+    unresolved server args still read `dp_size = N` with the flag."""
+    replicas = int(_setting(server_args, "dp_size", 1))
+    attention = int(_setting(server_args, "attn_dp_size", 1))
+    if _setting(server_args, "enable_dp_attention", False) and replicas > 1:
+        replicas, attention = 1, max(attention, replicas)
+    return max(1, replicas), max(1, attention)
+
+
+def unservable(server_args: Any, mode: DisaggregationMode) -> str | None:
+    """Why pd-shm and pd-nixl cannot serve this engine's configuration (None: they can).
+
+    They pair prefill rank (DP replica d, TP rank k) with decode rank (d', k) through the bootstrap
+    registry's rank records, and a decode finds a room's prefill DP replica from the room number
+    alone (SGLang's follow_bootstrap_room): no room-to-rank table, no CP or PP stage in the key,
+    no prefill-side allocation handshake."""
+    replicas, attention_dp = dp_layout(server_args)
+    if attention_dp > 1:
+        return (f"attention DP (--attn-dp-size {attention_dp}, or --dp-size with "
+                "--enable-dp-attention) is not supported: ranks are paired by DP replica and TP "
+                "rank only (--dp-size replicas are supported)")
+    if int(_setting(server_args, "attn_cp_size", 1)) > 1:
+        return "attention context parallelism (--attn-cp-size > 1) is not supported"
+    if int(_setting(server_args, "pp_size", 1)) > 1:
+        return "pipeline parallelism (--pp-size > 1) is not supported"
+    policy = _setting(server_args, "disaggregation_decode_allocation_policy", "early")
+    if policy != "early":
+        return (f"--disaggregation-decode-allocation-policy {policy} is not supported (only "
+                "`early`: the prefill never waits for the decode)")
+    if envs.SGLANG_DISAGG_STAGING_BUFFER.get():
+        return "SGLANG_DISAGG_STAGING_BUFFER (heterogeneous-TP staging) is not supported"
+    if envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get():
+        return ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK is not supported: the "
+                "bootstrap registry keeps no room-to-DP-rank table; a decode finds a room's "
+                "prefill DP rank from the room number (follow_bootstrap_room)")
+    balance = _setting(server_args, "load_balance_method", "auto")
+    if (mode == DisaggregationMode.PREFILL and replicas > 1
+            and balance not in ("auto", "follow_bootstrap_room")):
+        return (f"a prefill of {replicas} DP replicas must place rooms by "
+                f"--load-balance-method follow_bootstrap_room (SGLang's default for a prefill), "
+                f"not {balance}: the decode finds a room's DP rank from the room number")
+    return None
+
+
+def prefill_info(record: dict, page_size: int) -> PrefillServerInfo:
+    """SGLang's PrefillServerInfo for a prefill, from its rank 0 registry record: what SGLang's
+    decode queue reads to route a room to a prefill DP rank (room % dp_size). A record without
+    `dp_size` (a pd-plugins prefill from before it was published) is one DP rank."""
+    dp_size, tp_size = record.get("dp_size", 1), record.get("tp_size", 1)
+    for name, value in (("dp_size", dp_size), ("tp_size", tp_size)):
+        if type(value) is not int or not 1 <= value <= bootstrap_registry.MAX_RANKS:
+            raise ValueError(f"the prefill's record has {name} {value!r}")
+    return PrefillServerInfo(
+        attn_tp_size=tp_size, attn_cp_size=1, dp_size=dp_size, pp_size=1,
+        page_size=record.get("page_size") if type(record.get("page_size")) is int else page_size,
+        kv_cache_dtype=None,
+        # a pd-plugins prefill of several DP replicas runs follow_bootstrap_room (unservable())
+        follow_bootstrap_room=True)
+
+
 def layout_of(args: KVArgs) -> str:
     return (f"sglang|page={args.page_size}|dtype={getattr(args, 'kv_cache_dtype_str', '?')}"
             f"|items={','.join(map(str, args.kv_item_lens))}")
@@ -190,6 +259,10 @@ class HostKVManager(BaseKVManager):
                 f"{self.backend_name} moves paged KV only; this model's KV also has state "
                 f"buffers ({', '.join(states)}): use SGLang's own mooncake or nixl transfer "
                 "backend for it")
+        refused = unservable(server_args, disaggregation_mode)
+        if refused:
+            raise NotImplementedError(f"{self.backend_name}: {refused}; use SGLang's own "
+                                      "mooncake or nixl transfer backend for it")
         memory = kv_memory_of(server_args, args)
         if not memory.on_host and not self.device_kv:
             raise NotImplementedError(
@@ -200,8 +273,15 @@ class HostKVManager(BaseKVManager):
         # where this instance's registry listens (PD_BOOTSTRAP_HOST, else --host)
         self.bootstrap_addr = bootstrap_registry.local_address(
             getattr(server_args, "host", None), server_args.disaggregation_bootstrap_port)
-        self.rank_key = bootstrap_registry.rank_key(getattr(args, "system_dp_rank", 0),
-                                                    args.engine_rank)
+        # SGLang passes system_dp_rank None when no data-parallel controller runs (most engines)
+        self.dp_rank = int(getattr(args, "system_dp_rank", None) or 0)
+        self.dp_size = dp_layout(server_args)[0]
+        self.rank_key = bootstrap_registry.rank_key(self.dp_rank, args.engine_rank)
+        # decode: what SGLang's DecodePreallocQueue reads for every new request to route its room
+        # to a prefill DP rank (try_ensure_parallel_info fills it), and why an address has none
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        self.parallel_info_errors: dict[str, str] = {}
+        self._prefill_recompute_executor: ThreadPoolExecutor | None = None
         self._open()
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.register_to_bootstrap()
@@ -214,7 +294,7 @@ class HostKVManager(BaseKVManager):
 
     def register_to_bootstrap(self) -> None:
         record = {"backend": self.backend_name, "page_bytes": self.buffers.page_bytes,
-                  "page_size": self.kv_args.page_size,
+                  "page_size": self.kv_args.page_size, "dp_size": self.dp_size,
                   "tp_size": attention_tp_size(self.server_args), **self._record()}
         deadline = time.monotonic() + 30  # the registry may start just after this rank
         while True:
@@ -224,6 +304,50 @@ class HostKVManager(BaseKVManager):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+
+    # -- what SGLang's decode queue calls on its KV manager (decode.py, DecodePreallocQueue) --------
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One attempt to learn the prefill at `bootstrap_addr`'s DP size (its rank 0 record);
+        False until it has registered. SGLang retries about once a second and aborts the
+        address's requests after 15 failures (their receivers then say why)."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        key = bootstrap_registry.rank_key(0, 0)
+        try:
+            record = bootstrap_registry.lookup(bootstrap_addr, key, timeout_s=2.0)
+            if record is None:
+                reason = f"prefill rank {key} has not registered at {bootstrap_addr}"
+            else:
+                self.prefill_info_table[bootstrap_addr] = prefill_info(
+                    record, self.kv_args.page_size)
+                self.parallel_info_errors.pop(bootstrap_addr, None)
+                return True
+        except (bootstrap_registry.RegistryUnreachable, RuntimeError, ValueError,
+                TypeError) as exc:  # RegistryAuthError is a RuntimeError
+            reason = f"{type(exc).__name__}: {exc}"
+        if self.parallel_info_errors.get(bootstrap_addr) != reason:
+            logger.warning("%s: no parallel info from the prefill at %s yet: %s",
+                           self.backend_name, bootstrap_addr, reason)
+        self.parallel_info_errors[bootstrap_addr] = reason
+        return False
+
+    def _ensure_prefill_recompute_executor(self) -> ThreadPoolExecutor:
+        """SGLang submits its room-to-DP-rank queries here (only for a room whose DP rank the
+        room number does not give: never with a pd-plugins prefill, see unservable())."""
+        if self._prefill_recompute_executor is None:
+            self._prefill_recompute_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"{self.backend_name}-dp-rank-query")
+        return self._prefill_recompute_executor
+
+    def submit_prefill_recompute(self, kv_receiver: "HostKVReceiver", payload: dict) -> None:
+        """SGLang's PD retract rebootstrap (a retracted request's prefix recomputed on its
+        prefill under new weights) is not supported: the room fails, so SGLang aborts the
+        request with this reason."""
+        kv_receiver.abort()
+        kv_receiver.error = NotImplementedError(
+            f"room {kv_receiver.room}: {self.backend_name} cannot have the prefill recompute a "
+            "retracted request's prefix (SGLang's PD retract rebootstrap); the request is aborted")
+        logger.warning("%s", kv_receiver.error)
 
 
 class _Outcome:
@@ -277,6 +401,14 @@ class HostKVSender(_Outcome, BaseKVSender):
         self.num_pages: int | None = None
         self.aux_index: int | None = None
         self.next_page = 0
+        implied = self.room % mgr.dp_size
+        if mgr.dp_size > 1 and not req_has_disagg_prefill_dp_rank and implied != mgr.dp_rank:
+            # the decode looks for the room on the DP rank its number implies (as SGLang's own
+            # backends check): a request routed elsewhere (routed_dp_rank) would never be found
+            self._fail(RuntimeError(
+                f"room {self.room}: dispatched to prefill DP rank {mgr.dp_rank}, but the decode "
+                f"looks for it on DP rank {implied} (room % {mgr.dp_size}, "
+                "follow_bootstrap_room); route it there or pass disagg_prefill_dp_rank"))
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages, self.aux_index = int(num_kv_indices), aux_index
@@ -335,6 +467,7 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         self.first_page = 0
         self.aux_index: int | None = None
         self.prefill_dp_rank = 0
+        self.initialised = False  # SGLang calls init once it knows the prefill DP rank
         now = time.monotonic()
         self.bootstrap_deadline = now + envs.SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.get()
         self.waiting_deadline = float("inf")
@@ -344,8 +477,18 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         self.heartbeat_failures = 0
 
     def init(self, prefill_dp_rank: int) -> None:
-        self.prefill_dp_rank = int(prefill_dp_rank)
+        if self.initialised or self.state != KVPoll.Bootstrapping:  # e.g. aborted while pending
+            return
+        self.prefill_dp_rank, self.initialised = int(prefill_dp_rank), True
         self._bootstrap()
+
+    def abort(self) -> None:
+        why = None if self.initialised else self.mgr.parallel_info_errors.get(self.prefill_addr)
+        if why and self.state != KVPoll.Success:  # SGLang gave up learning the prefill's DP size
+            return self._fail(ConnectionError(
+                f"room {self.room}: aborted before the prefill's parallel info could be read "
+                f"from {self.prefill_addr}: {why}"))
+        super().abort()
 
     @property
     def conclude_state(self) -> int | None:
@@ -428,7 +571,14 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         self.state = KVPoll.Transferring
 
     def poll(self) -> int:
-        if self.state == KVPoll.Bootstrapping:
+        if self.state == KVPoll.Bootstrapping and not self.initialised:
+            # SGLang polls receivers still waiting for their prefill DP rank: no bootstrap
+            # before init (the rank is unknown), only the timeout
+            if time.monotonic() > self.bootstrap_deadline:
+                why = self.mgr.parallel_info_errors.get(self.prefill_addr, "not resolved")
+                self._fail(TimeoutError(f"room {self.room}: bootstrap timed out before the "
+                                        f"prefill's DP rank was known: {why}"))
+        elif self.state == KVPoll.Bootstrapping:
             self._bootstrap()
         elif self.state == KVPoll.Transferring:
             try:
@@ -453,6 +603,8 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
             return
         self.heartbeat_failures += 1
         if self.heartbeat_failures >= self.max_heartbeat_failures:
+            # a prefill started again at this address may have another DP size: read it again
+            self.mgr.prefill_info_table.pop(self.prefill_addr, None)
             self._fail(ConnectionError(
                 f"room {self.room}: the prefill at {self.prefill_addr} is gone (its bootstrap "
                 f"registry missed {self.heartbeat_failures} heartbeats)"))
