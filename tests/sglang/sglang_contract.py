@@ -14,16 +14,22 @@ these methods read; the scheduler, the token allocator and the metadata-index al
 stand-ins (`StandIn*` below, named as such): the KV pool, the metadata buffers, the requests,
 the runtime config (SGLang's `override_server_args` test hook) and the registry are real.
 
+It also scans SGLang's queue code (AST) for every attribute read on a kv_manager, kv_receiver or
+sender, and checks each exists on our objects (`attribute_contract`).
+
 One JSON line per event (name in "event"); a step that raises reports its exception instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import os
 import traceback
 import types
 from array import array
+from pathlib import Path
 
 import torch
 
@@ -31,6 +37,94 @@ from tests.sglang.sglang_roles import emit
 
 BACKENDS = ("pd-shm", "pd-nixl")
 PAGE_SIZE, LAYERS, HEADS, DIM = 4, 2, 2, 8
+
+# Where SGLang's scheduler side touches a transfer backend's objects: file -> the functions read
+# (None: the whole file). utils.py: only its poll helpers (the rest are SGLang's own backends'
+# helpers, which never run for ours).
+SCANNED = {
+    "disaggregation/decode.py": None,
+    "disaggregation/prefill.py": None,
+    "disaggregation/decode_hicache_mixin.py": None,
+    "disaggregation/decode_schedule_batch_mixin.py": None,
+    "disaggregation/role_switch.py": None,
+    "managers/scheduler.py": None,
+    "managers/scheduler_pp_mixin.py": None,
+    "disaggregation/utils.py": {"poll_and_all_reduce", "poll_and_all_reduce_attn_cp_tp_group",
+                                "poll_and_all_reduce_with_staging",
+                                "poll_and_all_reduce_prefill_pp", "poll_and_all_reduce_pp"},
+}
+# the name an expression ends with -> which of our objects it is
+OBJECT_NAMES = {"kv_manager": "manager", "kv_mgr": "manager", "km": "manager",
+                "kv_receiver": "receiver", "disagg_kv_sender": "sender", "sender": "sender"}
+# read by SGLang but absent on ours, each on a path ours never takes (the reason); the test
+# also checks that SGLang still reads each (a stale entry is an error)
+EXEMPT = {
+    ("manager", "clear_deferred_abort_state"):
+        "deferred KV release only (enable_deferred_decode_kv_release is False on ours)",
+    ("manager", "is_abort_release_safe"):
+        "deferred KV release only (enable_deferred_decode_kv_release is False on ours)",
+    ("receiver", "ensure_abort_notified"):
+        "deferred KV release only (enable_deferred_decode_kv_release is False on ours)",
+    ("receiver", "bootstrap_infos"): "read only when abort_notified is True (never on ours)",
+    ("manager", "enable_all_cp_ranks_for_transfer"):
+        "read only for a sender with supports_host_tensor_indices (ours has none)",
+    ("manager", "transfer_infos"):
+        "read only after the manager's _prefetch_staging_reqs (ours has none; no staging)",
+}
+# every poller's poll() is called through lists (poll_and_all_reduce*), never by name
+IMPLICIT = {("receiver", "poll"), ("sender", "poll")}
+
+
+def sglang_root() -> Path:
+    return Path(importlib.util.find_spec("sglang.srt").submodule_search_locations[0])
+
+
+def _tail(node) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def _guards(function) -> set[tuple[str, str]]:
+    """(object, attribute) pairs a function tests with hasattr / getattr(obj, "name", ...)."""
+    return {(OBJECT_NAMES[_tail(node.args[0])], node.args[1].value)
+            for node in ast.walk(function)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("hasattr", "getattr") and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant) and OBJECT_NAMES.get(_tail(node.args[0]))}
+
+
+def scan_upstream() -> dict:
+    """{(object, attribute): [file:line, ...]} of every attribute SGLang reads on one of our
+    objects, leaving out reads in a function that also tests that attribute with hasattr /
+    getattr (SGLang's own guard for backends without it)."""
+    reads: dict[tuple[str, str], list[str]] = {}
+    root = sglang_root()
+
+    def visit(node, rel: str, guarded: frozenset) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            guarded = guarded | _guards(node)
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+            kind = OBJECT_NAMES.get(_tail(node.value))
+            if kind and (kind, node.attr) not in guarded:
+                reads.setdefault((kind, node.attr), []).append(f"{rel}:{node.lineno}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, rel, guarded)
+
+    for rel, functions in SCANNED.items():
+        tree = ast.parse((root / rel).read_text())
+        scopes = [tree] if functions is None else [
+            node for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and node.name in functions]
+        if functions is not None and len(scopes) != len(functions):
+            raise RuntimeError(f"{rel}: expected functions {sorted(functions)}, found "
+                               f"{sorted(n.name for n in scopes)}")
+        for scope in scopes:
+            visit(scope, rel, frozenset())
+    return reads
+
 
 def server_args(mode: str, port: int, backend: str, *extra: str):
     from sglang.srt.server_args import ServerArgs
@@ -344,19 +438,49 @@ def startup_refusals(backend: str, objects: dict) -> dict:
     return found
 
 
+def attribute_contract(objects: dict) -> dict:
+    """Every attribute SGLang's queue code reads on a kv_manager / kv_receiver / sender exists
+    on ours (every instance built above), unless SGLang guards that read with hasattr / getattr
+    or it is listed in EXEMPT with its reason."""
+    reads = scan_upstream()
+    instances = {"manager": objects["managers"], "receiver": objects["receivers"],
+                 "sender": objects["senders"]}
+    missing, exempted = [], []
+    for kind, attr in sorted(set(reads) | IMPLICIT):
+        lacking = sorted({type(o).__name__ for o in instances[kind] if not hasattr(o, attr)})
+        if not instances[kind]:
+            lacking = ["(no instance was built)"]
+        if not lacking:
+            continue
+        if (kind, attr) in EXEMPT:
+            exempted.append(f"{kind}.{attr}")
+            continue
+        missing.append(f"{kind}.{attr} (read at {', '.join(reads.get((kind, attr), ['?'])[:3])};"
+                       f" missing on {', '.join(lacking)})")
+    stale = sorted(f"{k}.{a}" for k, a in EXEMPT if (k, a) not in reads)
+    return {"scanned": len(reads), "files": sorted(SCANNED), "missing": missing,
+            "exempted": exempted, "stale_exemptions": stale,
+            "instances": {k: sorted({type(o).__name__ for o in v}) for k, v in instances.items()}}
+
+
 def run() -> None:
     from sglang.srt import runtime_context
     from sglang.srt.plugins import load_plugins
 
+    from pd_plugins.patches import sglang_backends
+
     load_plugins()
     # SGLang's own test hook: a published dummy runtime config (no model, no GPU)
     runtime_context.get_context().override_server_args(device="cpu", host="127.0.0.1").install()
+    emit(event="version", found=sglang_backends.sglang_version(),
+         checked=list(getattr(sglang_backends, "CHECKED_VERSIONS", ())))
     objects = {"managers": [], "receivers": [], "senders": [], "registries": []}
     for backend in BACKENDS:
         step("decode_queue", lambda: decode_queue_steps(backend, objects), backend=backend)
         step("dp_replicas", lambda: dp_steps(backend, objects), backend=backend)
         step("prefill_queue", lambda: prefill_queue_steps(backend, objects), backend=backend)
         step("startup_refusals", lambda: startup_refusals(backend, objects), backend=backend)
+    step("attribute_contract", lambda: attribute_contract(objects))
     for manager in objects["managers"]:
         close = getattr(manager, "close", None)
         if close:

@@ -137,3 +137,18 @@ def test_configurations_the_backends_cannot_serve_are_refused_at_startup(backend
     for name, why in got.items():
         assert why.startswith(f"NotImplementedError: {backend}: "), (name, why)
         assert expected[name] in why and "mooncake or nixl" in why, (name, why)
+
+
+def test_every_attribute_sglang_reads_of_our_objects_exists(contract):
+    """An AST scan of SGLang's queue code (decode.py, prefill.py, the scheduler and its mixins,
+    the poll helpers) for attributes read on a kv_manager / kv_mgr, kv_receiver or sender: each
+    exists on every manager, receiver and sender built above, both backends, unless SGLang
+    reaches it only through hasattr / getattr or it is exempted for a path ours never takes
+    (sglang_contract.EXEMPT, each with its reason; none stale)."""
+    got = no_error(contract[("attribute_contract", None)])
+    assert got["scanned"] > 30, got  # the scan found SGLang's code (not an empty pass)
+    assert got["instances"] == {"manager": ["PdNixlKVManager", "PdShmKVManager"],
+                                "receiver": ["PdNixlKVReceiver", "PdShmKVReceiver"],
+                                "sender": ["PdNixlKVSender", "PdShmKVSender"]}, got["instances"]
+    assert got["missing"] == [], "\n".join(got["missing"])
+    assert got["stale_exemptions"] == [], got["stale_exemptions"]

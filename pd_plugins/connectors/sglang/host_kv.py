@@ -397,6 +397,7 @@ class HostKVSender(_Outcome, BaseKVSender):
     def __init__(self, mgr: HostKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         self.mgr, self.room = mgr, int(bootstrap_room)
+        self.kv_mgr = mgr  # SGLang's name for it (prefill.py reads it)
         self.state = KVPoll.WaitingForInput  # no handshake before the prefill runs
         self.num_pages: int | None = None
         self.aux_index: int | None = None
@@ -456,6 +457,8 @@ class HostKVSender(_Outcome, BaseKVSender):
 
 
 class HostKVReceiver(_Outcome, BaseKVReceiver):
+    require_staging = False  # SGLang's decode reads it (no staging buffer: unservable())
+
     def __init__(self, mgr: HostKVManager, bootstrap_addr: str,
                  bootstrap_room: Optional[int] = None) -> None:
         self.mgr, self.prefill_addr, self.room = mgr, bootstrap_addr, int(bootstrap_room or 0)
