@@ -6,7 +6,12 @@ Three small steps, through SGLang's own plugin hooks (sglang.srt.plugins):
 3. an AROUND hook on `disaggregation.utils.get_kv_class` (HookRegistry also rebinds the
    `from ... import get_kv_class` copies in prefill.py, decode.py, disagg_service.py): our
    classes for our members, SGLang's own answer for everything else.
-Checked against SGLang 0.5.23; another release series registers nothing and says so.
+Checked against exactly the SGLang releases in CHECKED_VERSIONS: the ones tests/sglang's contract
+test (test_sglang_contract.py: SGLang's own scheduler queues over our classes) has run against. Any
+other release, a pre-release or post-release of one included, registers nothing and says so, and
+SGLang then refuses `--disaggregation-transfer-backend pd-shm|pd-nixl` at startup as an invalid
+choice: the backends rely on SGLang's queue internals, which change between releases (0.5.23's
+decode queue reads `prefill_info_table` of every KV manager, for example).
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 logger = logging.getLogger("pd_plugins")
 
-CHECKED_SERIES = ("0.5.",)
-MIN_CHECKED = (0, 5, 23)
+# exactly the releases the contract test has passed on; add one only after it passes there
+CHECKED_VERSIONS = ("0.5.23",)
 # backend name -> Enum member name, module with CLASSES {"manager", "sender", ...}
 BACKENDS = {"pd-shm": ("PD_SHM", "pd_plugins.connectors.sglang.pd_shm"),
             "pd-nixl": ("PD_NIXL", "pd_plugins.connectors.sglang.pd_nixl")}
@@ -32,12 +37,7 @@ def sglang_version() -> str | None:
 
 
 def version_supported(found: str | None) -> bool:
-    if found is None or not found.startswith(CHECKED_SERIES):
-        return False
-    try:
-        return tuple(int(p) for p in found.split(".")[:3]) >= MIN_CHECKED
-    except ValueError:
-        return False
+    return found in CHECKED_VERSIONS
 
 
 def _add_enum_member(enum_cls, name: str, value: str):
@@ -65,9 +65,10 @@ def register() -> list[str]:
         return _registered
     found = sglang_version()
     if not version_supported(found):
-        logger.warning("pd-plugins: SGLang %s is not a checked release (0.5.23+ of 0.5.x): "
-                       "no pd-plugins transfer backends registered, so SGLang refuses "
-                       "`--disaggregation-transfer-backend %s` as an invalid choice", found,
+        logger.warning("pd-plugins: SGLang %s is not a checked release (checked: %s): no "
+                       "pd-plugins transfer backends registered, so SGLang refuses "
+                       "`--disaggregation-transfer-backend %s` as an invalid choice",
+                       found or "(not installed)", ", ".join(CHECKED_VERSIONS),
                        "|".join(BACKENDS))
         return []
     from sglang.srt.arg_groups.choices import (

@@ -17,6 +17,7 @@ import subprocess
 
 import pytest
 
+from pd_plugins.patches import sglang_backends
 from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
 from pd_plugins.transfer.shm_pool import remove_pool
 
@@ -50,6 +51,14 @@ def contract():
 def no_error(event: dict) -> dict:
     assert "error" not in event, f"{event['error']}\n{event.get('traceback', '')}"
     return event
+
+
+def test_the_contract_test_ran_on_a_checked_release(contract):
+    """The version gate lists exactly the releases this test checked: the installed one is
+    listed (a newer .venv-sglang must pass here before its version joins CHECKED_VERSIONS)."""
+    got = contract[("version", None)]
+    assert got["checked"] == list(getattr(sglang_backends, "CHECKED_VERSIONS", ())), got
+    assert got["found"] in got["checked"], got
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

