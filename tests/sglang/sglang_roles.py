@@ -453,15 +453,15 @@ def main(argv: list[str]) -> None:
     role = argv[0]
     if role == "registration":
         registration()
+    elif role == "contract":  # SGLang's own queues over our classes: tests/sglang/sglang_contract.py
+        from tests.sglang import sglang_contract
+
+        sglang_contract.run()
     elif role == "startup":  # the managers' start-time checks, in one process
         device_memory()
         pool_verification()
         state_refusal()
         malformed_peer_records()
-    elif role == "contract":  # SGLang's own queues over our classes: tests/sglang/sglang_contract.py
-        from tests.sglang import sglang_contract
-
-        sglang_contract.run()
     else:
         {"prefill": prefill, "decode": decode}[role](json.loads(argv[1]))
 

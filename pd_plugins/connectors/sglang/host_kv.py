@@ -314,7 +314,8 @@ class HostKVManager(BaseKVManager):
             return True
         key = bootstrap_registry.rank_key(0, 0)
         try:
-            record = bootstrap_registry.lookup(bootstrap_addr, key, timeout_s=2.0)
+            # on SGLang's scheduler thread, at the address the request names: a short call
+            record = bootstrap_registry.lookup(bootstrap_addr, key, timeout_s=1.0)
             if record is None:
                 reason = f"prefill rank {key} has not registered at {bootstrap_addr}"
             else:
@@ -485,6 +486,11 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         self.prefill_dp_rank, self.initialised = int(prefill_dp_rank), True
         self._bootstrap()
 
+    @property
+    def conclude_state(self) -> int | None:
+        """SGLang's name for a room's final state (None while it goes on)."""
+        return self.state if self.state in (KVPoll.Success, KVPoll.Failed) else None
+
     def abort(self) -> None:
         why = None if self.initialised else self.mgr.parallel_info_errors.get(self.prefill_addr)
         if why and self.state != KVPoll.Success:  # SGLang gave up learning the prefill's DP size
@@ -492,11 +498,6 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
                 f"room {self.room}: aborted before the prefill's parallel info could be read "
                 f"from {self.prefill_addr}: {why}"))
         super().abort()
-
-    @property
-    def conclude_state(self) -> int | None:
-        """SGLang's name for a room's final state (None while it goes on)."""
-        return self.state if self.state in (KVPoll.Success, KVPoll.Failed) else None
 
     @property
     def prefill_rank_key(self) -> str:
