@@ -22,6 +22,12 @@ problems raise UpstreamError (a ConnectionError).
 A reused connection that the server closed before sending a single byte (the keep-alive race)
 is retried once on a fresh connection, as browsers and aiohttp do.
 
+What a worker can make the router hold is bounded: a head past MAX_HEADERS headers or
+MAX_HEAD_BYTES bytes, chunk framing and trailers past what the body's size explains fail the
+connection (UpstreamError); an error answer's body is read
+up to MAX_ERROR_BYTES (read(limit=...), and exchange() for any status but 200), then the
+connection is dropped.
+
 A request cancelled after its whole answer had arrived (the caller's task was cancelled in the
 moment between the answer and its own resumption) still closes the connection, but hands the
 answer to `on_orphan(status, body)` first, if given: the caller can then act on an answer it will
@@ -49,6 +55,14 @@ MAX_BUFFERED = 1 << 20
 # fault: a generous bound (a 128k-token answer with top-20 logprobs is about 100 MB), so that no
 # worker can make the router buffer without end.
 MAX_ANSWER_BYTES = 256 << 20
+# An error answer (any status but 200) is read up to this: the router needs its status and a
+# short reason, never a body without end (read() would take it piece by piece, so MAX_BUFFERED
+# never held it back).
+MAX_ERROR_BYTES = 64 << 10
+# A worker's head: status line and headers (httptools builds a header's value piece by piece in
+# memory, so the bytes are counted as they arrive, not per header).
+MAX_HEADERS = 128
+MAX_HEAD_BYTES = 64 << 10
 # A pooled connection idle this long is closed, not reused: uvicorn (vLLM's and SGLang's server)
 # closes keep-alive connections after 5 s, and reusing one it is closing is the race below.
 MAX_IDLE_S = 4.0
@@ -104,6 +118,10 @@ class _Conn(asyncio.Protocol):
     def _reset(self) -> None:
         self.status, self.headers, self.chunks = 0, [], []
         self.buffered = 0  # bytes in chunks, not yet taken by the reader
+        # every byte of this answer received, and of its body: the rest (head, chunk framing,
+        # trailers) is bounded (data_received)
+        self.received = self.body_bytes = 0
+        self.limit = MAX_ANSWER_BYTES  # exchange(): what the answer's body may reach
         self.paused = False
         self.got_bytes = self.headers_done = self.done = self.interim = False
         self.exc: BaseException | None = None
@@ -118,10 +136,22 @@ class _Conn(asyncio.Protocol):
             self.abort()
             return
         self.got_bytes = True
+        self.received += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.fail(UpstreamError(f"bad HTTP response: {exc}"))
+            cause = exc.__context__  # what a callback raised (past a limit)
+            self.fail(cause if isinstance(cause, UpstreamError) else
+                      UpstreamError(f"bad HTTP response: {exc}"))
+            return
+        # all but the body: the head until it ends, then chunk framing and trailers, which a body
+        # of real pieces keeps well under half its size
+        if self.received - self.body_bytes > MAX_HEAD_BYTES + (self.body_bytes >> 1) \
+                and self.exc is None:
+            self.fail(UpstreamError(f"answer's head, chunk framing or trailers larger than "
+                                    f"{MAX_HEAD_BYTES} bytes" if not self.headers_done else
+                                    "answer's chunk framing or trailers out of proportion "
+                                    "to its body"))
 
     def eof_received(self) -> None:
         # httptools has no feed_eof: a body with neither Content-Length nor chunked framing
@@ -143,6 +173,8 @@ class _Conn(asyncio.Protocol):
 
     # -- httptools callbacks ---------------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= MAX_HEADERS:  # (trailers too: appended to the same list)
+            raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -154,6 +186,8 @@ class _Conn(asyncio.Protocol):
             raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
         self.status = status
         self.headers_done = True
+        if status != 200:
+            self.limit = MAX_ERROR_BYTES
         if self.whole:
             # the body's own timeout for an answer that is one; an error answer's body comes
             # under what is left of the first one
@@ -165,9 +199,10 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
         self.buffered += len(body)
+        self.body_bytes += len(body)
         if self.whole:  # its reader takes the whole answer: nothing to pace, but bounded
-            if self.buffered > MAX_ANSWER_BYTES and self.exc is None:
-                self.fail(UpstreamError(f"answer larger than {MAX_ANSWER_BYTES} bytes"))
+            if self.buffered > self.limit and self.exc is None:
+                self.fail(UpstreamError(f"answer larger than {self.limit} bytes"))
             return
         if self.buffered > MAX_BUFFERED and not self.paused and self.transport is not None:
             # The reader is behind (a slow client downstream): let TCP push back on the server.
@@ -261,18 +296,25 @@ class Response:
         """The first value of a header, matched case-insensitively."""
         return header_value(self.headers, name, default)
 
-    async def read(self) -> bytes:
-        """The whole body; the connection then goes back to the pool."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The whole body; the connection then goes back to the pool. A body past `limit` bytes
+        raises UpstreamError and drops the connection (error answers: MAX_ERROR_BYTES)."""
         conn = self._conn
         parts: list[bytes] = []
+        size = 0
         try:
-            while not conn.done:
+            while True:
+                size += conn.buffered
+                if limit is not None and size > limit:
+                    conn.fail(UpstreamError(f"answer larger than {limit} bytes"))
+                    raise conn.exc
                 parts += conn.take()
+                if conn.done:
+                    break
                 await conn.wait()
         except asyncio.CancelledError:
             conn.orphan(self._on_orphan, parts)
             raise
-        parts += conn.take()
         body = b"".join(parts) if len(parts) != 1 else parts[0]
         self.release()
         return body

@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from pd_plugins.routers.http_client import (Orphan, Response, Upstream, UpstreamError, UpstreamTimeout,
-                                            header_value)
+from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Orphan, Response, Upstream, UpstreamError,
+                                            UpstreamTimeout, header_value)
 
 _encode = msgspec.json.Encoder().encode
 _decode = msgspec.json.Decoder().decode
@@ -104,8 +104,8 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
         raise _failure(worker, leg, exc) from None
     if resp.status == 200:
         return resp
-    try:
-        payload = await resp.read()
+    try:  # its status decides; a body past the bound is dropped with the connection
+        payload = await resp.read(MAX_ERROR_BYTES)
     except UpstreamError:
         payload = b""
     finally:

@@ -469,3 +469,87 @@ def test_a_connection_idle_past_the_servers_keep_alive_is_not_reused(monkeypatch
             await up.exchange(up.json_request("/a", b"{}", "r2"), 5)
             assert server.connections == 2
     asyncio.run(main())
+
+
+class EndlessServer:
+    """A loopback server that answers each request with `start`, then `filler` over and over
+    (64 KiB writes) until the client drops the connection or `total` bytes went out; `sent`: how
+    many did."""
+
+    def __init__(self, start: bytes, filler: bytes, total: int = 48 << 20):
+        self.start, self.filler, self.total = start, filler, total
+        self.sent = 0
+
+    async def __aenter__(self):
+        async def serve(reader, writer):
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(self.start)
+                piece = self.filler * max(1, 65536 // len(self.filler))
+                while self.sent < self.total:
+                    writer.write(piece)
+                    await writer.drain()
+                    self.sent += len(piece)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return Upstream("127.0.0.1", self.server.sockets[0].getsockname()[1])
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+
+@pytest.mark.parametrize("start, filler, words", [
+    (b"HTTP/1.1 200 OK\r\n", b"X-Many: v\r\n", "more than 128 headers"),
+    (b"HTTP/1.1 200 OK\r\nX-Long: ", b"v", "head"),
+    # trailers after a small chunked body: the parser builds their value in memory
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: ", b"v",
+     "trailers"),
+])
+def test_a_head_or_trailers_past_their_bounds_fail_the_answer(start, filler, words):
+    # before the bounds, the router took every header a worker sent (a million of them: +345 MiB)
+    async def main():
+        server = EndlessServer(start, filler)
+        async with server as up:
+            with pytest.raises(UpstreamError, match=words):
+                async with asyncio.timeout(20):
+                    resp = await up.request("POST", "/a", b"{}", timeout=20)
+                    await resp.read()
+            assert server.sent < 8 << 20  # dropped early, not read to the end
+    asyncio.run(main())
+
+
+def test_an_error_answers_body_is_read_only_up_to_its_bound():
+    # a 500 whose chunked body never ends: read() took it piece by piece (MAX_BUFFERED never held
+    # it), and the router grew by gigabytes
+    from pd_plugins.routers import upstream as legs
+
+    class Worker:
+        removed = False
+
+    async def main():
+        endless = (b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n",
+                   b"10000\r\n" + b"e" * 65536 + b"\r\n")
+        server = EndlessServer(*endless)
+        async with server as up:
+            resp = await up.request("POST", "/a", b"{}", timeout=20)
+            assert resp.status == 500
+            with pytest.raises(UpstreamError, match="larger than"):
+                async with asyncio.timeout(20):
+                    await resp.read(64 << 10)
+        assert server.sent < 8 << 20
+        for leg in (legs.open_leg, legs.whole_leg):  # both kinds of leg: the status decides
+            server = EndlessServer(*endless)
+            async with server as up:
+                worker = Worker()
+                worker.url = f"http://127.0.0.1:{up.port}"
+                pools = legs.Pools(2.0)
+                with pytest.raises(legs.WorkerFailed, match="HTTP 500"):
+                    async with asyncio.timeout(20):
+                        await leg(pools, worker, "decode", "/v1/completions", {}, "r", 20.0)
+                await pools.close()
+            assert server.sent < 8 << 20, leg
+    asyncio.run(main())
+
