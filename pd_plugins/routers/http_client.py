@@ -23,8 +23,8 @@ A reused connection that the server closed before sending a single byte (the kee
 is retried once on a fresh connection, as browsers and aiohttp do.
 
 What a worker can make the router hold is bounded: a head past MAX_HEADERS headers or
-MAX_HEAD_BYTES bytes, chunk framing and trailers past what the body's size explains fail the
-connection (UpstreamError); an error answer's body is read
+MAX_HEAD_BYTES bytes, chunk framing and trailers past what the body's size explains, or an answer
+that switches protocols (101) fail the connection (UpstreamError); an error answer's body is read
 up to MAX_ERROR_BYTES (read(limit=...), and exchange() for any status but 200), then the
 connection is dropped.
 
@@ -143,6 +143,9 @@ class _Conn(asyncio.Protocol):
             cause = exc.__context__  # what a callback raised (past a limit)
             self.fail(cause if isinstance(cause, UpstreamError) else
                       UpstreamError(f"bad HTTP response: {exc}"))
+            return
+        except httptools.HttpParserUpgrade:
+            self.fail(UpstreamError("the worker switched protocols (HTTP 101)"))
             return
         # all but the body: the head until it ends, then chunk framing and trailers, which a body
         # of real pieces keeps well under half its size

@@ -553,3 +553,15 @@ def test_an_error_answers_body_is_read_only_up_to_its_bound():
             assert server.sent < 8 << 20, leg
     asyncio.run(main())
 
+
+def test_an_answer_that_switches_protocols_is_an_upstream_error_not_a_logged_crash(caplog):
+    async def main():
+        async with RawServer(lambda n: b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n"
+                                       b"Connection: Upgrade\r\n\r\nPRI * HTTP/2.0") as up:
+            with pytest.raises(UpstreamError, match="switched protocols"):
+                await up.exchange(up.json_request("/a", b"{}", "r"), 5)
+            await asyncio.sleep(0.05)
+    caplog.set_level("ERROR")
+    asyncio.run(main())
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
