@@ -137,7 +137,9 @@ def _refused_or_failed(worker: Any, leg: str, status: int, payload: bytes,
     """A non-200 answer: the request's own fault (4xx but 408 and 429, passed to the client) or
     the worker's."""
     if 400 <= status < 500 and status not in (408, 429):
-        raise RequestRefused(status, payload, content_type.decode() if content_type else None)
+        # latin-1, as HTTP's header bytes: any bytes decode (a worker's odd Content-Type must
+        # not turn its refusal into the router's 500)
+        raise RequestRefused(status, payload, content_type.decode("latin-1") if content_type else None)
     raise WorkerFailed(worker, leg, f"HTTP {status}: {payload[:200]!r}")
 
 

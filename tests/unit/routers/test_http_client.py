@@ -565,3 +565,24 @@ def test_an_answer_that_switches_protocols_is_an_upstream_error_not_a_logged_cra
     asyncio.run(main())
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
+
+def test_a_refusal_with_a_content_type_that_is_not_utf8_is_passed_on():
+    from pd_plugins.routers import upstream as legs
+
+    class Worker:
+        removed = False
+
+    async def main():
+        body = b'{"error": "bad"}'
+        async with RawServer(lambda n: b"HTTP/1.1 400 Bad\r\nContent-Type: \xff\xfe\r\n"
+                                       b"Content-Length: %d\r\n\r\n%b" % (len(body), body)) as up:
+            worker = Worker()
+            worker.url = f"http://127.0.0.1:{up.port}"
+            pools = legs.Pools(2.0)
+            for leg in (legs.open_leg, legs.whole_leg):
+                with pytest.raises(legs.RequestRefused) as refused:
+                    await leg(pools, worker, "decode", "/v1/completions", {}, "r", 5.0)
+                assert refused.value.status == 400 and refused.value.body == body
+                assert refused.value.content_type == "\xff\xfe"
+            await pools.close()
+    asyncio.run(main())
