@@ -16,7 +16,10 @@ requests too, and answered 400 otherwise (no mainstream client pipelines).
 
 Limits, as aiohttp's and tighter: the body (413 past `max_body`, answered at once and the
 connection closed), the request line (414) and the headers (431), both answered as soon as they
-are crossed (a head that never ends is never buffered past its limit), one timeout for reading a
+are crossed (a head that never ends is never buffered past its limit), a chunked body's framing
+and trailers (400 once they pass MAX_HEAD_BYTES plus a little per chunk, and chunks that average
+under MAX_CHUNK_OVERHEAD body bytes: httptools builds a trailer's value in memory, and each
+chunk costs a callback), one timeout for reading a
 request once it has begun (408, a request that began behind an answered one included) and one
 for an idle keep-alive connection. A client that
 disconnects cancels its handler (the proxy closes both legs); writes wait for the socket to drain
@@ -53,6 +56,11 @@ MAX_HEADERS = 128
 # A request's head (request line and headers) past this is refused as it arrives: httptools keeps
 # a header value until its line ends, so counting whole headers alone would not bound it.
 MAX_HEAD_BYTES = MAX_URL_BYTES + MAX_HEADER_BYTES + 4096
+# A chunked body: each chunk's size line and end (and extensions) may take this many bytes, and
+# beyond the first FREE_CHUNKS chunks they must average this many body bytes; trailers come under
+# MAX_HEAD_BYTES with the framing (and count as headers).
+MAX_CHUNK_OVERHEAD = 64
+FREE_CHUNKS = 1024
 READ_TIMEOUT_S = 60.0  # a request's first byte to its last
 KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
@@ -263,12 +271,15 @@ class _FrontConnection(asyncio.Protocol):
     def _reset_message(self) -> None:
         self.url = b""
         self.in_head = False  # between the request's first byte and the end of its headers
-        self.head_bytes = 0  # bytes read while in the head (reads it began in not counted)
+        self.path = self.query = ""
         self.header_bytes = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.body_bytes = 0
+        self.message_bytes = 0  # bytes of reads begun while this request was in progress
+        self.chunks = 0  # chunked bodies: chunks begun
         self.too_large = 0
+        self.unread = False  # answered at its headers (refused, too large): the body is dropped
         self.refusal: str | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
@@ -320,19 +331,24 @@ class _FrontConnection(asyncio.Protocol):
                 self._hand_off(data)
                 return
             self._arm(self.server.read_timeout_s)
-        head_before = self.in_head
+        message_before = self.in_message
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._refuse_now(400, f"malformed HTTP request: {exc}")
             return
-        if self.in_head and not self.queue:  # a head that has not ended (and no request ahead
-            # of it to answer first) is refused as soon as it is too long; a read that began in
-            # an earlier request is not counted (one read at most)
-            if head_before:
-                self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEAD_BYTES and self.refusal is None:
-                self.refusal = "431"
+        if self.in_message and not self.queue:  # a request in progress (and none ahead of it
+            # to answer first) is refused as soon as its head, or its framing and trailers, are
+            # too long; a read that began in an earlier request is not counted (one read at most)
+            if message_before:
+                self.message_bytes += len(data)
+            if self.refusal is None:
+                if self.in_head:
+                    if self.message_bytes > MAX_HEAD_BYTES:
+                        self.refusal = "431"
+                elif (self.message_bytes - self.body_bytes
+                      > MAX_HEAD_BYTES + MAX_CHUNK_OVERHEAD * self.chunks):
+                    self.refusal = "400 framing"
             if self.refusal is not None:
                 self._refuse_now(*_REFUSALS[self.refusal])
                 return
@@ -372,32 +388,46 @@ class _FrontConnection(asyncio.Protocol):
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        """A request refused by its head (414, 431, too large: 413) is
+        answered now, its body never read (nor asked for with 100 Continue)."""
         self.in_head = False
-        length = 0
+        length, expect = 0, False
         for name, value in self.raw_headers:
             lname = name.lower()
             if lname == b"content-length":
                 length = int(value) if value.strip().isdigit() else 0
-            elif lname == b"expect" and value.lower() == b"100-continue" and self.refusal is None:
-                if length <= self.server.max_body:  # a body past the limit is refused unread
-                    self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if length > self.server.max_body:
+            elif lname == b"expect":
+                expect = value.lower() == b"100-continue"
+        self.path, _, self.query = self.url.decode("latin-1").partition("?")
+        if self.refusal is not None:
+            self.unread = True
+            self._complete()
+        elif length > self.server.max_body:
             self.too_large = length
-            self._complete()  # answered now; the body is never read
+            self.unread = True
+            self._complete()
+        elif expect:
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_chunk_header(self) -> None:
+        self.chunks += 1
+        if self.chunks > FREE_CHUNKS + self.body_bytes // MAX_CHUNK_OVERHEAD and not self.unread:
+            self.refusal = self.refusal or "400 chunks"  # answered once this read is parsed
 
     def on_body(self, body: bytes) -> None:
-        if self.too_large:
+        if self.unread:
             return
         self.body_bytes += len(body)
         if self.body_bytes > self.server.max_body:
             self.too_large = self.body_bytes
+            self.unread = True
             self.body = []
             self._complete()
             return
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        if not self.too_large:
+        if not self.unread:
             self._complete()
         self.in_message = False
 
@@ -406,14 +436,13 @@ class _FrontConnection(asyncio.Protocol):
         if self.refusal is not None:
             self.queue.append(self.refusal)
             return
-        url = self.url.decode("latin-1")
-        path, _, query = url.partition("?")
+        path = self.path
         method = self.parser.get_method().decode("latin-1")
         if method != "POST" or path not in HOT_PATHS:  # pipelined behind an inference request
             self.queue.append("400 pipelined")
             return
         body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.queue.append(FastRequest(self, method, path, query, RequestHeaders(tuple(self.raw_headers)),
+        self.queue.append(FastRequest(self, method, path, self.query, RequestHeaders(tuple(self.raw_headers)),
                                       self.parser.get_http_version(),
                                       self.parser.should_keep_alive(), body, self.too_large))
 
@@ -476,6 +505,12 @@ class _FrontConnection(asyncio.Protocol):
         self._next()
 
     async def _send(self, response: web.Response) -> None:
+        self.write(self._whole(response))
+        self.response_ended()
+        await self.drain()
+
+    def _whole(self, response: web.Response) -> bytes:
+        """An aiohttp Response as the bytes of a whole answer."""
         body = response.body
         if body is None:
             body = b""
@@ -483,9 +518,7 @@ class _FrontConnection(asyncio.Protocol):
             body = bytes(body._value)  # an aiohttp payload (json_response gives bytes)
         headers = {k: v for k, v in response.headers.items()
                    if k.lower() not in ("content-length", "transfer-encoding")}
-        self.write(self.head(response.status, headers, b"Content-Length: %d\r\n" % len(body)) + body)
-        self.response_ended()
-        await self.drain()
+        return self.head(response.status, headers, b"Content-Length: %d\r\n" % len(body)) + body
 
     # -- writing ---------------------------------------------------------------------------
     _started = False
@@ -558,6 +591,9 @@ class _FrontConnection(asyncio.Protocol):
 _REFUSALS = {
     "414": (414, f"request line longer than {MAX_URL_BYTES} bytes"),
     "431": (431, f"request headers larger than {MAX_HEADER_BYTES} bytes or more than {MAX_HEADERS}"),
+    "400 framing": (400, f"chunked body framing and trailers larger than {MAX_HEAD_BYTES} bytes "
+                         f"plus {MAX_CHUNK_OVERHEAD} per chunk"),
+    "400 chunks": (400, f"chunked body in chunks averaging under {MAX_CHUNK_OVERHEAD} bytes"),
     "400 pipelined": (400, "a request pipelined behind an inference request must be one too "
                            "(POST /v1/completions or /v1/chat/completions); send it on its own"),
 }

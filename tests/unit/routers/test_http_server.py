@@ -381,3 +381,25 @@ def test_request_headers_are_looked_up_as_aiohttp_would():
     assert headers["x-odd"].startswith("café")
     with pytest.raises(KeyError):
         headers["Authorization"]
+
+
+def test_chunk_framing_and_trailers_past_their_bounds_are_refused_as_they_arrive():
+    # trailers come after the head: the head's 431 never counted them, and httptools built an
+    # endless trailer's value in memory (32 MiB took the loop 4 s)
+    chunked = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def scenario(app, port):
+        got = await send_endless(port, chunked + b"2\r\n{}\r\n0\r\nX-Trailer: ", b"v")
+        assert got.startswith(b"HTTP/1.1 400") and b"trailers" in got, got[:200]
+        got = await send_endless(port, chunked + b"2;", b"e")  # a chunk extension without end
+        assert got.startswith(b"HTTP/1.1 400") and b"framing" in got, got[:200]
+        got = await send_endless(port, chunked, b"1\r\na\r\n")  # one byte a chunk, no end
+        assert got.startswith(b"HTTP/1.1 400") and b"chunks averaging" in got, got[:200]
+        assert app.fast == []
+        # a chunked body in pieces, with a small trailer, is served
+        got = await exchange(port, chunked + b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in
+                                                      (BODY[:5], BODY[5:])) + b"0\r\nX-T: 1\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 200") and (json.loads(got.split(b"\r\n\r\n", 1)[1])["len"]
+                                                    == len(BODY))
+    run(scenario)
+
