@@ -337,6 +337,10 @@ class _FrontConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._refuse_now(400, f"malformed HTTP request: {exc}")
             return
+        except httptools.HttpParserUpgrade:  # not an HttpParserError: it would escape
+            self._refuse_now(400, "protocol upgrades (Upgrade, Connection: upgrade) are not "
+                                  "supported")
+            return
         if self.in_message and not self.queue:  # a request in progress (and none ahead of it
             # to answer first) is refused as soon as its head, or its framing and trailers, are
             # too long; a read that began in an earlier request is not counted (one read at most)

@@ -403,3 +403,15 @@ def test_chunk_framing_and_trailers_past_their_bounds_are_refused_as_they_arrive
                                                     == len(BODY))
     run(scenario)
 
+
+def test_a_protocol_upgrade_gets_a_400_not_a_logged_crash(caplog):
+    async def scenario(app, port):
+        for extra in (b"Connection: Upgrade\r\nUpgrade: h2c\r\n", b"Connection: upgrade\r\n"
+                                                                 b"Upgrade: websocket\r\n"):
+            got = await exchange(port, post(extra=extra))
+            assert got.startswith(b"HTTP/1.1 400") and b"upgrade" in got, got[:200]
+        await asyncio.sleep(0.05)
+    caplog.set_level("ERROR")
+    run(scenario)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
