@@ -392,17 +392,26 @@ class _FrontConnection(asyncio.Protocol):
         self.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        """A request refused by its head (414, 431, too large: 413) is
+        """A request refused by its head (414, 431, not authorized: 401, too large: 413) is
         answered now, its body never read (nor asked for with 100 Continue)."""
         self.in_head = False
-        length, expect = 0, False
+        length, expect, authorization = 0, False, None
         for name, value in self.raw_headers:
             lname = name.lower()
             if lname == b"content-length":
                 length = int(value) if value.strip().isdigit() else 0
             elif lname == b"expect":
                 expect = value.lower() == b"100-continue"
+            elif lname == b"authorization" and authorization is None:  # the first, as get()
+                authorization = value
         self.path, _, self.query = self.url.decode("latin-1").partition("?")
+        if self.refusal is None and self.server.authorize is not None:
+            refusal = self.server.authorize(self.path, authorization.decode(
+                "utf-8", "surrogateescape") if authorization is not None else "")
+            if refusal is not None:  # answered in its turn, and the connection closed
+                self.unread = True
+                self.queue.append(refusal)
+                return
         if self.refusal is not None:
             self.unread = True
             self._complete()
@@ -457,8 +466,11 @@ class _FrontConnection(asyncio.Protocol):
         if self.queue:
             item = self.queue.pop(0)
             self._disarm()
-            if isinstance(item, str):
-                self._refuse_now(*_REFUSALS[item])
+            if type(item) is not FastRequest:  # refused before the handler: answered, closed
+                if isinstance(item, str):
+                    self._refuse_now(*_REFUSALS[item])
+                else:
+                    self._refuse_with(item)
                 return
             self.keep_alive = item.keep_alive and not item._too_large
             self.http11 = item.version == "1.1"
@@ -479,10 +491,7 @@ class _FrontConnection(asyncio.Protocol):
     async def _answer(self, request: FastRequest) -> None:
         self.ended = False
         try:
-            authorize = self.server.authorize
-            refusal = authorize(request.path, request.headers.get("Authorization", "")) \
-                if authorize is not None else None
-            response = refusal if refusal is not None else await self.server.handler(request)
+            response = await self.server.handler(request)  # (authorized at its headers)
             if isinstance(response, FastStreamResponse):
                 if not response._ended:  # a handler that returned mid-answer: end it cleanly
                     await response.write_eof()
@@ -568,6 +577,15 @@ class _FrontConnection(asyncio.Protocol):
         try:
             self.write(self.head(status, {"Content-Type": "application/json"},
                                  b"Content-Length: %d\r\n" % len(body)) + body)
+        except ConnectionResetError:
+            pass
+        self.close()
+
+    def _refuse_with(self, response: web.Response) -> None:
+        """Send a refusal the hook gave (authorize) and close the connection."""
+        self.keep_alive = False
+        try:
+            self.write(self._whole(response))
         except ConnectionResetError:
             pass
         self.close()

@@ -415,3 +415,23 @@ def test_a_protocol_upgrade_gets_a_400_not_a_logged_crash(caplog):
     run(scenario)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
+
+def test_an_unauthorized_request_is_refused_at_its_headers_and_its_body_never_read():
+    def authorize(path, given):
+        return None if given == "Bearer k" else web.Response(status=401, text="no")
+
+    async def scenario(app, port):
+        # the head alone: answered without waiting for the megabyte it announces, and never
+        # asked for it (no 100 Continue)
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n"
+                b"Expect: 100-continue\r\n%b\r\n")
+        got = await exchange(port, head % b"", wait_s=2)
+        assert got.startswith(b"HTTP/1.1 401") and b"Connection: close" in got, got[:200]
+        assert b"100 Continue" not in got
+        got = await exchange(port, head % b"Authorization: Bearer wrong\r\n", wait_s=2)
+        assert got.startswith(b"HTTP/1.1 401")
+        got = await exchange(port, post(extra=b"Authorization: Bearer k\r\n"))
+        assert got.startswith(b"HTTP/1.1 200") and len(app.fast) == 1
+    run(scenario, authorize=authorize, read_timeout_s=30)
+
+
