@@ -311,6 +311,10 @@ class RouterConfig(_Strict):
     # a request body past this is refused (413); 0 or less refused every request, and the router
     # holds a body in memory: at most 1 GiB
     max_body_bytes: Annotated[int, Meta(ge=1024, le=1 << 30)] = 4 * 1024 * 1024
+    # client connections open at once (inference and the rest together); one more is answered
+    # 503 and closed. Keep it under the open-file limit (ulimit -n), which the legs' connections
+    # to the workers share.
+    max_connections: Annotated[int, Meta(ge=1, le=1_000_000)] = 10_000
     # What to do with client-sent transfer fields (kv_transfer_params, bootstrap_*, and those in
     # vllm_xargs; request.py): they never reach a worker.
     client_transfer_fields: Literal["reject", "strip"] = "reject"

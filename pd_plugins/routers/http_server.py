@@ -20,8 +20,10 @@ are crossed (a head that never ends is never buffered past its limit), a chunked
 and trailers (400 once they pass MAX_HEAD_BYTES plus a little per chunk, and chunks that average
 under MAX_CHUNK_OVERHEAD body bytes: httptools builds a trailer's value in memory, and each
 chunk costs a callback), one timeout for reading a
-request once it has begun (408, a request that began behind an answered one included) and one
-for an idle keep-alive connection. A client that
+request once it has begun (408, a request that began behind an answered one included), one
+for an idle keep-alive connection (KEEPALIVE_TIMEOUT_S, aiohttp's side too: server.py gives it
+to its AppRunner), and `max_connections` client connections open at once, those handed to
+aiohttp included (one more is answered 503 and closed at once). A client that
 disconnects cancels its handler (the proxy closes both legs); writes wait for the socket to drain
 (flow control), so a client that does not read holds back its own answer, never the router.
 """
@@ -62,7 +64,12 @@ MAX_HEAD_BYTES = MAX_URL_BYTES + MAX_HEADER_BYTES + 4096
 MAX_CHUNK_OVERHEAD = 64
 FREE_CHUNKS = 1024
 READ_TIMEOUT_S = 60.0  # a request's first byte to its last
-KEEPALIVE_TIMEOUT_S = 75.0  # aiohttp's default
+# an idle keep-alive connection, here and on the aiohttp side (server.py gives it to its
+# AppRunner: aiohttp's own default is 3630 s)
+KEEPALIVE_TIMEOUT_S = 75.0
+# client connections open at once, here and handed to aiohttp together (config.py:
+# max_connections); one more is answered 503 and closed at once
+MAX_CONNECTIONS = 10_000
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
 
@@ -224,12 +231,19 @@ class FrontServer:
     def __init__(self, handler: Handler, fallback: Callable[[], asyncio.Protocol], *,
                  max_body: int, authorize: Authorize | None = None,
                  read_timeout_s: float = READ_TIMEOUT_S,
-                 keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S) -> None:
+                 keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.handler, self.fallback, self.authorize = handler, fallback, authorize
-        self.max_body = max_body
+        self.max_body, self.max_connections = max_body, max_connections
         self.read_timeout_s, self.keepalive_timeout_s = read_timeout_s, keepalive_timeout_s
         self.connections: set[_FrontConnection] = set()
+        # the connections handed over, as aiohttp's server keeps them (web.Server)
+        self.handed_off: dict = getattr(fallback, "_connections", {})
+        self.refused_connections = 0  # past max_connections
         self.closing = False
+
+    def full(self) -> bool:
+        return len(self.connections) + len(self.handed_off) >= self.max_connections
 
     def __call__(self) -> _FrontConnection:
         return _FrontConnection(self)
@@ -285,6 +299,11 @@ class _FrontConnection(asyncio.Protocol):
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self.server.full():
+            self.server.refused_connections += 1
+            self._refuse_now(503, f"too many connections (more than "
+                                  f"{self.server.max_connections}); try again shortly")
+            return
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, (tuple, list)) and peer else None
         self.server.connections.add(self)

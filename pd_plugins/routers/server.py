@@ -17,6 +17,7 @@ from pd_plugins.routers.config import RouterConfig, WorkerConflict, WorkerSpec
 from pd_plugins.routers.discovery import kubernetes_watcher, plan_kubernetes
 from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.health import PoolUpkeep
+from pd_plugins.routers import http_server
 from pd_plugins.routers.http_server import FastRequest, FrontServer, body_too_slow, read_body
 from pd_plugins.routers.kv_sources.pools import PoolView
 from pd_plugins.routers.metrics import RouterMetrics
@@ -335,8 +336,11 @@ class Router:
         server (http_server.py), every other request on the aiohttp app it hands over to."""
         # handler_cancellation: a client that disconnects cancels its handler, which closes both
         # legs, so the engines abort the request and free its KV (aiohttp's default is off).
+        # keepalive_timeout: the front server's own for the connections handed to aiohttp
+        # (aiohttp's default keeps an idle one for an hour)
         runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
-                               shutdown_timeout=shutdown_timeout_s)
+                               shutdown_timeout=shutdown_timeout_s,
+                               keepalive_timeout=http_server.KEEPALIVE_TIMEOUT_S)
         await runner.setup()  # the app's startup: workers probed, upkeep and sync running
         # What startup built (app, config, tokenizers, metrics) lives as long as the process:
         # frozen, the collector's full passes no longer walk it (shorter GC pauses, less CPU).
@@ -344,7 +348,8 @@ class Router:
         gc.freeze()
         assert runner.server is not None
         front = FrontServer(self.generate, runner.server, max_body=self.config.max_body_bytes,
-                            authorize=self.api_key_check)
+                            authorize=self.api_key_check,
+                            max_connections=self.config.max_connections)
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):

@@ -207,6 +207,7 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.mark.parametrize("path, value", [
     ("max_body_bytes", -1), ("max_body_bytes", 0), ("max_body_bytes", 2**40),
+    ("max_connections", 0), ("max_connections", 10**9),
     ("push_head_start_s", NAN), ("push_head_start_s", -5.0), ("push_head_start_s", INF),
     ("block_size", 10**15), ("block_size", 0),
     ("sessions.ttl_s", NAN), ("sessions.ttl_s", INF), ("sessions.max_sessions", 0),
@@ -239,7 +240,7 @@ def test_sizes_durations_and_counts_out_of_bounds_are_refused_naming_the_key(pat
 def test_bounds_leave_the_defaults_and_their_edges_accepted():
     cfg = config_from_mapping({
         "decode": [{"url": "http://d:1", "dp_size": 1024, "tp_size": 8}], "block_size": 4096,
-        "max_body_bytes": 1024, "push_head_start_s": 0, "failover": {"decode_retries": 16},
+        "max_body_bytes": 1024, "max_connections": 1, "push_head_start_s": 0, "failover": {"decode_retries": 16},
         "sessions": {"ttl_s": 30 * 86400}, "discovery": {"retry_max_s": 3600},
         "policy": {"decode": {"scorers": [{"name": "least_loaded", "weight": 0}]}}})
     assert cfg.block_size == 4096 and cfg.decode[0].dp_size == 1024

@@ -435,3 +435,65 @@ def test_an_unauthorized_request_is_refused_at_its_headers_and_its_body_never_re
     run(scenario, authorize=authorize, read_timeout_s=30)
 
 
+def test_connections_past_the_cap_are_answered_503_and_closed_at_once():
+    async def scenario(app, port):
+        first = await asyncio.open_connection("127.0.0.1", port)
+        first[1].write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # handed to aiohttp: counted
+        assert (await first[0].readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        second = await asyncio.open_connection("127.0.0.1", port)  # idle: counted
+        await asyncio.sleep(0.05)
+        got = await exchange(port, post(), wait_s=2)
+        assert got.startswith(b"HTTP/1.1 503") and b"too many connections" in got, got[:200]
+        assert app.fast == []
+        second[1].close()
+        await asyncio.sleep(0.1)
+        assert (await exchange(port, post())).startswith(b"HTTP/1.1 200")
+        first[1].close()
+    run(scenario, max_connections=2)
+
+
+def test_the_router_closes_connections_handed_to_aiohttp_after_its_keepalive(monkeypatch):
+    """Router.serve, in this process: an idle connection on aiohttp's side (after a GET) is
+    closed after the front server's keep-alive timeout, not aiohttp's default hour."""
+    import gc
+    import os
+    import signal
+    import socket
+
+    from pd_plugins.routers.cli import build_parser, config_from_args
+    from pd_plugins.routers.server import Router
+
+    monkeypatch.setattr(http_server, "KEEPALIVE_TIMEOUT_S", 0.5)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    router = Router(config_from_args(build_parser().parse_args(
+        ["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9",
+         "--port", str(port)])))
+
+    async def main():
+        serving = asyncio.create_task(router.serve(shutdown_timeout_s=1))
+        try:
+            async with asyncio.timeout(10):
+                while True:
+                    try:
+                        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                        break
+                    except OSError:
+                        await asyncio.sleep(0.05)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(5):
+                assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+                await reader.readuntil(b"}")
+                started = asyncio.get_running_loop().time()
+                assert await reader.read() == b""  # closed by the router
+            assert asyncio.get_running_loop().time() - started < 3
+            writer.close()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # serve()'s own way to stop
+            await asyncio.wait_for(serving, 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        gc.unfreeze()  # serve() froze what it had built: this process goes on with other tests
