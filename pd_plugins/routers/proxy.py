@@ -250,9 +250,11 @@ class Proxy:
                         raise prefill_task.exception() from None
                     prefill_task.cancel()  # the client left, or the decode failed
                     await asyncio.gather(prefill_task, return_exceptions=True)
-                elif (isinstance(exc, asyncio.CancelledError) and decision.prefill is not None
-                      and not decode_sent):
-                    self._release_later(attempt, decode_body)
+                elif decision.prefill is not None:  # pull: the prefill holds the prompt's KV
+                    if isinstance(exc, asyncio.CancelledError) and not decode_sent:
+                        self._release_later(attempt, decode_body)
+                    elif isinstance(exc, RequestRefused):  # the decode refused it unread
+                        self._release_later(attempt, decode_body, "the decode refused the request")
                 raise
             finally:
                 accounting.local_prefill_ended(decode, local_uncached)
@@ -297,25 +299,29 @@ class Proxy:
             raise asyncio.CancelledError
         return decode_body, prefill_task
 
-    def _release_later(self, attempt: Attempt, decode_body: dict[str, Any]) -> None:
-        """The client left after the prefill answered but before the decode leg went out: the
-        prefill holds the prompt's KV under its lease for a read that will never come. A one-token
-        decode leg reads it, which frees it on the prefill now; nobody waits for the answer."""
-        task = asyncio.create_task(self._release(attempt, one_token_body(decode_body)))
+    def _release_later(self, attempt: Attempt, decode_body: dict[str, Any],
+                       why: str = "the client left") -> None:
+        """The client left after the prefill answered but before the decode leg went out, or the
+        decode refused the request (a 4xx: a check the prefill's one-token leg passed): the
+        prefill holds the prompt's KV under its lease (vLLM: up to
+        VLLM_NIXL_ABORT_REQUEST_TIMEOUT) for a read that will never come. A one-token decode leg
+        reads it, which frees it on the prefill now; nobody waits for the answer. Its body is the
+        one the prefill accepted (cut to one token, not streamed) with the prefill's params."""
+        task = asyncio.create_task(self._release(attempt, one_token_body(decode_body), why))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
-    async def _release(self, attempt: Attempt, body: dict[str, Any]) -> None:
+    async def _release(self, attempt: Attempt, body: dict[str, Any], why: str) -> None:
         worker = attempt.decision.decode
         try:
             await json_leg(self.pools, worker, "decode", attempt.path, body, attempt.request_id,
                            self.timeouts.decode_first_byte_s)
-            log.info("request %s: client left after its prefill; the KV was released through "
-                     "decode %s", attempt.request_id, worker.url)
+            log.info("request %s: %s after its prefill; the KV was released through decode %s",
+                     attempt.request_id, why, worker.url)
         except Exception as exc:  # noqa: BLE001 - nobody awaits this task: log, never raise
-            log.warning("request %s: client left after its prefill, and releasing its KV through "
-                        "decode %s failed (the prefill's lease frees it): %s",
-                        attempt.request_id, worker.url, exc)
+            log.warning("request %s: %s after its prefill, and releasing its KV through decode %s "
+                        "failed (the prefill's lease frees it): %s",
+                        attempt.request_id, why, worker.url, exc)
 
     async def aclose(self) -> None:
         """Stop the KV releases still running (the pools close under them next)."""

@@ -142,3 +142,20 @@ def test_ready_lists_workers_only_to_the_admin(router):
     admin = requests.get(router.url + "/ready", timeout=5, headers={"Authorization": f"Bearer {TOKEN}"})
     urls = {w["url"] for w in admin.json()["workers"]}
     assert urls == {router.prefills[0].url, router.decodes[0].url}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_decode_that_refuses_after_a_pull_prefill_releases_the_prefills_kv(router, stream):
+    """A request the prefill's one-token leg passes and the decode refuses (here: max_tokens past
+    the context, a check the router cannot make without a tokenizer): the client gets the decode's
+    400, and the KV the prefill holds for it is read (released) by a one-token decode leg, not
+    held until the prefill's lease runs out (vLLM: VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s)."""
+    from tests.router.conftest import wait_until
+
+    prefill = router.prefills[0]
+    for i in range(3):
+        body = {**CHAT, "messages": [{"role": "user", "content": f"{i} {stream} {LONG_PROMPT}"}],
+                "max_tokens": 4090, "stream": stream}
+        resp = requests.post(router.url + "/v1/chat/completions", json=body, timeout=15)
+        assert_refused(resp, 400, "maximum context length")
+    wait_until(lambda: prefill.stats()["rooms_held"] == 0, timeout=10, what="the prefill's KV released")
