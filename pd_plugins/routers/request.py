@@ -117,6 +117,11 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest(400, "'stream' must be true or false", param="stream")
+    # what an engine refuses on the decode leg after the prefill ran (the prefill's one-token leg
+    # drops stream_options and min_tokens): vLLM's validators, checked here for nothing
+    if not stream and body.get("stream_options"):
+        raise BadRequest(400, "'stream_options' can only be set with 'stream': true",
+                         param="stream_options")
 
     for key in ("max_tokens", "max_completion_tokens"):  # both checked: an engine may read either
         value = body.get(key)
@@ -129,6 +134,15 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
         if max_model_len is not None and max_tokens >= max_model_len:
             raise BadRequest(400, f"'{limit_key}' = {max_tokens} does not fit the model's "
                                   f"context of {max_model_len} tokens", param=limit_key)
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+            raise BadRequest(400, f"'min_tokens' must be an integer >= 0 (got {_short(min_tokens)})",
+                             param="min_tokens")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise BadRequest(400, f"'min_tokens' = {min_tokens} is more than '{limit_key}' = "
+                                  f"{max_tokens}", param="min_tokens")
+    need = max_tokens or max(min_tokens or 0, 1)  # the fewest tokens it may generate in context
 
     # a LoRA adapter's prompt blocks are keyed apart from the base model's and other adapters',
     # and a cache_salt's apart from every other salt's (vLLM's own block hashes do both)
@@ -145,8 +159,8 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     else:
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
         keys = text_block_keys(text, block_size, CHARS_PER_TOKEN, root) if block_size else []
-    if exact and max_model_len is not None and prompt_tokens + (max_tokens or 1) > max_model_len:
-        raise BadRequest(400, f"prompt of {prompt_tokens} tokens plus {max_tokens or 1} to generate "
+    if exact and max_model_len is not None and prompt_tokens + need > max_model_len:
+        raise BadRequest(400, f"prompt of {prompt_tokens} tokens plus {need} to generate "
                               f"exceeds the model's context of {max_model_len} tokens", param="prompt")
 
     session = _session_id(headers, body)
@@ -155,6 +169,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
                        prompt=tokens if tokens is not None else text,
                        block_width=(block_size or 0) * (1 if tokens is not None else CHARS_PER_TOKEN))
     return ClientRequest(kind, body, info, target)
+
 
 
 def _short(value: Any) -> str:

@@ -101,6 +101,10 @@ BAD_INPUT = [
     ("X-Request-Id too long", dict(json=COMPLETION, headers={"X-Request-Id": "r" * 500}), ["X-Request-Id"]),
     ("session header not UTF-8", dict(json=COMPLETION, headers={"x-session-id": b"\xc3\x28"}),
      ["session id"]),
+    # what the decode refused only after the prefill had run (its one-token leg drops both)
+    ("stream_options without stream", dict(json={**COMPLETION, "stream_options": {"include_usage": True}}),
+     ["stream_options"]),
+    ("min_tokens past max_tokens", dict(json={**COMPLETION, "min_tokens": 4}), ["min_tokens"]),
 ]
 
 
@@ -159,3 +163,5 @@ def test_a_decode_that_refuses_after_a_pull_prefill_releases_the_prefills_kv(rou
         resp = requests.post(router.url + "/v1/chat/completions", json=body, timeout=15)
         assert_refused(resp, 400, "maximum context length")
     wait_until(lambda: prefill.stats()["rooms_held"] == 0, timeout=10, what="the prefill's KV released")
+
+

@@ -171,3 +171,24 @@ def test_the_fields_taken_as_plain_client_fields_are_no_transfer_fields():
     # CLIENT_FIELDS lets a body skip the per-field test: none of them may be one the router owns
     from pd_plugins.routers.request import CLIENT_FIELDS, _is_transfer_field
     assert not [name for name in CLIENT_FIELDS if _is_transfer_field(name)]
+
+
+def test_what_the_decode_would_refuse_after_the_prefill_ran_is_refused_here():
+    # the prefill's one-token leg drops stream_options and min_tokens: vLLM refused these only
+    # on the decode leg, after the prefill had run (and held the prompt's KV)
+    assert "stream_options" in refused({"prompt": "a", "stream_options": {"include_usage": True}})
+    assert "stream_options" in refused({"prompt": "a", "stream": False,
+                                        "stream_options": {"include_usage": True}})
+    parse({"prompt": "a", "stream": True, "stream_options": {"include_usage": True}})
+    parse({"prompt": "a", "stream_options": {}})  # vLLM lets an empty one through
+    assert "'min_tokens' = 9 is more than 'max_tokens' = 5" in refused(
+        {"prompt": "a", "max_tokens": 5, "min_tokens": 9})
+    assert "'max_completion_tokens' = 5" in refused(
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": 50,
+         "max_completion_tokens": 5, "min_tokens": 9}, kind="chat")
+    for bad in (-1, "3", True, 1.5):
+        assert "'min_tokens' must be" in refused({"prompt": "a", "min_tokens": bad})
+    parse({"prompt": "a", "max_tokens": 5, "min_tokens": 5})
+    # without max_tokens, what the context leaves bounds min_tokens
+    assert "plus 510 to generate" in refused({"prompt": list(range(10)), "min_tokens": 510})
+
