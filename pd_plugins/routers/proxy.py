@@ -116,7 +116,15 @@ class Proxy:
         prefill_tries, decode_tries = failover.prefill_retries, failover.decode_retries
         excluded_prefill: set = set()
         excluded_decode: set = set()
-        force_local, history = False, []
+        force_local: str | None = None  # why every attempt prefills on its decode worker
+        history: list[str] = []
+        if request.fan_out:  # its samples would share one KV transfer (docs/router.md)
+            if not self.scheduler.local_prefill:
+                self.metrics.rejections.labels("bad_request").inc()
+                return error_response(400, "parallel sampling (n or best_of above 1, beam search) "
+                                           "is not served disaggregated, and this engine's decode "
+                                           "cannot prefill a request itself: send n = 1", "n")
+            force_local = "local prefill: parallel sampling (n > 1) shares no KV transfer"
         # A client's own X-Request-Id is kept for tracing, made unique so it cannot collide.
         client_id = http.headers.get("X-Request-Id")
         base_id = f"{self._id_prefix}-{next(self._ids)}" + (f"-{client_id[:64]}" if client_id else "")
@@ -128,9 +136,8 @@ class Proxy:
                     return self._fail("none", 503, "no usable prefill worker (an SGLang decode "
                                       "cannot prefill a request itself)", history)
                 break
-            if force_local and decision.prefill is not None:
-                decision = Decision(decision.decode, None,
-                                    decision.reasons[:1] + ["local prefill: prefill workers failed"])
+            if force_local is not None and decision.prefill is not None:
+                decision = Decision(decision.decode, None, decision.reasons[:1] + [force_local])
             elif (decision.prefill is None and not failover.local_prefill_fallback
                   and self.ctx.pool.by_role("prefill") and "no usable prefill" in decision.reasons[-1]):
                 return self._fail("none", 503, "no usable prefill worker", history)
@@ -159,7 +166,7 @@ class Proxy:
                     if prefill_tries < 0:
                         if not (failover.local_prefill_fallback and self.scheduler.local_prefill):
                             break
-                        force_local = True
+                        force_local = "local prefill: prefill workers failed"
                     self.metrics.retries.labels("prefill").inc()
                 else:
                     # Another decode worker if there is one; else the same one again (with a

@@ -71,6 +71,9 @@ class ClientRequest:
     body: dict[str, Any]
     info: RequestInfo
     target: Any = None  # the ModelTarget select_model chose
+    # parallel sampling (n or best_of past 1, beam search): the engine fans it out into requests
+    # that share one kv_transfer_params, so it is served on the decode alone (proxy.py)
+    fan_out: bool = False
 
     @property
     def stream(self) -> bool:
@@ -168,7 +171,10 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
                        stream=stream, session_id=session, exact_tokens=exact, adapter=adapter,
                        prompt=tokens if tokens is not None else text,
                        block_width=(block_size or 0) * (1 if tokens is not None else CHARS_PER_TOKEN))
-    return ClientRequest(kind, body, info, target)
+    n, best_of = body.get("n"), body.get("best_of")
+    fan_out = (n is not None and n != 1) or (best_of is not None and best_of != 1) \
+        or bool(body.get("use_beam_search"))
+    return ClientRequest(kind, body, info, target, fan_out)
 
 
 

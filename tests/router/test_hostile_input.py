@@ -165,3 +165,25 @@ def test_a_decode_that_refuses_after_a_pull_prefill_releases_the_prefills_kv(rou
     wait_until(lambda: prefill.stats()["rooms_held"] == 0, timeout=10, what="the prefill's KV released")
 
 
+def test_parallel_sampling_is_served_on_the_decode_alone(router):
+    """n > 1: vLLM fans the request out into samples that share one kv_transfer_params, and the
+    prefill frees the KV after the first sample's read (the others read freed blocks); so it is
+    served on the decode worker alone, which prefills it itself."""
+    before = router.prefills[0].stats()["requests"]
+    for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
+        for extra in ({"n": 2}, {"best_of": 2}):
+            resp = requests.post(router.url + path, json={**body, **extra}, timeout=15)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-pd-route"] == "route=local"
+    assert router.prefills[0].stats()["requests"] == before
+    assert requests.post(router.url + "/v1/completions", json=COMPLETION,
+                         timeout=15).headers["x-pd-route"] == "route=disaggregated"
+
+
+def test_parallel_sampling_is_refused_where_the_decode_cannot_prefill():
+    prefills, decodes = mocks(engine="sglang")
+    with deployment(prefills, decodes, "--engine", "sglang", "--policy", "round_robin") as r:
+        resp = requests.post(r.url + "/v1/completions", json={**COMPLETION, "n": 2}, timeout=15)
+        assert_refused(resp, 400, "parallel sampling")
+        assert prefills[0].stats()["requests"] == decodes[0].stats()["requests"] == 0
+
