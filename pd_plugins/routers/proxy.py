@@ -27,7 +27,7 @@ from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
 from pd_plugins.routers.policy.base import uncached_tokens
 from pd_plugins.routers.policy.latency_model import OnlineLinearFit
-from pd_plugins.routers.request import ClientRequest
+from pd_plugins.routers.request import BadRequest, ClientRequest, tokenize_deferred
 from pd_plugins.routers.replica_channels import ReplicaShare
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
@@ -80,6 +80,12 @@ class Proxy:
 
     # -- the request ----------------------------------------------------------------------
     async def serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
+        if request.deferred is not None:  # a long text prompt: tokenized off the event loop
+            try:
+                await tokenize_deferred(request)
+            except BadRequest as bad:
+                self.metrics.rejections.labels("bad_request").inc()
+                return error_response(bad.status, bad.message, bad.param)
         if self.recorder is None:
             return await self._serve(http, request, path)
         measured = http[MEASURED_KEY] = Measured(time.time())

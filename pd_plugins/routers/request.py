@@ -14,6 +14,7 @@ blocks it does not own, nor hand an engine a malformed one.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Protocol
 
@@ -45,6 +46,9 @@ SESSION_HEADERS = ("x-session-id", "x-conversation-id", "x-user-id")
 SESSION_FIELDS = ("session_id", "user")  # body fields, after the headers
 MAX_SESSION_ID = 128
 CHARS_PER_TOKEN = 4  # estimate for text prompts without a tokenizer
+# A text prompt longer than this (characters) is tokenized on a worker thread (tokenize_deferred),
+# not on the event loop: a tokenizer takes about 1.5 ms per thousand characters, holding the loop
+INLINE_TOKENIZE_CHARS = 4096
 
 Kind = Literal["completion", "chat"]
 Tokenize = Callable[[str], list[int]]
@@ -74,6 +78,9 @@ class ClientRequest:
     # parallel sampling (n or best_of past 1, beam search): the engine fans it out into requests
     # that share one kv_transfer_params, so it is served on the decode alone (proxy.py)
     fan_out: bool = False
+    # a long text prompt to tokenize off the event loop before the request is served
+    # (tokenize_deferred): (text, block-key root, tokens to generate at least, exact)
+    deferred: tuple | None = None
 
     @property
     def stream(self) -> bool:
@@ -154,15 +161,24 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     root = prompt_root(adapter, salt if isinstance(salt, str) else None)
     tokens, text = (_completion_prompt(body) if kind == "completion" else _chat_prompt(body))
     exact = tokens is not None or (tokenize is not None and kind == "completion")
+    deferred = None
     if tokens is None and tokenize is not None:
-        tokens = tokenize(text)  # chat: the rendered messages, a close estimate of the template
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            tokens = tokenize(text)  # chat: the rendered messages, a close estimate of the template
+        else:  # tokenized off the loop (tokenize_deferred), unless its length alone refuses it
+            if exact and max_model_len is not None:
+                _refuse_by_length(text, tokenize, need, max_model_len)
+            deferred = (text, root, need, exact)
     if tokens is not None:
         prompt_tokens = len(tokens)
         keys = block_keys(tokens, block_size, root) if block_size else []
+    elif deferred is not None:  # filled in by tokenize_deferred
+        prompt_tokens, keys = max(1, len(text) // CHARS_PER_TOKEN), []
     else:
         prompt_tokens = max(1, len(text) // CHARS_PER_TOKEN)
         keys = text_block_keys(text, block_size, CHARS_PER_TOKEN, root) if block_size else []
-    if exact and max_model_len is not None and prompt_tokens + need > max_model_len:
+    if exact and max_model_len is not None and prompt_tokens + need > max_model_len \
+            and deferred is None:
         raise BadRequest(400, f"prompt of {prompt_tokens} tokens plus {need} to generate "
                               f"exceeds the model's context of {max_model_len} tokens", param="prompt")
 
@@ -174,8 +190,43 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     n, best_of = body.get("n"), body.get("best_of")
     fan_out = (n is not None and n != 1) or (best_of is not None and best_of != 1) \
         or bool(body.get("use_beam_search"))
-    return ClientRequest(kind, body, info, target, fan_out)
+    return ClientRequest(kind, body, info, target, fan_out, deferred)
 
+
+def _refuse_by_length(text: str, tokenize: Tokenize, need: int, max_model_len: int) -> None:
+    """A prompt whose characters alone need more tokens than the context holds (tokenizer.py:
+    max_token_chars, where that bound is sure) is refused without being tokenized."""
+    bound = getattr(tokenize, "max_token_chars", None)
+    if not bound:
+        return
+    fewest = -(-len(text) // bound)
+    if fewest + need > max_model_len:
+        raise BadRequest(400, f"prompt of at least {fewest} tokens ({len(text)} characters, at most "
+                              f"{bound} a token) plus {need} to generate exceeds the model's context "
+                              f"of {max_model_len} tokens", param="prompt")
+
+
+async def tokenize_deferred(request: ClientRequest) -> None:
+    """A long text prompt parse_request left untokenized: its tokens and block keys computed on a
+    worker thread (the tokenizer's off_loop releases the GIL), then checked against the context
+    and filled into request.info as parse_request would have. BadRequest as parse_request's."""
+    text, root, need, exact = request.deferred
+    request.deferred = None
+    target = request.target
+    block_size, max_model_len = target.key_block_size, target.max_model_len
+    tokenize = getattr(target.tokenize, "off_loop", target.tokenize)
+
+    def work() -> tuple[list[int], list[int]]:
+        tokens = tokenize(text)
+        return tokens, block_keys(tokens, block_size, root) if block_size else []
+
+    tokens, keys = await asyncio.to_thread(work)
+    if exact and max_model_len is not None and len(tokens) + need > max_model_len:
+        raise BadRequest(400, f"prompt of {len(tokens)} tokens plus {need} to generate "
+                              f"exceeds the model's context of {max_model_len} tokens", param="prompt")
+    info = request.info
+    info.prompt_tokens, info.block_keys, info.prompt = len(tokens), keys, tokens
+    info.block_width = block_size or 0
 
 
 def _short(value: Any) -> str:

@@ -187,3 +187,29 @@ def test_parallel_sampling_is_refused_where_the_decode_cannot_prefill():
         assert_refused(resp, 400, "parallel sampling")
         assert prefills[0].stats()["requests"] == decodes[0].stats()["requests"] == 0
 
+
+def test_long_prompts_with_a_tokenizer_are_refused_by_length_or_tokenized_off_the_loop(tmp_path):
+    from tests.unit.routers.helpers import build_tokenizer
+
+    prefills, decodes = mocks()
+    with deployment(prefills, decodes, "--policy", "round_robin",
+                    "--tokenizer", build_tokenizer(tmp_path)) as r:
+        # 3 MiB: tokenizing it held the router's loop 4 s; its length alone overflows the context
+        body = {**COMPLETION, "prompt": "the quick brown fox jumps over the lazy dog " * 72_000}
+        resp = requests.post(r.url + "/v1/completions", json=body, timeout=15)
+        assert_refused(resp, 400, "at least", "exceeds the model's context")
+        assert resp.elapsed.total_seconds() < 2
+        # a long one that fits: tokenized on a thread, then served as any other
+        for stream in (False, True):
+            body = {**COMPLETION, "prompt": "the quick brown fox jumps over the lazy dog " * 200,
+                    "stream": stream}
+            resp = requests.post(r.url + "/v1/completions", json=body, timeout=15)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-pd-route"] == "route=disaggregated"
+        assert prefills[0].stats()["requests"] == decodes[0].stats()["requests"] == 2
+        # one within the length bound whose tokens overflow the context: refused once tokenized,
+        # before any engine
+        body = {**COMPLETION, "prompt": "the quick brown fox jumps over the lazy dog " * 500}
+        resp = requests.post(r.url + "/v1/completions", json=body, timeout=15)
+        assert_refused(resp, 400, "prompt of", "tokens plus 3 to generate exceeds")
+        assert "at least" not in resp.text and prefills[0].stats()["requests"] == 2

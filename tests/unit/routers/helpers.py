@@ -79,3 +79,21 @@ def serving(target: Target, *names: str) -> Callable[[str | None], Target]:
                                   f"{', '.join(sorted(names))}", param="model")
         return target
     return select
+
+
+def build_tokenizer(directory) -> str:
+    """A real byte-level BPE tokenizer.json (tokenizers, trained on a few words in well under a
+    second) in `directory`, as `--tokenizer` takes it; its path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    words = "the quick brown fox jumps over the lazy dog and then some more words".split()
+    tokenizer.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 20,
+                                  trainer=trainer)
+    path = f"{directory}/tokenizer.json"
+    tokenizer.save(path)
+    return path

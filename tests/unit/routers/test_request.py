@@ -198,3 +198,59 @@ def test_parallel_sampling_is_marked_to_be_served_on_the_decode_alone():
     assert parse({"prompt": "a", "n": 2}).fan_out and parse({"prompt": "a", "best_of": 3}).fan_out
     assert parse({"prompt": "a", "use_beam_search": True}).fan_out
 
+
+def test_long_text_prompts_are_tokenized_off_the_event_loop(tmp_path):
+    """A tokenizer holds the loop about 1.5 ms per thousand characters (a 3 MiB prompt: 4 s):
+    parse_request leaves a long prompt to tokenize_deferred, which tokenizes it on a thread
+    that releases the GIL, and refuses one whose length alone overflows the context at once."""
+    import asyncio
+    import time
+
+    from pd_plugins.routers.request import INLINE_TOKENIZE_CHARS, tokenize_deferred
+    from pd_plugins.routers.tokenizer import load_tokenizer
+    from tests.unit.routers.helpers import build_tokenizer
+
+    tokenize = load_tokenizer(build_tokenizer(tmp_path))
+    assert tokenize.max_token_chars and tokenize.max_token_chars < 64
+
+    def parse_text(text, max_model_len):
+        return parse_request(msgspec.json.encode({"prompt": text, "max_tokens": 5}), "completion",
+                             {}, strip_transfer_fields=False, select_model=serving(
+                                 Target(max_model_len, key_block_size=4, tokenize=tokenize)))
+
+    short = parse_text("the lazy dog " * 10, 1 << 20)
+    assert short.deferred is None and short.info.prompt_tokens == len(tokenize("the lazy dog " * 10))
+
+    text = "the quick brown fox jumps over the lazy dog " * 20_000  # 880k characters
+    started = time.perf_counter()
+    with pytest.raises(BadRequest, match="at least"):  # by its length: no tokenizing
+        parse_text(text, 8192)
+    assert time.perf_counter() - started < 0.05
+
+    request = parse_text(text, 1 << 20)  # fits a long context: tokenized later, off the loop
+    assert request.deferred is not None and len(text) > INLINE_TOKENIZE_CHARS
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+        ticker = asyncio.create_task(tick())
+        started = time.perf_counter()
+        await tokenize_deferred(request)
+        took = time.perf_counter() - started
+        ticker.cancel()
+        return ticks, took
+
+    ticks, took = asyncio.run(main())
+    assert ticks > took * 200, (ticks, took)  # the loop ran on (1 ms ticks) while it tokenized
+    tokens = tokenize(text)
+    info = request.info
+    assert info.prompt_tokens == len(tokens) and info.prompt == tokens and info.exact_tokens
+    assert info.block_keys == block_keys(tokens, 4) and request.deferred is None
+    tight = parse_text(text, len(tokens) + 3)  # passes the length bound, not the context
+    with pytest.raises(BadRequest, match=f"prompt of {len(tokens)} tokens plus 5"):
+        asyncio.run(tokenize_deferred(tight))

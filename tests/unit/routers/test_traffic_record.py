@@ -228,7 +228,7 @@ def test_requests_are_recorded_under_their_model_group_not_the_clients_spelling(
             proxy.recorder, proxy.model, proxy.sessions = rec, group, None
             proxy.ctx, proxy._serve = types.SimpleNamespace(block_size=16), served
             for client_model in ("llama", "meta-llama/Llama-3.1-8B", None):
-                request = types.SimpleNamespace(model=client_model, info=info())
+                request = types.SimpleNamespace(model=client_model, info=info(), deferred=None)
                 await proxy.serve({}, request, "/v1/completions")
 
     asyncio.run(go())
