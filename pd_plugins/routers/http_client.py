@@ -25,7 +25,7 @@ is retried once on a fresh connection, as browsers and aiohttp do.
 What a worker can make the router hold is bounded: a head past MAX_HEADERS headers or
 MAX_HEAD_BYTES bytes, chunk framing and trailers past what the body's size explains, or an answer
 that switches protocols (101) fail the connection (UpstreamError); an error answer's body is read
-up to MAX_ERROR_BYTES (read(limit=...), and exchange() for any status but 200), then the
+up to MAX_ERROR_BYTES (read() and exchange(), for any status but 200), then the
 connection is dropped.
 
 A request cancelled after its whole answer had arrived (the caller's task was cancelled in the
@@ -301,14 +301,17 @@ class Response:
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body; the connection then goes back to the pool. A body past `limit` bytes
-        raises UpstreamError and drops the connection (error answers: MAX_ERROR_BYTES)."""
+        (default: MAX_ANSWER_BYTES for a 200 answer, MAX_ERROR_BYTES for any other, as exchange()
+        bounds them) raises UpstreamError and drops the connection."""
         conn = self._conn
         parts: list[bytes] = []
         size = 0
+        if limit is None:
+            limit = MAX_ANSWER_BYTES if self.status == 200 else MAX_ERROR_BYTES
         try:
             while True:
                 size += conn.buffered
-                if limit is not None and size > limit:
+                if size > limit:
                     conn.fail(UpstreamError(f"answer larger than {limit} bytes"))
                     raise conn.exc
                 parts += conn.take()
