@@ -237,13 +237,13 @@ class FrontServer:
         self.max_body, self.max_connections = max_body, max_connections
         self.read_timeout_s, self.keepalive_timeout_s = read_timeout_s, keepalive_timeout_s
         self.connections: set[_FrontConnection] = set()
-        # the connections handed over, as aiohttp's server keeps them (web.Server)
-        self.handed_off: dict = getattr(fallback, "_connections", {})
         self.refused_connections = 0  # past max_connections
         self.closing = False
 
     def full(self) -> bool:
-        return len(self.connections) + len(self.handed_off) >= self.max_connections
+        # aiohttp's public list of its connections (a copy: few, the admin and scrapers')
+        return (len(self.connections) + len(self.fallback.connections)
+                >= self.max_connections)
 
     def __call__(self) -> _FrontConnection:
         return _FrontConnection(self)

@@ -448,7 +448,14 @@ def test_connections_past_the_cap_are_answered_503_and_closed_at_once():
         second[1].close()
         await asyncio.sleep(0.1)
         assert (await exchange(port, post())).startswith(b"HTTP/1.1 200")
-        first[1].close()
+        await asyncio.sleep(0.1)  # that exchange's connection closed on the server's side too
+        third = await asyncio.open_connection("127.0.0.1", port)  # full again
+        await asyncio.sleep(0.05)
+        assert (await exchange(port, post(), wait_s=2)).startswith(b"HTTP/1.1 503")
+        first[1].close()  # the handed-over one: no longer counted once aiohttp's side closes
+        await asyncio.sleep(0.1)
+        assert (await exchange(port, post())).startswith(b"HTTP/1.1 200")
+        third[1].close()
     run(scenario, max_connections=2)
 
 
