@@ -45,6 +45,7 @@ PRIVATE_NAMES = (
     ("base_worker", "NixlBaseConnectorWorker", "_physical_blocks_per_logical_kv_block"),
     ("base_worker", "NixlBaseConnectorWorker", "use_host_buffer"),
     ("base_worker", "NixlBaseConnectorWorker", "enable_permute_local_kv"),
+    ("base_worker", "NixlBaseConnectorWorker", "transfer_topo"),
 )
 
 
@@ -114,6 +115,13 @@ def remote_agent(worker: Any, engine_id: str, rank: int) -> str | None:
     """The NIXL agent name of rank `rank` of a remote engine (None: no handshake with it done)."""
     with worker._handshake_lock:
         return (worker._remote_agents.get(engine_id) or {}).get((0, rank))
+
+
+def transfer_tp_size(worker: Any) -> int | None:
+    """The TP size upstream pairs completion counts with (TransferTopology.tp_ratio); None
+    before the KV caches are registered."""
+    topology = worker.transfer_topo
+    return topology.tp_size if topology is not None else None
 
 
 def unverifiable_layout(worker: Any) -> str | None:

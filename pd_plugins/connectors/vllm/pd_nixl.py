@@ -61,6 +61,7 @@ from pd_plugins.connectors.vllm.expert_signatures import ExpertSignatures
 from pd_plugins.connectors.vllm.options import extra_options
 from pd_plugins.connectors.vllm.pd_nixl_guards import (
     LeaseVerdicts,
+    NotifFilter,
     NotifTap,
     WRITE_BY_KEY,
     PushDeadlines,
@@ -72,6 +73,7 @@ from pd_plugins.connectors.vllm.nixl_internals import (
     pending_push_registration,
     require_checked_vllm,
     sends_in_flight,
+    transfer_tp_size,
     unverifiable_layout,
 )
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
@@ -210,6 +212,21 @@ class _PdAdditions(_PdStatsClassMethods):
             self._set_up_worker_guards(lease_s)
         self._experts = ExpertSignatures(vllm_config, role)
         self._set_up_verification(vllm_config, role, kv_cache_config, options)
+        self._notif_filter: NotifFilter | None = None
+        if role == KVConnectorRole.WORKER:
+            self._set_up_notif_filter()
+
+    def _set_up_notif_filter(self) -> None:
+        """Outermost around the worker's NIXL agent (over a push decode's DigestInbox, which takes
+        the digest notifications first): upstream's parser sees only what it can parse."""
+        worker = self.connector_worker
+        if self._notif_tap is not None:  # pull prefill: the tap filters too
+            self._notif_filter = self._notif_tap
+            return
+        push = self.pd_mode == "push"
+        tp_size = functools.partial(transfer_tp_size, worker) if push and self._serves else None
+        worker.nixl_wrapper = self._notif_filter = NotifFilter(worker.nixl_wrapper, push=push,
+                                                               tp_size=tp_size)
 
     def _set_up_verification(self, vllm_config: VllmConfig, role: KVConnectorRole,
                              kv_cache_config: KVCacheConfig, options: NixlOptions) -> None:
@@ -230,6 +247,7 @@ class _PdAdditions(_PdStatsClassMethods):
         self._block_verifier: BlockVerifier | None = None
         self._load_verifier: LoadVerifier | None = None
         self._push_digests: PushDigestSender | None = None
+        self._digest_inbox: DigestInbox | None = None
         if verify == "off":
             return
         fixed = (f"TP {tp} (only TP 1 is checked)" if tp != 1
@@ -250,7 +268,7 @@ class _PdAdditions(_PdStatsClassMethods):
         if self._reads and not scheduler:
             inbox = None
             if self.pd_mode == "push":  # the prefills' digests come by NIXL notification
-                worker.nixl_wrapper = inbox = DigestInbox(worker.nixl_wrapper)
+                worker.nixl_wrapper = self._digest_inbox = inbox = DigestInbox(worker.nixl_wrapper)
             self._load_verifier = LoadVerifier(lambda: self._block_verifier, layout_why,
                                                required=verify == "required",
                                                faults=self._faults,
@@ -529,6 +547,10 @@ class _PdAdditions(_PdStatsClassMethods):
             results.failed_recving |= rejected
             results.finished_recving |= rejected
         stats: PdNixlStats = self.connector_worker.xfer_stats
+        if self._notif_filter is not None:
+            stats.count("pd_dropped_notifs", self._notif_filter.take_dropped())
+        if self._digest_inbox is not None:
+            stats.count("pd_dropped_notifs", self._digest_inbox.take_malformed())
         if self._late_read_guard is not None:
             self._check_leases(results, getattr(meta, "pd_lease_checks", None) or {},
                                finished_req_ids)

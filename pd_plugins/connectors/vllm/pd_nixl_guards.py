@@ -1,8 +1,12 @@
 """The pieces PdNixlConnector adds on top of upstream's NIXL connectors to stay correct under load.
 
-- `NotifTap` (prefill, pull): sees every read-completion notification before upstream handles it
-  and records whether the prefill still held the blocks; the verdicts go to the scheduler process
-  (`LeaseVerdicts`, worker metadata) whose `LeaseCheckServer` answers decodes (transfer/lease_check).
+- `NotifFilter` (every worker, pull and push): drops and counts the NIXL notifications upstream's
+  parser cannot take (any NIXL peer can send any bytes; upstream parses them on the engine's main
+  thread, where an exception ends the engine).
+- `NotifTap` (prefill, pull): a NotifFilter that also sees every read-completion notification
+  before upstream handles it and records whether the prefill still held the blocks; the verdicts go
+  to the scheduler process (`LeaseVerdicts`, worker metadata) whose `LeaseCheckServer` answers
+  decodes (transfer/lease_check).
 - `PushDeadlines` (decode, push): a registered push that has not completed by its deadline is
   reported as a failed load, so `kv_load_failure_policy` decides and the blocks come back, instead
   of the request waiting forever; a completion that turns up later is dropped.
@@ -48,44 +52,143 @@ class LeaseVerdicts(KVConnectorWorkerMetadata):
             table.record(request_id, reader, on_time, rank)
 
 
-class NotifTap:
-    """Wraps a worker's NIXL agent; classifies read-completion notifications as they are fetched.
+HEARTBEAT_PREFIX = b"HB:"
+PUSH_REG_PREFIX = b"PUSH_REG:"  # upstream's metadata.PUSH_REG_NOTIF_PREFIX (push only)
+DIGESTS_PREFIX = b"PDKVD:"  # pd_nixl_verify.PUSH_DIGESTS_PREFIX, taken out by its DigestInbox
+LOGGED_DROPS = 10  # dropped notifications logged per worker (any NIXL peer can send many)
+
+
+def completion_count(message: bytes) -> int | None:
+    """The count of a completion notification b"<utf-8 request id>:<decimal count>" (what
+    upstream 0.32 sends after a READ or WRITE), or None if `message` is not one."""
+    head, sep, tail = message.rpartition(b":")
+    if not sep or not head or not tail.isdigit() or len(tail) > 9:  # bytes.isdigit: ASCII only
+        return None
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return int(tail)
+
+
+class NotifFilter:
+    """Wraps a worker's NIXL agent; passes on only notifications upstream 0.32 can parse.
+
+    Upstream sends and parses (pull_worker/push_worker `_get_new_notifs`, on the engine's main
+    thread, no try/except): heartbeats b"HB:<ids>" and completions b"<request id>:<count>", both
+    decoded as UTF-8, the count by int(); push registrations b"PUSH_REG:" + msgpack (push only,
+    parsed on the writer thread, which logs its own errors). Anything else a NIXL peer sends
+    (b"junk", bytes that are not UTF-8, a count that is not a number, a digest notification
+    nobody below took) raised there and ended the engine: it is dropped and counted
+    (`take_dropped`, /metrics `vllm:pd_nixl_dropped_notifs`). A completion's count must be at
+    least 1; on a push prefill (`tp_size` given) it must divide or be a multiple of the worker's
+    TP size, as upstream's TransferTopology.tp_ratio asserts.
+
+    `get_new_notifs` runs on whichever thread fetches (push: upstream's writer thread).
+    """
+
+    def __init__(self, agent: Any, push: bool = False,
+                 tp_size: Callable[[], int | None] | None = None) -> None:
+        self._agent = agent
+        self._push = push
+        self._tp_size = tp_size
+        self._dropped = 0
+        self._logged = 0  # dropped ones logged (the first LOGGED_DROPS; then only counted)
+        self._dropped_lock = threading.Lock()
+
+    def why_dropped(self, message: Any) -> str | None:
+        """Why upstream cannot take `message` (None: it can)."""
+        if not isinstance(message, bytes):
+            return "not bytes"
+        if message.startswith(PUSH_REG_PREFIX):
+            return None if self._push else "a push registration on a pull engine"
+        if message.startswith(DIGESTS_PREFIX):
+            return "KV digests this engine does not take"
+        if message.startswith(HEARTBEAT_PREFIX):
+            try:
+                message.decode("utf-8")
+            except UnicodeDecodeError:
+                return "a heartbeat that is not UTF-8"
+            return None
+        count = completion_count(message)
+        if count is None:
+            return "neither a heartbeat nor b'<request id>:<count>'"
+        if count < 1:
+            return "a completion count below 1"
+        tp = self._tp_size() if self._tp_size is not None else None
+        if tp and count % tp and tp % count:
+            return f"a completion count {count} that does not pair with TP {tp}"
+        return None
+
+    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
+        notifs = self._agent.get_new_notifs(*args, **kwargs)
+        passed: dict[str, list[bytes]] = {}
+        dropped = 0
+        for peer, messages in notifs.items():
+            kept = []
+            for message in messages:
+                why = self.why_dropped(message)
+                if why is None:
+                    kept.append(message)
+                    self._saw(peer, message)
+                    continue
+                dropped += 1
+                if self._logged < LOGGED_DROPS:
+                    self._logged += 1
+                    logger.warning("PdNixlConnector: dropped a NIXL notification from agent "
+                                   "%.200s (%s; %d bytes)%s", peer, why,
+                                   len(message) if isinstance(message, bytes) else -1,
+                                   "; further ones are only counted"
+                                   if self._logged == LOGGED_DROPS else "")
+            passed[peer] = kept
+        if dropped:
+            with self._dropped_lock:
+                self._dropped += dropped
+        return passed
+
+    def _saw(self, peer: str, message: bytes) -> None:
+        """A notification passed on to upstream (for subclasses)."""
+
+    def take_dropped(self) -> int:
+        with self._dropped_lock:
+            dropped, self._dropped = self._dropped, 0
+        return dropped
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+class NotifTap(NotifFilter):
+    """Wraps a pull prefill worker's NIXL agent; passes on only what upstream can parse
+    (NotifFilter) and classifies read-completion notifications as they are fetched.
 
     Upstream fetches notifications and, in the same call, frees the blocks of the requests they
     name; `is_leased(request_id)` is asked just before that, so it sees the lease as the read did.
     """
 
     def __init__(self, agent: Any, is_leased: Callable[[str], bool], rank: int = 0) -> None:
-        self._agent = agent
+        super().__init__(agent)
         self._is_leased = is_leased
         self._rank = rank  # this worker's TP rank: a reader may read from several
         self._verdicts: list[tuple[str, str, bool, int]] = []
 
-    def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
-        notifs = self._agent.get_new_notifs(*args, **kwargs)
-        for reader, messages in notifs.items():
-            for message in messages:
-                # Completions are b"<request id>:<consumers>"; heartbeats are b"HB:...". An id
-                # too long for a lease check to ask about is not kept (any NIXL peer can send
-                # one: the table is bounded in entries, this bounds each entry).
-                if message.startswith(b"HB:") or b":" not in message:
-                    continue
-                raw_id = message.rsplit(b":", 1)[0]
-                if not checkable(raw_id, reader):
-                    continue
-                request_id = raw_id.decode("utf-8", "replace")
-                self._verdicts.append((request_id, reader, self._is_leased(request_id),
-                                       self._rank))
-        return notifs
+    def _saw(self, reader: str, message: bytes) -> None:
+        # Completions are b"<request id>:<consumers>"; heartbeats are b"HB:...". An id too long
+        # for a lease check to ask about is not kept (any NIXL peer can send one: the table is
+        # bounded in entries, this bounds each entry).
+        if message.startswith(HEARTBEAT_PREFIX):
+            return
+        raw_id = message.rsplit(b":", 1)[0]
+        if not checkable(raw_id, reader):
+            return
+        request_id = raw_id.decode("utf-8")
+        self._verdicts.append((request_id, reader, self._is_leased(request_id), self._rank))
 
     def take_verdicts(self) -> LeaseVerdicts | None:
         if not self._verdicts:
             return None
         verdicts, self._verdicts = self._verdicts, []
         return LeaseVerdicts(verdicts)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
 
 
 class BoundedDict(OrderedDict):

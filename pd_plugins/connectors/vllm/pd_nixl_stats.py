@@ -52,6 +52,11 @@ PD_COUNTERS: CounterTable = {
         "Prefills whose decode gets no digests of their blocks (pull: none came from the "
         "worker in time; push: a WRITE sent without them): their decodes load them "
         "`unverified` (prefill side)."),
+    "pd_dropped_notifs": (
+        "vllm:pd_nixl_dropped_notifs",
+        "NIXL notifications dropped before upstream's parser, which would have raised on them "
+        "and ended the engine: not a heartbeat, push registration or `<request id>:<count>`, "
+        "not UTF-8, or a KV digest notification this engine does not take (both sides)."),
     # verified loads (vllm:pd_kv_*, shared with every verifying transport; decode side)
     **KV_VERIFY_COUNTERS,
 }

@@ -54,7 +54,7 @@ from pd_plugins.connectors.vllm.kv_verdicts import (
     count_outcome,
 )
 from pd_plugins.connectors.vllm.nixl_internals import remote_agent
-from pd_plugins.connectors.vllm.pd_nixl_guards import BoundedDict, LeaseVerdicts
+from pd_plugins.connectors.vllm.pd_nixl_guards import DIGESTS_PREFIX, BoundedDict, LeaseVerdicts
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import KvFaults, position
 from pd_plugins.transfer.signature_channel import (
@@ -72,7 +72,7 @@ logger = init_logger(__name__)
 
 PURPOSE = "kv-digests"
 MAX_TRACKED = 65536  # requests remembered between steps (oldest forgotten first)
-PUSH_DIGESTS_PREFIX = b"PDKVD:"
+PUSH_DIGESTS_PREFIX = DIGESTS_PREFIX  # b"PDKVD:"
 MAX_PUSH_DIGESTS_BYTES = 1 << 21  # one notification: ~11 bytes (base64) a block, 128 k tokens fit
 MAX_INBOX_BYTES = 64 << 20  # digests kept for pushes not yet checked (oldest forgotten first)
 PUSH_DIGEST_WAIT_S = 2.0  # a finished push waits this long for its digests
@@ -431,7 +431,8 @@ class DigestInbox:
         self._lock = threading.Lock()
         self._digests: OrderedDict[str, str] = OrderedDict()  # req id -> encoded (rank 0: TP 1)
         self._size, self._max_bytes, self._bytes = size, max_bytes, 0
-        self.malformed = 0
+        self.malformed = 0  # ever
+        self._malformed_untaken = 0  # since take_malformed()
 
     def get_new_notifs(self, *args: Any, **kwargs: Any) -> dict[str, list[bytes]]:
         notifs = self._agent.get_new_notifs(*args, **kwargs)
@@ -447,6 +448,8 @@ class DigestInbox:
         parsed = parse_push_digests(message)
         if parsed is None or parsed[1] != 0:
             self.malformed += 1
+            with self._lock:
+                self._malformed_untaken += 1
             if self.malformed == 1:
                 logger.warning("PdNixlConnector: unusable KV digest notification from agent %s "
                                "(%d bytes; only TP rank 0's are used); ignored", peer,
@@ -468,6 +471,12 @@ class DigestInbox:
     def take(self, req_id: str) -> str | None:
         with self._lock:
             return self._pop(req_id)
+
+    def take_malformed(self) -> int:
+        """Unusable digest notifications since the last call (counted as dropped ones)."""
+        with self._lock:
+            n, self._malformed_untaken = self._malformed_untaken, 0
+        return n
 
     def __len__(self) -> int:
         return len(self._digests)

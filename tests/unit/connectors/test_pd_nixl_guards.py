@@ -1,5 +1,7 @@
 """PdNixlConnector's guards, on their own (the e2e tests run them inside real vLLM engines)."""
 
+import pytest
+
 from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts, NotifTap, PushDeadlines, SendHold
 from pd_plugins.transfer.lease_check import VerdictTable
 
@@ -130,3 +132,147 @@ def test_write_gate_asks_before_write_and_skips_the_write_it_declines():
         worker._do_start_push_kv(request_id, [[1]], {})
     assert asked == ["kept", "dropped"]  # a refused WRITE is not asked about
     assert worker.started == ["kept"] and gate.take_refused() == 1
+
+
+# -- notifications upstream's parser cannot take ---------------------------------------------------
+# Upstream 0.32 parses every notification on the engine's main thread (pull_worker/push_worker
+# `_get_new_notifs`, no try/except): one that raises there ends the engine.
+MALFORMED_NOTIFS = [b"junk-without-colon", b"\xff\xfe:1", b"req-1:notanint", b"req-1:",
+                    b"req-1:0", b"req-1:\xd9\xa1", b"HB:\xff", b"PDKVD:\x93\xaacm"]
+
+
+def _with_upstream_heartbeats(worker):
+    """Upstream's own heartbeat handler on a stand-in worker."""
+    from types import MethodType
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+        NixlBaseConnectorWorker,
+    )
+
+    worker._lease_extension = 30
+    worker._handle_heartbeat = MethodType(NixlBaseConnectorWorker._handle_heartbeat, worker)
+    return worker
+
+
+def _pull_prefill(agent):
+    """The state upstream's pull `_get_new_notifs` reads: a prefill holding req-1's blocks."""
+    import collections
+    from types import SimpleNamespace
+
+    return _with_upstream_heartbeats(SimpleNamespace(
+        transfer_topo=object(), nixl_wrapper=agent,
+        _reqs_to_send={"req-1": 1e18}, _reqs_to_process={"req-1"},
+        expected_consumer_notifications_by_req={},
+        consumer_notification_counts_by_req=collections.defaultdict(int),
+        xfer_stats=SimpleNamespace(record_notification_after_expiry=lambda: None)))
+
+
+def test_notif_tap_drops_and_counts_what_upstreams_pull_parser_raises_on():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    for bad in MALFORMED_NOTIFS:
+        tap = NotifTap(FakeAgent({"peer": [bad, b"HB:req-1"]}), lambda r: True)
+        worker = _pull_prefill(tap)
+        assert NixlPullConnectorWorker._get_new_notifs(worker) == set(), bad  # raised before
+        assert tap.take_dropped() == 1 and tap.take_dropped() == 0
+        assert tap.take_verdicts() is None
+    # what upstream sends still reaches it, and still frees the blocks
+    tap = NotifTap(FakeAgent({"decode": [b"req-1:1"]}), lambda r: True)
+    assert NixlPullConnectorWorker._get_new_notifs(_pull_prefill(tap)) == {"req-1"}
+    assert tap.take_dropped() == 0
+
+
+def test_the_filter_passes_every_format_upstream_sends():
+    import msgspec
+
+    from pd_plugins.connectors.vllm.pd_nixl_guards import NotifFilter
+
+    legitimate = [b"cmpl-1-0:1", b"chatcmpl-a:b:c:2", "r\u00e9q:4".encode(), b"HB:a,b,c", b"HB:"]
+    pull, push = NotifFilter(None), NotifFilter(None, push=True, tp_size=lambda: 2)
+    registration = b"PUSH_REG:" + msgspec.msgpack.encode({"request_id": "x"})
+    assert all(pull.why_dropped(m) is None for m in legitimate)
+    assert all(push.why_dropped(m) is None for m in legitimate + [registration])
+    assert pull.why_dropped(registration) is not None  # a pull engine never gets one
+    assert push.why_dropped(b"req:3") is not None  # upstream's tp_ratio(3) asserts at TP 2
+    assert push.why_dropped(b"req:1") is None and push.why_dropped(b"req:8") is None
+
+
+class _Once:
+    """is_set() for upstream's writer loop: run the loop body once."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def is_set(self):
+        self.calls += 1
+        return self.calls > 1
+
+
+def _push_worker(agent):
+    """The state upstream's push writer loop and main-thread `_get_new_notifs` read."""
+    import collections
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    wake = threading.Event()
+    wake.set()
+    return _with_upstream_heartbeats(SimpleNamespace(
+        transfer_topo=SimpleNamespace(tp_size=1), world_size=1, nixl_wrapper=agent,
+        _push_writer_stop=_Once(), _push_writer_wake=wake, _push_finished_blocks={},
+        _reg_send_inbox=queue.Queue(), _deferred_push_inbox=queue.Queue(),
+        _finished_blocks_inbox=queue.Queue(), _evict_finished_inbox=queue.Queue(),
+        _pending_completion_notifs=queue.Queue(), _pending_d_registrations={},
+        _reqs_to_send={}, _reqs_to_process=set(), _recving_metadata={},
+        consumer_notification_counts_by_req=collections.defaultdict(int)))
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+def test_push_workers_drop_what_upstreams_push_parser_raises_on(role):
+    """A push decode without a DigestInbox (`verify_kv: off`) and a push prefill: the filter the
+    connector installs, under upstream's real writer loop and main-thread parser."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+        NixlPushConnectorWorker,
+    )
+
+    from pd_plugins.connectors.vllm.pd_nixl import PdNixlPushConnector
+    from pd_plugins.connectors.vllm.pd_nixl_verify import push_digests_notif
+
+    digests = push_digests_notif("cmpl-abc-0", 0, "AAAAAAAAAAA=")
+    for bad in MALFORMED_NOTIFS + [digests]:
+        worker = _push_worker(FakeAgent({"peer": [bad, b"HB:x"]}))
+        connector = SimpleNamespace(connector_worker=worker, _notif_tap=None, pd_mode="push",
+                                    _serves=role == "kv_producer")
+        PdNixlPushConnector._set_up_notif_filter(connector)
+        NixlPushConnectorWorker._push_writer_loop(worker)  # fetches, forwards to the main thread
+        assert NixlPushConnectorWorker._get_new_notifs(worker) == set(), bad  # raised before
+        assert connector._notif_filter.take_dropped() == 1
+
+
+def test_a_push_prefill_drops_a_count_upstreams_tp_ratio_asserts_on():
+    from types import SimpleNamespace  # noqa: F811
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+        NixlPushConnectorWorker,
+    )
+
+    from pd_plugins.connectors.vllm.pd_nixl import PdNixlPushConnector
+
+    for count, passed in ((b"3", False), (b"0", False), (b"2", True)):
+        worker = _push_worker(FakeAgent({"decode": [b"leased:" + count]}))
+        worker.transfer_topo = TransferTopology(
+            tp_rank=0, tp_size=2, block_size=16, engine_id="p", is_mla=False, is_mamba=False,
+            total_num_kv_heads=4, attn_backends=[])
+        worker.world_size = 2
+        worker._reqs_to_process.add("leased")
+        connector = SimpleNamespace(connector_worker=worker, _notif_tap=None, pd_mode="push",
+                                    _serves=True)
+        PdNixlPushConnector._set_up_notif_filter(connector)
+        NixlPushConnectorWorker._push_writer_loop(worker)
+        NixlPushConnectorWorker._get_new_notifs(worker)
+        assert connector._notif_filter.take_dropped() == (0 if passed else 1)
