@@ -78,6 +78,7 @@ from pd_plugins.connectors.vllm.nixl_internals import (
 )
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlPromMetrics, PdNixlStats
 from pd_plugins.connectors.vllm.pd_nixl_verify import (
+    ACCEPTS_DIGESTS_KEY,
     DigestChannel,
     DigestInbox,
     DigestPlan,
@@ -448,6 +449,8 @@ class _PdAdditions(_PdStatsClassMethods):
         if registration is not None and self._reads:
             # Tell the prefill when this decode stops waiting, so no WRITE lands after that.
             registration[WRITE_BY_KEY] = time.time() + self._push_timeout_s - WRITE_MARGIN_S
+            if self._verdicts is not None:  # verify_kv on: this decode checks pushed blocks
+                registration[ACCEPTS_DIGESTS_KEY] = True
         return result
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:

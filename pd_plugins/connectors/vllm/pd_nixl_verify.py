@@ -19,9 +19,11 @@ verdict into its answer (`pd.kv`, kv_verdicts.VerdictBook).
 Push (§4.2): the prefill digests the blocks a WRITE is about to copy, just before it starts
 (`PushDigestSender`, on upstream's writer thread, through pd_nixl_guards.WriteGate), and sends them
 to the decode's NIXL agent as a notification (`PDKVD:` + msgpack [decode request id, rank,
-encoded]), once per request, once the handshake named the agent. The decode's `DigestInbox` takes
-those notifications out of what upstream fetches (upstream parses every other one as
-"<request id>:<count>"). A finished push is checked as a pull read is; its digests may arrive after
+encoded]), once per request, once the handshake named the agent, and only to a decode whose push
+registration asks for them (`ACCEPTS_DIGESTS_KEY`): upstream's parser raises on one and ends the
+engine. The decode's `DigestInbox` takes those notifications out of what upstream fetches
+(upstream parses every other one as "<request id>:<count>"; a push decode without an inbox drops
+them, pd_nixl_guards.NotifFilter). A finished push is checked as a pull read is; its digests may arrive after
 the WRITE's own completion notification (NIXL does not order the two), so the push is held until
 they do, or `PUSH_DIGEST_WAIT_S` (then `unverified`, or failed under `required`).
 
@@ -76,6 +78,10 @@ PUSH_DIGESTS_PREFIX = DIGESTS_PREFIX  # b"PDKVD:"
 MAX_PUSH_DIGESTS_BYTES = 1 << 21  # one notification: ~11 bytes (base64) a block, 128 k tokens fit
 MAX_INBOX_BYTES = 64 << 20  # digests kept for pushes not yet checked (oldest forgotten first)
 PUSH_DIGEST_WAIT_S = 2.0  # a finished push waits this long for its digests
+# in a push registration: the decode takes PDKVD notifications out before upstream parses them
+# and checks the blocks against them (set by a PdNixl decode with verify_kv on; a prefill sends
+# digests to no other decode: upstream's parser raised on them and ended that decode's engine)
+ACCEPTS_DIGESTS_KEY = "pd_accepts_digests"
 
 
 def group0(block_ids: Any) -> list[int]:
@@ -540,6 +546,9 @@ class PushDigestSender:
         """(encoded digests of the blocks the WRITE copies, None) or (None, why not)."""
         verifier = self._verifier()
         why = self._layout_why() or (None if verifier is not None else "no KV caches registered")
+        if why is None and registration.get(ACCEPTS_DIGESTS_KEY) is not True:
+            why = ("the decode does not ask for them (verify_kv off, not PdNixlConnector, or an "
+                   "older version)")
         if why is None and registration.get("decode_tp_size") != 1:
             why = f"the decode has TP {registration.get('decode_tp_size')} (only TP 1 is checked)"
         if why is not None:

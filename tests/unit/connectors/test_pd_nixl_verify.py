@@ -17,6 +17,7 @@ from pd_plugins.connectors.vllm.kv_verdicts import FAULTS_INJECTED_KEY, KvLoadOu
 from pd_plugins.connectors.vllm.pd_nixl_guards import LeaseVerdicts
 from pd_plugins.connectors.vllm.pd_nixl_stats import PdNixlStats
 from pd_plugins.connectors.vllm.pd_nixl_verify import (
+    ACCEPTS_DIGESTS_KEY,
     PUSH_DIGESTS_PREFIX,
     DigestChannel,
     DigestInbox,
@@ -592,8 +593,44 @@ class FakePushPrefill:
 
 
 def registration(engine: str, decode_blocks: list[int], req_id: str = "decode-req") -> dict:
+    """A push registration from a decode that asks for digests (a PdNixl decode, verify_kv on)."""
     return {"request_id": req_id, "decode_engine_id": engine, "decode_tp_size": 1,
-            "local_block_ids": [decode_blocks]}
+            "local_block_ids": [decode_blocks], ACCEPTS_DIGESTS_KEY: True}
+
+
+def test_the_prefill_sends_digests_only_to_a_decode_that_asks_for_them():
+    """A decode that does not take PDKVD notifications out (upstream's NixlConnector, an older
+    PdNixl, verify_kv off) parsed one as `<id>:<count>` and its engine died: it gets none."""
+    pair = Pair()
+    worker = FakePushPrefill({"decode-1": "agent-d1"})
+    prefill = BlockVerifier(pair.prefill, NUM_BLOCKS)
+    sender = PushDigestSender(worker, lambda: prefill, lambda: None, KvFaults.none())
+    silent = registration("decode-1", [13, 14])
+    del silent[ACCEPTS_DIGESTS_KEY]
+    assert sender.before_write("p-1", [pair.prefill_blocks], silent)  # the WRITE still starts
+    assert worker.sent == [] and sender.take_counts() == (1, 0)  # a WRITE without digests
+    assert sender.before_write("p-2", [pair.prefill_blocks], registration("decode-1", [13, 14]))
+    assert len(worker.sent) == 1
+
+
+PUSH_DECODE_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "leg",
+                      "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+
+
+@pytest.mark.parametrize("verify", ["on", "off"])
+def test_a_push_decode_asks_for_digests_in_its_registration_only_when_it_checks_them(verify):
+    from pd_plugins.connectors.vllm.pd_nixl_guards import WRITE_BY_KEY
+
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer", {"mode": "push",
+                                                                  "verify_kv": verify})
+    try:
+        scheduler.add_request(make_request("dec", PROMPT,
+                                           {"kv_transfer_params": dict(PUSH_DECODE_PARAMS)}))
+        sent = scheduler.schedule().kv_connector_metadata.push_registrations["dec"]
+        assert WRITE_BY_KEY in sent
+        assert sent.get(ACCEPTS_DIGESTS_KEY) is (True if verify == "on" else None)
+    finally:
+        scheduler.shutdown()
 
 
 def test_the_prefill_sends_the_digests_of_the_blocks_it_writes_once_and_after_the_handshake():
