@@ -20,14 +20,23 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# Upstream NIXL computes descriptor ids from block ids as int32 (np.asarray(..., np.int32)):
+# a larger id raised OverflowError on the engine's main thread.
+MAX_BLOCK_ID = 2**31 - 1
+
+
+def _is_block_id(value: Any) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_BLOCK_ID
+
+
 def _is_block_id_list(value: Any) -> bool:
-    """Block ids: a flat list of ints, or one list of ints per KV cache group."""
+    """Block ids: a flat list of ints, or one list of ints per KV cache group (each below 2**31)."""
     if not isinstance(value, (list, tuple)):
         return False
-    if all(_is_int(b) and b >= 0 for b in value):
+    if all(_is_block_id(b) for b in value):
         return True
     return all(
-        isinstance(group, (list, tuple)) and all(_is_int(b) and b >= 0 for b in group)
+        isinstance(group, (list, tuple)) and all(_is_block_id(b) for b in group)
         for group in value
     )
 
@@ -47,7 +56,8 @@ _PUSH_FIELDS: dict[str, tuple[Any, str]] = {
 }
 _PULL_FIELDS: dict[str, tuple[Any, str]] = {
     **_PUSH_FIELDS,
-    "remote_block_ids": (_is_block_id_list, "a list of non-negative block ids (or one per group)"),
+    "remote_block_ids": (_is_block_id_list,
+                         "a list of block ids in [0, 2**31) (or one such list per group)"),
 }
 _REQUIRED_FIELDS = {"pull": _PULL_FIELDS, "push": _PUSH_FIELDS}
 # Optional fields upstream reads unchecked too (a string in an arithmetic field kills a worker).

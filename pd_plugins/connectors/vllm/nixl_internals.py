@@ -9,6 +9,12 @@ Upstream offers no public way to:
 - ask whether a prefill worker still holds a request's blocks, and until when
   (`_reqs_to_send`, `_reqs_to_process`);
 - refuse a WRITE whose lease ran out (`_do_start_push_kv`, replaced by a wrapper);
+- know how many blocks a pull decode reads for a request before it reads them
+  (`get_exchange_clipped_blocks`, public but NIXL's own);
+- turn an exception in a pull read's start into a failed load (`_read_blocks_for_req`, replaced by
+  a wrapper; `_handle_failed_transfer` and `_recv_failures` report it as upstream reports its own
+  failures), and refuse block ids past the prefill's KV cache (`dst_num_blocks`, learnt in the
+  handshake, with `transfer_topo`);
 - send a push WRITE's digests to the decode's NIXL agent, whose name upstream learns in the
   handshake (`_remote_agents` under `_handshake_lock`);
 - tell whether a worker's received blocks hold the prefill's bytes as they were, so a digest
@@ -46,6 +52,11 @@ PRIVATE_NAMES = (
     ("base_worker", "NixlBaseConnectorWorker", "use_host_buffer"),
     ("base_worker", "NixlBaseConnectorWorker", "enable_permute_local_kv"),
     ("base_worker", "NixlBaseConnectorWorker", "transfer_topo"),
+    ("base_scheduler", "NixlBaseConnectorScheduler", "get_exchange_clipped_blocks"),
+    ("pull_worker", "NixlPullConnectorWorker", "_read_blocks_for_req"),
+    ("base_worker", "NixlBaseConnectorWorker", "_handle_failed_transfer"),
+    ("base_worker", "NixlBaseConnectorWorker", "_recv_failures"),
+    ("base_worker", "NixlBaseConnectorWorker", "dst_num_blocks"),
 )
 
 
@@ -109,6 +120,40 @@ def replace_push_start(worker: Any, start: Callable[..., None]) -> Callable[...,
     the request id, its local block ids and the decode's registration); returns upstream's."""
     upstream, worker._do_start_push_kv = worker._do_start_push_kv, start
     return upstream
+
+
+def exchanged_blocks(scheduler: Any, blocks: Any) -> Any:
+    """The blocks (per transfer group) a pull decode's worker reads into for a request that was
+    just allocated `blocks`: upstream's own selection (pull_scheduler.update_state_after_alloc)."""
+    return scheduler.get_exchange_clipped_blocks(blocks.get_unhashed_block_ids_all_groups())
+
+
+def replace_read_start(worker: Any, start: Callable[..., None]) -> Callable[..., None]:
+    """Make `start` a pull worker's read start (upstream calls it on the engine's main thread with
+    the request id and its ReqMeta, from start_load_kv, again once a handshake is done);
+    returns upstream's."""
+    upstream, worker._read_blocks_for_req = worker._read_blocks_for_req, start
+    return upstream
+
+
+def fail_receive(worker: Any, request_id: str) -> None:
+    """Report a request's receive as failed, as upstream reports its own (once no transfer of it
+    is outstanding); not counted as a transport failure, which would mark the peer failed."""
+    worker._handle_failed_transfer(request_id, None, worker._recv_failures,
+                                   record_failed_transfer=False)
+
+
+def remote_logical_blocks(worker: Any, engine_id: str) -> int | None:
+    """How many (logical) KV blocks a remote engine registered, None before the handshake."""
+    kernel_blocks = worker.dst_num_blocks.get(engine_id)
+    topology = worker.transfer_topo
+    if kernel_blocks is None or topology is None:
+        return None
+    try:
+        per_logical = topology.get_engine_info(engine_id).remote_physical_blocks_per_logical
+    except KeyError:
+        return None
+    return kernel_blocks // max(1, per_logical)
 
 
 def remote_agent(worker: Any, engine_id: str, rank: int) -> str | None:

@@ -65,10 +65,12 @@ from pd_plugins.connectors.vllm.pd_nixl_guards import (
     NotifTap,
     WRITE_BY_KEY,
     PushDeadlines,
+    ReadStarts,
     SendHold,
     WriteGate,
 )
 from pd_plugins.connectors.vllm.nixl_internals import (
+    exchanged_blocks,
     holds_blocks,
     pending_push_registration,
     require_checked_vllm,
@@ -185,6 +187,7 @@ class _PdAdditions(_PdStatsClassMethods):
         config = vllm_config.kv_transfer_config
         self._block_size = vllm_config.cache_config.block_size
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._dcp_size = vllm_config.parallel_config.decode_context_parallel_size
         self._recompute_failed_loads = config.kv_load_failure_policy == "recompute"
         self._reads = config.kv_role in ("kv_consumer", "kv_both")   # decode side
         self._serves = config.kv_role in ("kv_producer", "kv_both")  # prefill side
@@ -205,6 +208,7 @@ class _PdAdditions(_PdStatsClassMethods):
         # Worker side.
         self._notif_tap: NotifTap | None = None
         self._late_read_guard: LateReadGuard | None = None
+        self._read_starts: ReadStarts | None = None
         self._lease_checks: dict[str, LeaseCheck | None] = {}
         self._push_deadlines: PushDeadlines | None = None
         self._send_hold: SendHold | None = None
@@ -303,6 +307,7 @@ class _PdAdditions(_PdStatsClassMethods):
                     worker.nixl_wrapper, functools.partial(holds_blocks, worker), worker.tp_rank)
             if self._reads:
                 self._late_read_guard = LateReadGuard(reader=worker.nixl_wrapper.name)
+                self._read_starts = ReadStarts(worker)
         else:
             if self._reads:
                 self._push_deadlines = PushDeadlines()
@@ -401,6 +406,35 @@ class _PdAdditions(_PdStatsClassMethods):
         return (f"kv_transfer_params.remote_block_ids has {lists} block list(s), this decode's "
                 f"model has {groups} KV cache group(s)")
 
+    def _short_block_lists_error(self, params: dict[str, Any], blocks: KVCacheBlocks
+                                 ) -> str | None:
+        """Upstream asserts in the worker's read path (on the engine's main thread) that the
+        prefill lists at least as many blocks per group as the decode reads into, and in the
+        scheduler that an empty list comes with nothing to load: refuse such lists up front.
+        The count is checked where it must hold: the prefill states this decode's block size
+        (its `pd` section, or `remote_block_size`), attention groups, no decode context
+        parallelism; any other read that cannot start fails in the worker (ReadStarts)."""
+        from vllm.v1.kv_cache_interface import AttentionSpec
+
+        remote = params["remote_block_ids"]  # checked by remote_prefill_error
+        if not remote:  # upstream asserts there is nothing to load (in the scheduler)
+            return ("kv_transfer_params.remote_block_ids is empty, and this decode has tokens "
+                    "to load")
+        section = params.get(PD_SECTION_KEY)
+        stated = section.get("block_size") if isinstance(section, dict) else None
+        stated = params.get("remote_block_size") or stated
+        if stated != self._block_size or self._dcp_size != 1:
+            return None
+        if not isinstance(remote[0], (list, tuple)):
+            remote = [remote]
+        local = exchanged_blocks(self.connector_scheduler, blocks)
+        groups = self._kv_cache_config.transfer_groups
+        for g, (group, theirs, mine) in enumerate(zip(groups, remote, local)):
+            if isinstance(group.kv_cache_spec, AttentionSpec) and len(theirs) < len(mine):
+                return (f"kv_transfer_params.remote_block_ids lists {len(theirs)} block(s) for "
+                        f"KV cache group {g}, this decode reads {len(mine)} there")
+        return None
+
     def _lease_check(self, params: dict[str, Any]) -> LeaseCheck | None:
         """Where to ask whether a pull read was on time, and from how many prefill ranks: a
         decode of a smaller TP reads each of its heads' slices from another prefill rank
@@ -423,6 +457,17 @@ class _PdAdditions(_PdStatsClassMethods):
                 self._rejections_to_report.add(request.request_id)
             return None
         params = request.kv_transfer_params
+        if (self.pd_mode == "pull" and params and params.get("do_remote_prefill")
+                and num_external_tokens > 0):
+            error = self._short_block_lists_error(params, blocks)
+            if error is not None:
+                logger.error("PdNixlConnector: request %s has unusable kv_transfer_params (%s); "
+                             "its KV load is treated as failed and kv_load_failure_policy "
+                             "applies", request.request_id, error)
+                params["do_remote_prefill"] = False
+                params["pd_rejected_reason"] = error
+                self._rejections_to_report.add(request.request_id)
+                return None
         if params and params.get("do_remote_decode") and self._digest_plan is not None:
             self._digest_plan.track(request)  # its prompt's blocks get digests
         if params and params.get("do_remote_prefill") and num_external_tokens > 0:

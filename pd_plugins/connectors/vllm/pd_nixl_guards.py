@@ -13,6 +13,9 @@
 - `SendHold` (prefill, push): a lease that expires while a WRITE from its blocks is still in flight
   keeps the blocks until the WRITE ends (upstream frees them at once, and the WRITE could then
   copy another request's KV).
+- `ReadStarts` (decode, pull): a read whose start raises (upstream asserts on block lists shorter
+  than the decode's allocation, numpy on ids past int32) or names blocks past the prefill's KV cache
+  is a failed load, not an exception on the engine's main thread (which ended the engine).
 - `WriteGate` (prefill, push): no WRITE starts from blocks whose lease has run out, or into a
   decode that has stopped waiting (the decode's registration says until when it waits). Upstream
   starts deferred WRITEs whenever their handshake completes, which was seen 20 s after both.
@@ -29,7 +32,14 @@ from typing import Any, Callable
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.logger import init_logger
 
-from pd_plugins.connectors.vllm.nixl_internals import holds_blocks, lease_end, replace_push_start
+from pd_plugins.connectors.vllm.nixl_internals import (
+    fail_receive,
+    holds_blocks,
+    lease_end,
+    remote_logical_blocks,
+    replace_push_start,
+    replace_read_start,
+)
 from pd_plugins.transfer.lease_check import VerdictTable, checkable
 
 logger = init_logger(__name__)
@@ -260,6 +270,54 @@ class SendHold:
             del self._held[request_id]
         finished_sending |= released
         return newly_held
+
+
+def block_ids_past(block_ids: Any, limit: int) -> int | None:
+    """The largest of `block_ids` (a flat list, or one list per group) if it is `limit` or more."""
+    top = max((b for entry in block_ids or ()
+               for b in (entry if isinstance(entry, (list, tuple)) else (entry,))), default=-1)
+    return top if top >= limit else None
+
+
+class ReadStarts:
+    """Wraps a pull decode worker's read start (upstream's `_read_blocks_for_req`, called on the
+    engine's main thread by start_load_kv, also once a handshake is done): a read that cannot
+    start is reported as a failed load (upstream's own failure path, so vLLM's
+    kv_load_failure_policy applies) instead of raising into the engine."""
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self._start_read = replace_read_start(worker, self._guarded_start)
+        self._failed = 0
+
+    def _guarded_start(self, request_id: str, meta: Any) -> None:
+        try:
+            why = self._refusal(meta)
+            if why is None:
+                self._start_read(request_id, meta)
+                return
+            logger.error("PdNixlConnector: request %s's read cannot start: %s; its KV load "
+                         "failed", request_id, why)
+        except Exception:  # noqa: BLE001 - a request's params must not end the engine
+            logger.exception("PdNixlConnector: starting request %s's read raised; its KV load "
+                             "failed", request_id)
+        fail_receive(self._worker, request_id)
+        self._failed += 1
+
+    def _refusal(self, meta: Any) -> str | None:
+        remote = meta.remote
+        if remote is None:
+            return None
+        limit = remote_logical_blocks(self._worker, remote.engine_id)
+        past = block_ids_past(remote.block_ids, limit) if limit is not None else None
+        if past is not None:
+            return (f"kv_transfer_params.remote_block_ids names block {past}, the prefill has "
+                    f"{limit} KV blocks")
+        return None
+
+    def take_failed(self) -> int:
+        failed, self._failed = self._failed, 0
+        return failed
 
 
 WRITE_BY_KEY = "pd_write_by"  # in a push registration: wall-clock time after which the decode

@@ -237,3 +237,48 @@ def test_pd_nixl_gives_upstream_a_lease_written_as_a_string_as_a_number():
         assert (upstream._kv_lease_duration, upstream._heartbeat_interval) == (12, 2)
     finally:
         scheduler.shutdown()
+
+
+# -- block lists upstream's read path cannot take ---------------------------------------------------
+def test_pd_nixl_refuses_block_ids_past_int32():
+    """Upstream computes descriptor ids as int32: a larger id raised OverflowError in the decode
+    worker's start_load_kv, on the engine's main thread."""
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer")
+    try:
+        (huge,), output = schedule_loads(scheduler, {
+            "huge": {"remote_block_ids": [[2**31, 2**31 + 1, 2**31 + 2]]}})
+        assert "remote_block_ids must be" in huge.kv_transfer_params["pd_rejected_reason"]
+        assert output.kv_connector_metadata.pd_rejected_recv == {"huge"}
+        assert not output.kv_connector_metadata.reqs_to_recv
+    finally:
+        scheduler.shutdown()
+
+
+def test_pd_nixl_refuses_block_lists_shorter_than_what_the_decode_reads():
+    """A 40-token prompt takes 3 blocks of 16: upstream's worker asserts that the prefill lists at
+    least as many as the decode reads into (base_worker._apply_prefix_caching), and its scheduler
+    that an empty list comes with nothing to load. Checked once the prefill states this decode's
+    block size (its `pd` section); the load fails with the reason instead."""
+    from tests.unit.connectors.vllm_scheduler import BLOCK_SIZE
+
+    section = {"prompt_tokens": 40, "cached_tokens": 0, "engine_id": "p", "mode": "pull",
+               "block_size": BLOCK_SIZE}
+    scheduler = make_scheduler("PdNixlConnector", "kv_consumer")
+    try:
+        requests, output = schedule_loads(scheduler, {
+            "one": {"remote_block_ids": [[0]], "pd": section},
+            "none": {"remote_block_ids": [[]], "pd": section},
+            "empty": {"remote_block_ids": [], "pd": section},  # upstream's scheduler asserted
+            "enough": {"remote_block_ids": [[0, 1, 2]], "pd": section},
+            "stated": {"remote_block_ids": [[0]], "remote_block_size": BLOCK_SIZE}})
+        reasons = {r.request_id: r.kv_transfer_params.get("pd_rejected_reason") for r in requests}
+        assert reasons["one"] == ("kv_transfer_params.remote_block_ids lists 1 block(s) for KV "
+                                  "cache group 0, this decode reads 3 there")
+        assert "lists 0 block(s)" in reasons["none"] and "lists 1 block(s)" in reasons["stated"]
+        assert "is empty" in reasons["empty"]
+        assert reasons["enough"] is None
+        meta = output.kv_connector_metadata
+        assert meta.pd_rejected_recv == {"one", "none", "empty", "stated"}
+        assert set(meta.reqs_to_recv) == {"enough"}  # nothing else handed to NIXL
+    finally:
+        scheduler.shutdown()

@@ -276,3 +276,112 @@ def test_a_push_prefill_drops_a_count_upstreams_tp_ratio_asserts_on():
         NixlPushConnectorWorker._push_writer_loop(worker)
         NixlPushConnectorWorker._get_new_notifs(worker)
         assert connector._notif_filter.take_dropped() == (0 if passed else 1)
+
+
+# -- pull reads that cannot start ------------------------------------------------------------------
+class _DoneAgent:
+    """A NIXL agent stand-in (named as one): no notifications, every transfer done."""
+
+    def __init__(self):
+        self.posted = []
+
+    def get_new_notifs(self):
+        return {}
+
+    def check_xfer_state(self, handle):
+        return "DONE"
+
+    def make_prepped_xfer(self, *args, **kwargs):
+        self.posted.append(args)
+        return len(self.posted)
+
+
+def _pull_decode():
+    """An upstream pull worker (its real class and methods) holding what start_load_kv and
+    get_transfer_results read: a decode handshaked with prefill "p" (64 blocks of 16 tokens, TP 1),
+    without a NIXL agent, KV caches or a forward pass (stood in for)."""
+    import collections
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.utils import (
+        EngineTransferInfo,
+        TransferTopology,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import TPMapping
+
+    worker = object.__new__(NixlPullConnectorWorker)
+    topology = TransferTopology(tp_rank=0, tp_size=1, block_size=16, engine_id="d", is_mla=False,
+                                is_mamba=False, total_num_kv_heads=4, attn_backends=[])
+    topology.register_remote_engine("p", EngineTransferInfo(
+        remote_tp_size=1, remote_block_len=1024, remote_block_size=16,
+        remote_physical_blocks_per_logical=1))
+    worker.__dict__.update(
+        transfer_topo=topology, engine_id="d", tp_rank=0, nixl_wrapper=_DoneAgent(),
+        _TRANSFER_MODE="pull", _physical_blocks_per_logical_kv_block=1, dcp_size=1, pcp_rank=0,
+        pcp_dcp_sharded=False, use_mla=False, _has_mamba=False, _is_hma_required=False,
+        _mixed_mem_types=False, _bidirectional_kv_xfer_enabled=False,
+        _recving_metadata={}, _recving_transfers=collections.defaultdict(list),
+        _ready_requests=queue.Queue(), _failed_recv_reqs=queue.Queue(), _recv_failures=set(),
+        _invalid_block_ids=queue.Queue(), _pending_recv_notifs={}, _reqs_to_process=set(),
+        _reqs_to_send={}, _replicated_pcp_done_sending=set(), _invalid_remote_engines=set(),
+        _failed_remote_engines=set(), _remote_agents={"p": {(0, 0): "prefill-agent"}},
+        _handshake_lock=threading.RLock(), _engine_last_active={},
+        expected_consumer_notifications_by_req={},
+        consumer_notification_counts_by_req=collections.defaultdict(int),
+        tp_mappings={"p": TPMapping(source_ranks_per_group=((0,),), all_source_ranks=(0,),
+                                    rank_to_attention_slot={0: 0}, rank_offset_factor=1)},
+        dst_region_group_ids={"p": [0]}, region_group_ids=[0], dst_num_blocks={"p": 64, "d": 64},
+        dst_region_num_blocks={}, dst_uses_region_group_mapping={"p": False},
+        _uses_region_group_mapping=False, num_regions=1, block_len_per_layer=[1024],
+        _transfer_layer_group_ids=[], src_xfer_handles_by_block_size={16: 1},
+        dst_xfer_side_handles={"p": {0: 2}},
+        kv_cache_config=SimpleNamespace(transfer_groups=[object()]),
+        xfer_stats=SimpleNamespace(record_failed_transfer=lambda: None,
+                                   record_transfer=lambda res: None))
+    worker._send_heartbeats = lambda metadata: None
+    worker.get_xfer_telemetry = lambda handle: None
+    for name in ("_sync_device_after_direct_recv", "_reap_expired_send_leases",
+                 "_cleanup_remote_engines"):
+        setattr(worker, name, lambda *args: None)
+    return worker
+
+
+def _read_of(block_ids, req_id="dec"):
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+    meta = NixlConnectorMetadata()
+    meta.add_new_req_to_recv(req_id, [[5, 6, 7, 8]], {  # the decode reads into 4 blocks
+        "remote_block_ids": block_ids, "remote_engine_id": "p", "remote_request_id": "leg",
+        "remote_host": "127.0.0.1", "remote_port": 5600}, awaiting_kvs=True)
+    return meta
+
+
+@pytest.mark.parametrize("block_ids", [[[0]], [[]], [[2**31, 2**31 + 1, 2**31 + 2, 2**31 + 3]],
+                                       [[10, 11, 12, 64]]])
+def test_a_read_that_cannot_start_is_a_failed_load_not_an_engine_death(block_ids):
+    """Upstream's start_load_kv (the engine's main thread, no try/except) asserted on a list
+    shorter than the decode's allocation and raised OverflowError on an id past int32; an id past
+    the prefill's 64 blocks read another layer's memory. Each is a failed receive now, reported
+    by upstream's own get_transfer_results (kv_load_failure_policy applies)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    from pd_plugins.connectors.vllm.pd_nixl_guards import ReadStarts
+
+    worker = _pull_decode()
+    starts = ReadStarts(worker)
+    NixlPullConnectorWorker.start_load_kv(worker, _read_of(block_ids))  # raised before
+    assert worker.nixl_wrapper.posted == []  # nothing read
+    results = NixlPullConnectorWorker.get_transfer_results(worker)
+    assert results.finished_recving == results.failed_recving == {"dec"}
+    assert worker._invalid_block_ids.get_nowait() == {5, 6, 7, 8}
+    assert starts.take_failed() == 1
+    # a good read on the same worker still starts
+    NixlPullConnectorWorker.start_load_kv(worker, _read_of([[0, 1, 2, 3]], "good"))
+    assert len(worker.nixl_wrapper.posted) == 1 and starts.take_failed() == 0
