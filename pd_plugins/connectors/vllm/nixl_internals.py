@@ -9,6 +9,9 @@ Upstream offers no public way to:
 - ask whether a prefill worker still holds a request's blocks, and until when
   (`_reqs_to_send`, `_reqs_to_process`);
 - refuse a WRITE whose lease ran out (`_do_start_push_kv`, replaced by a wrapper);
+- forget a push receive the decode gave up on (`_recving_metadata`,
+  `consumer_notification_counts_by_req`), so a completion that comes later is one upstream does not
+  recognise, not a finished receive reported a second time;
 - know how many blocks a pull decode reads for a request before it reads them
   (`get_exchange_clipped_blocks`, public but NIXL's own);
 - turn an exception in a pull read's start into a failed load (`_read_blocks_for_req`, replaced by
@@ -57,6 +60,8 @@ PRIVATE_NAMES = (
     ("base_worker", "NixlBaseConnectorWorker", "_handle_failed_transfer"),
     ("base_worker", "NixlBaseConnectorWorker", "_recv_failures"),
     ("base_worker", "NixlBaseConnectorWorker", "dst_num_blocks"),
+    ("base_worker", "NixlBaseConnectorWorker", "_recving_metadata"),
+    ("base_worker", "NixlBaseConnectorWorker", "consumer_notification_counts_by_req"),
 )
 
 
@@ -141,6 +146,14 @@ def fail_receive(worker: Any, request_id: str) -> None:
     is outstanding); not counted as a transport failure, which would mark the peer failed."""
     worker._handle_failed_transfer(request_id, None, worker._recv_failures,
                                    record_failed_transfer=False)
+
+
+def forget_receive(worker: Any, request_id: str) -> None:
+    """Drop a decode worker's state of a receive it gave up on (engine's main thread, where
+    upstream keeps it): a later completion notification then lands in upstream's "Unrecognized
+    request" branch (logged, counted as after expiry), never in finished_recving."""
+    worker._recving_metadata.pop(request_id, None)
+    worker.consumer_notification_counts_by_req.pop(request_id, None)
 
 
 def remote_logical_blocks(worker: Any, engine_id: str) -> int | None:

@@ -310,7 +310,7 @@ class _PdAdditions(_PdStatsClassMethods):
                 self._read_starts = ReadStarts(worker)
         else:
             if self._reads:
-                self._push_deadlines = PushDeadlines()
+                self._push_deadlines = PushDeadlines(worker)
             if self._serves:
                 self._send_hold = SendHold(max_hold_s=lease_s)
                 self._write_gate = WriteGate(worker)

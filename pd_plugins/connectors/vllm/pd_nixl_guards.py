@@ -34,6 +34,7 @@ from vllm.logger import init_logger
 
 from pd_plugins.connectors.vllm.nixl_internals import (
     fail_receive,
+    forget_receive,
     holds_blocks,
     lease_end,
     remote_logical_blocks,
@@ -216,9 +217,16 @@ class BoundedDict(OrderedDict):
 
 
 class PushDeadlines:
-    """Decode side of push: request id -> when its push must have completed."""
+    """Decode side of push: request id -> when its push must have completed.
 
-    def __init__(self) -> None:
+    A push given up on is forgotten by upstream's worker too (`worker`: nixl_internals.
+    forget_receive), so its state does not stay forever (a prefill that never writes) and a
+    completion that comes later is not reported again: the scheduler asserts on a receive it no
+    longer waits for, which ended the engine. `_given_up` drops the ones upstream has already
+    counted when the deadline passes (bounded: it is the second line, not the first)."""
+
+    def __init__(self, worker: Any = None) -> None:
+        self._worker = worker
         self._deadlines: dict[str, float] = {}
         self._given_up = BoundedDict(10_000)  # ids of requests given up (values None)
 
@@ -241,6 +249,8 @@ class PushDeadlines:
         for request_id in timed_out:
             del self._deadlines[request_id]
             self._given_up[request_id] = None
+            if self._worker is not None:
+                forget_receive(self._worker, request_id)
         finished_recving |= timed_out
         failed_recving |= timed_out
         return timed_out

@@ -219,13 +219,16 @@ def _push_worker(agent):
 
     wake = threading.Event()
     wake.set()
+    expired = []
     return _with_upstream_heartbeats(SimpleNamespace(
+        xfer_stats=SimpleNamespace(record_notification_after_expiry=lambda: expired.append(1)),
         transfer_topo=SimpleNamespace(tp_size=1), world_size=1, nixl_wrapper=agent,
         _push_writer_stop=_Once(), _push_writer_wake=wake, _push_finished_blocks={},
         _reg_send_inbox=queue.Queue(), _deferred_push_inbox=queue.Queue(),
         _finished_blocks_inbox=queue.Queue(), _evict_finished_inbox=queue.Queue(),
         _pending_completion_notifs=queue.Queue(), _pending_d_registrations={},
         _reqs_to_send={}, _reqs_to_process=set(), _recving_metadata={},
+        _recving_transfers=collections.defaultdict(list), expired=expired,
         consumer_notification_counts_by_req=collections.defaultdict(int)))
 
 
@@ -385,3 +388,29 @@ def test_a_read_that_cannot_start_is_a_failed_load_not_an_engine_death(block_ids
     # a good read on the same worker still starts
     NixlPullConnectorWorker.start_load_kv(worker, _read_of([[0, 1, 2, 3]], "good"))
     assert len(worker.nixl_wrapper.posted) == 1 and starts.take_failed() == 0
+
+
+def test_a_push_given_up_is_forgotten_upstream_so_its_late_completion_is_never_reported():
+    """Upstream kept a timed-out push's `_recving_metadata` forever, and a completion that came
+    after the deadline made it a finished receive again once 10,000 later timeouts had pushed it
+    out of `_given_up`: vLLM's scheduler asserts on a receive it no longer waits for (the engine
+    dies). Upstream's real push parser, on the state the decode worker keeps."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import ReqMeta
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+        NixlPushConnectorWorker,
+    )
+
+    worker = _push_worker(FakeAgent({}))
+    deadlines = PushDeadlines(worker)
+    worker._recving_metadata["victim"] = ReqMeta(local_block_ids=[[5]],
+                                                 local_physical_block_ids=[[5]], tp_size=1)
+    worker.consumer_notification_counts_by_req["victim"] = 0
+    deadlines.expect({"victim": 1.0}, now=0.0)
+    finished, failed = set(), set()
+    assert deadlines.settle(finished, failed, now=2.0) == {"victim"}
+    assert worker._recving_metadata == {}  # nothing left behind (a prefill that never writes)
+    assert "victim" not in worker.consumer_notification_counts_by_req
+    worker._pending_completion_notifs.put(b"victim:1")  # the prefill's WRITE, late
+    NixlPushConnectorWorker._get_new_notifs(worker)
+    assert "victim" not in worker._recving_transfers  # before: a finished receive again
+    assert worker.expired == [1]  # upstream's "Unrecognized request" branch
