@@ -64,6 +64,7 @@ from pd_plugins.connectors.vllm.pd_nixl_guards import (
     NotifFilter,
     NotifTap,
     WRITE_BY_KEY,
+    WRITE_MARGIN_S,
     PushDeadlines,
     ReadStarts,
     SendHold,
@@ -108,8 +109,6 @@ if TYPE_CHECKING:
 
 logger = init_logger(__name__)
 
-# A prefill starts no WRITE later than this before the decode gives up (the WRITE must land in it).
-WRITE_MARGIN_S = 5.0
 
 
 def nixl_options(vllm_config: VllmConfig) -> NixlOptions:
@@ -312,8 +311,9 @@ class _PdAdditions(_PdStatsClassMethods):
             if self._reads:
                 self._push_deadlines = PushDeadlines(worker)
             if self._serves:
-                self._send_hold = SendHold(max_hold_s=lease_s)
                 self._write_gate = WriteGate(worker)
+                self._send_hold = SendHold(max_hold_s=lease_s,
+                                           decode_deadline=self._write_gate.decode_deadline)
 
     # ---- scheduler side -------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:

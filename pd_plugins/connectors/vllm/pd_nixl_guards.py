@@ -11,8 +11,8 @@
   reported as a failed load, so `kv_load_failure_policy` decides and the blocks come back, instead
   of the request waiting forever; a completion that turns up later is dropped.
 - `SendHold` (prefill, push): a lease that expires while a WRITE from its blocks is still in flight
-  keeps the blocks until the WRITE ends (upstream frees them at once, and the WRITE could then
-  copy another request's KV).
+  keeps the blocks until the WRITE ends or its decode stops waiting for it (upstream frees them at
+  once, and the WRITE could then copy another request's KV).
 - `ReadStarts` (decode, pull): a read whose start raises (upstream asserts on block lists shorter
   than the decode's allocation, numpy on ids past int32) or names blocks past the prefill's KV cache
   is a failed load, not an exception on the engine's main thread (which ended the engine).
@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -259,12 +260,34 @@ class PushDeadlines:
         return len(self._deadlines)
 
 
-class SendHold:
-    """Prefill side of push: expired leases wait for their in-flight WRITEs before freeing."""
+# A prefill starts no WRITE later than this before the decode gives up (the WRITE must land in it).
+WRITE_MARGIN_S = 5.0
+MAX_HOLD_S = 3600.0  # the longest a push decode waits (push_timeout_s's bound): a hold's bound
 
-    def __init__(self, max_hold_s: float) -> None:
+
+class SendHold:
+    """Prefill side of push: expired leases wait for their in-flight WRITEs before freeing.
+
+    A hold lasts until the WRITE ends, or until its decode stops waiting for it (the write-by time
+    in its registration + WRITE_MARGIN_S: after that nothing reads what the WRITE copies), at
+    least `max_hold_s` (the lease) and at most MAX_HOLD_S (a decode's clock or value is a peer's).
+    A decode that states no write-by time (not PdNixlConnector) waits as long as it likes: its
+    hold is `max_hold_s`. `decode_deadline(request_id)`: the write-by time of the request's WRITE
+    (WriteGate.decode_deadline), or None."""
+
+    def __init__(self, max_hold_s: float,
+                 decode_deadline: Callable[[str], float | None] | None = None) -> None:
         self.max_hold_s = max_hold_s
+        self._decode_deadline = decode_deadline
         self._held: dict[str, float] = {}  # request id -> when the hold gives up
+
+    def hold_s(self, request_id: str) -> float:
+        """How long an expired lease with a WRITE in flight is held at most, from now."""
+        write_by = self._decode_deadline(request_id) if self._decode_deadline else None
+        if write_by is None:
+            return self.max_hold_s
+        waits_s = write_by + WRITE_MARGIN_S - time.time()
+        return min(MAX_HOLD_S, max(self.max_hold_s, waits_s))
 
     def settle(self, finished_sending: set[str], in_flight: set[str],
                now: float | None = None) -> set[str]:
@@ -272,7 +295,7 @@ class SendHold:
         now = time.monotonic() if now is None else now
         newly_held = finished_sending & in_flight
         for request_id in newly_held:
-            self._held[request_id] = now + self.max_hold_s
+            self._held[request_id] = now + self.hold_s(request_id)
         finished_sending -= newly_held
         released = {r for r, until in self._held.items()
                     if r not in in_flight or now >= until}
@@ -351,6 +374,8 @@ class WriteGate:
         self._start_write = replace_push_start(worker, self._guarded_start)
         self._refused = 0
         self.before_write: Callable[[str, Any, dict[str, Any]], bool] | None = None
+        self._write_by = BoundedDict(65_536)  # request id -> its started WRITE's decode write-by
+        self._write_by_lock = threading.Lock()  # written on the writer thread, read on the main
 
     def _guarded_start(self, request_id: str, local_block_ids: Any,
                        registration: dict[str, Any]) -> None:
@@ -359,6 +384,7 @@ class WriteGate:
             if why is None:
                 hook = self.before_write
                 if hook is None or hook(request_id, local_block_ids, registration):
+                    self._remember_write_by(request_id, registration.get(WRITE_BY_KEY))
                     self._start_write(request_id, local_block_ids, registration)
                 return
             self._refused += 1
@@ -374,6 +400,16 @@ class WriteGate:
         if lease_ends is not None and time.perf_counter() >= lease_ends:
             return "its lease has run out"
         return None
+
+    def _remember_write_by(self, request_id: str, write_by: Any) -> None:
+        if isinstance(write_by, (int, float)) and math.isfinite(write_by):
+            with self._write_by_lock:
+                self._write_by[request_id] = float(write_by)
+
+    def decode_deadline(self, request_id: str) -> float | None:
+        """The write-by time (wall clock) the decode stated for the request's WRITE, if any."""
+        with self._write_by_lock:
+            return self._write_by.get(request_id)
 
     def take_refused(self) -> int:
         refused, self._refused = self._refused, 0

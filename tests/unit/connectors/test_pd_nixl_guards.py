@@ -414,3 +414,37 @@ def test_a_push_given_up_is_forgotten_upstream_so_its_late_completion_is_never_r
     NixlPushConnectorWorker._get_new_notifs(worker)
     assert "victim" not in worker._recving_transfers  # before: a finished receive again
     assert worker.expired == [1]  # upstream's "Unrecognized request" branch
+
+
+def test_send_hold_keeps_blocks_under_a_write_until_its_decode_stops_waiting():
+    """The hold gave up after the lease (30 s) while the decode still waited for the WRITE (its
+    write-by time + 5 s): the blocks were freed under a running WRITE, which could then copy
+    another request's KV into a decode that used it. A decode's stated time is a peer's value:
+    bounded by MAX_HOLD_S."""
+    import time as clock
+
+    from pd_plugins.connectors.vllm.pd_nixl_guards import MAX_HOLD_S, WRITE_BY_KEY, WriteGate
+
+    worker = FakePushWorker()
+    gate = WriteGate(worker)
+    for request_id, write_by in (("slow", clock.time() + 100), ("far", clock.time() + 1e9),
+                                 ("upstream-decode", None)):
+        worker._reqs_to_send[request_id] = clock.perf_counter() + 60
+        worker._reqs_to_process.add(request_id)
+        worker._do_start_push_kv(request_id, [[1]],
+                                 {WRITE_BY_KEY: write_by} if write_by else {})
+    hold = SendHold(max_hold_s=30.0, decode_deadline=gate.decode_deadline)
+    writing = {"slow", "far", "upstream-decode"}
+    sending = set(writing)
+    assert hold.settle(sending, in_flight=writing, now=0.0) == writing
+    sending = set()
+    hold.settle(sending, in_flight=writing, now=31.0)
+    assert sending == {"upstream-decode"}  # states no write-by time: the lease bounds it
+    sending = set()
+    hold.settle(sending, in_flight=writing, now=104.0)
+    assert sending == set()  # the decode waits until its write-by time + 5 s
+    hold.settle(sending, in_flight=writing, now=106.0)
+    assert sending == {"slow"}
+    sending = set()
+    hold.settle(sending, in_flight=writing, now=MAX_HOLD_S + 1)
+    assert sending == {"far"}
