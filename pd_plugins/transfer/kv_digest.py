@@ -21,7 +21,11 @@ on a GPU) and combined exactly (`combine`):
     B = sum_l (B_l + (n - off_l - n_l) * A_l)     (layer l: n_l words at word offset off_l)
 
 It catches accidents (bit flips, torn, stale or misplaced blocks), not an attacker who can write
-KV: peers are authenticated by transfer/peer_auth.py.
+KV (or, where the digests travel beside the KV, state them). Not every peer is authenticated:
+transfer/peer_auth.py signs SGLang's bootstrap-registry calls, but vLLM's NIXL side channel and
+notifications (PdNixlConnector's push digests among them) are not, so a NIXL peer can write KV
+and send notifications; a push decode takes digests only from its prefill's NIXL agents, which
+stops another peer from replacing them but is no authentication (docs/security.md).
 
 The same integer formula runs as a numba kernel on host KV (`block_digests`) and as torch
 integer ops on a device tensor (`torch_block_digests`: no copy of the KV to the host, 8 bytes

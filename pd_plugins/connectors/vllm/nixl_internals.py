@@ -182,6 +182,12 @@ def transfer_tp_size(worker: Any) -> int | None:
     return topology.tp_size if topology is not None else None
 
 
+def remote_agents(worker: Any, engine_id: str) -> set[str]:
+    """The NIXL agent names of every rank of a remote engine (empty: no handshake with it)."""
+    with worker._handshake_lock:
+        return set((worker._remote_agents.get(engine_id) or {}).values())
+
+
 def unverifiable_layout(worker: Any) -> str | None:
     """Why a worker's received blocks may not hold the producer's bytes as they were (upstream
     post-processes or stages them; docs/plans/kv-verification.md §2), or None. Peer-dependent

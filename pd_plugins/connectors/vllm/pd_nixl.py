@@ -74,6 +74,7 @@ from pd_plugins.connectors.vllm.nixl_internals import (
     exchanged_blocks,
     holds_blocks,
     pending_push_registration,
+    remote_agents,
     require_checked_vllm,
     sends_in_flight,
     transfer_tp_size,
@@ -277,7 +278,9 @@ class _PdAdditions(_PdStatsClassMethods):
                                                required=verify == "required",
                                                faults=self._faults,
                                                stats=self.connector_worker.xfer_stats,
-                                               inbox=inbox)
+                                               inbox=inbox,
+                                               senders_of=functools.partial(remote_agents,
+                                                                            worker))
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)

@@ -41,7 +41,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 import msgspec
 import numpy as np
@@ -205,13 +205,17 @@ class LoadVerifier:
     def __init__(self, verifier: Callable[[], BlockVerifier | None],
                  layout_why: Callable[[], str | None], required: bool, faults: KvFaults,
                  stats: Any, inbox: DigestInbox | None = None,
-                 hold_s: float = PUSH_DIGEST_WAIT_S) -> None:
+                 hold_s: float = PUSH_DIGEST_WAIT_S,
+                 senders_of: Callable[[str], Collection[str] | None] | None = None) -> None:
         self._verifier = verifier  # None until the KV caches are registered
         self._layout_why = layout_why  # asked per read: upstream settles its layout late
         self.required = required
         self.faults = faults
         self.stats = stats  # PdNixlStats (swapped by the caller each step)
         self._inbox = inbox  # push: where the prefills' digests arrive
+        # push: the NIXL agents of a prefill engine (digests from any other agent are not taken;
+        # None: from any, for callers that cannot tell)
+        self._senders_of = senders_of or (lambda engine_id: None)
         self.hold_s = hold_s
         self._held: BoundedDict = BoundedDict(MAX_TRACKED)  # push req id -> monotonic deadline
         # held pushes whose request ended meanwhile (aborted): vLLM frees an aborted request's
@@ -250,7 +254,7 @@ class LoadVerifier:
             if self._held.pop(req_id, None) is not None:
                 self._released.add(req_id)
             if self._inbox is not None:
-                self._inbox.take(req_id)  # a push that ended unchecked (aborted, failed)
+                self._inbox.drop(req_id)  # a push that ended unchecked (aborted, failed)
 
     def settle(self, finished: set[str], failed: set[str], now: float | None = None) -> set[str]:
         """Check this step's finished loads (finished, not failed, released by the lease check);
@@ -265,7 +269,7 @@ class LoadVerifier:
         for req_id in failed:
             self._held.pop(req_id, None)
             if self._inbox is not None:
-                self._inbox.take(req_id)
+                self._inbox.drop(req_id)
             read = self._reads.pop(req_id, None)
             if read is not None:
                 self._record(req_id, LoadOutcome(len(read.local), len(read.local), 0,
@@ -290,6 +294,8 @@ class LoadVerifier:
                 continue
             if read.expected is None and read.why is None:
                 read.why = f"no digests from the prefill within {self.hold_s:g} s"
+                if self._inbox is not None:
+                    self._inbox.drop(req_id)  # another agent's, if any
             del self._held[req_id], self._reads[req_id]
             finished.add(req_id)
             self._finish(req_id, read, failed_here)
@@ -299,7 +305,8 @@ class LoadVerifier:
         """A push whose prefill's digests have not arrived (takes them when they have)."""
         if not read.pushed or read.expected is not None or read.why is not None:
             return False
-        got = self._inbox.take(req_id) if self._inbox is not None else None
+        got = (self._inbox.take(req_id, self._senders_of(read.peer))
+               if self._inbox is not None else None)
         if got is None:
             return True
         read.expected = got
@@ -427,15 +434,19 @@ def parse_push_digests(message: bytes) -> tuple[str, int, str] | None:
 class DigestInbox:
     """Decode side of push: wraps the worker's NIXL agent (upstream's push writer thread fetches its
     notifications) and takes the prefills' digest notifications out before upstream sees them;
-    keeps the digests by decode request id (bounded in entries and bytes, oldest forgotten: a
-    push that is aborted or fails leaves its digests behind; locked: the writer thread adds, the
-    engine's main thread takes)."""
+    keeps the digests by decode request id and the agent that sent them (bounded in entries and
+    bytes, oldest forgotten: a push that is aborted or fails leaves its digests behind; locked:
+    the writer thread adds, the engine's main thread takes). Any NIXL peer can send one: `take`
+    returns only digests from the agents it names (the prefill's, LoadVerifier), so another
+    peer's notification neither replaces nor stands in for them."""
 
     def __init__(self, agent: Any, size: int = MAX_TRACKED,
                  max_bytes: int = MAX_INBOX_BYTES) -> None:
         self._agent = agent
         self._lock = threading.Lock()
-        self._digests: OrderedDict[str, str] = OrderedDict()  # req id -> encoded (rank 0: TP 1)
+        # (req id, sending agent) -> encoded (rank 0: TP 1), oldest first
+        self._digests: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._senders: dict[str, set[str]] = {}  # req id -> agents it has digests from
         self._size, self._max_bytes, self._bytes = size, max_bytes, 0
         self.malformed = 0  # ever
         self._malformed_untaken = 0  # since take_malformed()
@@ -457,26 +468,50 @@ class DigestInbox:
             with self._lock:
                 self._malformed_untaken += 1
             if self.malformed == 1:
-                logger.warning("PdNixlConnector: unusable KV digest notification from agent %s "
+                logger.warning("PdNixlConnector: unusable KV digest notification from agent %.200s "
                                "(%d bytes; only TP rank 0's are used); ignored", peer,
                                len(message))
             return
+        req_id, _, encoded = parsed
         with self._lock:
-            self._pop(parsed[0])
-            self._digests[parsed[0]] = parsed[2]
-            self._bytes += len(parsed[2])
+            self._pop((req_id, peer))
+            self._digests[(req_id, peer)] = encoded
+            self._senders.setdefault(req_id, set()).add(peer)
+            self._bytes += len(encoded)
             while len(self._digests) > self._size or self._bytes > self._max_bytes:
-                self._bytes -= len(self._digests.popitem(last=False)[1])
+                self._pop(next(iter(self._digests)))
 
-    def _pop(self, req_id: str) -> str | None:
-        encoded = self._digests.pop(req_id, None)
+    def _pop(self, key: tuple[str, str]) -> str | None:
+        encoded = self._digests.pop(key, None)
         if encoded is not None:
             self._bytes -= len(encoded)
+            senders = self._senders.get(key[0])
+            if senders is not None:
+                senders.discard(key[1])
+                if not senders:
+                    del self._senders[key[0]]
         return encoded
 
-    def take(self, req_id: str) -> str | None:
+    def take(self, req_id: str, agents: Collection[str] | None = None) -> str | None:
+        """The request's digests from one of `agents` (None: from any), if they are in; the
+        request's digests from every agent are dropped then."""
         with self._lock:
-            return self._pop(req_id)
+            senders = self._senders.get(req_id, set())
+            chosen = next((a for a in sorted(senders) if agents is None or a in agents), None)
+            if chosen is None:
+                return None
+            encoded = self._digests[(req_id, chosen)]
+            self._drop(req_id)
+            return encoded
+
+    def drop(self, req_id: str) -> None:
+        """Forget the request's digests (a push that ended unchecked)."""
+        with self._lock:
+            self._drop(req_id)
+
+    def _drop(self, req_id: str) -> None:
+        for agent in list(self._senders.get(req_id, ())):
+            self._pop((req_id, agent))
 
     def take_malformed(self) -> int:
         """Unusable digest notifications since the last call (counted as dropped ones)."""

@@ -68,11 +68,12 @@ class Pair:
                 mine[dst] = theirs[src]
 
     def verifier(self, faults: str | None = None, layout_why: str | None = None,
-                 required: bool = False, inbox: DigestInbox | None = None) -> LoadVerifier:
+                 required: bool = False, inbox: DigestInbox | None = None,
+                 senders_of=None) -> LoadVerifier:
         decode = BlockVerifier(self.decode, NUM_BLOCKS)
         return LoadVerifier(lambda: decode, lambda: layout_why, required,
                             KvFaults.from_spec(faults, "test", ALLOWED), self.stats,
-                            inbox=inbox, hold_s=2.0)
+                            inbox=inbox, hold_s=2.0, senders_of=senders_of)
 
     def start(self, verifier: LoadVerifier, req_id: str, local: list[int],
               digests: str | None = "stated", peer_why: str | None = None) -> None:
@@ -517,6 +518,37 @@ def test_a_push_finished_before_its_digests_is_held_until_they_arrive():
     assert finished == {"late"}
     assert verifier.take_outcomes().outcomes == {"late": LoadOutcome(5, 0, 0, True)}
     assert len(verifier) == 0
+
+
+def test_only_the_prefills_own_agent_states_a_pushs_digests():
+    """Any NIXL peer can send a PDKVD notification: one from another agent, before or after the
+    prefill's, replaced them (last wins) and made a good push a mismatch (a recompute); with only
+    another agent's, the push is held for the prefill's and then loaded `unverified`."""
+    pair, agent = Pair(), FakeDecodeAgent()
+    inbox = DigestInbox(agent)
+    agents = {"prefill-engine": {"prefill-agent"}}
+    verifier = pair.verifier(inbox=inbox, senders_of=lambda engine: agents.get(engine, set()))
+    local = [5, 6, 7, 8, 10]
+    pair.read(local)
+    wrong = kv_digest.encode(pair.stated[::-1].copy())
+    for req_id in ("good", "spoofed"):
+        push_start(pair, verifier, req_id, local)
+    agent.notifs = {"other-agent": [push_digests_notif("good", 0, wrong)],
+                    "prefill-agent": [push_digests_notif("good", 0,
+                                                         kv_digest.encode(pair.stated))]}
+    inbox.get_new_notifs()
+    agent.notifs = {"other-agent": [push_digests_notif("good", 0, wrong),  # after the prefill's
+                                    push_digests_notif("spoofed", 0, wrong)]}
+    inbox.get_new_notifs()
+    finished = {"good", "spoofed"}
+    verifier.settle(finished, set(), now=100.0)
+    assert finished == {"good"} and verifier.take_invalid() == set()
+    assert verifier.take_outcomes().outcomes == {"good": LoadOutcome(5, 0, 0, True)}
+    finished = set()
+    verifier.settle(finished, set(), now=102.0)  # the wait for the prefill's is over
+    assert finished == {"spoofed"} and verifier.take_invalid() == set()
+    assert verifier.take_outcomes().outcomes == {"spoofed": LoadOutcome(5, 0, 0, False)}
+    assert len(inbox) == 0  # the other agent's are dropped with the push
 
 
 def test_a_push_whose_digests_never_come_is_unverified_or_failed_under_required():
