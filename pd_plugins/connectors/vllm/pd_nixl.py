@@ -111,7 +111,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
-
 def nixl_options(vllm_config: VllmConfig) -> NixlOptions:
     """This connector's options (transfer/options.py; SGLang's pd-nixl reads the same)."""
     return extra_options(NixlOptions, vllm_config.kv_transfer_config, "PdNixlConnector")

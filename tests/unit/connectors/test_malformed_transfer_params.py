@@ -280,5 +280,7 @@ def test_pd_nixl_refuses_block_lists_shorter_than_what_the_decode_reads():
         meta = output.kv_connector_metadata
         assert meta.pd_rejected_recv == {"one", "none", "empty", "stated"}
         assert set(meta.reqs_to_recv) == {"enough"}  # nothing else handed to NIXL
+        _report_rejected(scheduler, output)  # the workers fail them; vLLM takes that
+        assert all(r.is_finished() for r in requests if r.request_id != "enough")  # policy fail
     finally:
         scheduler.shutdown()
