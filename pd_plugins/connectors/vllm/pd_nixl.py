@@ -18,6 +18,10 @@ All transfer machinery (handshake, lease, heartbeat, transfers) is upstream's; t
   the decode checks the blocks that landed against them; a mismatch is a failed load from the
   first bad block, and the decode's answer says what happened (`pd.kv`: verified, recomputed,
   failed or unverified);
+- no peer or request ends the engine through upstream's code on its main thread: every worker
+  drops the NIXL notifications upstream cannot parse (pd_nixl_guards.NotifFilter), block lists a
+  pull read cannot take are refused, and a pull read whose start raises is a failed load
+  (pd_nixl_guards.ReadStarts);
 - counters for all of it on /metrics (pd_nixl_stats.py).
 Every failed load goes through vLLM's `kv_load_failure_policy` (fail | recompute).
 Upstream's private names are used only through nixl_internals.py, for checked vLLM versions.
