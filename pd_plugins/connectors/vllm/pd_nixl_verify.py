@@ -23,9 +23,10 @@ encoded]), once per request, once the handshake named the agent, and only to a d
 registration asks for them (`ACCEPTS_DIGESTS_KEY`): upstream's parser raises on one and ends the
 engine. The decode's `DigestInbox` takes those notifications out of what upstream fetches
 (upstream parses every other one as "<request id>:<count>"; a push decode without an inbox drops
-them, pd_nixl_guards.NotifFilter). A finished push is checked as a pull read is; its digests may arrive after
-the WRITE's own completion notification (NIXL does not order the two), so the push is held until
-they do, or `PUSH_DIGEST_WAIT_S` (then `unverified`, or failed under `required`).
+them, pd_nixl_guards.NotifFilter), and gives a push only digests its prefill's NIXL agents sent.
+A finished push is checked as a pull read is; its digests may arrive after the WRITE's own
+completion notification (NIXL does not order the two), so the push is held until they do, or
+`PUSH_DIGEST_WAIT_S` (then `unverified`, or failed under `required`).
 
 Only equal layouts can be checked (one KV cache group, TP 1 on both ends, equal block sizes, no
 upstream post-processing: nixl_internals.unverifiable_layout); any other read is `unverified`

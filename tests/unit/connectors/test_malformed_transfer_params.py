@@ -239,7 +239,7 @@ def test_pd_nixl_gives_upstream_a_lease_written_as_a_string_as_a_number():
         scheduler.shutdown()
 
 
-# -- block lists upstream's read path cannot take ---------------------------------------------------
+# -- block lists upstream's read path cannot take ----------------------------------------------
 def test_pd_nixl_refuses_block_ids_past_int32():
     """Upstream computes descriptor ids as int32: a larger id raised OverflowError in the decode
     worker's start_load_kv, on the engine's main thread."""

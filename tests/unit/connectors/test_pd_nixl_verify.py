@@ -647,8 +647,9 @@ def test_the_prefill_sends_digests_only_to_a_decode_that_asks_for_them():
     assert len(worker.sent) == 1
 
 
-PUSH_DECODE_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_request_id": "leg",
-                      "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+PUSH_DECODE_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p",
+                      "remote_request_id": "leg", "remote_host": "127.0.0.1", "remote_port": 5600,
+                      "tp_size": 1}
 
 
 @pytest.mark.parametrize("verify", ["on", "off"])
