@@ -220,9 +220,12 @@ def transfer_tp_size(worker: Any) -> int | None:
 
 
 def remote_agents(worker: Any, engine_id: str) -> set[str]:
-    """The NIXL agent names of every rank of a remote engine (empty: no handshake with it)."""
+    """The NIXL agent names of every rank of a remote engine (empty: no handshake with it), as
+    notifications name their sender: str (NIXL's add_remote_agent, whose result upstream keeps,
+    returns bytes; get_new_notifs keys its result by str)."""
     with worker._handshake_lock:
-        return set((worker._remote_agents.get(engine_id) or {}).values())
+        names = list((worker._remote_agents.get(engine_id) or {}).values())
+    return {n.decode("utf-8", "replace") if isinstance(n, bytes) else n for n in names}
 
 
 def unverifiable_layout(worker: Any) -> str | None:

@@ -102,3 +102,16 @@ def test_every_upstream_name_the_uses_read_is_a_checked_one():
     used = set(re.findall(r"\b(?:worker|scheduler)\.(\w+)", source))
     used |= set(re.findall(r"getattr\((?:worker|scheduler), \"(\w+)\"", source))
     assert used - {name for *_, name in nixl_internals.PRIVATE_NAMES} == set()
+
+
+def test_a_remote_engines_agents_are_named_as_notifications_name_their_sender():
+    """NIXL's add_remote_agent returns the name as bytes (upstream keeps it so in
+    `_remote_agents`); get_new_notifs keys by str. Compared as they were, a push's digests from
+    its own prefill were never taken (every push `unverified`, seen on real engines)."""
+    import threading
+    from types import SimpleNamespace
+
+    worker = SimpleNamespace(_handshake_lock=threading.Lock(), _remote_agents={
+        "p": {(0, 0): b"prefill-agent-0", (0, 1): "prefill-agent-1"}})
+    assert nixl_internals.remote_agents(worker, "p") == {"prefill-agent-0", "prefill-agent-1"}
+    assert nixl_internals.remote_agents(worker, "other") == set()
