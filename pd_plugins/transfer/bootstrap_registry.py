@@ -221,8 +221,10 @@ class _Handler(BaseHTTPRequestHandler):
         entries, entry = self.server.tables[table], self.server.tables[table].get(key)
         if table == "ranks":
             if entry is not None and entry.owner != owner:
-                return _refusal(409, f"rank {key} is registered by another process "
-                                     f"({entry.owner}); a rank is registered once")
+                # the owner is not named: owners are self-declared, so naming it would let any
+                # holder of the secret sign as that prefill (docs/security.md)
+                return _refusal(409, f"rank {key} is registered by another process; a rank is "
+                                     "registered once")
             if not entries.put(key, Entry(owner, body)):
                 return _refusal(409, f"this registry holds {MAX_RANKS} ranks already")
             return 200, b"{}"

@@ -182,6 +182,10 @@ def test_records_belong_to_the_process_that_wrote_them(registry):
     br.register(registry, "0.0", {"agent_name": "prefill-a", "refreshed": True})  # same owner
     status, answer = raw(registry, "PUT", "/ranks/0.0", b'{"agent_name": "evil"}')
     assert status == 409 and "registered once" in json.loads(answer)["error"]
+    # the owner's name is not told: owners are self-declared, so with it any holder of the secret
+    # could sign as that prefill (publish its rooms, claim its targets)
+    owner = peer_auth.process_owner()
+    assert owner.rsplit(":", 1)[1].encode() not in answer
     assert raw(registry, "DELETE", "/ranks/0.0")[0] == 403
     assert br.lookup(registry, "0.0") == {"agent_name": "prefill-a", "refreshed": True}
 
