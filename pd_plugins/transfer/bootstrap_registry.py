@@ -37,18 +37,21 @@ start without a configured secret (a per-host default secret would lock every ot
 Bounded: MAX_CONNECTIONS open connections (beyond that the oldest connection of the peer address
 holding the most is closed), one thread each, SOCKET_TIMEOUT_S per socket operation, records up
 to MAX_RECORD_BYTES, tables by entries and bytes.
+
+The client calls are bounded too, for a decode calls whatever address its request names: a call's
+`timeout_s` is its whole duration (connect, send and every read: a peer that trickles bytes cannot
+stretch it), and it reads at most MAX_ANSWER_BYTES of answer (RegistryStalled past either).
 """
 
 from __future__ import annotations
 
+import http.client
 import ipaddress
 import json
 import re
 import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -64,6 +67,9 @@ MAX_TABLE_BYTES = 256 * 1024 * 1024  # bytes of records kept per table (the olde
 MAX_RANKS = 4096                    # registered ranks (more are refused: ranks are not evicted)
 MAX_CONNECTIONS = 128
 SOCKET_TIMEOUT_S = 5.0
+# client side: what one call reads of an answer (a record, or a refusal's reason); a call's
+# `timeout_s` is its whole duration (connect, send, every read), not each socket operation's
+MAX_ANSWER_BYTES = MAX_RECORD_BYTES + 64 * 1024
 _KEY = re.compile(r"^/(ranks|rooms|targets)/((?:\d{1,20}\.)?\d{1,6}\.\d{1,6})"
                   r"(?:/(claim|withdraw|expire))?$")
 OPEN, CLAIMED, WITHDRAWN, EXPIRED = "open", "claimed", "withdrawn", "expired"
@@ -367,24 +373,100 @@ class RegistryUnreachable(ConnectionError):
     pass
 
 
+class RegistryStalled(RegistryUnreachable):
+    """What holds the registry's address did not answer within the call's deadline, or answered
+    more than a registry ever does: not a registry that works (a decode calls whatever address
+    its request names)."""
+
+
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose every send and receive ends by `deadline` (monotonic): a peer
+    that trickles bytes cannot stretch a call past it, as it can a per-operation timeout."""
+
+    deadline = 0.0
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        self.settimeout(left)
+
+    def recv_into(self, *args, **kwargs):
+        self._arm()
+        return super().recv_into(*args, **kwargs)
+
+    def recv(self, *args, **kwargs):
+        self._arm()
+        return super().recv(*args, **kwargs)
+
+    def sendall(self, *args, **kwargs):
+        self._arm()
+        return super().sendall(*args, **kwargs)
+
+    def send(self, *args, **kwargs):
+        self._arm()
+        return super().send(*args, **kwargs)
+
+
+class _Connection(http.client.HTTPConnection):
+    """One HTTP call to `addr` that ends by `deadline` whatever the peer does (its name is
+    resolved by the system's resolver, under that resolver's own timeouts)."""
+
+    def __init__(self, addr: str, deadline: float) -> None:
+        super().__init__(addr)
+        self.deadline = deadline
+
+    def connect(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the call's deadline passed")
+        plain = socket.create_connection((self.host, self.port), left)
+        sock = _DeadlineSocket(plain.family, plain.type, plain.proto, fileno=plain.detach())
+        sock.deadline = self.deadline
+        self.sock = sock
+
+
+def _exchange(method: str, addr: str, path: str, body: bytes | None, headers: dict[str, str],
+              timeout_s: float) -> tuple[int, bytes, Any]:
+    """(status, answer, headers) of one call, within `timeout_s` in all and at most
+    MAX_ANSWER_BYTES of answer; RegistryStalled past either, RegistryUnreachable if it fails."""
+    connection = _Connection(addr, time.monotonic() + timeout_s)
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        length = response.getheader("Content-Length")
+        if length is not None and (not length.strip().isdigit()
+                                   or int(length) > MAX_ANSWER_BYTES):
+            raise RegistryStalled(f"bootstrap registry {addr} answered {method} {path} with "
+                                  f"{length[:40]!r} bytes (at most {MAX_ANSWER_BYTES} are read)")
+        data = response.read(MAX_ANSWER_BYTES + 1)
+        if len(data) > MAX_ANSWER_BYTES:
+            raise RegistryStalled(f"bootstrap registry {addr} answered {method} {path} with more "
+                                  f"than {MAX_ANSWER_BYTES} bytes")
+        return response.status, data, response.headers
+    except RegistryUnreachable:
+        raise
+    except TimeoutError as exc:
+        raise RegistryStalled(f"bootstrap registry {addr} did not answer {method} {path} within "
+                              f"{timeout_s:g} s") from exc
+    except (OSError, http.client.HTTPException) as exc:
+        raise RegistryUnreachable(f"bootstrap registry {addr} unreachable: {exc}") from exc
+    finally:
+        connection.close()
+
+
 class RegistryAuthError(RuntimeError):
     """The registry refused this process's signature, or answered without the shared one."""
 
 
 def _call(method: str, addr: str, path: str, body: bytes | None, timeout_s: float
           ) -> tuple[int, bytes]:
+    """One signed call (its answer's signature checked): at most `timeout_s` in all."""
     secret = peer_auth.load_secret()
     auth, nonce = peer_auth.sign_request(secret.key, method, path, body or b"",
                                          peer_auth.process_owner())
-    request = urllib.request.Request(f"http://{addr}{path}", data=body, method=method, headers={
-        "Content-Type": "application/json", peer_auth.AUTH_HEADER: auth})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            status, data, headers = response.status, response.read(), response.headers
-    except urllib.error.HTTPError as exc:
-        status, data, headers = exc.code, exc.read(), exc.headers
-    except (OSError, urllib.error.URLError) as exc:
-        raise RegistryUnreachable(f"bootstrap registry {addr} unreachable: {exc}") from exc
+    status, data, headers = _exchange(method, addr, path, body, {
+        "Content-Type": "application/json", peer_auth.AUTH_HEADER: auth}, timeout_s)
     if not peer_auth.reply_is_authentic(secret.key, nonce, status, data,
                                         headers.get(peer_auth.REPLY_HEADER)):
         if status == 401:
@@ -469,10 +551,14 @@ def drop_target(addr: str, key: str, timeout_s: float = 5.0) -> None:
     _delete(addr, "targets", key, timeout_s)
 
 
+def health(addr: str, timeout_s: float = 2.0) -> bool:
+    """Whether `GET /health` answers 200 (unauthenticated); RegistryStalled or
+    RegistryUnreachable as every call."""
+    return _exchange("GET", addr, "/health", None, {}, timeout_s)[0] == 200
+
+
 def is_alive(addr: str, timeout_s: float = 2.0) -> bool:
     try:
-        request = urllib.request.Request(f"http://{addr}/health")
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return response.status == 200
-    except (OSError, urllib.error.URLError):
+        return health(addr, timeout_s)
+    except RegistryUnreachable:
         return False

@@ -462,6 +462,10 @@ def main(argv: list[str]) -> None:
         pool_verification()
         state_refusal()
         malformed_peer_records()
+    elif role == "peer":  # tests/sglang/peer_roles.py
+        from tests.sglang import peer_roles
+
+        peer_roles.main(argv[1:])
     else:
         {"prefill": prefill, "decode": decode}[role](json.loads(argv[1]))
 

@@ -53,6 +53,14 @@ logger = logging.getLogger("pd_plugins.sglang")
 # three too: _fail logs their traceback.)
 ROOM_FAULTS = (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError)
 
+# A decode's calls to the prefill's registry run on SGLang's scheduler thread, at the address the
+# request names (`bootstrap_host`, `bootstrap_port`): each may take this long in all, and after
+# one that stalled (no answer in time, or more than a registry answers) the receiver asks that
+# registry nothing for a heartbeat interval; HEARTBEAT_MAX_FAILURE stalls in a row fail the room.
+# So an address that stalls costs the scheduler at most HEARTBEAT_MAX_FAILURE x REGISTRY_CALL_S
+# per room (docs/security.md).
+REGISTRY_CALL_S = 1.0
+
 
 def host_rows(ptr: int, length: int, item_len: int) -> np.ndarray:
     """A [items, item_len] uint8 view of one engine buffer (host memory only)."""
@@ -486,6 +494,39 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         self.prefill_dp_rank, self.initialised = int(prefill_dp_rank), True
         self._bootstrap()
 
+    registry_stalls = 0         # calls to the prefill's registry that stalled, in a row
+    registry_quiet_until = 0.0  # monotonic: no call to it before then (one stalled)
+
+    def _ask(self, call, *args: Any) -> Any:
+        """`call(self.prefill_addr, *args)`, a registry call from SGLang's scheduler thread: at
+        most REGISTRY_CALL_S; RegistryStalled at once while the registry is quiet after a stall
+        (see REGISTRY_CALL_S)."""
+        if time.monotonic() < self.registry_quiet_until:
+            raise bootstrap_registry.RegistryStalled(
+                f"bootstrap registry {self.prefill_addr} stalled the last call; not asked again "
+                f"for {self.registry_quiet_until - time.monotonic():.1f} s")
+        try:
+            result = call(self.prefill_addr, *args, timeout_s=REGISTRY_CALL_S)
+        except bootstrap_registry.RegistryStalled:
+            self.registry_stalls += 1
+            self.registry_quiet_until = time.monotonic() + self.heartbeat_s
+            raise
+        except bootstrap_registry.RegistryUnreachable:  # refused: fast, not a stall
+            self.registry_stalls = 0
+            raise
+        self.registry_stalls = 0
+        return result
+
+    def _stalled_out(self) -> bool:
+        """Fail the room once its registry stalled HEARTBEAT_MAX_FAILURE calls in a row."""
+        if self.registry_stalls < self.max_heartbeat_failures:
+            return False
+        self._fail(ConnectionError(
+            f"room {self.room}: the bootstrap registry at {self.prefill_addr} stalled "
+            f"{self.registry_stalls} calls in a row (no answer within {REGISTRY_CALL_S:g} s, or "
+            "more than a registry answers)"))
+        return True
+
     @property
     def conclude_state(self) -> int | None:
         """SGLang's name for a room's final state (None while it goes on)."""
@@ -506,10 +547,12 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
     def _bootstrap(self) -> None:
         key = self.prefill_rank_key
         try:
-            record = bootstrap_registry.lookup(self.prefill_addr, key)
+            record = self._ask(bootstrap_registry.lookup, key)
         except bootstrap_registry.RegistryAuthError as exc:  # configuration: waiting cannot help
             return self._fail(PermissionError(f"room {self.room}: {exc}"))
-        except (bootstrap_registry.RegistryUnreachable, RuntimeError) as exc:
+        except (bootstrap_registry.RegistryUnreachable, RuntimeError, ValueError) as exc:
+            if self._stalled_out():
+                return None
             record, reason = None, str(exc)
         else:
             reason = f"prefill rank {key} has not registered at {self.prefill_addr}"
@@ -541,9 +584,9 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
     def _first_rank_record(self) -> dict | None:
         key = bootstrap_registry.rank_key(self.prefill_dp_rank, 0)
         try:
-            return bootstrap_registry.lookup(self.prefill_addr, key)
+            return self._ask(bootstrap_registry.lookup, key)
         except (bootstrap_registry.RegistryAuthError, bootstrap_registry.RegistryUnreachable,
-                RuntimeError):
+                RuntimeError, ValueError):
             return None
 
     def _tp_mismatch(self, record: dict) -> Exception | None:
@@ -598,11 +641,18 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
             return self._fail(TimeoutError(
                 f"room {self.room}: no KV from the prefill at {self.prefill_addr} within "
                 f"{envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()} s"))
-        if now < self.next_heartbeat:
+        if self._stalled_out() or now < self.next_heartbeat:
             return
         self.next_heartbeat = now + self.heartbeat_s
         self._heartbeat()
-        if bootstrap_registry.is_alive(self.prefill_addr):
+        try:
+            alive = self._ask(bootstrap_registry.health)
+        except bootstrap_registry.RegistryStalled:
+            self._stalled_out()  # counted there (or quiet after a stall: not asked)
+            return
+        except bootstrap_registry.RegistryUnreachable:
+            alive = False
+        if alive:
             self.heartbeat_failures = 0
             return
         self.heartbeat_failures += 1

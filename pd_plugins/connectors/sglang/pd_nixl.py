@@ -369,7 +369,7 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
     def _start_read(self) -> None:
         key = bootstrap_registry.room_key(self.room, self.prefill_rank_key)
         try:
-            record = bootstrap_registry.get_room(self.prefill_addr, key)
+            record = self._ask(bootstrap_registry.get_room, key)
         except bootstrap_registry.RegistryUnreachable:
             record = None
         if record is None:
@@ -410,7 +410,7 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
         claimed it, keep the pages until MAX_WRITE_S after the claim)."""
         if not self.target_published:
             try:
-                opened = bootstrap_registry.put_target(self.prefill_addr, self._target_key, {
+                opened = self._ask(bootstrap_registry.put_target, self._target_key, {
                     "agent_metadata": base64.b64encode(self.mgr.agent.metadata()).decode(),
                     "agent_name": self.mgr.agent.name, "kv": self.mgr.kv_items(),
                     "memory": list(self.mgr.buffers.memory),
@@ -430,8 +430,8 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
                 raise TimeoutError(f"room {self.room}: the prefill's WRITE did not finish within "
                                    f"{MAX_WRITE_S:.0f} s")
             try:
-                status, answer = bootstrap_registry.target_action(
-                    self.prefill_addr, self._target_key, "withdraw")
+                status, answer = self._ask(bootstrap_registry.target_action, self._target_key,
+                                           "withdraw")
             except bootstrap_registry.RegistryUnreachable:  # the prefill is gone: nobody writes
                 status, answer = 200, {}
             if status == 409:  # claimed: a WRITE may be under way into these pages
@@ -445,12 +445,12 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
         if self.state != KVPoll.Success and self.target_published and self.claimed_at is None:
             # best effort: a target the prefill has not claimed is never written after this
             with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
-                bootstrap_registry.target_action(self.prefill_addr, self._target_key, "withdraw")
+                self._ask(bootstrap_registry.target_action, self._target_key, "withdraw")
         super().abort()
 
     def _written(self, note: PushNote) -> None:
         with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
-            bootstrap_registry.drop_target(self.prefill_addr, self._target_key)
+            self._ask(bootstrap_registry.drop_target, self._target_key)
         if time.time() > note.started + MAX_WRITE_S - START_MARGIN_S:
             raise TimeoutError(f"room {self.room}: the WRITE finished "
                                f"{time.time() - note.started:.0f} s after it started; the prefill "

@@ -346,3 +346,113 @@ def test_a_non_ascii_signature_gets_a_401(registry):
                                 + b"\r\nContent-Length: 0\r\n\r\n")
     assert answer.startswith(b"HTTP/1.0 401")
 
+
+
+# -- the client: a decode calls whatever address its request names ------------------------------
+
+class _BadRegistry:
+    """A TCP server on loopback that answers every connection with `answer(sock)` and counts the
+    bytes it sent (until the client closes)."""
+
+    def __init__(self, answer) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.addr = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sent = 0
+        self._answer = answer
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(sock,), daemon=True).start()
+
+    def _one(self, sock: socket.socket) -> None:
+        with sock:
+            sock.recv(65536)
+            try:
+                self._answer(sock, self)
+            except OSError:  # the client went away
+                pass
+
+    def send(self, sock: socket.socket, data: bytes) -> None:
+        sock.sendall(data)
+        self.sent += len(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _in_thread(call, wait_s: float):
+    """(finished, what `call` returned or raised, seconds it took) after at most `wait_s`."""
+    got = {}
+
+    def run():
+        start = time.monotonic()
+        try:
+            got["result"] = call()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            got["result"] = exc
+        got["took"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(wait_s)
+    return not thread.is_alive(), got.get("result"), got.get("took")
+
+
+@pytest.mark.parametrize("where", ["head", "body"])
+def test_a_peer_that_trickles_its_answer_is_cut_at_the_call_s_deadline(where):
+    """A byte every 0.1 s: each read returns well within any per-read timeout, so a call's
+    timeout must be its whole duration (urllib's was per read: lookup(timeout_s=2) stayed blocked
+    past 12 s, on SGLang's scheduler thread)."""
+    def trickle(sock, server):
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n"  # a record's size
+        if where == "body":
+            server.send(sock, head)
+        for byte in (head if where == "head" else b"x" * 10**6):
+            server.send(sock, bytes([byte]))
+            time.sleep(0.1)
+
+    server = _BadRegistry(trickle)
+    try:
+        for call in (lambda: br.lookup(server.addr, "0.0", timeout_s=1.0),
+                     lambda: br.is_alive(server.addr, timeout_s=1.0)):
+            finished, result, took = _in_thread(call, wait_s=6)
+            assert finished, "the call is still blocked"
+            assert took < 2.5, took
+            assert result is False or isinstance(result, br.RegistryStalled), result
+    finally:
+        server.close()
+
+
+def test_an_answer_larger_than_any_record_is_not_read():
+    """A registry answers at most a record (MAX_RECORD_BYTES) or a short refusal: the client
+    stops reading past MAX_ANSWER_BYTES, whether the answer says its length or not."""
+    chunk = b"x" * 65536
+
+    def flood(sock, server):
+        server.send(sock, b"HTTP/1.0 200 OK\r\n\r\n")  # no length: read until the close
+        while server.sent < 256 * 2**20:
+            server.send(sock, chunk)
+
+    def declared(sock, server):
+        server.send(sock, b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (512 * 2**20))
+        while server.sent < 256 * 2**20:
+            server.send(sock, chunk)
+
+    for answer in (flood, declared):
+        server = _BadRegistry(answer)
+        try:
+            finished, result, _ = _in_thread(
+                lambda: br.get_room(server.addr, "1.0.0", timeout_s=20), wait_s=30)
+            assert finished
+            assert isinstance(result, br.RegistryStalled), result
+            assert "bytes" in str(result)
+            time.sleep(0.2)  # the server's send fails once the client has closed
+            # what the client read, and what the kernel's buffers took, is far below the flood
+            assert server.sent < br.MAX_ANSWER_BYTES + 16 * 2**20, (answer.__name__, server.sent)
+        finally:
+            server.close()

@@ -1,0 +1,140 @@
+"""Roles for tests/sglang/test_sglang_peers.py: what a peer (a request's bootstrap address, a
+NIXL agent, a holder of the peer secret) can make our SGLang backends do. Real managers,
+receivers and senders (SGLang's classes from `get_kv_class`), a real bootstrap registry and real
+NIXL agents over UCX on loopback, in one process per role; each role prints JSON events.
+
+Run through sglang_roles.py's `main` (`peer '{"role": NAME, ...}'`), forked by role_forkserver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+from sglang.srt.disaggregation.base.conn import KVPoll
+from sglang.srt.disaggregation.utils import DisaggregationMode, KVClassType
+from sglang.srt.plugins import load_plugins
+
+from pd_plugins.testing.processes import free_port
+from tests.sglang.sglang_roles import POLL_S, EngineMemory, emit, failure_of, kv_class, server_args
+
+
+def watchdog(what: str, limit_s: float) -> threading.Timer:
+    """Emit a "stuck" event and end the process if `what` is not done within `limit_s` (a
+    scheduler thread held for good prints nothing else); cancel() it when done."""
+    def stuck() -> None:
+        emit(event="stuck", what=what, limit_s=limit_s)
+        os._exit(3)
+
+    timer = threading.Timer(limit_s, stuck)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _managers(backend: str, port: int, *modes: DisaggregationMode, num_pages: int = 64):
+    """Real managers of `backend` for this process, one per mode, with their engine memory."""
+    out = []
+    for mode in modes:
+        memory = EngineMemory(num_pages)
+        role = "prefill" if mode == DisaggregationMode.PREFILL else "decode"
+        out.append((kv_class(KVClassType.MANAGER, backend)(
+            memory.kv_args(), mode, server_args(role, port, backend), False), memory))
+    return out
+
+
+def _conclude(obj, timeout_s: float) -> dict:
+    """Poll `obj` as SGLang's scheduler does until it concludes: its outcome, and how long the
+    scheduler's thread was held (the longest poll, and all of them)."""
+    start, longest, blocked = time.monotonic(), 0.0, 0.0
+    state = obj.state
+    while time.monotonic() - start < timeout_s and state not in (KVPoll.Success, KVPoll.Failed):
+        t = time.monotonic()
+        state = obj.poll()
+        took = time.monotonic() - t
+        longest, blocked = max(longest, took), blocked + took
+        time.sleep(POLL_S)
+    return {"state": state, "failure": failure_of(obj) if state == KVPoll.Failed else "",
+            "longest_poll_s": round(longest, 3), "blocked_s": round(blocked, 3),
+            "took_s": round(time.monotonic() - start, 3)}
+
+
+class Trickler:
+    """What a request's bootstrap address may hold instead of a registry: a server that accepts,
+    then sends an endless answer head a byte every `every_s` (each read returns in time)."""
+
+    def __init__(self, port: int = 0, every_s: float = 0.2) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.port, self.every_s = self.listener.getsockname()[1], every_s
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(sock,), daemon=True).start()
+
+    def _one(self, sock: socket.socket) -> None:
+        with sock:
+            try:
+                for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10**6:
+                    sock.sendall(bytes([byte]))
+                    time.sleep(self.every_s)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def stalled_registry(spec: dict) -> None:
+    """A decode whose request names an address that trickles its answers: in the bootstrap
+    (both backends: the rank lookup), and (pd-nixl pull) after a good bootstrap, when the
+    prefill's registry is replaced by a trickler on its port while the decode waits for the
+    room. Each ends Failed, and SGLang's scheduler thread is held briefly."""
+    load_plugins()
+    trickler = Trickler()
+    for backend in ("pd-shm", "pd-nixl"):
+        [(mgr, _)] = _managers(backend, trickler.port, DisaggregationMode.DECODE)
+        receiver = kv_class(KVClassType.RECEIVER, backend)(mgr, f"127.0.0.1:{trickler.port}", 5)
+        timer = watchdog(f"{backend} bootstrap", 30)
+        t = time.monotonic()
+        receiver.init(0)
+        init_s = time.monotonic() - t
+        got = _conclude(receiver, 25)
+        timer.cancel()
+        emit(event="stalled", case=f"{backend} bootstrap", init_s=round(init_s, 3), **got)
+        mgr.close()
+    trickler.close()
+
+    port = free_port()
+    registry = kv_class(KVClassType.BOOTSTRAP_SERVER, "pd-nixl")(host="127.0.0.1", port=port)
+    (prefill, memory), (decode, _) = _managers("pd-nixl", port, DisaggregationMode.PREFILL,
+                                               DisaggregationMode.DECODE)
+    receiver = kv_class(KVClassType.RECEIVER, "pd-nixl")(decode, f"127.0.0.1:{port}", 6)
+    receiver.init(0)
+    assert receiver.poll() == KVPoll.WaitingForInput, failure_of(receiver)
+    import numpy as np
+    receiver.send_metadata(np.array([1, 2], dtype=np.int32), 0, None)
+    registry.close()  # the prefill's registry goes; a trickler takes its port
+    trickler = Trickler(port)
+    timer = watchdog("pd-nixl pull transfer", 30)
+    got = _conclude(receiver, 25)
+    timer.cancel()
+    emit(event="stalled", case="pd-nixl pull transfer", init_s=0.0, **got)
+    trickler.close()
+
+
+ROLES = {"stalled_registry": stalled_registry}
+
+
+def main(argv: list[str]) -> None:
+    """`argv`: one JSON spec whose "role" names the role."""
+    import json
+
+    spec = json.loads(argv[0])
+    ROLES[spec["role"]](spec)

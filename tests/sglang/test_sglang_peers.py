@@ -1,0 +1,65 @@
+"""What a peer can make pd-plugins' SGLang backends do (tests/sglang/peer_roles.py): a request's
+bootstrap address that is not a working registry, NIXL agents other than the room's peer, holders
+of the peer secret. Real SGLang classes, a real registry, real NIXL (UCX on loopback); each role
+is its own process, forked from one interpreter with SGLang imported (role_forkserver.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
+from pd_plugins.transfer.shm_pool import remove_pool
+from tests.sglang.role_forkserver import RoleForkServer
+
+pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
+                                reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
+
+KV_POLL_FAILED, KV_POLL_SUCCESS = 0, 4
+
+
+@pytest.fixture(scope="module")
+def forkserver():
+    server = RoleForkServer(SGLANG_PYTHON, REPO, {**os.environ, "PYTHONWARNINGS": "ignore"})
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def peer_role(forkserver, tmp_path):
+    """Start peer_roles.py's role `name` (with `env` over a test pool and UCX on loopback)."""
+    path = f"/dev/shm/pd-test-sglang-peers-{os.getpid()}-{tmp_path.name}"
+    started = []
+
+    def start(name: str, env: dict | None = None, spec: dict | None = None):
+        full = {**os.environ, "PD_SHM_POOL": path, "PD_SHM_POOL_GB": "0.01",
+                "SGLANG_PLUGINS": "pd_plugins", "PYTHONWARNINGS": "ignore",
+                "UCX_NET_DEVICES": "lo", **(env or {})}
+        started.append(forkserver.start(full, "peer", {"role": name, **(spec or {})}))
+        return started[-1]
+
+    yield start
+    for role in started:
+        role.stop()
+    remove_pool(path)
+
+
+def test_a_bootstrap_address_that_stalls_holds_the_scheduler_briefly_and_fails_the_room(peer_role):
+    """A request's bootstrap address (SGLang's protocol: the request names it) that accepts and
+    trickles its answer a byte every 0.2 s: each registry call from the scheduler's thread ends
+    within REGISTRY_CALL_S (1 s; urllib's per-read timeout had kept one blocked for good), the
+    receiver asks nothing for a heartbeat interval after a stall, and two stalls in a row fail the
+    room: in the bootstrap (both backends) and while a pd-nixl pull decode waits for its room."""
+    role = peer_role("stalled_registry", {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
+                                          "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120",
+                                          "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120"})
+    for case in ("pd-shm bootstrap", "pd-nixl bootstrap", "pd-nixl pull transfer"):
+        got = role.next_event(timeout_s=90)
+        assert got.get("case") == case, got  # {"event": "stuck"}: a poll held the thread 30 s
+        assert got["state"] == KV_POLL_FAILED, got
+        assert "stalled 2 calls in a row" in got["failure"], got
+        assert got["init_s"] < 1.6 and got["longest_poll_s"] < 1.6, got
+        # two stalled calls of 1 s, a heartbeat interval apart; the rest is quick
+        assert got["init_s"] + got["blocked_s"] < 3.5, got
+        assert got["took_s"] < 10, got
