@@ -20,12 +20,17 @@ who owns the decode's pages is settled here, in one place, by a state per target
                                             (409 if the prefill has expired the room)
     POST /targets/<room>.<key>/claim     the prefill will write: 200 {...} (open -> claimed),
                                          404 not published yet, 409 withdrawn or expired
-    POST /targets/<room>.<key>/withdraw  the decode gives up: 200 (open -> withdrawn), or 409
-                                         {"claimed_at": t} when a write may be under way
+    POST /targets/<room>.<key>/withdraw  the decode gives up: 200 (open -> withdrawn), 409
+                                         {"claimed_at": t} when a write may be under way, 404
+                                         if the target is not known (evicted: it may have been
+                                         claimed)
     POST /targets/<room>.<key>/expire    the prefill gives up: 200 (a target not claimed, or
                                          none yet, becomes expired: a decode that comes later
                                          fails at once), 409 if claimed
     DELETE /targets/<room>.<key>         (done)
+
+A claimed target is never evicted within CLAIM_HOLD_S of its claim (a table full of those refuses
+new targets: 503); withdrawn, claimed and expired targets keep a tombstone, not their record.
 
 Trust (docs/security.md): every call but /health is signed with the peers' shared secret
 (transfer/peer_auth.py; 401 otherwise) and every answer is signed back, so neither a neighbour
@@ -62,7 +67,8 @@ from pd_plugins.transfer.options import host_environment
 from pd_plugins.transfer.peer_auth import PeerAuthError, PeerSecret
 
 MAX_RECORD_BYTES = 2 * 1024 * 1024  # a 128k-page room, fully fragmented (transfer/page_runs.py)
-MAX_ROOMS = 100_000                 # rooms, and targets, kept (the oldest go first)
+MAX_ROOMS = 100_000                 # rooms, and targets, kept (the oldest go first; not a
+                                    # target a write may still be landing in: see CLAIM_HOLD_S)
 MAX_TABLE_BYTES = 256 * 1024 * 1024  # bytes of records kept per table (the oldest go first)
 MAX_RANKS = 4096                    # registered ranks (more are refused: ranks are not evicted)
 MAX_CONNECTIONS = 128
@@ -73,6 +79,10 @@ MAX_ANSWER_BYTES = MAX_RECORD_BYTES + 64 * 1024
 _KEY = re.compile(r"^/(ranks|rooms|targets)/((?:\d{1,20}\.)?\d{1,6}\.\d{1,6})"
                   r"(?:/(claim|withdraw|expire))?$")
 OPEN, CLAIMED, WITHDRAWN, EXPIRED = "open", "claimed", "withdrawn", "expired"
+# A claimed target is kept (never evicted) this long after its claim: a WRITE into the decode's
+# pages may land until the prefill gives up on it (transfer/nixl_rooms.py MAX_WRITE_S, 30 s), and
+# the decode learns from the claim that it must keep its pages until then.
+CLAIM_HOLD_S = 120.0
 
 
 @dataclass(slots=True)
@@ -84,9 +94,18 @@ class Entry:
     state: str | None = None         # targets: OPEN, CLAIMED, WITHDRAWN or EXPIRED
     claimed_at: float | None = None  # targets: wall clock, once the prefill claimed it
 
+    def pinned(self, now: float) -> bool:
+        """A claimed target within CLAIM_HOLD_S of its claim: never evicted."""
+        return self.state == CLAIMED and now < (self.claimed_at or 0.0) + CLAIM_HOLD_S
+
+
+TOMBSTONE = b"{}"  # what a withdrawn, claimed or expired target keeps of its record
+
 
 class _Table:
-    """key -> Entry, bounded by entries and bytes (the oldest go first, or `put` refuses)."""
+    """key -> Entry, bounded by entries and bytes: the oldest go first, except pinned entries
+    (claimed targets); `put` refuses what does not fit once only pinned ones are left (or always,
+    without `evict`)."""
 
     def __init__(self, max_entries: int, max_bytes: int, evict: bool = True) -> None:
         self.entries: OrderedDict[str, Entry] = OrderedDict()
@@ -99,15 +118,43 @@ class _Table:
         old = self.entries.pop(key, None)
         if old is not None:
             self.bytes -= len(old.record)
-        if not self.evict and len(self.entries) >= self.max_entries:
-            if old is not None:
+        if not self._make_room(1, len(entry.record)):
+            if old is not None:  # as it was (at the end: it was just used)
                 self.entries[key], self.bytes = old, self.bytes + len(old.record)
             return False
         self.entries[key] = entry
         self.bytes += len(entry.record)
-        while len(self.entries) > self.max_entries or self.bytes > self.max_bytes:
-            self.bytes -= len(self.entries.popitem(last=False)[1].record)
         return True
+
+    def _make_room(self, entries: int, nbytes: int) -> bool:
+        """Evict the oldest unpinned entries until `entries` more of `nbytes` fit; False (and
+        nothing evicted) if they cannot."""
+        def fits(count: int, size: int) -> bool:
+            return count + entries <= self.max_entries and size + nbytes <= self.max_bytes
+
+        count, size = len(self.entries), self.bytes
+        if fits(count, size):
+            return True
+        if not self.evict:
+            return False
+        now, victims = time.time(), []
+        for key, entry in self.entries.items():  # oldest first
+            if not entry.pinned(now):
+                victims.append(key)
+                count, size = count - 1, size - len(entry.record)
+                if fits(count, size):
+                    break
+        if not fits(count, size):
+            return False
+        for key in victims:
+            self.pop(key)
+        return True
+
+    def shrink(self, key: str) -> None:
+        """Keep `key`'s entry, as a tombstone (its record no longer needed)."""
+        entry = self.entries[key]
+        self.bytes += len(TOMBSTONE) - len(entry.record)
+        entry.record = TOMBSTONE
 
     def pop(self, key: str) -> None:
         old = self.entries.pop(key, None)
@@ -244,7 +291,10 @@ class _Handler(BaseHTTPRequestHandler):
             return _refusal(409, f"target {key} is {entry.state}")
         if entry is not None and entry.state == OPEN and entry.owner != owner:
             return _refusal(409, f"target {key} is published by another process")
-        entries.put(key, Entry(owner, body, OPEN))
+        if not entries.put(key, Entry(owner, body, OPEN)):
+            # full of targets a write may still be landing in: those are never evicted
+            return _refusal(503, f"this registry holds {len(entries)} targets, each claimed "
+                                 f"within the last {CLAIM_HOLD_S:.0f} s")
         return 200, b"{}"
 
     def _act(self, key: str, action: str, owner: str) -> tuple[int, bytes]:
@@ -253,12 +303,15 @@ class _Handler(BaseHTTPRequestHandler):
         target = targets.get(key)
         state = target.state if target else None
         if action == "withdraw":
+            if target is None:  # never published here, or evicted: whether it was claimed is
+                return _refusal(404, f"target {key} is not known")  # unknown (the decode waits)
             if state in (OPEN, CLAIMED) and target.owner != owner:
                 return _refusal(403, f"target {key} was published by another process")
             if state == CLAIMED:
                 return 409, json.dumps({"claimed_at": target.claimed_at}).encode()
             if state == OPEN:
                 target.state = WITHDRAWN
+                targets.shrink(key)
             return 200, b"{}"
         refused = self._not_rank_owner(key, owner, f"{action} its targets")
         if refused:
@@ -269,10 +322,14 @@ class _Handler(BaseHTTPRequestHandler):
             if state != OPEN:
                 return _refusal(409, f"target {key} is {state}")
             target.state, target.claimed_at = CLAIMED, time.time()
-            return 200, target.record
+            record = target.record
+            targets.shrink(key)  # pinned from now on: CLAIM_HOLD_S
+            return 200, record
         if state == CLAIMED:  # expire
             return _refusal(409, f"target {key} is claimed")
-        targets.put(key, Entry(owner, b"{}", EXPIRED))
+        if not targets.put(key, Entry(owner, TOMBSTONE, EXPIRED)):
+            return _refusal(503, f"this registry holds {len(targets)} targets, each claimed "
+                                 f"within the last {CLAIM_HOLD_S:.0f} s")
         return 200, b"{}"
 
 
@@ -529,9 +586,13 @@ def _delete(addr: str, table: str, key: str, timeout_s: float) -> None:
 
 
 def put_target(addr: str, key: str, record: dict, timeout_s: float = 5.0) -> bool:
-    """Publish a decode's target; False if the prefill has expired the room already."""
+    """Publish a decode's target; False if the prefill has expired the room already. True also
+    for a target claimed already: a publication whose answer was lost (the call stalled) and that
+    the prefill claimed meanwhile (a write may be landing: the decode keeps its pages)."""
     status, body = _call("PUT", addr, f"/targets/{key}", _compact(record), timeout_s)
     expired = status == 409 and f"is {EXPIRED}".encode() in body
+    if status == 409 and f"is {CLAIMED}".encode() in body:
+        return True
     if status != 200 and not expired:
         raise RuntimeError(f"bootstrap registry {addr} refused target {key}: {status} "
                            f"{body[:200]!r}")

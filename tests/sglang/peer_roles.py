@@ -129,7 +129,47 @@ def stalled_registry(spec: dict) -> None:
     trickler.close()
 
 
-ROLES = {"stalled_registry": stalled_registry}
+def unsettled_withdraw(spec: dict) -> None:
+    """pd-nixl push decodes whose waiting timeout passes with their target published, so they
+    withdraw it: withdrawn (200: nobody writes) fails the room at once; a target the registry no
+    longer knows (404: evicted by churn) or a registry gone (no answer) may have been claimed, so
+    the decode keeps its pages (Transferring) for MAX_WRITE_S (shortened to `max_write_s` here),
+    then fails."""
+    load_plugins()
+    import numpy as np
+
+    from pd_plugins.connectors.sglang import pd_nixl
+    from pd_plugins.transfer import bootstrap_registry as br
+
+    pd_nixl.MAX_WRITE_S = spec["max_write_s"]
+    port = free_port()
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER, "pd-nixl")(host="127.0.0.1", port=port)
+    targets = server.registry._server.tables["targets"]
+    (prefill, _), (decode, _) = _managers("pd-nixl", port, DisaggregationMode.PREFILL,
+                                          DisaggregationMode.DECODE)
+    addr = f"127.0.0.1:{port}"
+    for room, case in enumerate(("withdrawn", "evicted", "registry gone"), start=40):
+        receiver = kv_class(KVClassType.RECEIVER, "pd-nixl")(decode, addr, room)
+        receiver.init(0)
+        assert receiver.poll() == KVPoll.WaitingForInput, failure_of(receiver)
+        receiver.send_metadata(np.array([room], dtype=np.int32), 0, None)
+        receiver.poll()
+        assert receiver.target_published, failure_of(receiver)
+        if case == "evicted":  # other decodes' targets churn it out of a small table
+            targets.max_entries = len(targets)
+            for other in range(1000, 1000 + len(targets)):
+                br.put_target(addr, br.room_key(other, "0.0"), {})
+        elif case == "registry gone":
+            server.close()
+        while time.monotonic() <= receiver.waiting_deadline:
+            time.sleep(POLL_S)
+        timer = watchdog(case, 40)
+        got = _conclude(receiver, 30)
+        timer.cancel()
+        emit(event="withdrawn", case=case, **got)
+
+
+ROLES = {"stalled_registry": stalled_registry, "unsettled_withdraw": unsettled_withdraw}
 
 
 def main(argv: list[str]) -> None:

@@ -63,3 +63,24 @@ def test_a_bootstrap_address_that_stalls_holds_the_scheduler_briefly_and_fails_t
         # two stalled calls of 1 s, a heartbeat interval apart; the rest is quick
         assert got["init_s"] + got["blocked_s"] < 3.5, got
         assert got["took_s"] < 10, got
+
+
+def test_a_push_decode_keeps_its_pages_while_the_registry_cannot_say_nobody_writes(peer_role):
+    """Past its waiting timeout a pd-nixl push decode withdraws its target. Only "withdrawn"
+    (200) means no WRITE can land: it fails at once and SGLang frees its pages. A target the
+    registry no longer knows (404: evicted) or no answer (the registry is gone) may have been
+    claimed: the decode keeps its pages MAX_WRITE_S (3 s here) before it fails (it had taken
+    either for "nobody writes" and freed them while a claimed WRITE could still land)."""
+    role = peer_role("unsettled_withdraw", {
+        "PD_NIXL_MODE": "push", "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "1",
+        "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "5"}, {"max_write_s": 3.0})
+    got = {e.get("case"): e for e in (role.next_event(timeout_s=120) for _ in range(3))}
+    assert set(got) == {"withdrawn", "evicted", "registry gone"}, got
+    assert got["withdrawn"]["state"] == KV_POLL_FAILED, got
+    assert "no KV from the prefill" in got["withdrawn"]["failure"], got
+    assert got["withdrawn"]["took_s"] < 2.0, got
+    for case in ("evicted", "registry gone"):
+        assert got[case]["state"] == KV_POLL_FAILED, got[case]
+        assert "could not say whether the prefill claimed them" in got[case]["failure"], got[case]
+        assert got[case]["took_s"] >= 2.9, got[case]  # its pages kept MAX_WRITE_S
+    assert "404" in got["evicted"]["failure"] and "no answer" in got["registry gone"]["failure"]

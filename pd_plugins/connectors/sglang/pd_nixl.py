@@ -397,8 +397,10 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
         self.bytes_moved = len(self.pages) * self.mgr.buffers.page_bytes
 
     # -- push ---------------------------------------------------------------------------------
-    target_published = False
-    claimed_at: float | None = None
+    target_sent = False       # a publication was sent: the registry may hold the target
+    target_published = False  # ... and answered that it does
+    claimed_at: float | None = None  # (maybe) claimed then: pages kept till then + MAX_WRITE_S
+    unsettled: str = ""  # why the decode keeps its pages without a known claim
 
     @property
     def _target_key(self) -> str:
@@ -406,9 +408,11 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
 
     def _await_write(self) -> None:
         """Publish this decode's pages as the room's target, then wait for the WRITE's
-        notification; past the waiting timeout, withdraw the target (or, if the prefill has
-        claimed it, keep the pages until MAX_WRITE_S after the claim)."""
+        notification; past the waiting timeout, withdraw the target. If the prefill has claimed
+        it, or the registry cannot say (the target unknown to it, or no answer), a WRITE may
+        still land: keep the pages until MAX_WRITE_S after the claim (or after now)."""
         if not self.target_published:
+            self.target_sent = True
             try:
                 opened = self._ask(bootstrap_registry.put_target, self._target_key, {
                     "agent_metadata": base64.b64encode(self.mgr.agent.metadata()).decode(),
@@ -416,33 +420,44 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
                     "memory": list(self.mgr.buffers.memory),
                     "page_runs": encode_pages(self.pages), "first_page": self.first_page})
             except bootstrap_registry.RegistryUnreachable:
-                return self._check_waiting()  # the prefill's heartbeat decides when it is gone
-            if not opened:
+                opened = None  # it may have been published all the same (the answer stalled)
+            if opened is False:
                 raise TimeoutError(f"room {self.room}: the prefill's lease ran out before this "
                                    "decode was ready; the KV is gone")
-            self.target_published = True
+            self.target_published = bool(opened)
         self.mgr.pump()
         arrived = self.mgr.arrivals.pop(self.room, None)
         if arrived is not None:
             return self._written(arrived)
         if time.monotonic() > self.waiting_deadline:
             if self.claimed_at is not None:
-                raise TimeoutError(f"room {self.room}: the prefill's WRITE did not finish within "
-                                   f"{MAX_WRITE_S:.0f} s")
+                raise TimeoutError(
+                    f"room {self.room}: no KV from the prefill's WRITE within {MAX_WRITE_S:.0f} s "
+                    + ("of its claim on this decode's pages" if not self.unsettled else
+                       f"after the waiting timeout; its pages were kept that long because "
+                       f"{self.unsettled}"))
             try:
                 status, answer = self._ask(bootstrap_registry.target_action, self._target_key,
                                            "withdraw")
-            except bootstrap_registry.RegistryUnreachable:  # the prefill is gone: nobody writes
-                status, answer = 200, {}
+            except bootstrap_registry.RegistryUnreachable as exc:
+                status, answer = None, {"error": str(exc)}
             if status == 409:  # claimed: a WRITE may be under way into these pages
                 self.claimed_at = float(answer["claimed_at"])
                 self.waiting_deadline = (time.monotonic()
                                          + max(0.0, self.claimed_at + MAX_WRITE_S - time.time()))
                 return None
+            if status != 200:  # 404 (not known: evicted, or never published) or no answer
+                self.unsettled = (f"the registry could not say whether the prefill claimed them "
+                                  f"({status or 'no answer'}: {str(answer.get('error'))[:200]})")
+                self.claimed_at = time.time()  # a claim now, at the latest
+                self.waiting_deadline = time.monotonic() + MAX_WRITE_S
+                return None
+        if self.claimed_at is not None:  # kept whatever the heartbeats say, until the deadline
+            return None
         return self._check_waiting()
 
     def abort(self) -> None:
-        if self.state != KVPoll.Success and self.target_published and self.claimed_at is None:
+        if self.state != KVPoll.Success and self.target_sent and self.claimed_at is None:
             # best effort: a target the prefill has not claimed is never written after this
             with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
                 self._ask(bootstrap_registry.target_action, self._target_key, "withdraw")

@@ -29,13 +29,23 @@ def own_secret(tmp_path, monkeypatch):
 @pytest.fixture
 def server():
     srv = br.BootstrapRegistry("127.0.0.1", free_port())
+    _SERVERS[f"127.0.0.1:{srv.port}"] = srv
     yield srv
+    _SERVERS.pop(f"127.0.0.1:{srv.port}", None)
     srv.close()
 
 
 @pytest.fixture
 def registry(server):
     return f"127.0.0.1:{server.port}"
+
+
+_SERVERS: dict[str, br.BootstrapRegistry] = {}
+
+
+def registry_server(addr: str):
+    """The HTTP server behind `registry` (its tables)."""
+    return _SERVERS[addr]._server
 
 
 def raw(addr: str, method: str, path: str, body: bytes = b"", owner: str = "other-process",
@@ -303,6 +313,60 @@ def test_a_128k_page_room_fits_a_record(registry, pages):
     br.put_room(registry, "1.0.0", record)
     got = br.get_room(registry, "1.0.0")
     assert decode_pages(got["page_runs"], max_pages=len(pages)).tolist() == pages
+
+
+def test_a_claimed_target_is_never_evicted_and_a_full_registry_refuses_new_ones(registry,
+                                                                                 monkeypatch):
+    """Targets churn (withdrawn, expired, or any secret holder's): the oldest go, but never a
+    claimed one within CLAIM_HOLD_S (a WRITE may be landing in the decode's pages; evicted, the
+    decode's withdraw had answered 200, "nobody writes", and it freed them). Full of claimed
+    targets, the registry refuses new ones (503); the claimed one is still answered 409 with its
+    claim time, and once its hold is over it may go."""
+    server = registry_server(registry)
+    targets = server.tables["targets"]
+    monkeypatch.setattr(targets, "max_entries", 4)
+    br.register(registry, "0.0", {})
+    key = br.room_key(77, "0.0")
+    assert raw(registry, "PUT", f"/targets/{key}", b'{"kv": []}', owner="decode")[0] == 200
+    assert br.target_action(registry, key, "claim")[0] == 200  # the WRITE starts
+    for room in range(100, 110):
+        assert raw(registry, "PUT", f"/targets/{room}.0.0", b"{}", owner="someone")[0] == 200
+    assert key in targets.entries and len(targets) == 4
+    status, answer = raw(registry, "POST", f"/targets/{key}/withdraw", owner="decode")
+    assert status == 409 and json.loads(answer)["claimed_at"] > 0
+
+    for room in range(200, 203):  # every other entry claimed too: nothing may go
+        assert raw(registry, "PUT", f"/targets/{room}.0.0", b"{}", owner="decode")[0] == 200
+        assert br.target_action(registry, f"{room}.0.0", "claim")[0] == 200
+    status, answer = raw(registry, "PUT", "/targets/300.0.0", b"{}", owner="decode")
+    assert status == 503 and "claimed" in json.loads(answer)["error"]
+    assert raw(registry, "POST", "/targets/301.0.0/expire", owner=peer_auth.process_owner()
+               )[0] == 503
+    assert len(targets) == 4 and key in targets.entries
+
+    monkeypatch.setattr(br, "CLAIM_HOLD_S", 0.0)  # the holds are over: the oldest go again
+    assert raw(registry, "PUT", "/targets/300.0.0", b"{}", owner="decode")[0] == 200
+    assert key not in targets.entries and len(targets) == 4
+
+
+def test_withdrawing_an_unknown_target_is_a_404_and_settled_ones_keep_no_record(registry):
+    """A withdraw of a target the registry does not know (never published here, or evicted) is
+    not "nobody writes" (200) but 404: the decode cannot tell whether it was claimed. Withdrawn
+    and claimed targets keep a tombstone, not their record (their bytes free the table)."""
+    server = registry_server(registry)
+    targets = server.tables["targets"]
+    br.register(registry, "0.0", {})
+    assert raw(registry, "POST", "/targets/5.0.0/withdraw", owner="decode")[0] == 404
+    record = {"page_runs": list(range(1000))}
+    for room, action in ((6, "withdraw"), (7, "claim")):
+        key = br.room_key(room, "0.0")
+        assert br.put_target(registry, key, record)
+        before = targets.bytes
+        assert br.target_action(registry, key, action)[0] == 200
+        assert targets.get(key).record == br.TOMBSTONE
+        assert targets.bytes == before - len(json.dumps(record, separators=(",", ":"))) + 2
+    # a publication retried after its answer was lost, once claimed: published (keep the pages)
+    assert br.put_target(registry, br.room_key(7, "0.0"), record)
 
 
 def test_tables_are_bounded_by_entries_and_bytes():
