@@ -285,6 +285,10 @@ class _Handler(BaseHTTPRequestHandler):
             refused = self._not_rank_owner(key, owner, "publish its rooms")
             if refused:
                 return refused
+            if _expired_room(entry) and not _expired_room(Entry(owner, body)):
+                # a tombstone stays: a publication that arrives late (its client gave up on it)
+                # must not bring back a room whose pages the prefill has freed
+                return _refusal(409, f"room {key} is {EXPIRED}; a room is published once")
             entries.put(key, Entry(owner, body))
             return 200, b"{}"
         if entry is not None and entry.state in (EXPIRED, CLAIMED):
@@ -331,6 +335,17 @@ class _Handler(BaseHTTPRequestHandler):
             return _refusal(503, f"this registry holds {len(targets)} targets, each claimed "
                                  f"within the last {CLAIM_HOLD_S:.0f} s")
         return 200, b"{}"
+
+
+def _expired_room(entry: Entry | None) -> bool:
+    """A pull room's tombstone ({"expired": true}: its prefill gave up and freed its pages)."""
+    if entry is None or len(entry.record) > 64:
+        return False
+    try:
+        record = json.loads(entry.record)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("expired") is True
 
 
 def _refusal(status: int, reason: str) -> tuple[int, bytes]:

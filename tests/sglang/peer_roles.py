@@ -169,7 +169,53 @@ def unsettled_withdraw(spec: dict) -> None:
         emit(event="withdrawn", case=case, **got)
 
 
-ROLES = {"stalled_registry": stalled_registry, "unsettled_withdraw": unsettled_withdraw}
+def failed_republish(spec: dict) -> None:
+    """A pd-nixl pull prefill whose republication (a decode's heartbeat extended the lease) fails,
+    as a call to a stalled registry does: the room fails, so SGLang frees its pages; its lease
+    must go and its record become a tombstone, or a decode could still READ those pages."""
+    load_plugins()
+    import numpy as np
+
+    from pd_plugins.transfer import bootstrap_registry as br
+
+    port, room = free_port(), 77
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER, "pd-nixl")(host="127.0.0.1", port=port)
+    (prefill, memory), (decode, _) = _managers("pd-nixl", port, DisaggregationMode.PREFILL,
+                                               DisaggregationMode.DECODE)
+    put_room, publications = br.put_room, []
+
+    def stalled_republication(addr, key, record, timeout_s=5.0):
+        if "lease_until" in record:
+            publications.append(record["lease_until"])
+            if len(publications) == 2:  # the first republication
+                raise br.RegistryStalled(f"bootstrap registry {addr} did not answer PUT (test)")
+        return put_room(addr, key, record, timeout_s)
+
+    br.put_room = stalled_republication
+    memory.fill(room, [3, 4], 1)
+    sender = kv_class(KVClassType.SENDER, "pd-nixl")(prefill, f"127.0.0.1:{port}", room)
+    sender.init(2, 1)
+    sender.send(np.array([3, 4], dtype=np.int32))
+    receiver = kv_class(KVClassType.RECEIVER, "pd-nixl")(decode, f"127.0.0.1:{port}", room)
+    receiver.init(0)
+    assert receiver.poll() == KVPoll.WaitingForInput, failure_of(receiver)
+    receiver.send_metadata(np.array([10, 11], dtype=np.int32), 2, None)
+    timer = watchdog("failed republication", 60)
+    deadline = time.monotonic() + 30
+    while sender.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < deadline:
+        receiver.poll()  # a lease of 2 s: the decode heartbeats for more
+        time.sleep(POLL_S)
+    emit(event="sender", state=sender.poll(), failure=failure_of(sender),
+         publications=len(publications), lease_until=prefill.leases.until(room),
+         record=br.get_room(f"127.0.0.1:{port}", br.room_key(room, prefill.rank_key)))
+    got = _conclude(receiver, 20)
+    timer.cancel()
+    emit(event="receiver", **got)
+    server.close()
+
+
+ROLES = {"stalled_registry": stalled_registry, "unsettled_withdraw": unsettled_withdraw,
+         "failed_republish": failed_republish}
 
 
 def main(argv: list[str]) -> None:

@@ -84,3 +84,21 @@ def test_a_push_decode_keeps_its_pages_while_the_registry_cannot_say_nobody_writ
         assert "could not say whether the prefill claimed them" in got[case]["failure"], got[case]
         assert got[case]["took_s"] >= 2.9, got[case]  # its pages kept MAX_WRITE_S
     assert "404" in got["evicted"]["failure"] and "no answer" in got["registry gone"]["failure"]
+
+
+def test_a_pull_room_that_fails_leaves_a_tombstone_and_no_lease(peer_role):
+    """A pd-nixl pull prefill whose republication fails (a stalled registry call, injected):
+    SGLang frees a failed room's pages, so the lease goes and the record becomes a tombstone
+    (before, both stayed: a decode could READ the freed pages, reused by another request by
+    then). The decode that waited for the room then fails at once with the lease's end."""
+    role = peer_role("failed_republish", {"PD_NIXL_LEASE_S": "2",
+                                          "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "15",
+                                          "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "0.5"})
+    sender = role.next_event(timeout_s=120)
+    assert sender.get("event") == "sender", sender
+    assert sender["state"] == KV_POLL_FAILED and "did not answer PUT" in sender["failure"], sender
+    assert sender["publications"] == 2, sender
+    assert sender["record"] == {"expired": True} and sender["lease_until"] == 0.0, sender
+    receiver = role.next_event(timeout_s=60)
+    assert receiver["state"] == KV_POLL_FAILED and "lease ran out" in receiver["failure"], receiver
+    assert receiver["took_s"] < 5, receiver

@@ -196,9 +196,13 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
         self.aux = base64.b64encode(aux).decode()
         until = self.mgr.leases.lease(self.room)
         if self.mgr.transfer_mode == "pull":
-            # the room is complete: what the decode must find in these pages (None: device KV)
-            self.digests = page_digests(self.mgr.buffers.kv, getattr(self, "pages", []))
-            self._publish(until)
+            try:
+                # the room is complete: what the decode must find in these pages (None: device KV)
+                self.digests = page_digests(self.mgr.buffers.kv, getattr(self, "pages", []))
+                self._publish(until)
+            except ROOM_FAULTS:  # the room fails: SGLang frees its pages, no decode may read them
+                self._forget(expired=True)
+                raise
 
     def _publish(self, lease_until: float) -> None:
         record = {"page_runs": encode_pages(getattr(self, "pages", [])), "aux": self.aux,
@@ -222,6 +226,15 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
             except ROOM_FAULTS:  # the room fails (SGLang neither aborts nor clears it then):
                 self.mgr.leases.forget(self.room)  # its lease goes with it, or the table grows
                 raise
+        try:
+            return self._pull()
+        except ROOM_FAULTS:  # the room fails and SGLang frees its pages (it neither aborts nor
+            # clears the room then): the lease goes, and the record becomes a tombstone, so no
+            # decode starts a READ of pages that may hold another request's KV by then
+            self._forget(expired=True)
+            raise
+
+    def _pull(self) -> None:
         status = self.mgr.leases.status(self.room)
         if status == "held":
             until = self.mgr.leases.until(self.room)

@@ -369,6 +369,20 @@ def test_withdrawing_an_unknown_target_is_a_404_and_settled_ones_keep_no_record(
     assert br.put_target(registry, br.room_key(7, "0.0"), record)
 
 
+def test_an_expired_room_stays_expired(registry):
+    """A pull room's tombstone is kept: a publication that arrives after it (its client gave up
+    on a stalled call, and the room failed and was freed meanwhile) must not bring the room back
+    for a decode to READ."""
+    br.register(registry, "0.0", {})
+    key = br.room_key(3, "0.0")
+    br.put_room(registry, key, {"page_runs": [1, 2], "lease_until": 5.0})
+    br.put_room(registry, key, {"expired": True})
+    with pytest.raises(RuntimeError, match="409"):
+        br.put_room(registry, key, {"page_runs": [1, 2], "lease_until": 9.0})
+    br.put_room(registry, key, {"expired": True})
+    assert br.get_room(registry, key) == {"expired": True}
+
+
 def test_tables_are_bounded_by_entries_and_bytes():
     table = br._Table(max_entries=3, max_bytes=10)
     for i in range(5):
