@@ -16,6 +16,13 @@ Protocol, per room:
    `MAX_READ_S - START_MARGIN_S` is abandoned by the decode, so it never uses pages read after
    the prefill may have freed them.
 Lease times are wall-clock: prefill and decode hosts need synchronised clocks (same host here).
+
+Who may say what: any NIXL peer can send any agent a notification, and the prefill learns the
+decode's agent only from its notifications. So a room is bound to the agent whose `START` came
+first: only that agent's `DONE` ends it. `HB` and `START` from anyone extend the lease, but
+never past `lease_s + max_extension_s` after the room was leased (`START`: plus MAX_READ_S, to
+cover a read started before then): a peer that knows a room number can hold its pages that long
+at most, and can end it early only by sending `START` before the decode does.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ START_MARGIN_S = 5.0
 MAX_READ_S = 30.0
 MAX_WRITE_S = 30.0  # push (connectors/sglang/pd_nixl.py): a WRITE's limit, as a READ's
 MAX_EARLY = 10_000  # rooms with notifications that came before the room was leased
+MAX_EARLY_PER_ROOM = 8  # (kind, agent) pairs kept per such room, and agents whose DONE came
+MAX_EXTENSION_S = 600.0  # how far heartbeats may extend a lease past its first lease_s
+MAX_AGENT_NAME = 256  # a notification's agent name longer than this is not one of ours
 _KINDS = (b"HB", b"START", b"DONE")
 
 
@@ -143,9 +153,13 @@ class NixlRoomAgent:
         with self._lock, _as_connection_error(peer):
             self.agent.send_notif(peer, message)
 
-    def notifications(self) -> list[bytes]:
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """(the sending agent's name, the message) of each notification that came: NIXL names
+        the agent whose connection carried it (any peer can send any message)."""
         with self._lock:
-            return [m for msgs in self.agent.get_new_notifs().values() for m in msgs]
+            notes = self.agent.get_new_notifs()
+        return [(name.decode(errors="replace") if isinstance(name, bytes) else str(name), m)
+                for name, msgs in notes.items() for m in msgs]
 
     def close(self) -> None:
         with self._lock:
@@ -155,72 +169,99 @@ class NixlRoomAgent:
                 pass
 
 
-class LeaseTable:
-    """Prefill side: room -> lease end (wall clock), fed by the decode's notifications."""
+class _Lease:
+    """One leased room: until when its pages are held, and who may end it."""
 
-    def __init__(self, lease_s: float, max_early: int = MAX_EARLY) -> None:
-        self.lease_s, self.max_early = lease_s, max_early
-        self._until: dict[int, float] = {}
-        self._done: set[int] = set()
-        self._started: set[int] = set()
+    __slots__ = ("until", "cap", "reader", "done_from")
+
+    def __init__(self, until: float, cap: float) -> None:
+        self.until, self.cap = until, cap  # wall clock; heartbeats extend `until` up to `cap`
+        self.reader: str | None = None     # the agent whose START came first
+        self.done_from: list[str] = []     # agents whose DONE came (MAX_EARLY_PER_ROOM at most)
+
+
+class LeaseTable:
+    """Prefill side: room -> lease, fed by the decode's notifications ((agent, message) pairs:
+    see the module doc for who may extend and end a lease)."""
+
+    def __init__(self, lease_s: float, max_early: int = MAX_EARLY,
+                 max_extension_s: float = MAX_EXTENSION_S) -> None:
+        self.lease_s, self.max_early, self.max_extension_s = lease_s, max_early, max_extension_s
+        self._rooms: dict[int, _Lease] = {}
         # notifications that came before their room was leased (a fast decode), bounded: a
         # peer naming rooms that never come cannot grow it
-        self._early: OrderedDict[int, set[bytes]] = OrderedDict()
+        self._early: OrderedDict[int, list[tuple[bytes, str]]] = OrderedDict()
         self._lock = threading.Lock()
 
     def lease(self, room: int) -> float:
         with self._lock:
-            until = time.time() + self.lease_s
-            self._until[room] = until
-            for kind in sorted(self._early.pop(room, ())):  # DONE, HB, START: order-free
-                self._apply(room, kind)
-            return self._until[room]
+            now = time.time()
+            lease = self._rooms[room] = _Lease(now + self.lease_s,
+                                               now + self.lease_s + self.max_extension_s)
+            for kind, agent in self._early.pop(room, ()):  # in the order they came
+                self._apply(lease, kind, agent)
+            return lease.until
 
-    def feed(self, messages: list[bytes]) -> None:
+    def feed(self, notes: list[tuple[str, bytes]]) -> None:
         with self._lock:
-            for message in messages:
+            for agent, message in notes:
                 kind, _, room_b = message.partition(b":")
-                try:
-                    room = int(room_b)
-                except ValueError:
+                if kind not in _KINDS or not 0 < len(room_b) <= 20 or not room_b.isdigit():
                     continue
-                if kind not in _KINDS or not 0 <= room < 2**64:
+                room = int(room_b)
+                if room >= 2**64 or len(agent) > MAX_AGENT_NAME:
                     continue
-                if room in self._until:
-                    self._apply(room, kind)
+                lease = self._rooms.get(room)
+                if lease is not None:
+                    self._apply(lease, kind, agent)
                     continue
-                self._early.setdefault(room, set()).add(kind)
+                early = self._early.setdefault(room, [])
+                if (kind, agent) not in early and len(early) < MAX_EARLY_PER_ROOM:
+                    early.append((kind, agent))
                 self._early.move_to_end(room)
                 while len(self._early) > self.max_early:
                     self._early.popitem(last=False)
 
-    def _apply(self, room: int, kind: bytes) -> None:
+    def _apply(self, lease: _Lease, kind: bytes, agent: str) -> None:
         now = time.time()
         if kind == b"HB":
-            self._until[room] = max(self._until[room], now + self.lease_s)
+            lease.until = max(lease.until, min(now + self.lease_s, lease.cap))
         elif kind == b"START":
-            self._started.add(room)
-            self._until[room] = max(self._until[room], now + MAX_READ_S)
-        elif kind == b"DONE":
-            self._done.add(room)
+            # covers a READ started before the cap, never more than MAX_READ_S past it
+            lease.until = max(lease.until, min(now + MAX_READ_S, lease.cap + MAX_READ_S))
+            if lease.reader is None:
+                lease.reader = agent
+        elif kind == b"DONE" and agent not in lease.done_from:
+            if len(lease.done_from) < MAX_EARLY_PER_ROOM:
+                lease.done_from.append(agent)
 
     def until(self, room: int) -> float:
         with self._lock:
-            return self._until.get(room, 0.0)
+            lease = self._rooms.get(room)
+            return lease.until if lease else 0.0
+
+    def reader(self, room: int) -> str | None:
+        """The agent the room is bound to (its START came first), if any yet."""
+        with self._lock:
+            lease = self._rooms.get(room)
+            return lease.reader if lease else None
 
     def status(self, room: int) -> str:
-        """"done" (the decode read it all), "expired" or "held"."""
+        """"done" (the room's reader read it all), "expired" or "held"."""
         with self._lock:
-            if room in self._done:
+            lease = self._rooms.get(room)
+            if lease is not None and lease.reader is not None and lease.reader in lease.done_from:
                 return "done"
-            return "expired" if time.time() >= self._until.get(room, 0.0) else "held"
+            return "expired" if lease is None or time.time() >= lease.until else "held"
 
     def forget(self, room: int) -> None:
         with self._lock:
-            self._until.pop(room, None)
-            self._done.discard(room)
-            self._started.discard(room)
+            self._rooms.pop(room, None)
             self._early.pop(room, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._rooms)
 
 
 # -- push: the WRITE's notification ---------------------------------------------------------------

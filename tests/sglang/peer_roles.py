@@ -214,8 +214,137 @@ def failed_republish(spec: dict) -> None:
     server.close()
 
 
+def _attacker(victim, name: str = "attacker"):
+    """Another NIXL agent (UCX on loopback) that reached `victim`'s agent: (agent, peer name)."""
+    import numpy as np
+
+    from pd_plugins.transfer.nixl_rooms import NixlRoomAgent
+
+    buf = np.zeros(4096, dtype=np.uint8)
+    agent = NixlRoomAgent(f"{name}-{time.time_ns()}", [(buf.ctypes.data, buf.nbytes)])
+    agent._buf = buf  # registered memory: kept alive with the agent
+    return agent, agent.add_peer(victim.agent.metadata(), victim.agent.name)
+
+
+def _poll_for(obj, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    state = obj.poll()
+    while time.monotonic() < deadline and state not in (KVPoll.Success, KVPoll.Failed):
+        time.sleep(POLL_S)
+        state = obj.poll()
+    return state
+
+
+def push_notes(spec: dict) -> None:
+    """pd-nixl push: WRITE notifications from a NIXL agent that is not the room's prefill (a
+    3-field note without digests, an 8 MiB one) are ignored; the real WRITE then lands verified.
+    A note from the prefill's own agent without digests, when its record says host KV, fails
+    the room."""
+    load_plugins()
+    import numpy as np
+
+    from pd_plugins.transfer.nixl_rooms import push_note
+
+    port = free_port()
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER, "pd-nixl")(host="127.0.0.1", port=port)
+    (prefill, pmem), (decode, dmem) = _managers("pd-nixl", port, DisaggregationMode.PREFILL,
+                                                DisaggregationMode.DECODE)
+    addr, aux_width = f"127.0.0.1:{port}", sum(buf.shape[1] for buf in dmem.aux)
+    attacker, to_decode = _attacker(decode)
+    timer = watchdog("push notes", 90)
+
+    def receiver_for(room: int, dest: list[int], aux_index: int):
+        receiver = kv_class(KVClassType.RECEIVER, "pd-nixl")(decode, addr, room)
+        receiver.init(0)
+        assert receiver.poll() == KVPoll.WaitingForInput, failure_of(receiver)
+        receiver.send_metadata(np.array(dest, dtype=np.int32), aux_index, None)
+        receiver.poll()
+        assert receiver.target_published, failure_of(receiver)
+        return receiver
+
+    room, pages, dest = 4242, [3, 4], [20, 21]
+    pmem.fill(room, pages, 1)
+    sender = kv_class(KVClassType.SENDER, "pd-nixl")(prefill, addr, room)
+    sender.init(len(pages), 1)
+    sender.send(np.array(pages, dtype=np.int32))
+    receiver = receiver_for(room, dest, 2)
+    aux_before = dmem.digest(dest, 2)["aux"]
+    attacker.notify(to_decode, push_note(room, time.time(), b"\x07" * aux_width, None))
+    attacker.notify(to_decode, push_note(room, time.time(), b"\x07" * (8 << 20), None))
+    spoofed = _poll_for(receiver, 1.0)
+    emit(event="spoofed", state=spoofed, failure=failure_of(receiver),
+         aux_unchanged=dmem.digest(dest, 2)["aux"] == aux_before,
+         refused=getattr(decode, "notes_refused", None))
+    while sender.poll() == KVPoll.Transferring:  # the prefill claims the target and WRITEs
+        receiver.poll()
+        time.sleep(POLL_S)
+    state = _poll_for(receiver, 10)
+    emit(event="written", state=state, failure=failure_of(receiver),
+         kv_verdict=receiver.kv_verdict, sent=sender.poll(),
+         same=dmem.digest(dest, 2) == pmem.digest(pages, 1))
+
+    # the prefill's own agent, as a prefill that states no digests would
+    room = 4243
+    receiver = receiver_for(room, [30], 3)
+    to_decode = prefill.agent.add_peer(decode.agent.metadata(), decode.agent.name)
+    prefill.agent.notify(to_decode, push_note(room, time.time(), b"\x01" * aux_width, None))
+    state = _poll_for(receiver, 10)
+    emit(event="undigested", state=state, failure=failure_of(receiver),
+         awaited=len(getattr(decode, "awaited", ())), arrivals=len(decode.arrivals))
+
+    # the prefill's own agent, a note larger than one of this room can be (one page: 8 bytes
+    # of digest): never parsed
+    room, refused = 4244, getattr(decode, "notes_refused", None)
+    receiver = receiver_for(room, [31], 4)
+    prefill.agent.notify(to_decode, push_note(room, time.time(), b"\x01" * aux_width,
+                                              "A" * (1 << 20)))
+    state = _poll_for(receiver, 1.0)
+    emit(event="oversized", state=state, failure=failure_of(receiver),
+         refused=(getattr(decode, "notes_refused", 0) or 0) - (refused or 0))
+    timer.cancel()
+    server.close()
+
+
+def pull_notes(spec: dict) -> None:
+    """pd-nixl pull: HB and DONE of a room from a NIXL agent that is not its reader: the DONE
+    does not end the room (the prefill had freed its pages, before any READ); the decode's own
+    READ then ends it."""
+    load_plugins()
+    import numpy as np
+
+    port = free_port()
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER, "pd-nixl")(host="127.0.0.1", port=port)
+    (prefill, pmem), (decode, dmem) = _managers("pd-nixl", port, DisaggregationMode.PREFILL,
+                                                DisaggregationMode.DECODE)
+    addr = f"127.0.0.1:{port}"
+    attacker, to_prefill = _attacker(prefill)
+    timer = watchdog("pull notes", 90)
+    room, pages, dest = 5151, [5, 6, 7], [40, 41, 42]
+    pmem.fill(room, pages, 4)
+    sender = kv_class(KVClassType.SENDER, "pd-nixl")(prefill, addr, room)
+    sender.init(len(pages), 4)
+    sender.send(np.array(pages, dtype=np.int32))
+    for message in (b"HB:%d" % room, b"DONE:%d" % room, b"HB:%d" % room):
+        attacker.notify(to_prefill, message)
+    spoofed = _poll_for(sender, 1.0)
+    emit(event="spoofed", state=spoofed, failure=failure_of(sender))
+    receiver = kv_class(KVClassType.RECEIVER, "pd-nixl")(decode, addr, room)
+    receiver.init(0)
+    assert receiver.poll() == KVPoll.WaitingForInput, failure_of(receiver)
+    receiver.send_metadata(np.array(dest, dtype=np.int32), 5, None)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (receiver.poll(), sender.poll()) != (KVPoll.Success,) * 2:
+        time.sleep(POLL_S)
+    emit(event="read", received=receiver.poll(), sent=sender.poll(),
+         failure=failure_of(receiver) or failure_of(sender), reader=decode.agent.name,
+         same=dmem.digest(dest, 5) == pmem.digest(pages, 4))
+    timer.cancel()
+    server.close()
+
+
 ROLES = {"stalled_registry": stalled_registry, "unsettled_withdraw": unsettled_withdraw,
-         "failed_republish": failed_republish}
+         "failed_republish": failed_republish, "push_notes": push_notes,
+         "pull_notes": pull_notes}
 
 
 def main(argv: list[str]) -> None:

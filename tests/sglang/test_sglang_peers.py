@@ -102,3 +102,40 @@ def test_a_pull_room_that_fails_leaves_a_tombstone_and_no_lease(peer_role):
     receiver = role.next_event(timeout_s=60)
     assert receiver["state"] == KV_POLL_FAILED and "lease ran out" in receiver["failure"], receiver
     assert receiver["took_s"] < 5, receiver
+
+
+def test_push_notes_count_only_from_the_room_s_prefill_and_with_digests(peer_role):
+    """pd-nixl push: any NIXL peer can notify a decode. A WRITE notification from an agent
+    other than the room's prefill is never parsed or kept (a 3-field one without digests had
+    completed the room as `unverified`, its metadata row set, the pages never written; an 8 MiB
+    one was parsed whole); the prefill's real WRITE then lands verified. A prefill whose record
+    says host KV must state digests: a note of its own agent without them fails the room; one
+    larger than a note of its room can be is not parsed."""
+    role = peer_role("push_notes", {"PD_NIXL_MODE": "push"})
+    spoofed = role.next_event(timeout_s=120)
+    assert spoofed.get("event") == "spoofed", spoofed
+    assert spoofed["state"] != KV_POLL_SUCCESS and spoofed["state"] != KV_POLL_FAILED, spoofed
+    assert spoofed["aux_unchanged"] and spoofed["refused"] == 2, spoofed
+    written = role.next_event(timeout_s=60)
+    assert written["state"] == KV_POLL_SUCCESS and written["sent"] == KV_POLL_SUCCESS, written
+    assert written["kv_verdict"] == "verified" and written["same"], written
+    undigested = role.next_event(timeout_s=60)
+    assert undigested["state"] == KV_POLL_FAILED, undigested
+    assert "states none: not used" in undigested["failure"], undigested
+    assert undigested["awaited"] == 0 and undigested["arrivals"] == 0, undigested
+    oversized = role.next_event(timeout_s=60)  # the prefill's agent, 1 MiB for a 1-page room
+    assert oversized["state"] not in (KV_POLL_SUCCESS, KV_POLL_FAILED), oversized
+    assert oversized["refused"] == 1, oversized
+
+
+def test_pull_done_counts_only_from_the_room_s_reader(peer_role):
+    """pd-nixl pull: a DONE from a NIXL agent that did not start the room's READ does not end
+    it (it had: the prefill freed the pages before any decode read them); the decode's own READ
+    does."""
+    role = peer_role("pull_notes", {"PD_NIXL_LEASE_S": "60"})
+    spoofed = role.next_event(timeout_s=120)
+    assert spoofed.get("event") == "spoofed", spoofed
+    assert spoofed["state"] != KV_POLL_SUCCESS and spoofed["state"] != KV_POLL_FAILED, spoofed
+    read = role.next_event(timeout_s=60)
+    assert (read["received"], read["sent"]) == (KV_POLL_SUCCESS, KV_POLL_SUCCESS), read
+    assert read["same"], read

@@ -34,7 +34,9 @@ finished room's pages for the decode), PD_TRANSFER_THREADS_NICE and PD_PROGRESS_
 progress thread: nice 19 and a 1 ms wait for work on a CPU engine by default; "none" leaves it as
 upstream has it); docs/connectors.md has their table. UCX on CPU: UCX_NET_DEVICES=lo on one host.
 Registry calls are signed with the peers' secret (PD_PEER_SECRET_FILE or PD_PEER_SECRET; transfer/peer_auth.py), and a NIXL peer must be the
-agent its record names.
+agent its record names. Any NIXL peer can send notifications: a push decode keeps a WRITE
+notification only from its room's prefill agent and no larger than one of its room can be; a pull
+room ends only by the DONE of the agent whose START came first (transfer/nixl_rooms.py).
 
 Verified hand-off (issue 28; transfer/page_digests.py): the prefill states one ws64 digest per
 page, in the room record (pull, `page_digests`, over all the room's pages) or in the WRITE's
@@ -60,6 +62,7 @@ import uuid
 import numpy as np
 from sglang.srt.disaggregation.base.conn import KVPoll
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
 
 from pd_plugins.connectors.sglang.host_kv import (
     HostKVManager,
@@ -77,6 +80,7 @@ from pd_plugins.transfer.nixl_rooms import (
     MAX_WRITE_S,
     START_MARGIN_S,
     HOST,
+    PUSHED,
     LeaseTable,
     Memory,
     NixlRoomAgent,
@@ -92,7 +96,8 @@ from pd_plugins.transfer.transfer_threads import lowered_new_threads, paced_prog
 logger = logging.getLogger("pd_plugins.sglang")
 
 BACKEND_NAME = "pd-nixl"
-MAX_ARRIVALS = 100_000  # notifications kept for rooms no receiver asked about (yet)
+MAX_ARRIVALS = 100_000  # push, decode: rooms whose WRITE notification a receiver awaits
+NOTE_OVERHEAD = 96  # a WRITE notification's bytes besides its metadata row and digests
 ABORT_WAIT_S = 2.0  # push: how long an aborted prefill lets its WRITE finish before freeing
 
 
@@ -116,8 +121,15 @@ class PdNixlKVManager(HostKVManager):
             self.agent = NixlRoomAgent(
                 f"pd-sglang-{role}-{self.rank_key}-{uuid.uuid4().hex[:12]}", self.buffers.regions(),
                 self.buffers.memory)
-        self.leases = LeaseTable(options.kv_lease_duration)
-        self.arrivals: dict[int, PushNote] = {}  # push, decode: room -> its WRITE's notification
+        # a decode heartbeats for its room while it waits, up to SGLang's waiting timeout
+        self.leases = LeaseTable(options.kv_lease_duration, max_extension_s=float(
+            envs.SGLANG_DISAGGREGATION_WAITING_TIMEOUT.get()))
+        # push, decode: room -> (the prefill agent whose WRITE notification it awaits, the most
+        # bytes that notification may have); and room -> the notification, once it came
+        self.awaited: dict[int, tuple[str, int]] = {}
+        self.arrivals: dict[int, PushNote] = {}
+        self.notes_refused = 0  # WRITE notifications no receiver awaits from their sender
+        self._next_refusal_log = 0.0
 
     def _record(self) -> dict:
         return {"agent_metadata": base64.b64encode(self.agent.metadata()).decode(),
@@ -138,22 +150,49 @@ class PdNixlKVManager(HostKVManager):
 
     def pump(self) -> None:
         """Notifications: a decode's (heartbeats, read starts, read completions) feed the
-        prefill's leases; a prefill's completed WRITEs (push) wait for their receivers."""
+        prefill's leases; a prefill's completed WRITEs (push) wait for their receivers, kept only
+        when a receiver awaits that room's from that agent, at its size at most."""
         others = []
-        for message in self.agent.notifications():
-            try:
-                note = parse_push_note(message)
-            except ValueError as exc:  # not from a pd-nixl prefill: no room to deliver it to
-                logger.warning("pd-nixl: %s", exc)
-                continue
-            if note is None:
-                others.append(message)
-                continue
-            self.arrivals[note.room] = note
-            while len(self.arrivals) > MAX_ARRIVALS:
-                self.arrivals.pop(next(iter(self.arrivals)))
+        for agent, message in self.agent.notifications():
+            if message.startswith(PUSHED + b":"):
+                self._arrived(agent, message)
+            else:
+                others.append((agent, message))
         if others:
             self.leases.feed(others)
+
+    def await_write(self, room: int, peer: str, max_bytes: int) -> None:
+        """A receiver's room: its WRITE notification may come from agent `peer`."""
+        self.awaited.pop(room, None)
+        self.awaited[room] = (peer, max_bytes)
+        while len(self.awaited) > MAX_ARRIVALS:  # SGLang concludes its receivers: not reached
+            self.awaited.pop(next(iter(self.awaited)))
+
+    def settled(self, room: int) -> None:
+        """The room's receiver concluded: no notification of it is kept any more."""
+        self.awaited.pop(room, None)
+        self.arrivals.pop(room, None)
+
+    def _arrived(self, agent: str, message: bytes) -> None:
+        _, _, rest = message.partition(b":")
+        room_b = rest[:21].partition(b":")[0]
+        expected = self.awaited.get(int(room_b)) if room_b.isdigit() else None
+        if expected is None or expected[0] != agent or len(message) > expected[1]:
+            # not the room's prefill (any NIXL peer can notify), not a room awaited, or larger
+            # than a notification of that room can be: never parsed, never kept
+            self.notes_refused += 1
+            if time.monotonic() >= self._next_refusal_log:  # at most one line a minute
+                self._next_refusal_log = time.monotonic() + 60
+                logger.warning("pd-nixl: a WRITE notification (%d bytes) from NIXL agent %r for "
+                               "a room that awaits none from it: ignored (%d so far)",
+                               len(message), agent[:80], self.notes_refused)
+            return
+        try:
+            note = parse_push_note(message)
+        except ValueError as exc:
+            logger.warning("pd-nixl: %s", exc)
+            return
+        self.arrivals[note.room] = note
 
     def close(self) -> None:
         self.agent.close()
@@ -335,6 +374,7 @@ class PdNixlKVSender(_OneTransfer, HostKVSender):
 
 class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
     peer: str | None = None
+    digests_required = False  # the prefill's record says host KV: its WRITEs state digests
     kv_verdict: str | None = None  # verified / unverified once the KV is in (a mismatch fails)
 
     def _accept(self, record: dict) -> None:
@@ -347,6 +387,8 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
                                             record.get("agent_name"))
         self.remote_kv = self.mgr.peer_items(record["kv"], self.room, "prefill")
         self.remote_memory = peer_memory(record)
+        # a prefill that says its KV is in host memory states page digests with every WRITE
+        self.digests_required = record.get("memory") is not None and self.remote_memory.on_host
 
     def _heartbeat(self) -> None:
         if self.peer is not None:
@@ -425,6 +467,8 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
         it, or the registry cannot say (the target unknown to it, or no answer), a WRITE may
         still land: keep the pages until MAX_WRITE_S after the claim (or after now)."""
         if not self.target_published:
+            if not self.target_sent:  # from here on its WRITE may come: from its prefill only
+                self.mgr.await_write(self.room, self.peer, self._max_note_bytes())
             self.target_sent = True
             try:
                 opened = self._ask(bootstrap_registry.put_target, self._target_key, {
@@ -476,6 +520,23 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
                 self._ask(bootstrap_registry.target_action, self._target_key, "withdraw")
         super().abort()
 
+    def _max_note_bytes(self) -> int:
+        """The most bytes this room's WRITE notification can have: the engine's metadata row and
+        one digest per page written, base64, and the rest."""
+        def b64(n: int) -> int:
+            return 4 * -(-n // 3)
+
+        aux = sum(buf.shape[1] for buf in self.mgr.buffers.aux)
+        return NOTE_OVERHEAD + b64(aux) + b64(8 * len(self.pages))
+
+    def _fail(self, exc: Exception) -> None:
+        super()._fail(exc)
+        self.mgr.settled(self.room)
+
+    def _succeed(self) -> None:
+        super()._succeed()
+        self.mgr.settled(self.room)
+
     def _written(self, note: PushNote) -> None:
         with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
             self._ask(bootstrap_registry.drop_target, self._target_key)
@@ -483,6 +544,10 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
             raise TimeoutError(f"room {self.room}: the WRITE finished "
                                f"{time.time() - note.started:.0f} s after it started; the prefill "
                                "may have freed its pages meanwhile")
+        if note.digests is None and self.digests_required:
+            raise RuntimeError(f"room {self.room}: the prefill's record says its KV is in host "
+                               "memory, whose WRITE notifications state page digests; this one "
+                               "states none: not used")
         # the prefill stated the digests of exactly the pages it wrote into this decode's
         self._check_kv(note.digests, 0, len(self.pages))
         self.mgr.buffers.set_aux_row(self.aux_index, note.aux)
