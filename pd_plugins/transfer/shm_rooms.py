@@ -90,15 +90,30 @@ class RoomWriter:
                 self._publish([room_key(self.scope, room, FIRST_SUMS_PAGE - i)
                                for i in range(count)], rows)
                 manifest = msgspec.structs.replace(manifest, page_sums=b"", sum_slots=count)
-        self._flip_slot(room, manifest.num_pages)
-        payload = msgspec.msgpack.encode(manifest)
-        if len(payload) + 8 > self.pool.slot_bytes:
-            raise RoomTransferError(f"room {room}: a {len(payload)}-byte manifest does not fit "
-                                    f"a {self.pool.slot_bytes}-byte slot")
-        row = np.zeros((1, self.pool.slot_bytes), dtype=np.uint8)  # length, then the payload
-        row[0, :8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
-        row[0, 8:8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-        self._publish([room_key(self.scope, room, MANIFEST_PAGE)], row)
+        try:
+            self._flip_slot(room, manifest.num_pages)
+            payload = msgspec.msgpack.encode(manifest)
+            if len(payload) + 8 > self.pool.slot_bytes:
+                raise RoomTransferError(f"room {room}: a {len(payload)}-byte manifest does not "
+                                        f"fit a {self.pool.slot_bytes}-byte slot")
+            row = np.zeros((1, self.pool.slot_bytes), dtype=np.uint8)  # length, then the payload
+            row[0, :8] = np.frombuffer(len(payload).to_bytes(8, "little"), dtype=np.uint8)
+            row[0, 8:8 + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            self._publish([room_key(self.scope, room, MANIFEST_PAGE)], row)
+        except (RoomTransferError, PoolError):
+            if manifest.sum_slots:  # published for a manifest that never comes
+                self._release(room, [FIRST_SUMS_PAGE - i for i in range(manifest.sum_slots)])
+            raise
+
+    def release(self, room: int, num_pages: int) -> None:
+        """End the hold of the room's pages 0..num_pages - 1, which this writer published, when
+        the room fails or is aborted before its manifest: no decode will read them, so they need
+        not keep pool slots for the hold (other writers may evict them at once)."""
+        self._release(room, list(range(num_pages)))
+
+    def _release(self, room: int, pages: list[int]) -> None:
+        refs = self.pool.lookup([room_key(self.scope, room, p) for p in pages])
+        self.pool.release_hold([ref for ref in refs if ref is not None])
 
     def _flip_slot(self, room: int, num_pages: int) -> None:
         """Fault injection (`flip_slot`): one byte of one of the room's published pages, its

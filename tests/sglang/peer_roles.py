@@ -342,9 +342,44 @@ def pull_notes(spec: dict) -> None:
     server.close()
 
 
+def shm_failed_rooms(spec: dict) -> None:
+    """pd-shm prefill rooms that fail on a later chunk (the pool has no free slot left: another
+    prefill's held pages) or are aborted after a first chunk: the pages they published are never
+    read, so their hold ends at once instead of keeping pool slots for PD_SHM_HOLD_S."""
+    load_plugins()
+    import numpy as np
+
+    from pd_plugins.transfer.shm_rooms import RoomWriter
+
+    port = free_port()
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER, "pd-shm")(host="127.0.0.1", port=port)
+    [(prefill, memory)] = _managers("pd-shm", port, DisaggregationMode.PREFILL)
+    pool = prefill.pool
+    filler, page = RoomWriter(pool, "another-prefill", hold_s=600), 0
+    while pool.stats().free > 2:  # room for one 2-page chunk
+        count = max(1, min(256, pool.stats().free - 2))
+        filler.put_pages(1, page, np.zeros((count, pool.slot_bytes), dtype=np.uint8))
+        page += count
+    for room, case in ((61, "later chunk fails"), (62, "aborted")):
+        memory.fill(room, [1, 2, 3, 4], 0)
+        held = pool.stats().held
+        sender = kv_class(KVClassType.SENDER, "pd-shm")(prefill, f"127.0.0.1:{port}", room)
+        sender.init(4, 0)
+        sender.send(np.array([1, 2], dtype=np.int32))
+        first = (sender.poll(), pool.stats().held - held)
+        if case == "aborted":
+            sender.abort()
+        else:
+            sender.send(np.array([3, 4], dtype=np.int32))
+        emit(event="shm_room", case=case, first_chunk=first, state=sender.poll(),
+             failure=failure_of(sender), held_after=pool.stats().held - held)
+    server.close()
+    prefill.close()
+
+
 ROLES = {"stalled_registry": stalled_registry, "unsettled_withdraw": unsettled_withdraw,
          "failed_republish": failed_republish, "push_notes": push_notes,
-         "pull_notes": pull_notes}
+         "pull_notes": pull_notes, "shm_failed_rooms": shm_failed_rooms}
 
 
 def main(argv: list[str]) -> None:

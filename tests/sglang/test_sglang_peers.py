@@ -16,7 +16,7 @@ from tests.sglang.role_forkserver import RoleForkServer
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
 
-KV_POLL_FAILED, KV_POLL_SUCCESS = 0, 4
+KV_POLL_FAILED, KV_POLL_TRANSFERRING, KV_POLL_SUCCESS = 0, 3, 4
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,17 @@ def test_pull_done_counts_only_from_the_room_s_reader(peer_role):
     read = role.next_event(timeout_s=60)
     assert (read["received"], read["sent"]) == (KV_POLL_SUCCESS, KV_POLL_SUCCESS), read
     assert read["same"], read
+
+
+def test_a_failed_or_aborted_pd_shm_room_releases_the_pages_it_published(peer_role):
+    """pd-shm: a room that fails on a later chunk (no free pool slot) or is aborted after a first
+    chunk ends the hold of the pages it published (they had kept pool slots for PD_SHM_HOLD_S,
+    60 s by default, though no decode would read them)."""
+    role = peer_role("shm_failed_rooms", {"PD_SHM_HOLD_S": "600"})
+    for case in ("later chunk fails", "aborted"):
+        got = role.next_event(timeout_s=120)
+        assert got.get("case") == case, got
+        assert got["first_chunk"] == [KV_POLL_TRANSFERRING, 2], got  # published, held
+        assert got["state"] == KV_POLL_FAILED, got
+        assert ("no free slot" if case != "aborted" else "aborted") in got["failure"], got
+        assert got["held_after"] == 0, got

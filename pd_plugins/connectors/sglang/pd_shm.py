@@ -102,6 +102,19 @@ class PdShmKVSender(HostKVSender):
             np.concatenate(sums) if sums else np.zeros(0, dtype=np.uint64))
         self._succeed()
 
+    def _fail(self, exc: Exception) -> None:
+        """A room that fails (a later chunk, the manifest) or is aborted before its manifest:
+        the pages it published are never read, so their hold ends now, not after PD_SHM_HOLD_S
+        (pages 0..next_page - 1 are this sender's own: a chunk whose publication failed is not
+        counted, nor are a reused room's pages of another transfer)."""
+        super()._fail(exc)
+        if self.next_page:
+            try:
+                self.mgr.writer.release(self.room, self.next_page)
+            except PoolError as release_error:  # best effort: the hold ends by itself
+                logger.warning("pd-shm: room %d: its pages' hold not ended: %s", self.room,
+                               release_error)
+
 
 class PdShmKVReceiver(HostKVReceiver):
     kv_verdict: str | None = None  # verified / unverified once the KV is in (a mismatch fails)

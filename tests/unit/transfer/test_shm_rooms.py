@@ -205,3 +205,36 @@ def test_a_manifest_too_big_for_a_slot(pool):
     with pytest.raises(RoomTransferError, match="does not fit"):
         RoomWriter(pool, "p0", 30).put_manifest(
             1, RoomManifest(num_pages=1, page_bytes=PAGE, aux=bytes(PAGE)))
+
+
+def _fill_until_free(pool: ShmKVPool, free: int) -> None:
+    """Another prefill's held pages take every slot but `free`."""
+    filler = RoomWriter(pool, "other-prefill", hold_s=60)
+    page = 0
+    while pool.stats().free > free:
+        filler.put_pages(1, page, np.zeros((1, pool.slot_bytes), dtype=np.uint8))
+        page += 1
+
+
+def test_a_failed_room_s_published_pages_and_sum_slots_are_released(tmp_path):
+    """A room whose manifest cannot be published (no free slot) after its pages and its spilled
+    page sums were: the sum slots' hold ends at once (they serve a manifest that never comes),
+    and `release` ends the pages' (the prefill's sender does on failure and abort), so they do
+    not hold pool slots for hold_s when no decode will read them."""
+    path = str(tmp_path / "pool")
+    pool = ShmKVPool(path, slot_bytes=64, layout="rooms-release", size_bytes=2**16)
+    try:
+        writer = RoomWriter(pool, "p0", hold_s=60)
+        _fill_until_free(pool, 12)  # 10 pages and 2 sum slots fit; the manifest does not
+        held = pool.stats().held
+        src = np.random.default_rng(3).integers(0, 256, (10, 64), dtype=np.uint8)
+        sums = writer.put_pages(9, 0, src)
+        with pytest.raises(RoomTransferError, match="no free slot"):
+            writer.put_manifest(9, RoomManifest(num_pages=10, page_bytes=64), sums)
+        assert pool.stats().held == held + 10  # the sum slots' hold ended
+        writer.release(9, 10)
+        assert pool.stats().held == held
+        assert RoomReader(pool, "p0").manifest(9) is None
+    finally:
+        pool.close()
+        remove_pool(path)
