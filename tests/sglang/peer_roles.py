@@ -65,9 +65,11 @@ class Trickler:
     """What a request's bootstrap address may hold instead of a registry: a server that accepts,
     then sends an endless answer head a byte every `every_s` (each read returns in time)."""
 
-    def __init__(self, port: int = 0, every_s: float = 0.2) -> None:
+    def __init__(self, port: int = 0, every_s: float = 0.2, close_every_other: bool = False
+                 ) -> None:
         self.listener = socket.create_server(("127.0.0.1", port))
         self.port, self.every_s = self.listener.getsockname()[1], every_s
+        self.close_every_other, self.connections = close_every_other, 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -79,7 +81,10 @@ class Trickler:
             threading.Thread(target=self._one, args=(sock,), daemon=True).start()
 
     def _one(self, sock: socket.socket) -> None:
+        self.connections += 1
         with sock:
+            if self.close_every_other and self.connections % 2 == 0:
+                return  # closed at once: the call fails fast (not a stall)
             try:
                 for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10**6:
                     sock.sendall(bytes([byte]))
@@ -109,6 +114,21 @@ def stalled_registry(spec: dict) -> None:
         timer.cancel()
         emit(event="stalled", case=f"{backend} bootstrap", init_s=round(init_s, 3), **got)
         mgr.close()
+    trickler.close()
+
+    # stalls between calls that fail fast: only a signed answer ends a run of stalls
+    trickler = Trickler(close_every_other=True)
+    [(mgr, _)] = _managers("pd-shm", trickler.port, DisaggregationMode.DECODE)
+    receiver = kv_class(KVClassType.RECEIVER, "pd-shm")(mgr, f"127.0.0.1:{trickler.port}", 5)
+    timer = watchdog("pd-shm bootstrap, stalls between failures", 30)
+    t = time.monotonic()
+    receiver.init(0)
+    init_s = time.monotonic() - t
+    got = _conclude(receiver, 25)
+    timer.cancel()
+    emit(event="stalled", case="pd-shm bootstrap, stalls between failures",
+         init_s=round(init_s, 3), **got)
+    mgr.close()
     trickler.close()
 
     port = free_port()

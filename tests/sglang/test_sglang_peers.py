@@ -50,11 +50,14 @@ def test_a_bootstrap_address_that_stalls_holds_the_scheduler_briefly_and_fails_t
     trickles its answer a byte every 0.2 s: each registry call from the scheduler's thread ends
     within REGISTRY_CALL_S (1 s; urllib's per-read timeout had kept one blocked for good), the
     receiver asks nothing for a heartbeat interval after a stall, and two stalls in a row fail the
-    room: in the bootstrap (both backends) and while a pd-nixl pull decode waits for its room."""
+    room: in the bootstrap (both backends; also when connections that fail at once come between
+    the stalls: only a signed answer ends a run of stalls) and while a pd-nixl pull decode waits
+    for its room."""
     role = peer_role("stalled_registry", {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1",
                                           "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "120",
                                           "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "120"})
-    for case in ("pd-shm bootstrap", "pd-nixl bootstrap", "pd-nixl pull transfer"):
+    for case in ("pd-shm bootstrap", "pd-nixl bootstrap",
+                 "pd-shm bootstrap, stalls between failures", "pd-nixl pull transfer"):
         got = role.next_event(timeout_s=90)
         assert got.get("case") == case, got  # {"event": "stuck"}: a poll held the thread 30 s
         assert got["state"] == KV_POLL_FAILED, got

@@ -497,10 +497,11 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
     registry_stalls = 0         # calls to the prefill's registry that stalled, in a row
     registry_quiet_until = 0.0  # monotonic: no call to it before then (one stalled)
 
-    def _ask(self, call, *args: Any) -> Any:
+    def _ask(self, call, *args: Any, signed: bool = True) -> Any:
         """`call(self.prefill_addr, *args)`, a registry call from SGLang's scheduler thread: at
         most REGISTRY_CALL_S; RegistryStalled at once while the registry is quiet after a stall
-        (see REGISTRY_CALL_S)."""
+        (see REGISTRY_CALL_S). Only a `signed` call's answer (one the peer secret vouches for)
+        ends a run of stalls: not a refused connection, nor /health, which anyone can answer."""
         if time.monotonic() < self.registry_quiet_until:
             raise bootstrap_registry.RegistryStalled(
                 f"bootstrap registry {self.prefill_addr} stalled the last call; not asked again "
@@ -511,10 +512,8 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
             self.registry_stalls += 1
             self.registry_quiet_until = time.monotonic() + self.heartbeat_s
             raise
-        except bootstrap_registry.RegistryUnreachable:  # refused: fast, not a stall
+        if signed:
             self.registry_stalls = 0
-            raise
-        self.registry_stalls = 0
         return result
 
     def _stalled_out(self) -> bool:
@@ -646,7 +645,7 @@ class HostKVReceiver(_Outcome, BaseKVReceiver):
         self.next_heartbeat = now + self.heartbeat_s
         self._heartbeat()
         try:
-            alive = self._ask(bootstrap_registry.health)
+            alive = self._ask(bootstrap_registry.health, signed=False)
         except bootstrap_registry.RegistryStalled:
             self._stalled_out()  # counted there (or quiet after a stall: not asked)
             return
