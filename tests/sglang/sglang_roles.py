@@ -387,7 +387,8 @@ def malformed_peer_records() -> None:
                 server_args=types.SimpleNamespace(tp_size=1),
                 buffers=types.SimpleNamespace(page_bytes=64),
                 agent=types.SimpleNamespace(add_peer=lambda metadata, name: "peer"),
-                pool=types.SimpleNamespace(pool_id=None))
+                pool=types.SimpleNamespace(pool_id=None),
+                settled=lambda room: None)  # pd-nixl: a concluded room's notifications go
             room = object.__new__(cls)
             room.mgr, room.prefill_addr, room.room, room.prefill_dp_rank = mgr, "p:1", 7, 0
             room.state, room.bootstrap_deadline = KVPoll.Bootstrapping, time.monotonic() + 30
