@@ -291,7 +291,13 @@ def push_notes(spec: dict) -> None:
     aux_before = dmem.digest(dest, 2)["aux"]
     attacker.notify(to_decode, push_note(room, time.time(), b"\x07" * aux_width, None))
     attacker.notify(to_decode, push_note(room, time.time(), b"\x07" * (8 << 20), None))
-    spoofed = _poll_for(receiver, 1.0)
+    deadline = time.monotonic() + 10  # until both came (8 MiB takes UCX a while), or a verdict
+    spoofed = receiver.poll()
+    while (time.monotonic() < deadline and spoofed not in (KVPoll.Success, KVPoll.Failed)
+           and (getattr(decode, "notes_refused", 0) or 0) < 2):
+        time.sleep(POLL_S)
+        spoofed = receiver.poll()
+    spoofed = _poll_for(receiver, 0.2)
     emit(event="spoofed", state=spoofed, failure=failure_of(receiver),
          aux_unchanged=dmem.digest(dest, 2)["aux"] == aux_before,
          refused=getattr(decode, "notes_refused", None))
@@ -344,9 +350,17 @@ def pull_notes(spec: dict) -> None:
     sender = kv_class(KVClassType.SENDER, "pd-nixl")(prefill, addr, room)
     sender.init(len(pages), 4)
     sender.send(np.array(pages, dtype=np.int32))
+    leased = prefill.leases.until(room)
+    time.sleep(0.05)
     for message in (b"HB:%d" % room, b"DONE:%d" % room, b"HB:%d" % room):
         attacker.notify(to_prefill, message)
-    spoofed = _poll_for(sender, 1.0)
+    deadline = time.monotonic() + 10  # until the prefill has taken them (the HBs extend it)
+    spoofed = sender.poll()
+    while (time.monotonic() < deadline and spoofed not in (KVPoll.Success, KVPoll.Failed)
+           and prefill.leases.until(room) <= leased):
+        time.sleep(POLL_S)
+        spoofed = sender.poll()
+    spoofed = _poll_for(sender, 0.2)
     emit(event="spoofed", state=spoofed, failure=failure_of(sender))
     receiver = kv_class(KVClassType.RECEIVER, "pd-nixl")(decode, addr, room)
     receiver.init(0)
