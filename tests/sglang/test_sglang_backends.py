@@ -16,10 +16,10 @@ import time
 import pytest
 
 from pd_plugins.testing.processes import free_port
-from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
+from pd_plugins.testing.sglang_env import SGLANG_PYTHON
 from pd_plugins.transfer.shm_pool import remove_pool
 from tests.e2e.deployments import FULL_MATRIX_ONLY
-from tests.sglang.role_forkserver import ForkedRole, RoleForkServer
+from tests.sglang.role_forkserver import ForkedRole
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
@@ -37,14 +37,6 @@ def pool_env(tmp_path):
            "PD_NIXL_LEASE_S": "120"}
     yield env
     remove_pool(path)
-
-
-@pytest.fixture(scope="module")
-def forkserver():
-    """One interpreter with SGLang imported; every role process is forked from it."""
-    server = RoleForkServer(SGLANG_PYTHON, REPO, {**os.environ, "PYTHONWARNINGS": "ignore"})
-    yield server
-    server.close()
 
 
 @pytest.fixture

@@ -9,21 +9,13 @@ import os
 
 import pytest
 
-from pd_plugins.testing.sglang_env import REPO, SGLANG_PYTHON
+from pd_plugins.testing.sglang_env import SGLANG_PYTHON
 from pd_plugins.transfer.shm_pool import remove_pool
-from tests.sglang.role_forkserver import RoleForkServer
 
 pytestmark = pytest.mark.skipif(not SGLANG_PYTHON.exists(),
                                 reason="no .venv-sglang: run `make bootstrap` (scripts/bootstrap.sh)")
 
 KV_POLL_FAILED, KV_POLL_TRANSFERRING, KV_POLL_SUCCESS = 0, 3, 4
-
-
-@pytest.fixture(scope="module")
-def forkserver():
-    server = RoleForkServer(SGLANG_PYTHON, REPO, {**os.environ, "PYTHONWARNINGS": "ignore"})
-    yield server
-    server.close()
 
 
 @pytest.fixture
