@@ -142,6 +142,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     data.setdefault("admin_token", args.admin_token or os.environ.get("PD_ROUTER_ADMIN_TOKEN"))
     if args.admin_token:
         data["admin_token"] = args.admin_token
+    redis_password = os.environ.get("PD_ROUTER_REDIS_PASSWORD")
+    if redis_password is not None:  # from a Secret; the YAML's own value, if any, wins
+        sessions = data.get("sessions")
+        data["sessions"] = sessions = dict(sessions) if isinstance(sessions, dict) else {}
+        sessions.setdefault("redis_password", redis_password)
     env_keys = [k.strip() for k in os.environ.get("PD_ROUTER_API_KEYS", "").split(",") if k.strip()]
     if env_keys:
         data["api_keys"] = [*(data.get("api_keys") or []), *env_keys]

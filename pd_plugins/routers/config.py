@@ -197,6 +197,9 @@ class SessionSpec(_Strict):
     # Share session pins, in-flight loads, learned prefixes and latency samples between router
     # replicas through Redis (routers/replica_sync.py), e.g. redis://127.0.0.1:6379/0; None: alone.
     redis_url: str | None = None
+    # Redis's password (AUTH), or PD_ROUTER_REDIS_PASSWORD: apart from redis_url, so that the URL
+    # can sit in a ConfigMap and the password in a Secret (one of the two, not both)
+    redis_password: str | None = None
     redis_prefix: str = "pd-router:session:"  # the stream's key is this + "replicas"
     # per Redis command (never on a request's path)
     redis_timeout_s: Annotated[float, Meta(gt=0, le=60)] = 0.25
@@ -438,6 +441,10 @@ class RouterConfig(_Strict):
             if not self.sessions.redis_url.startswith(("redis://", "rediss://", "unix://")):
                 raise ConfigError("sessions.redis_url must be a redis://, rediss:// or unix:// URL "
                                   f"(got {self.sessions.redis_url!r})")
+            password = self.sessions.redis_password
+            if password is not None and (not password or urlsplit(self.sessions.redis_url).password):
+                raise ConfigError("sessions.redis_password (PD_ROUTER_REDIS_PASSWORD) must not be "
+                                  "empty, nor set beside a password in sessions.redis_url")
             if self.sessions.peer_load_ttl_s <= 2 * self.sessions.sync_interval_s:
                 raise ConfigError("sessions.peer_load_ttl_s must exceed twice sync_interval_s")
         if not 0 <= self.port <= 65535:  # the OS took 70000 as 70000 - 65536

@@ -81,7 +81,8 @@ class RedisLog:
 
     FIELD = b"e"
 
-    def __init__(self, url: str, key: str, timeout_s: float, stream_len: int, ttl_s: float) -> None:
+    def __init__(self, url: str, key: str, timeout_s: float, stream_len: int, ttl_s: float,
+                 password: str | None = None) -> None:
         self.check_installed()
         import redis.asyncio as aioredis
         from redis.asyncio.retry import Retry
@@ -93,7 +94,8 @@ class RedisLog:
         # One retry without backoff: enough to replace a pooled connection that a Redis restart
         # closed, without multiplying the wait when Redis is down. Two clients: the reader's
         # blocking XREAD must not hold up the publisher.
-        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1))
+        options = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 1),
+                       password=password)
         self._writer = aioredis.from_url(url, **options)
         self._reader = aioredis.from_url(url, **{**options, "socket_timeout": timeout_s + 1.0})
 
@@ -372,5 +374,5 @@ def replica_sync_for(spec) -> ReplicaSync:
     """The sync a router's `sessions` section asks for (redis_url set); channels are added by
     the router (loads) and its model groups (pins, prefixes)."""
     return ReplicaSync(RedisLog(spec.redis_url, spec.redis_prefix + "replicas", spec.redis_timeout_s,
-                                spec.redis_stream_len, spec.ttl_s),
+                                spec.redis_stream_len, spec.ttl_s, spec.redis_password),
                        interval_s=spec.sync_interval_s, history_s=spec.ttl_s)

@@ -14,6 +14,7 @@ machine or .ci/run's install; without it these tests skip, except under CI=true,
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -29,11 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
+import msgspec
 import pytest
 import yaml
 
 from pd_plugins.connectors.registry import VLLM_CONNECTORS
 from pd_plugins.routers.config import ModelSpec, default_discovery_label, is_label_value
+from pd_plugins.routers.replica_sync import replica_sync_for
 from pd_plugins.testing.kv_servers import REDIS_SERVER, RedisServer
 from pd_plugins.testing.tiny_models import ensure_tiny_model
 from pd_plugins.transfer import options
@@ -361,9 +364,11 @@ def test_engines_refuse_kv_fault_injection(overlay: str) -> None:
         assert "faults" not in json.loads(env["PD_KV_EXTRA_CONFIG"]), where
 
 
-ROUTER_CHECK_ENV = {"PD_ROUTER_ADMIN_TOKEN": "test-admin-token", "PD_ROUTER_API_KEYS": "test-key"}
-# What the Secret pd-redis-auth holds in these tests: characters a URL must percent-encode.
+# What the Secret pd-redis-auth holds in these tests: characters a URL would have to encode.
 TEST_REDIS_PASSWORD = "p@ss:w/rd%?#"
+# the Secrets' variables of the router container, as these tests fill them
+ROUTER_CHECK_ENV = {"PD_ROUTER_ADMIN_TOKEN": "test-admin-token", "PD_ROUTER_API_KEYS": "test-key",
+                    "PD_ROUTER_REDIS_PASSWORD": TEST_REDIS_PASSWORD}
 REDIS_SECRET = {"name": "pd-redis-auth", "key": "password"}
 
 
@@ -391,34 +396,44 @@ def router_config_map(objects) -> dict[str, Any]:
         named(objects, "ConfigMap", mounted["configMap"]["name"])["data"]["router.yaml"])
 
 
-def router_config_as_written(objects, tmp_path: Path, password: str) -> Path:
-    """router.yaml as the router container reads it: the init container that writes the
-    volume holding --config, run here (its own script) on the ConfigMap it mounts, with
-    PD_REDIS_PASSWORD as the Secret gives it."""
+def router_config_file(objects, tmp_path: Path) -> Path:
+    """router.yaml as the router container reads it (its ConfigMap, mounted at --config's
+    directory), with this machine's model paths."""
     router = named(objects, "Deployment", "pd-router")
     config_path = Path(flag(expanded_args(container(router, "router")), "--config"))
-    config_volume = mounts(container(router, "router"))[str(config_path.parent)]
-    # memory-backed and the pod's own: the password never lands on the node's disk
-    assert pod_volume(router, config_volume)["emptyDir"]["medium"] == "Memory"
-    (writer,) = [c for c in router["spec"]["template"]["spec"].get("initContainers", [])
-                 if config_volume in mounts(c).values()]
-    assert writer["command"] == ["python3", "-c"]
-    script, template, target = writer["args"]
-    assert target == str(config_path)
-    template_volume = pod_volume(router, mounts(writer)[str(Path(template).parent)])
-    config_map = named(objects, "ConfigMap", template_volume["configMap"]["name"])
-    text = config_map["data"][Path(template).name]
-    assert secret_refs(writer) == {"PD_REDIS_PASSWORD": REDIS_SECRET}
-    (tmp_path / "template").mkdir(exist_ok=True)
-    (tmp_path / "written").mkdir(exist_ok=True)
-    (tmp_path / "template" / "router.yaml").write_text(local_paths(text))
-    out = tmp_path / "written" / "router.yaml"
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "template" / "router.yaml"),
-                           str(out)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PD_REDIS_PASSWORD": password})
-    assert done.returncode == 0, done.stderr
-    assert out.stat().st_mode & 0o077 == 0, "router.yaml holds a password: the pod's user only"
+    volume = pod_volume(router, mounts(container(router, "router"))[str(config_path.parent)])
+    text = named(objects, "ConfigMap", volume["configMap"]["name"])["data"][config_path.name]
+    out = tmp_path / "router.yaml"
+    out.write_text(local_paths(text))
     return out
+
+
+def router_check(objects, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """The router container's command through `pd-router --check-config`, with its
+    configuration file and the Secrets' variables (ROUTER_CHECK_ENV, over which `env`)."""
+    c = container(named(objects, "Deployment", "pd-router"), "router")
+    assert c["command"] == ["pd-router"]
+    assert set(secret_refs(c)) == set(ROUTER_CHECK_ENV)
+    args = [local_paths(arg) for arg in expanded_args(c)]
+    args[args.index("--config") + 1] = str(router_config_file(objects, tmp_path))
+    return subprocess.run([sys.executable, "-m", "pd_plugins.routers", *args, "--check-config"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, **ROUTER_CHECK_ENV, **env,
+                               "KUBECONFIG": str(kubeconfig_to_nowhere(tmp_path))})
+
+
+def kubeconfig_to_nowhere(tmp_path: Path) -> Path:
+    """A kubeconfig that points nowhere: checking the configuration must not need a cluster."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(textwrap.dedent("""\
+        apiVersion: v1
+        kind: Config
+        clusters: [{name: none, cluster: {server: "https://127.0.0.1:9"}}]
+        users: [{name: none, user: {token: none}}]
+        contexts: [{name: none, context: {cluster: none, user: none, namespace: pd-plugins}}]
+        current-context: none
+        """))
+    return path
 
 
 def local_paths(text: str) -> str:
@@ -431,28 +446,10 @@ def local_paths(text: str) -> str:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_pd_router_accepts_the_arguments_and_configuration(overlay: str, tmp_path: Path) -> None:
-    """The router's container command, with router.yaml as its pod has it (the ConfigMap's,
-    through the init container that adds Redis's password), through `--check-config`."""
-    objects = rendered(overlay)
-    router = named(objects, "Deployment", "pd-router")
-    c = container(router, "router")
-    assert c["command"] == ["pd-router"]
-    config = router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD)
-    args = [local_paths(arg) for arg in expanded_args(c)]
-    args[args.index("--config") + 1] = str(config)
-    # A kubeconfig that points nowhere: checking the configuration must not need a cluster.
-    (tmp_path / "kubeconfig").write_text(textwrap.dedent("""\
-        apiVersion: v1
-        kind: Config
-        clusters: [{name: none, cluster: {server: "https://127.0.0.1:9"}}]
-        users: [{name: none, user: {token: none}}]
-        contexts: [{name: none, context: {cluster: none, user: none, namespace: pd-plugins}}]
-        current-context: none
-        """))
-    env = {**os.environ, **ROUTER_CHECK_ENV, "KUBECONFIG": str(tmp_path / "kubeconfig")}
-    done = subprocess.run([sys.executable, "-m", "pd_plugins.routers", *args, "--check-config"],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-    assert done.returncode == 0, f"pd-router {' '.join(args)}:\n{done.stderr}{done.stdout}"
+    """The router's container command, with router.yaml as its pod mounts it and the Secrets'
+    variables, through `--check-config`."""
+    done = router_check(rendered(overlay), tmp_path)
+    assert done.returncode == 0, f"pd-router:\n{done.stderr}{done.stdout}"
     assert "configuration OK" in done.stdout
 
 
@@ -509,26 +506,40 @@ def test_vllm_accepts_every_engines_arguments(tmp_path: Path) -> None:
 
 # ---- Redis: a password from a Secret, which the routers get too -----------------------------
 
+def router_config(objects, tmp_path: Path, monkeypatch) -> Any:
+    """The RouterConfig the router container builds: its arguments, router.yaml as its pod mounts
+    it and the Secrets' variables (ROUTER_CHECK_ENV)."""
+    from pd_plugins.routers.cli import build_parser, config_from_args
+
+    c = container(named(objects, "Deployment", "pd-router"), "router")
+    args = [local_paths(arg) for arg in expanded_args(c)]
+    args[args.index("--config") + 1] = str(router_config_file(objects, tmp_path))
+    for name, value in ROUTER_CHECK_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig_to_nowhere(tmp_path)))
+    return config_from_args(build_parser().parse_args(args))
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_redis_requires_the_password_the_routers_are_given(overlay: str, tmp_path: Path) -> None:
+def test_redis_requires_the_password_the_routers_are_given(overlay: str, tmp_path: Path,
+                                                           monkeypatch) -> None:
     """Redis starts with requirepass from the Secret pd-redis-auth (never from the manifests),
-    its probe authenticates, and the router's sessions.redis_url carries the same password once
-    its pod has written router.yaml; the ConfigMap itself holds none."""
+    its probe authenticates, and the router container gets the same key as
+    PD_ROUTER_REDIS_PASSWORD, which its configuration takes; the ConfigMap holds none."""
     objects = rendered(overlay)
     redis = container(named(objects, "Deployment", "pd-redis"), "redis")
     assert secret_refs(redis) == {"REDISCLI_AUTH": REDIS_SECRET}
     assert "--requirepass \"$REDISCLI_AUTH\"" in " ".join(redis["command"] + redis["args"])
-    template = router_config_map(objects)
-    assert urllib.parse.urlsplit(template["sessions"]["redis_url"]).password is None
-    written = yaml.safe_load(
-        router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
-    url = urllib.parse.urlsplit(written["sessions"]["redis_url"])
-    # percent-encoded, as redis-py decodes it (the live test below connects with it)
-    assert urllib.parse.unquote(url.password) == TEST_REDIS_PASSWORD
-    assert url.hostname == named(objects, "Service", "pd-redis")["metadata"]["name"]
-    # everything else in router.yaml as the ConfigMap has it
-    written["sessions"]["redis_url"] = template["sessions"]["redis_url"]
-    assert written == yaml.safe_load(local_paths(yaml.safe_dump(template)))
+    router = container(named(objects, "Deployment", "pd-router"), "router")
+    assert secret_refs(router)["PD_ROUTER_REDIS_PASSWORD"] == REDIS_SECRET
+    text = router_config_file(objects, tmp_path).read_text()
+    sessions = yaml.safe_load(text)["sessions"]
+    assert urllib.parse.urlsplit(sessions["redis_url"]).password is None
+    assert "redis_password" not in sessions and TEST_REDIS_PASSWORD not in text
+    config = router_config(objects, tmp_path, monkeypatch)
+    assert config.sessions.redis_password == TEST_REDIS_PASSWORD
+    assert (urllib.parse.urlsplit(config.sessions.redis_url).hostname
+            == named(objects, "Service", "pd-redis")["metadata"]["name"])
 
 
 def test_an_empty_redis_password_stops_redis_and_the_routers(tmp_path: Path) -> None:
@@ -538,8 +549,8 @@ def test_an_empty_redis_password_stops_redis_and_the_routers(tmp_path: Path) -> 
     done = subprocess.run([*redis["command"], *redis["args"]], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "REDISCLI_AUTH": ""})
     assert done.returncode != 0 and "empty password" in done.stderr
-    with pytest.raises(AssertionError, match="empty password"):
-        router_config_as_written(objects, tmp_path, "")
+    done = router_check(objects, tmp_path, PD_ROUTER_REDIS_PASSWORD="")
+    assert done.returncode != 0 and "redis_password" in done.stderr, done.stderr
 
 
 @dataclass
@@ -572,9 +583,10 @@ class ManifestRedis(RedisServer):
             return False
 
 
-def test_redis_as_deployed_takes_the_routers_password_and_no_other(tmp_path: Path) -> None:
-    """The Redis container's command run on a real redis-server, its readiness probe, and a
-    client with the router's written sessions.redis_url (the way replica_sync connects)."""
+def test_redis_as_deployed_takes_the_routers_password_and_no_other(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """The Redis container's command run on a real redis-server, its readiness probe, and the
+    router's own Redis client configured as the router container is."""
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     redis_py = pytest.importorskip("redis")
@@ -591,14 +603,19 @@ def test_redis_as_deployed_takes_the_routers_password_and_no_other(tmp_path: Pat
             done = subprocess.run([probe[0], "-p", str(server.port), *probe[1:]], capture_output=True,
                                   text=True, timeout=30, env={**os.environ, "REDISCLI_AUTH": password})
             assert answer in done.stdout + done.stderr, (password, done)
-        # the router's URL, pointed at this server
-        written = yaml.safe_load(
-            router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD).read_text())
-        parts = urllib.parse.urlsplit(written["sessions"]["redis_url"])
-        secret, _, service = parts.netloc.rpartition("@")
-        local = urllib.parse.urlunsplit(parts._replace(netloc=f"{secret}@127.0.0.1:{server.port}"))
-        with redis_py.from_url(local, socket_timeout=5) as client:
-            assert client.ping()
+        # the router's own Redis client (replica_sync), configured as its container is, its
+        # URL pointed at this server
+        sessions = router_config(objects, tmp_path, monkeypatch).sessions
+        local = urllib.parse.urlunsplit(urllib.parse.urlsplit(sessions.redis_url)._replace(
+            netloc=f"127.0.0.1:{server.port}"))
+        sync = replica_sync_for(msgspec.structs.replace(sessions, redis_url=local))
+
+        async def append() -> None:
+            try:
+                await sync.log.append(b"x")
+            finally:
+                await sync.log.aclose()
+        asyncio.run(append())
         with redis_py.Redis(host="127.0.0.1", port=server.port, socket_timeout=5) as client:
             with pytest.raises(redis_py.exceptions.AuthenticationError):
                 client.ping()
@@ -773,12 +790,5 @@ def test_the_admin_api_needs_a_token_from_a_secret(overlay: str) -> None:
 
 def test_an_empty_admin_token_stops_the_router(tmp_path: Path) -> None:
     """An empty admin-token key: pd-router refuses to start, it never serves /admin open."""
-    objects = rendered("cpu")
-    c = container(named(objects, "Deployment", "pd-router"), "router")
-    config = router_config_as_written(objects, tmp_path, TEST_REDIS_PASSWORD)
-    args = [local_paths(arg) for arg in expanded_args(c)]
-    args[args.index("--config") + 1] = str(config)
-    done = subprocess.run([sys.executable, "-m", "pd_plugins.routers", *args, "--check-config"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**os.environ, **ROUTER_CHECK_ENV, "PD_ROUTER_ADMIN_TOKEN": ""})
+    done = router_check(rendered("cpu"), tmp_path, PD_ROUTER_ADMIN_TOKEN="")
     assert done.returncode != 0 and "admin_token" in done.stderr, done.stderr

@@ -263,6 +263,23 @@ def test_an_empty_admin_token_from_the_environment_is_refused(monkeypatch):
     assert config(*DECODE).admin_token is None
 
 
+def test_the_redis_password_comes_from_the_environment_apart_from_the_url(monkeypatch, tmp_path):
+    """PD_ROUTER_REDIS_PASSWORD (a Secret's) beside a URL without one (a ConfigMap's); the YAML's
+    own value wins; empty, or beside a password in the URL, is refused without showing it."""
+    yaml_text = "sessions:\n  redis_url: redis://redis:6379/0\n"
+    monkeypatch.setenv("PD_ROUTER_REDIS_PASSWORD", "s3cret")
+    assert config(*DECODE, yaml_text=yaml_text, tmp_path=tmp_path).sessions.redis_password == "s3cret"
+    own = yaml_text + "  redis_password: mine\n"
+    assert config(*DECODE, yaml_text=own, tmp_path=tmp_path).sessions.redis_password == "mine"
+    for url, password in (("redis://:other@redis:6379/0", "s3cret"), ("redis://redis:6379/0", "")):
+        monkeypatch.setenv("PD_ROUTER_REDIS_PASSWORD", password)
+        with pytest.raises(ConfigError, match="redis_password") as refused:
+            config(*DECODE, yaml_text=f"sessions:\n  redis_url: {url}\n", tmp_path=tmp_path)
+        assert "s3cret" not in str(refused.value)
+    monkeypatch.delenv("PD_ROUTER_REDIS_PASSWORD")
+    assert config(*DECODE, yaml_text=yaml_text, tmp_path=tmp_path).sessions.redis_password is None
+
+
 @pytest.mark.parametrize("kind, name, key, value", [
     ("filter", "session_pin", "min_resident_share", ".nan"),
     ("filter", "session_pin", "min_resident_share", 2),
