@@ -31,16 +31,18 @@ log = logging.getLogger("pd_router.prefix_index")
 
 # A bigger KV event batch is skipped undecoded: decoding costs the event loop up to ~0.2 s per
 # MiB of nested empty arrays. vLLM sends one batch per engine step, about 12 bytes per token of
-# blocks stored or evicted (16-token blocks): 1 MiB covers steps of ~88k tokens, more than a
-# max_num_batched_tokens of 64k schedules.
-MAX_BATCH_BYTES = 1 << 20
+# blocks stored or evicted (16-token blocks). A step is not bounded by max_num_batched_tokens:
+# a decode engine caches each pulled prompt whole in the step that admits it (one scheduled token
+# each), so 32 prompts of 8k tokens make a 1.1 MiB batch; 8 MiB covers ~700k tokens of a step.
+MAX_BATCH_BYTES = 8 << 20
 # Only a memory bound: past it ZMQ drops the message and ends the connection, for good when the
 # router connects (libzmq 4.3 does not reconnect after that protocol error; the subscription
 # would hear nothing again). No vLLM step comes near it.
 MAX_MESSAGE_BYTES = 16 << 20
-# The smallest event vLLM sends (BlockRemoved with one integer hash) is 42 bytes: a batch of more
-# events than this is no engine's, and is skipped whole before its events are decoded.
-MAX_BATCH_EVENTS = MAX_BATCH_BYTES // 40
+# The smallest event vLLM sends (BlockRemoved with one integer hash) is 42 bytes, and a step's
+# events are a few per request: a batch of more events than this is no engine's, and is skipped
+# whole before its events are decoded.
+MAX_BATCH_EVENTS = (1 << 20) // 40
 MAX_HASH_BYTES = 64  # an engine block hash as bytes (vLLM's: 32-byte sha256); kept per block
 RECEIVE_QUEUE = 16  # batches ZMQ queues per publisher before it drops (bind: any may connect)
 REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often for bad batches

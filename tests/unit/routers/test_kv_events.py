@@ -271,7 +271,22 @@ def test_a_batch_deeper_or_longer_than_any_engines_is_skipped_whole():
     assert subscriber.events_rejected == 3  # up to the bound, each event on its own
 
 
-def test_subscriber_drops_batches_over_a_mib_and_logs_bad_ones_once(caplog):
+def test_a_decode_steps_batch_of_many_pulled_prompts_is_applied():
+    """A decode engine caches every pulled prompt whole in the step that admits it: 32 prompts of
+    8k tokens in one batch (1.1 MiB; the 1 MiB bound of an earlier version skipped it whole)."""
+    index = PrefixIndex()
+    subscriber = KvEventSubscriber(index, W, "tcp://127.0.0.1:1")
+    prompts = [[n * 100_000 + t for t in range(8192)] for n in range(1, 33)]
+    events = [stored(list(range(n * 10_000, n * 10_000 + 8192 // 4)), None, tokens)
+              for n, tokens in enumerate(prompts, 1)]
+    payload = msgspec.msgpack.encode(kv_events.KVEventBatch(ts=0.0, events=events))
+    assert len(payload) > 1 << 20
+    subscriber.handle([b"", (0).to_bytes(8, "big"), payload])
+    assert subscriber.batches_rejected == 0
+    assert all(index.matched_blocks(W, block_keys(tokens, 4)) == 8192 // 4 for tokens in prompts)
+
+
+def test_subscriber_drops_batches_over_its_bound_and_logs_bad_ones_once(caplog):
     """Over a real ZMQ socket: a batch over MAX_BATCH_BYTES (16 MiB before) is skipped undecoded,
     and the subscription goes on (ZMQ's own bound, MAXMSGSIZE, would end it for good); a deeply
     nested one is counted, not logged with its traceback each time."""
@@ -282,10 +297,10 @@ def test_subscriber_drops_batches_over_a_mib_and_logs_bad_ones_once(caplog):
     pub.bind(f"tcp://127.0.0.1:{port}")
     index = PrefixIndex()
     encoder = msgspec.msgpack.Encoder()
-    big_tokens = [100_000 + n for n in range(300_000)]  # 5 bytes each: a step of 300k tokens
+    big_tokens = [100_000 + n for n in range(1_800_000)]  # 5 bytes each: a step of 1.8M tokens
     big = encoder.encode(kv_events.KVEventBatch(ts=0.0, events=[
         stored(list(range(1, len(big_tokens) // 4 + 1)), None, big_tokens)]))
-    assert 1 << 20 < len(big) < 2 << 20
+    assert 8 << 20 < len(big) < 16 << 20
     deep = b"\x92" + encoder.encode(0.0) + b"\x91" * 100_000 + b"\x90"
     seq = 0
 
