@@ -49,6 +49,7 @@ CHARS_PER_TOKEN = 4  # estimate for text prompts without a tokenizer
 # A text prompt longer than this (characters) is tokenized on a worker thread (tokenize_deferred),
 # not on the event loop: a tokenizer takes about 1.5 ms per thousand characters, holding the loop
 INLINE_TOKENIZE_CHARS = 4096
+COMPLETION_MAX_TOKENS = 16  # /v1/completions without max_tokens
 
 Kind = Literal["completion", "chat"]
 Tokenize = Callable[[str], list[int]]
@@ -144,15 +145,19 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
         if max_model_len is not None and max_tokens >= max_model_len:
             raise BadRequest(400, f"'{limit_key}' = {max_tokens} does not fit the model's "
                                   f"context of {max_model_len} tokens", param=limit_key)
+    # the engine's limit: a completion without one gets 16 (vLLM's CompletionRequest, OpenAI's)
+    limit = (max_tokens if max_tokens is not None
+             else COMPLETION_MAX_TOKENS if kind == "completion" else None)
     min_tokens = body.get("min_tokens")
     if min_tokens is not None:
         if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
             raise BadRequest(400, f"'min_tokens' must be an integer >= 0 (got {_short(min_tokens)})",
                              param="min_tokens")
-        if max_tokens is not None and min_tokens > max_tokens:
-            raise BadRequest(400, f"'min_tokens' = {min_tokens} is more than '{limit_key}' = "
-                                  f"{max_tokens}", param="min_tokens")
-    need = max_tokens or max(min_tokens or 0, 1)  # the fewest tokens it may generate in context
+        if limit is not None and min_tokens > limit:
+            shown = f"'{limit_key}' = {limit}" + ("" if max_tokens is not None else " (the default)")
+            raise BadRequest(400, f"'min_tokens' = {min_tokens} is more than {shown}",
+                             param="min_tokens")
+    need = limit or max(min_tokens or 0, 1)  # the fewest tokens it may generate in context
 
     # a LoRA adapter's prompt blocks are keyed apart from the base model's and other adapters',
     # and a cache_salt's apart from every other salt's (vLLM's own block hashes do both)

@@ -189,8 +189,12 @@ def test_what_the_decode_would_refuse_after_the_prefill_ran_is_refused_here():
     for bad in (-1, "3", True, 1.5):
         assert "'min_tokens' must be" in refused({"prompt": "a", "min_tokens": bad})
     parse({"prompt": "a", "max_tokens": 5, "min_tokens": 5})
-    # without max_tokens, what the context leaves bounds min_tokens
-    assert "plus 510 to generate" in refused({"prompt": list(range(10)), "min_tokens": 510})
+    # a completion without max_tokens gets the engines' default, 16 (vLLM's CompletionRequest)
+    assert "'max_tokens' = 16 (the default)" in refused({"prompt": [1, 2, 3], "min_tokens": 20})
+    parse({"prompt": [1, 2, 3], "min_tokens": 16})
+    # and the context must hold the prompt and those 16, as the engine checks
+    assert "plus 16 to generate" in refused({"prompt": list(range(500))})
+    parse({"prompt": list(range(496))})
 
 
 def test_parallel_sampling_is_marked_to_be_served_on_the_decode_alone():
