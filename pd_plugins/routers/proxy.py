@@ -125,11 +125,14 @@ class Proxy:
         force_local: str | None = None  # why every attempt prefills on its decode worker
         history: list[str] = []
         if request.fan_out:  # its samples would share one KV transfer (docs/router.md)
-            if not self.scheduler.local_prefill:
+            if not (self.scheduler.local_prefill and failover.local_prefill_fallback):
                 self.metrics.rejections.labels("bad_request").inc()
-                return error_response(400, "parallel sampling (n or best_of above 1, beam search) "
-                                           "is not served disaggregated, and this engine's decode "
-                                           "cannot prefill a request itself: send n = 1", "n")
+                why = ("this engine's decode cannot prefill a request itself"
+                       if not self.scheduler.local_prefill else
+                       "decode workers prefill nothing the policy does not send them "
+                       "(failover.local_prefill_fallback is off)")
+                return error_response(400, "parallel sampling (n above 1, beam search) is not "
+                                           f"served disaggregated, and {why}: send n = 1", "n")
             force_local = "local prefill: parallel sampling (n > 1) shares no KV transfer"
         # A client's own X-Request-Id is kept for tracing, made unique so it cannot collide.
         client_id = http.headers.get("X-Request-Id")

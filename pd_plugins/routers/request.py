@@ -76,7 +76,7 @@ class ClientRequest:
     body: dict[str, Any]
     info: RequestInfo
     target: Any = None  # the ModelTarget select_model chose
-    # parallel sampling (n or best_of past 1, beam search): the engine fans it out into requests
+    # parallel sampling (n past 1, beam search): the engine fans it out into requests
     # that share one kv_transfer_params, so it is served on the decode alone (proxy.py)
     fan_out: bool = False
     # a long text prompt to tokenize off the event loop before the request is served
@@ -192,9 +192,8 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
                        stream=stream, session_id=session, exact_tokens=exact, adapter=adapter,
                        prompt=tokens if tokens is not None else text,
                        block_width=(block_size or 0) * (1 if tokens is not None else CHARS_PER_TOKEN))
-    n, best_of = body.get("n"), body.get("best_of")
-    fan_out = (n is not None and n != 1) or (best_of is not None and best_of != 1) \
-        or bool(body.get("use_beam_search"))
+    n = body.get("n")  # (vLLM 0.32's completions take no best_of: it is ignored there)
+    fan_out = (n is not None and n != 1) or bool(body.get("use_beam_search"))
     return ClientRequest(kind, body, info, target, fan_out, deferred)
 
 

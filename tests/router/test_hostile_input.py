@@ -171,7 +171,7 @@ def test_parallel_sampling_is_served_on_the_decode_alone(router):
     served on the decode worker alone, which prefills it itself."""
     before = router.prefills[0].stats()["requests"]
     for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)):
-        for extra in ({"n": 2}, {"best_of": 2}):
+        for extra in ({"n": 2}, {"use_beam_search": True}):
             resp = requests.post(router.url + path, json={**body, **extra}, timeout=15)
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-pd-route"] == "route=local"
@@ -185,6 +185,17 @@ def test_parallel_sampling_is_refused_where_the_decode_cannot_prefill():
     with deployment(prefills, decodes, "--engine", "sglang", "--policy", "round_robin") as r:
         resp = requests.post(r.url + "/v1/completions", json={**COMPLETION, "n": 2}, timeout=15)
         assert_refused(resp, 400, "parallel sampling")
+        assert prefills[0].stats()["requests"] == decodes[0].stats()["requests"] == 0
+
+
+def test_parallel_sampling_is_refused_where_decodes_may_not_prefill_beyond_the_policy(tmp_path):
+    """failover.local_prefill_fallback off: a client's n > 1 does not make a decode worker
+    prefill a prompt the policy sends to a prefill worker (any prompt up to max_body_bytes)."""
+    prefills, decodes = mocks()
+    with deployment(prefills, decodes, "--policy", "round_robin",
+                    config={"failover": {"local_prefill_fallback": False}}) as r:
+        resp = requests.post(r.url + "/v1/completions", json={**COMPLETION, "n": 2}, timeout=15)
+        assert_refused(resp, 400, "local_prefill_fallback")
         assert prefills[0].stats()["requests"] == decodes[0].stats()["requests"] == 0
 
 
