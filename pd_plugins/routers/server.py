@@ -10,6 +10,7 @@ from typing import Iterator
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pd_plugins.routers.admin import AdminApi
 from pd_plugins.routers.client_auth import api_key_check, api_key_middleware, load_api_keys, tls_context
@@ -350,6 +351,7 @@ class Router:
         front = FrontServer(self.generate, runner.server, max_body=self.config.max_body_bytes,
                             authorize=self.api_key_check,
                             max_connections=self.config.max_connections)
+        self.metrics.registry.register(FrontCollector(front))
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -365,3 +367,17 @@ class Router:
         finally:
             await runner.cleanup()
 
+
+class FrontCollector:
+    """/metrics: the client connections the front server holds, and those it refused past
+    max_connections (each answered 503)."""
+
+    def __init__(self, front: FrontServer) -> None:
+        self.front = front
+
+    def collect(self):
+        yield GaugeMetricFamily("pd_router_client_connections", "Client connections open (the "
+                                "front server's and those handed to the admin/metrics app)",
+                                value=len(self.front.connections) + len(self.front.fallback.connections))
+        yield CounterMetricFamily("pd_router_refused_connections", "Client connections refused "
+                                  "(503) past max_connections", value=self.front.refused_connections)

@@ -224,3 +224,32 @@ def test_long_prompts_with_a_tokenizer_are_refused_by_length_or_tokenized_off_th
         resp = requests.post(r.url + "/v1/completions", json=body, timeout=15)
         assert_refused(resp, 400, "prompt of", "tokens plus 3 to generate exceeds")
         assert "at least" not in resp.text and prefills[0].stats()["requests"] == 2
+
+
+def test_connections_past_the_cap_are_refused_and_counted_on_metrics():
+    """max_connections: idle connections hold the router's slots; one more is answered 503, and
+    /metrics counts it (and the open connections) once a slot is free again."""
+    import socket
+    import time
+
+    from pd_plugins.testing.engine_harness import metric_value
+
+    prefills, decodes = mocks()
+    with deployment(prefills, decodes, config={"max_connections": 2}) as r:
+        host, port = r.url.removeprefix("http://").split(":")
+        idle = [socket.create_connection((host, int(port)), timeout=5) for _ in range(2)]
+        try:
+            resp = requests.post(r.url + "/v1/completions", json=COMPLETION, timeout=15)
+            assert_refused(resp, 503, "too many connections")
+        finally:
+            for sock in idle:
+                sock.close()
+        deadline = time.monotonic() + 5  # until the router has seen the idle ones close
+        while True:
+            resp = requests.get(r.url + "/metrics", timeout=15)
+            if resp.status_code == 200 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert resp.status_code == 200, resp.text
+        assert metric_value(resp.text, "pd_router_refused_connections_total") >= 1
+        assert metric_value(resp.text, "pd_router_client_connections") >= 1  # this scrape's own
