@@ -38,6 +38,11 @@ ENDPOINTS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
 MAX_LISTED_NAMES = 50  # model names an error message lists (adapters can be many)
+# With discovery, the replica sync starts once discovery's first list is applied: the stream's
+# history (peers' pins) is read against the pods' workers, not an empty pool (a pin to a decode
+# the pool does not know is refused, and pins are only republished when they change). Past this,
+# it starts anyway (discovery's API unreachable: sharing goes on without that history).
+SYNC_AFTER_DISCOVERY_S = 30.0
 
 
 class _AllWorkers:
@@ -95,6 +100,7 @@ class Router:
         # Kubernetes discovery: checked here (selector, kubeconfig), watching from startup
         self.discovery_plan = plan_kubernetes(config.discovery) if config.discovery else None
         self.discovery = None
+        self._sync_start: asyncio.Task | None = None  # with discovery: the sync's delayed start
         # what it routes, one JSON line per request (opt-in; routers/traffic_record.py)
         self.recorder = TrafficRecorder(config.traffic_record) if config.traffic_record else None
         self.refresh_served()
@@ -117,7 +123,7 @@ class Router:
         for group in self.groups.values():
             await group.start(self.metrics, self.pools, self._pool_views, self.sync)
             group.proxy.recorder = self.recorder
-        if self.sync is not None:
+        if self.sync is not None and self.discovery_plan is None:
             await self.sync.start()  # in the background: no request waits on Redis
         self.upkeep = PoolUpkeep(self.config, self.workers, self.session)
         for group in self.groups.values():  # verdicts name the pair: attribution (kv_quarantine.py)
@@ -135,6 +141,10 @@ class Router:
             self.metrics.registry.register(self.discovery.collector())
             self.discovery.start()
             log.info("kubernetes discovery: watching %s", self.discovery_plan.describe())
+            if self.sync is not None:  # after the first list; readiness does not wait for it
+                self._sync_start = asyncio.create_task(
+                    self._start_sync_after_discovery(SYNC_AFTER_DISCOVERY_S),
+                    name="pd-router replica sync start")
         counts = ", ".join(f"{g.name or 'model'}: {len(g.pool.by_role('prefill'))} prefill, "
                            f"{len(g.pool.by_role('decode'))} decode" for g in self.groups.values())
         log.info("pd-router ready on %s://%s:%d: %s (%s, %s)%s",
@@ -142,7 +152,23 @@ class Router:
                  self.config.engine, self.config.mode,
                  f"; {len(self.api_keys)} API key(s)" if self.api_keys else "")
 
+    async def _start_sync_after_discovery(self, timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.discovery.synced.wait()
+        except TimeoutError:
+            log.warning("replica sync: kubernetes discovery has not listed pods within %g s; "
+                        "starting the sync anyway (peers' pins to decode workers not known yet "
+                        "are refused)", timeout_s)
+        # the list's workers join the pool in tasks it made before `synced` was set: their
+        # first step (the pool add, before the probe) runs ahead of this
+        await asyncio.sleep(0)
+        await self.sync.start()
+
     async def cleanup(self, app: web.Application) -> None:
+        if self._sync_start is not None:  # before sync.aclose: a sync cut short never starts
+            self._sync_start.cancel()
+            await asyncio.gather(self._sync_start, return_exceptions=True)
         if self._loop_watch is not None:
             self._loop_watch.cancel()
         if self.discovery is not None:
