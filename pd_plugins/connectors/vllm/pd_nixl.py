@@ -419,7 +419,10 @@ class _PdAdditions(_PdStatsClassMethods):
         scheduler that an empty list comes with nothing to load: refuse such lists up front.
         The count is checked where it must hold: the prefill states this decode's block size
         (its `pd` section, or `remote_block_size`), attention groups, no decode context
-        parallelism; any other read that cannot start fails in the worker (ReadStarts)."""
+        parallelism on either side (a DCP prefill states its per-rank block size, but its
+        scheduler's blocks cover block_size x dcp_size tokens, so it lists fewer: upstream's
+        pull worker pairs those); any other read that cannot start fails in the worker
+        (ReadStarts)."""
         from vllm.v1.kv_cache_interface import AttentionSpec
 
         remote = params["remote_block_ids"]  # checked by remote_prefill_error
@@ -430,6 +433,8 @@ class _PdAdditions(_PdStatsClassMethods):
         stated = section.get("block_size") if isinstance(section, dict) else None
         stated = params.get("remote_block_size") or stated
         if stated != self._block_size or self._dcp_size != 1:
+            return None
+        if params.get("dcp_size") not in (None, 1):  # upstream's field: the prefill's DCP size
             return None
         if not isinstance(remote[0], (list, tuple)):
             remote = [remote]

@@ -270,17 +270,22 @@ def test_pd_nixl_refuses_block_lists_shorter_than_what_the_decode_reads():
             "none": {"remote_block_ids": [[]], "pd": section},
             "empty": {"remote_block_ids": [], "pd": section},  # upstream's scheduler asserted
             "enough": {"remote_block_ids": [[0, 1, 2]], "pd": section},
-            "stated": {"remote_block_ids": [[0]], "remote_block_size": BLOCK_SIZE}})
+            "stated": {"remote_block_ids": [[0]], "remote_block_size": BLOCK_SIZE},
+            # a DCP 2 prefill's blocks cover 2 x block_size tokens: 2 of them hold 40 tokens,
+            # and upstream's pull worker pairs that layout with a DCP 1 decode
+            "dcp": {"remote_block_ids": [[0, 1]], "dcp_size": 2, "tp_size": 2, "pd": section},
+            "dcp1": {"remote_block_ids": [[0]], "dcp_size": 1, "pd": section}})
         reasons = {r.request_id: r.kv_transfer_params.get("pd_rejected_reason") for r in requests}
         assert reasons["one"] == ("kv_transfer_params.remote_block_ids lists 1 block(s) for KV "
                                   "cache group 0, this decode reads 3 there")
         assert "lists 0 block(s)" in reasons["none"] and "lists 1 block(s)" in reasons["stated"]
         assert "is empty" in reasons["empty"]
-        assert reasons["enough"] is None
+        assert "lists 1 block(s)" in reasons["dcp1"]
+        assert reasons["enough"] is None and reasons["dcp"] is None
         meta = output.kv_connector_metadata
-        assert meta.pd_rejected_recv == {"one", "none", "empty", "stated"}
-        assert set(meta.reqs_to_recv) == {"enough"}  # nothing else handed to NIXL
+        assert meta.pd_rejected_recv == {"one", "none", "empty", "stated", "dcp1"}
+        assert set(meta.reqs_to_recv) == {"enough", "dcp"}  # nothing else handed to NIXL
         _report_rejected(scheduler, output)  # the workers fail them; vLLM takes that
-        assert all(r.is_finished() for r in requests if r.request_id != "enough")  # policy fail
+        assert all(r.is_finished() for r in requests if r.request_id not in ("enough", "dcp"))  # policy fail
     finally:
         scheduler.shutdown()
