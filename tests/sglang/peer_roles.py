@@ -8,6 +8,7 @@ Run through sglang_roles.py's `main` (`peer '{"role": NAME, ...}'`), forked by r
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -147,6 +148,44 @@ def stalled_registry(spec: dict) -> None:
     timer.cancel()
     emit(event="stalled", case="pd-nixl pull transfer", init_s=0.0, **got)
     trickler.close()
+
+
+def stalled_first_contact(spec: dict) -> None:
+    """A request naming an address that trickles its answers, taken by SGLang's own first-contact
+    path (DecodePreallocQueue.add, then _resolve_pending_reqs: try_ensure_parallel_info about
+    once a `retry_s`, 15 times, then the receiver's abort): how long the scheduler's thread was
+    held in all, and the room's reason. Then `addresses` more addresses that refuse connections:
+    how many failure reasons the manager keeps."""
+    load_plugins()
+    from sglang.srt import runtime_context
+
+    from tests.sglang.sglang_contract import decode_queue, receiver_view, request
+
+    # SGLang's own test hook: a published dummy runtime config (add() reads it)
+    runtime_context.get_context().override_server_args(device="cpu", host="127.0.0.1").install()
+    trickler = Trickler()
+    [(mgr, _)] = _managers("pd-shm", trickler.port, DisaggregationMode.DECODE)
+    queue = decode_queue(mgr, "pd-shm")
+    queue._ensure_retry_interval = spec["retry_s"]  # SGLang's 1 s, shortened
+    queue.add(request("stalled", 5, trickler.port))
+    timer = watchdog("first contact", 60)
+    start, blocked, longest, rounds = time.monotonic(), 0.0, 0.0, 0
+    while queue.pending_reqs and time.monotonic() - start < 50:
+        t = time.monotonic()
+        queue._resolve_pending_reqs()
+        took = time.monotonic() - t
+        blocked, longest, rounds = blocked + took, max(longest, took), rounds + 1
+        time.sleep(0.02)
+    timer.cancel()
+    view = receiver_view(queue.queue[0])
+    trickler.close()
+    logging.getLogger("pd_plugins.sglang").setLevel(logging.ERROR)  # a warning per address
+    for port in range(1, spec["addresses"] + 1):  # nothing listens there: refused at once
+        mgr.try_ensure_parallel_info(f"127.0.0.1:{port}")
+    emit(event="first_contact", pending=len(queue.pending_reqs), blocked_s=round(blocked, 3),
+         longest_s=round(longest, 3), took_s=round(time.monotonic() - start, 3),
+         failure=view["failure"], errors_kept=len(mgr.parallel_info_errors))
+    mgr.close()
 
 
 def unsettled_withdraw(spec: dict) -> None:
@@ -411,7 +450,8 @@ def shm_failed_rooms(spec: dict) -> None:
     prefill.close()
 
 
-ROLES = {"stalled_registry": stalled_registry, "unsettled_withdraw": unsettled_withdraw,
+ROLES = {"stalled_registry": stalled_registry, "stalled_first_contact": stalled_first_contact,
+         "unsettled_withdraw": unsettled_withdraw,
          "failed_republish": failed_republish, "push_notes": push_notes,
          "pull_notes": pull_notes, "shm_failed_rooms": shm_failed_rooms}
 

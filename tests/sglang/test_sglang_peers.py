@@ -60,6 +60,21 @@ def test_a_bootstrap_address_that_stalls_holds_the_scheduler_briefly_and_fails_t
         assert got["took_s"] < 10, got
 
 
+def test_a_first_contact_address_that_stalls_holds_the_scheduler_briefly(peer_role):
+    """SGLang's first contact with a request's address (DecodePreallocQueue._resolve_pending_reqs
+    calls try_ensure_parallel_info 15 times, a retry interval apart, then aborts the room) keeps
+    the receiver's rules per address: nothing asked for a heartbeat interval after a stalled
+    call, nothing more after two stalls in a row (15 stalled calls of 1 s each before). The
+    manager keeps failure reasons for at most PARALLEL_INFO_ADDRESSES addresses."""
+    role = peer_role("stalled_first_contact", {"SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "1"},
+                     {"retry_s": 0.2, "addresses": 4200})
+    got = role.next_event(timeout_s=120)
+    assert got.get("event") == "first_contact", got  # {"event": "stuck"}: held 60 s
+    assert got["pending"] == 0 and "stalled 2 calls in a row" in got["failure"], got
+    assert got["longest_s"] < 1.6 and got["blocked_s"] < 3.5, got  # two stalled calls of 1 s
+    assert got["errors_kept"] == 4096, got
+
+
 def test_a_push_decode_keeps_its_pages_while_the_registry_cannot_say_nobody_writes(peer_role):
     """Past its waiting timeout a pd-nixl push decode withdraws its target. Only "withdrawn"
     (200) means no WRITE can land: it fails at once and SGLang frees its pages. A target the

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Optional
 
@@ -60,6 +61,30 @@ ROOM_FAULTS = (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexErro
 # So an address that stalls costs the scheduler at most HEARTBEAT_MAX_FAILURE x REGISTRY_CALL_S
 # per room (docs/security.md).
 REGISTRY_CALL_S = 1.0
+# The decode manager's first contact with an address (try_ensure_parallel_info, which SGLang calls
+# on its scheduler thread about once a second, 15 times, for each address its new requests name)
+# keeps the same rules per address; once an address stalled out it is not asked for this long
+# (SGLang has aborted that address's requests by then), so an address that stalls for good costs
+# the scheduler at most HEARTBEAT_MAX_FAILURE x REGISTRY_CALL_S per this interval.
+PARALLEL_INFO_STALLED_OUT_S = 30.0
+# How many addresses the decode manager remembers a failure or a run of stalls for (the least
+# recently failing are forgotten first): the request names the address, so a client could name
+# any number.
+PARALLEL_INFO_ADDRESSES = 4096
+
+
+class _Recent(OrderedDict):
+    """A dict that keeps its `limit` most recently set keys."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 def host_rows(ptr: int, length: int, item_len: int) -> np.ndarray:
@@ -288,7 +313,11 @@ class HostKVManager(BaseKVManager):
         # decode: what SGLang's DecodePreallocQueue reads for every new request to route its room
         # to a prefill DP rank (try_ensure_parallel_info fills it), and why an address has none
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
-        self.parallel_info_errors: dict[str, str] = {}
+        self.parallel_info_errors: dict[str, str] = _Recent(PARALLEL_INFO_ADDRESSES)
+        # per address: [stalls in a row, monotonic time before which it is not asked]
+        self._parallel_info_stalls: dict[str, list] = _Recent(PARALLEL_INFO_ADDRESSES)
+        self._heartbeat_s = envs.SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL.get()
+        self._max_stalls = envs.SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE.get()
         self._prefill_recompute_executor: ThreadPoolExecutor | None = None
         self._open()
         if disaggregation_mode == DisaggregationMode.PREFILL:
@@ -317,13 +346,23 @@ class HostKVManager(BaseKVManager):
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """One attempt to learn the prefill at `bootstrap_addr`'s DP size (its rank 0 record);
         False until it has registered. SGLang retries about once a second and aborts the
-        address's requests after 15 failures (their receivers then say why)."""
+        address's requests after 15 failures (their receivers then say why). The receiver's
+        rules for a registry that stalls hold per address (see PARALLEL_INFO_STALLED_OUT_S):
+        nothing is asked for a heartbeat interval after a stalled call, and after
+        HEARTBEAT_MAX_FAILURE stalls in a row nothing for PARALLEL_INFO_STALLED_OUT_S."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         key = bootstrap_registry.rank_key(0, 0)
+        stalls = self._parallel_info_stalls.get(bootstrap_addr)
+        now = time.monotonic()
+        if stalls is not None and now < stalls[1]:
+            return False  # quiet after a stall: its reason is in parallel_info_errors
+        if stalls is not None and stalls[0] >= self._max_stalls:
+            del self._parallel_info_stalls[bootstrap_addr]  # stalled out long enough ago
         try:
             # on SGLang's scheduler thread, at the address the request names: a short call
-            record = bootstrap_registry.lookup(bootstrap_addr, key, timeout_s=1.0)
+            record = bootstrap_registry.lookup(bootstrap_addr, key, timeout_s=REGISTRY_CALL_S)
+            self._parallel_info_stalls.pop(bootstrap_addr, None)  # an answer ends the stalls
             if record is None:
                 reason = f"prefill rank {key} has not registered at {bootstrap_addr}"
             else:
@@ -331,6 +370,18 @@ class HostKVManager(BaseKVManager):
                     record, self.kv_args.page_size)
                 self.parallel_info_errors.pop(bootstrap_addr, None)
                 return True
+        except bootstrap_registry.RegistryStalled as exc:
+            stalls = self._parallel_info_stalls.get(bootstrap_addr) or [0, 0.0]
+            stalls[0] += 1
+            if stalls[0] >= self._max_stalls:
+                stalls[1] = time.monotonic() + PARALLEL_INFO_STALLED_OUT_S
+                reason = (f"the bootstrap registry at {bootstrap_addr} stalled {stalls[0]} calls "
+                          f"in a row (no answer within {REGISTRY_CALL_S:g} s, or more than a "
+                          f"registry answers); not asked for {PARALLEL_INFO_STALLED_OUT_S:g} s")
+            else:
+                stalls[1] = time.monotonic() + self._heartbeat_s
+                reason = f"{type(exc).__name__}: {exc}"
+            self._parallel_info_stalls[bootstrap_addr] = stalls
         except (bootstrap_registry.RegistryUnreachable, RuntimeError, ValueError,
                 TypeError) as exc:  # RegistryAuthError is a RuntimeError
             reason = f"{type(exc).__name__}: {exc}"
