@@ -291,7 +291,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return _refusal(409, f"room {key} is {EXPIRED}; a room is published once")
             entries.put(key, Entry(owner, body))
             return 200, b"{}"
-        if entry is not None and entry.state in (EXPIRED, CLAIMED):
+        if entry is not None and entry.state in (EXPIRED, CLAIMED, WITHDRAWN):
+            # a withdrawn target stays so: a publication that arrives late (the decode's call
+            # stalled, and it aborted meanwhile) must not reopen pages the engine has freed
             return _refusal(409, f"target {key} is {entry.state}")
         if entry is not None and entry.state == OPEN and entry.owner != owner:
             return _refusal(409, f"target {key} is published by another process")

@@ -135,6 +135,12 @@ def test_a_withdrawn_target_cannot_be_claimed(registry):
     assert br.target_action(registry, key, "withdraw")[0] == 200
     status, answer = br.target_action(registry, key, "claim")
     assert status == 409 and "withdrawn" in answer["error"]
+    # a publication that lands late (its call stalled; the decode aborted and freed the pages
+    # meanwhile) does not reopen the target
+    with pytest.raises(RuntimeError, match="withdrawn"):
+        br.put_target(registry, key, {"pages": [1]})
+    status, answer = br.target_action(registry, key, "claim")
+    assert status == 409 and "withdrawn" in answer["error"]
 
 
 def test_an_expired_room_refuses_a_late_target(registry):
