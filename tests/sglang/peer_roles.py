@@ -228,6 +228,31 @@ def unsettled_withdraw(spec: dict) -> None:
         emit(event="withdrawn", case=case, **got)
 
 
+def abort_while_quiet(spec: dict) -> None:
+    """A pd-nixl push decode aborted while its registry is quiet after a stalled call (the
+    stalled call may have been its target's publication, landed with the answer lost): the
+    target's state in the registry after the abort."""
+    load_plugins()
+    import numpy as np
+
+    port = free_port()
+    server = kv_class(KVClassType.BOOTSTRAP_SERVER, "pd-nixl")(host="127.0.0.1", port=port)
+    targets = server.registry._server.tables["targets"]
+    (prefill, _), (decode, _) = _managers("pd-nixl", port, DisaggregationMode.PREFILL,
+                                          DisaggregationMode.DECODE)
+    receiver = kv_class(KVClassType.RECEIVER, "pd-nixl")(decode, f"127.0.0.1:{port}", 50)
+    receiver.init(0)
+    assert receiver.poll() == KVPoll.WaitingForInput, failure_of(receiver)
+    receiver.send_metadata(np.array([3], dtype=np.int32), 0, None)
+    receiver.poll()
+    assert receiver.target_published, failure_of(receiver)
+    receiver.registry_quiet_until = time.monotonic() + 60  # as after a stalled call
+    receiver.abort()
+    target = targets.get(receiver._target_key)
+    emit(event="aborted", state=receiver.state, target=target and target.state)
+    server.close()
+
+
 def failed_republish(spec: dict) -> None:
     """A pd-nixl pull prefill whose republication (a decode's heartbeat extended the lease) fails,
     as a call to a stalled registry does: the room fails, so SGLang frees its pages; its lease
@@ -451,6 +476,7 @@ def shm_failed_rooms(spec: dict) -> None:
 
 
 ROLES = {"stalled_registry": stalled_registry, "stalled_first_contact": stalled_first_contact,
+         "abort_while_quiet": abort_while_quiet,
          "unsettled_withdraw": unsettled_withdraw,
          "failed_republish": failed_republish, "push_notes": push_notes,
          "pull_notes": pull_notes, "shm_failed_rooms": shm_failed_rooms}

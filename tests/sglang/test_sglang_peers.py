@@ -75,6 +75,15 @@ def test_a_first_contact_address_that_stalls_holds_the_scheduler_briefly(peer_ro
     assert got["errors_kept"] == 4096, got
 
 
+def test_an_aborted_push_decode_withdraws_its_target_even_after_a_stall(peer_role):
+    """A pd-nixl push decode aborted within a heartbeat interval of a stalled registry call
+    (possibly its target's publication, landed with its answer lost) still withdraws the target:
+    it had asked nothing, so a prefill could claim it and WRITE into pages SGLang freed."""
+    got = peer_role("abort_while_quiet", {"PD_NIXL_MODE": "push"}).next_event(timeout_s=60)
+    assert got.get("event") == "aborted", got
+    assert got["state"] == KV_POLL_FAILED and got["target"] == "withdrawn", got
+
+
 def test_a_push_decode_keeps_its_pages_while_the_registry_cannot_say_nobody_writes(peer_role):
     """Past its waiting timeout a pd-nixl push decode withdraws its target. Only "withdrawn"
     (200) means no WRITE can land: it fails at once and SGLang frees its pages. A target the

@@ -68,6 +68,7 @@ from pd_plugins.connectors.sglang.host_kv import (
     HostKVManager,
     HostKVReceiver,
     HostKVSender,
+    REGISTRY_CALL_S,
     ROOM_FAULTS,
     RegistryBootstrapServer,
     engine_device,
@@ -515,9 +516,13 @@ class PdNixlKVReceiver(_OneTransfer, HostKVReceiver):
 
     def abort(self) -> None:
         if self.state != KVPoll.Success and self.target_sent and self.claimed_at is None:
-            # best effort: a target the prefill has not claimed is never written after this
+            # best effort: a target the prefill has not claimed is never written after this.
+            # Sent even while the registry is quiet after a stalled call (not through _ask):
+            # that call may have been the publication, landed with its answer lost. (A 409,
+            # claimed, is not waited for: SGLang frees the pages; see docs/connectors.md.)
             with contextlib.suppress(bootstrap_registry.RegistryUnreachable, RuntimeError):
-                self._ask(bootstrap_registry.target_action, self._target_key, "withdraw")
+                bootstrap_registry.target_action(self.prefill_addr, self._target_key,
+                                                 "withdraw", timeout_s=REGISTRY_CALL_S)
         super().abort()
 
     def _max_note_bytes(self) -> int:
