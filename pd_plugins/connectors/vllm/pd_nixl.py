@@ -623,6 +623,8 @@ class _PdAdditions(_PdStatsClassMethods):
             stats.count("pd_push_timeouts", len(timed_out))
         if self._write_gate is not None:
             stats.count("pd_refused_writes", self._write_gate.take_refused())
+        if self._read_starts is not None:
+            stats.count("pd_refused_reads", self._read_starts.take_failed())
         if self._send_hold is not None:
             in_flight = sends_in_flight(self.connector_worker)
             stats.count("pd_held_sends", len(self._send_hold.settle(results.finished_sending,

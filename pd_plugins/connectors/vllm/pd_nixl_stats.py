@@ -41,6 +41,10 @@ PD_COUNTERS: CounterTable = {
         "vllm:pd_nixl_refused_writes",
         "Push WRITEs not started: the lease had run out or the decode had stopped waiting "
         "(prefill side)."),
+    "pd_refused_reads": (
+        "vllm:pd_nixl_refused_reads",
+        "Pull reads that could not start (a block id past the prefill's KV cache, or the "
+        "read's start raised): the load failed instead of the engine (decode side)."),
     "pd_recomputes": (
         "vllm:pd_nixl_recomputes",
         "Failed KV loads the engine recomputes locally (kv_load_failure_policy=recompute)."),

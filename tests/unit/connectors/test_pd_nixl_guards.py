@@ -390,6 +390,43 @@ def test_a_read_that_cannot_start_is_a_failed_load_not_an_engine_death(block_ids
     assert len(worker.nixl_wrapper.posted) == 1 and starts.take_failed() == 0
 
 
+def test_reads_that_could_not_start_are_counted_on_metrics():
+    """ReadStarts' refused starts were logged only: the connector's get_transfer_results counts
+    them (vllm:pd_nixl_refused_reads), as it does dropped notifications."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker,
+    )
+
+    from pd_plugins.connectors.vllm.pd_nixl import PdNixlPullConnector
+    from pd_plugins.connectors.vllm.pd_nixl_guards import ReadStarts
+    from pd_plugins.connectors.vllm.pd_nixl_stats import PD_COUNTERS, PdNixlStats
+
+    worker = _pull_decode()
+    starts = ReadStarts(worker)
+    NixlPullConnectorWorker.start_load_kv(worker, _read_of([[10, 11, 12, 64]]))  # past 64
+    results = NixlPullConnectorWorker.get_transfer_results(worker)
+    class Connector(PdNixlPullConnector):  # built without its engine: this call's state
+        pass
+
+    Connector.__abstractmethods__ = frozenset()
+    conn = object.__new__(Connector)
+    stats = PdNixlStats()
+    conn.__dict__.update(
+        connector_worker=SimpleNamespace(get_transfer_results=lambda: results, pcp_rank=0,
+                                         xfer_stats=stats),
+        kv_transfer_config=SimpleNamespace(kv_role="kv_consumer"), _connector_metadata=None,
+        _read_starts=starts, _write_gate=None, _notif_filter=None, _digest_inbox=None,
+        _late_read_guard=None, _push_deadlines=None, _send_hold=None,
+        _recompute_failed_loads=False, _verify_reads=lambda *args: 0)
+    assert conn.get_transfer_results(set()).failed_recving == {"dec"}
+    assert stats.data.get("pd_refused_reads") == [1]
+    assert PD_COUNTERS["pd_refused_reads"][0] == "vllm:pd_nixl_refused_reads"
+    conn.get_transfer_results(set())  # taken once
+    assert stats.data.get("pd_refused_reads") == [1]
+
+
 def test_a_push_given_up_is_forgotten_upstream_so_its_late_completion_is_never_reported():
     """Upstream kept a timed-out push's `_recving_metadata` forever, and a completion that came
     after the deadline made it a finished receive again once 10,000 later timeouts had pushed it
