@@ -285,6 +285,8 @@ OTHER_VARIABLES = (
              "(as `--api-key-file`); docs/router.md"),
     Variable("PD_ROUTER_ADMIN_TOKEN", "none", "pd-router: the admin API's bearer token (as "
              "`--admin-token`)"),
+    Variable("PD_ROUTER_REDIS_PASSWORD", "none", "pd-router: Redis's password for router "
+             "replicas (`sessions.redis_password`); docs/router.md"),
     Variable("PD_TRACES_DIR", "shared/traces above the package", "workloads: the directory with "
              "the trace files"),
     Variable("PD_KV_FAULTS_ALLOWED", "unset", "an engine may inject the KV faults its "
