@@ -72,9 +72,13 @@ class EventApplier:
             keys = [self.engine_keys.pop(engine_hash, None) for engine_hash in hashes]
             self.index.remove_keys(self.worker_url, [key for key in keys if key is not None])
         elif kind == "AllBlocksCleared":
-            self.index.forget_blocks(self.worker_url)
-            self.engine_keys.clear()
+            self.forget_all()
         # other event types (vLLM adds some) carry nothing the index uses
+
+    def forget_all(self) -> None:
+        """The worker's cache as the index knew it is gone (cleared, or events were missed)."""
+        self.index.forget_blocks(self.worker_url)
+        self.engine_keys.clear()
 
     def _stored(self, event: dict) -> None:
         size, tokens = event.get("block_size"), event.get("token_ids")
@@ -252,9 +256,14 @@ class KvEventSubscriber:
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes[:8], "big")
         if self.last_seq >= 0 and seq != self.last_seq + 1:
+            # Batches were missed (the subscriber was down, or its queue overflowed) or the engine
+            # restarted: what it removed meanwhile is unknown, so nothing it held is trusted. The
+            # index forgets the worker's blocks and learns them again from the events to come.
             self.sequence_gaps += 1
+            self.events.forget_all()
             self._log_rejection(f"batch {seq} after {self.last_seq}: batches missed, or the "
-                                f"engine restarted ({self.sequence_gaps} gaps so far)")
+                                f"engine restarted; its cached blocks forgotten until it stores "
+                                f"them again ({self.sequence_gaps} gaps so far)")
         self.last_seq = seq
         if len(payload) > MAX_BATCH_BYTES:
             self._rejected_batch(f"{len(payload)} bytes (at most {MAX_BATCH_BYTES} are decoded)")

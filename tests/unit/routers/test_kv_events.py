@@ -255,6 +255,35 @@ def test_batch_number_gaps_are_counted_and_logged_at_most_once_a_while(caplog):
     assert len([r for r in caplog.records if "batches missed" in r.getMessage()]) == 1
 
 
+def test_missed_batches_or_an_engine_restart_forget_what_the_worker_held():
+    """A batch whose number does not follow the last one's: batches were missed (a BlockRemoved
+    among them, perhaps) or the engine restarted with an empty cache. Nothing the index held for
+    the worker is trusted from then on; the blocks come back as the engine stores them again."""
+    index = PrefixIndex()
+    subscriber = KvEventSubscriber(index, W, "tcp://127.0.0.1:1")
+    encoder = msgspec.msgpack.Encoder()
+    first, second = list(range(16)), list(range(100, 116))
+
+    def batch(seq: int, *events) -> None:
+        subscriber.handle([b"", seq.to_bytes(8, "big"),
+                           encoder.encode(kv_events.KVEventBatch(ts=time.time(), events=list(events)))])
+
+    batch(0, stored([1, 2, 3, 4], None, first))
+    batch(1, stored([5, 6, 7, 8], None, second))
+    assert index.matched_blocks(W, block_keys(first, 4)) == 4
+    batch(2)  # in order: nothing forgotten
+    assert index.matched_blocks(W, block_keys(second, 4)) == 4
+    # batches 3 and 4 missed (they may have removed the first prompt's blocks)
+    batch(5, stored([9, 10, 11, 12], None, second))
+    assert index.matched_blocks(W, block_keys(first, 4)) == 0
+    assert index.matched_blocks(W, block_keys(second, 4)) == 4  # stored again in batch 5
+    assert set(subscriber.events.engine_keys) == {9, 10, 11, 12}
+    # the engine restarted: its numbering starts over, its cache is empty
+    batch(0)
+    assert index.matched_blocks(W, block_keys(second, 4)) == 0
+    assert subscriber.sequence_gaps == 2
+
+
 def test_a_batch_deeper_or_longer_than_any_engines_is_skipped_whole():
     # nesting: msgspec's RecursionError escaped handle(); millions of empty events were
     # decoded and rejected one by one, seconds of the event loop
