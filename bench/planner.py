@@ -69,17 +69,28 @@ ID_STRIDE = 1 << 42  # each phase's block ids apart: Azure ids count up from the
 PASS_STRIDE = 1 << 32  # and each pass over its trace (a trace holds under 2**32 ids)
 
 
+# Traces cut from one above by their answers' length (bench/planner_phase.py; the short answers
+# for mixes with them, a phase `run` takes as its job's fifth element):
+# name -> (trace, fewest output tokens, most output tokens or None)
+ANSWER_CUTS = {"mooncake_long_answers": ("mooncake_conv", 400, None),
+               "mooncake_short_answers": ("mooncake_conv", 1, 99)}
+
+
 @functools.lru_cache(maxsize=None)
 def cached_trace(name: str) -> list:
     """The trace without the requests no instance can hold: vLLM refuses a request longer than
     max_model_len, which can be no more than one instance's KV cache (Mooncake's longest
     conversations, 0.5% of them, are over the 112k tokens of HARDWARE)."""
+    if name in ANSWER_CUTS:
+        base, fewest, most = ANSWER_CUTS[name]
+        return [r for r in cached_trace(base)
+                if r.output_tokens >= fewest and (most is None or r.output_tokens <= most)]
     blocks = base_config().hardware.kv_capacity_tokens() // HASH_BLOCK_SIZE
     return [r for r in load_trace(name)
             if blocks_for(r.input_tokens + r.output_tokens, r.block_tokens) <= blocks]
 
 
-def workload(seed: int, scale: float) -> list:
+def workload(seed: int, scale: float, phases: tuple = PHASES) -> list:
     """The phases one after the other, PHASE_S each, each fading into the next over FADE_S.
 
     A phase is a run of consecutive requests of its trace, with the trace's own arrival times,
@@ -89,12 +100,12 @@ def workload(seed: int, scale: float) -> list:
     Across a fade each phase's requests are kept with a weight that ramps linearly (the two add
     to 1): the mix shifts, the load stays. The same offsets and draws at every scale: a higher
     scale replays the same requests, closer together, and the next ones."""
-    end, half = len(PHASES) * PHASE_S, FADE_S / 2
+    end, half = len(phases) * PHASE_S, FADE_S / 2
     out = []
-    for k, (name, rate_x) in enumerate(PHASES):
+    for k, (name, rate_x) in enumerate(phases):
         trace = cached_trace(name)
         n, span = len(trace), trace[-1].arrival_s - trace[0].arrival_s
-        draws = random.Random(seed * len(PHASES) + k)
+        draws = random.Random(seed * len(phases) + k)
         start, stop = max(0.0, k * PHASE_S - half), min(end, (k + 1) * PHASE_S + half)
         count = round(n / span * rate_x * scale * (stop - start))
         first = draws.randrange(n)
@@ -104,7 +115,7 @@ def workload(seed: int, scale: float) -> list:
         for j in range(first, first + count):
             t = start + (at[j - first] - at[0]) / squeeze
             weight = min(1.0, (t - start) / FADE_S if k > 0 else 1.0,
-                         (stop - t) / FADE_S if k < len(PHASES) - 1 else 1.0)
+                         (stop - t) / FADE_S if k < len(phases) - 1 else 1.0)
             if draws.random() < weight:
                 ids = (k + 1) * ID_STRIDE + (j // n) * PASS_STRIDE
                 out.append(dataclasses.replace(trace[j % n], arrival_s=t,
@@ -135,8 +146,10 @@ def dynamo_controller(config: SimConfig, instances: int = INSTANCES):
 
 
 def run(job: tuple) -> dict:
-    strategy, prefill, seed, scale = job
-    requests = workload(seed, scale)
+    """job: (strategy, prefill instances, seed, scale[, phases])."""
+    strategy, prefill, seed, scale, *rest = job
+    phases = rest[0] if rest else PHASES
+    requests = workload(seed, scale, phases)
     config = dataclasses.replace(base_config(), prefill_instances=prefill,
                                  decode_instances=INSTANCES - prefill, seed=seed)
     planner = None
@@ -162,7 +175,7 @@ def run(job: tuple) -> dict:
             "attainment": sum(met) / len(met), "goodput_at_load": sum(met) / span,
             "rejected": sum(o.status == "rejected" for o in result.outcomes),
             # per phase: the share of its prompts' tokens found in a prefix cache
-            "cached_share": cached_share_per_phase(requests, result),
+            "cached_share": cached_share_per_phase(requests, result, phases),
             "lost": sum(o.status == "failed" for o in result.outcomes),
             "window_attainment": [m / n if n else None for m, n in per_window],
             "split_log": result.split_log, "moves": len(result.role_moves),
@@ -170,11 +183,11 @@ def run(job: tuple) -> dict:
             "cpu_s": time.process_time() - started}
 
 
-def cached_share_per_phase(requests: list, result) -> list[float]:
+def cached_share_per_phase(requests: list, result, phases: tuple = PHASES) -> list[float]:
     """Per phase (by arrival, fades split at their middle): cached / all prompt tokens."""
-    cached, total = [0] * len(PHASES), [0] * len(PHASES)
+    cached, total = [0] * len(phases), [0] * len(phases)
     for r, o in zip(requests, result.outcomes):  # both in request id order
-        k = min(len(PHASES) - 1, int(r.arrival_s // PHASE_S))
+        k = min(len(phases) - 1, int(r.arrival_s // PHASE_S))
         cached[k] += o.cached_tokens
         total[k] += r.input_tokens
     return [c / t if t else 0.0 for c, t in zip(cached, total)]

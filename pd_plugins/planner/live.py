@@ -6,7 +6,8 @@ simulates (cluster_sim, the router's own policy) the requests in flight now with
 have left (the state the next window inherits: a queue left by an overload or by the previous
 split; the answers in progress replay their prompts first, `lead_s`, so that the window does not
 queue behind prefills already done), followed by the last `window_s` of arrivals again (the
-traffic expected next). It scores each split by goodput: the window's requests served within both SLOs per
+traffic expected next; back to back until the replays cover its answers' life, `replays`, so that
+the decode pool fills as it will). It scores each split by goodput: the window's requests served within both SLOs per
 second, averaged over the window at its own rate and `headroom` times faster (of two splits that
 serve the window, the one with room to spare: the mix moves on past the window). It starts on
 the current split and, unless that serves the window at both rates, climbs from there: both
@@ -58,6 +59,8 @@ Role = Literal["prefill", "decode"]
 MAX_WINDOW_REQUESTS = 20_000  # a window's simulation stays bounded: the newest are kept
 IN_FLIGHT_KEY_OFFSET = 1 << 60  # apart from every trace's block keys
 COLLAPSE_SHARE = 0.05  # under this share of the window within the SLOs on every split: a collapse
+MAX_REPLAYS = 4  # a window is simulated at most this many times back to back (replay_life)
+REPLAY_KEY_OFFSET = 1 << 56  # each replay's block keys apart from the others' (no made-up reuse)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,9 @@ class LivePlanner:
     headroom: float = 1.5
     peer_candidate: bool = True  # also simulate Dynamo's rule's split for the window
     replay_lead: bool = True  # the answers in progress replay their prefill ahead of the window
+    # a window shorter than its answers' life is simulated back to back until the replays cover
+    # that life (`replays`): else the decode pool is judged before it fills
+    replay_life: bool = True
     log: list[Decision] = field(default_factory=list)
     _last_move: tuple[float, int] | None = None  # (when, +1 toward prefill / -1 toward decode)
 
@@ -169,6 +175,7 @@ class LivePlanner:
                  for i, (r, answering) in enumerate(tagged)]
         span = max(self.window_s, window[-1].arrival_s)
         rate = len(window) / span
+        replays = self.replays(window, span)
         sims: dict[tuple[Split, float], tuple[float, float]] = {}
 
         def requests_for(split: Split, pace: float) -> list[TraceRequest]:
@@ -179,13 +186,18 @@ class LivePlanner:
                      for r, answering in queue if answering]
                     + [dataclasses.replace(r, arrival_s=lead) for r, answering in queue
                        if not answering]
-                    + [dataclasses.replace(r, request_id=len(queue) + r.request_id,
-                                           arrival_s=lead + r.arrival_s / pace) for r in window])
+                    + [dataclasses.replace(r, request_id=len(queue) + k * len(window) + r.request_id,
+                                           arrival_s=lead + (k * span + r.arrival_s) / pace,
+                                           block_hashes=tuple(h + k * REPLAY_KEY_OFFSET
+                                                              for h in r.block_hashes) if k else
+                                           r.block_hashes)
+                       for k in range(replays) for r in window])
 
         def run(split: Split, pace: float = 1.0) -> tuple[float, float]:
             """(goodput, work-off rate) at `pace` x the window's rate, in req/s of the window."""
             if (split, pace) not in sims:
-                g, w = self.score(requests_for(split, pace), split, span / pace, len(queue))
+                g, w = self.score(requests_for(split, pace), split, replays * span / pace,
+                                  len(queue))
                 sims[split, pace] = (g / pace, w)
             return sims[split, pace]
 
@@ -219,6 +231,19 @@ class LivePlanner:
                      f"{'worked off' if worked_off else 'within SLO'} vs {score(current):.3g}")
         self.log.append(d)
         return d
+
+    def replays(self, window: Sequence[TraceRequest], span_s: float) -> int:
+        """How many times the window is simulated back to back: enough to cover the life of its
+        mean answer at the TPOT SLO (`replay_life`). A decode pool holds each answer's KV and
+        batch slot for that long; simulated once from the in-flight requests, a window shorter
+        than that never fills it, and the planner then saw room where there was none: on the
+        Mooncake requests with long answers (bench/planner_phase.py: answers of 560 tokens, 28 s
+        at 50 ms, in 15 s windows) it moved 4P:4D to 5P:3D after the first window and served
+        half the requests 4P:4D serves. Every replay counts toward goodput."""
+        if not self.replay_life:
+            return 1
+        life = self.slo.tpot_s * sum(r.output_tokens for r in window) / len(window)
+        return max(1, min(MAX_REPLAYS, 1 + int(life // span_s)))
 
     def lead_s(self, decoding: Sequence[TraceRequest], split: Split) -> float:
         """How long `split`'s prefill pool takes to replay the prompts of the answers in

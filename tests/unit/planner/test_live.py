@@ -111,6 +111,26 @@ def test_answers_in_progress_replay_their_prompts_ahead_of_the_window_not_in_its
     assert p.lead_s([], Split(1, 3)) == 0.0
 
 
+def test_a_window_shorter_than_its_answers_life_is_replayed_until_the_decode_pool_fills():
+    """Answers of up to 50 s (1000 tokens at the TPOT SLO) holding 9k tokens of KV each: one 20 s
+    window simulated once never fills two decodes, and 2P:2D looks as if it served the window
+    with room to spare (at `headroom` = 1.5x its rate too); replayed back to back over an answer's
+    life (3 times) it does not, and the planner moves to 1P:3D. A long run of the same traffic
+    agrees: at its rate both splits serve it, at 1.5x it 2P:2D collapses and 1P:3D serves it.
+    Short answers are simulated once, as before."""
+    window = steady(20, 1.0, prompt=8000, output=1000)
+    once = planner(replay_life=False)
+    assert once.replays(window, 20.0) == 1
+    assert not once.decide(20.0, window, Split(2, 2)).moves
+    p = planner()
+    assert p.replays(window, 20.0) == 3
+    assert p.decide(20.0, window, Split(2, 2)).want == Split(1, 3)
+    faster = steady(450, 1 / 1.5, prompt=8000, output=1000)  # 300 s at 1.5x the window's rate
+    served = {s: p.score(faster, s, 300.0)[0] / 1.5 for s in (Split(1, 3), Split(2, 2))}
+    assert served[Split(1, 3)] > 0.9 and served[Split(2, 2)] < 0.5, served
+    assert p.replays(steady(20, 1.0, prompt=8000, output=50), 20.0) == 1
+
+
 def test_a_request_in_flight_has_left_what_its_answer_still_lacks():
     request = TraceRequest(7, 10.0, 1000, 200, (1, 2))
     waiting = RequestOutcome(7, 10.0, 1000, 200)
