@@ -69,11 +69,9 @@ ID_STRIDE = 1 << 42  # each phase's block ids apart: Azure ids count up from the
 PASS_STRIDE = 1 << 32  # and each pass over its trace (a trace holds under 2**32 ids)
 
 
-# Traces cut from one above by their answers' length (bench/planner_phase.py; the short answers
-# for mixes with them, a phase `run` takes as its job's fifth element):
+# Traces cut from one above by their answers' length (bench/planner_phase.py):
 # name -> (trace, fewest output tokens, most output tokens or None)
-ANSWER_CUTS = {"mooncake_long_answers": ("mooncake_conv", 400, None),
-               "mooncake_short_answers": ("mooncake_conv", 1, 99)}
+ANSWER_CUTS = {"mooncake_long_answers": ("mooncake_conv", 400, None)}
 
 
 @functools.lru_cache(maxsize=None)

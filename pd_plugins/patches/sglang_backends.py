@@ -37,7 +37,8 @@ def sglang_version() -> str | None:
 
 
 def version_supported(found: str | None) -> bool:
-    return found in CHECKED_VERSIONS
+    """A checked release exactly, a local "+..." build tag aside (pip's ==0.5.23 takes those too)."""
+    return found is not None and found.split("+", 1)[0] in CHECKED_VERSIONS
 
 
 def _add_enum_member(enum_cls, name: str, value: str):

@@ -56,7 +56,8 @@ from pd_plugins.routers.policy.scheduler import PREFIX_SOURCE
 from pd_plugins.workloads import TraceRequest
 
 Role = Literal["prefill", "decode"]
-MAX_WINDOW_REQUESTS = 20_000  # a window's simulation stays bounded: the newest are kept
+MAX_WINDOW_REQUESTS = 20_000  # requests in one simulation (the window's newest, its replays and
+# the oldest in flight): each re-plan stays a few simulations of at most this many
 IN_FLIGHT_KEY_OFFSET = 1 << 60  # apart from every trace's block keys
 COLLAPSE_SHARE = 0.05  # under this share of the window within the SLOs on every split: a collapse
 MAX_REPLAYS = 4  # a window is simulated at most this many times back to back (replay_life)
@@ -162,9 +163,14 @@ class LivePlanner:
         if len(window) < self.hysteresis.min_requests:
             return stay(f"{len(window)} requests in the window (< {self.hysteresis.min_requests})")
         window = rebased(window[-MAX_WINDOW_REQUESTS:])
-        # the oldest in flight, at most as many as the window: enough to tell which split works
-        # a queue off, and each re-plan stays a few simulations of at most twice the window
-        keep = min(len(window), MAX_WINDOW_REQUESTS - len(window))
+        span = max(self.window_s, window[-1].arrival_s)
+        rate = len(window) / span
+        # the most replays of the window a simulation takes (at the headroom's pace: `replays`),
+        # and the oldest in flight, at most as many requests as those replays hold (an answer's
+        # life of them): enough to tell which split works a queue off, all within the bound
+        most = min(self.replays(window, span / self.headroom),
+                   max(1, MAX_WINDOW_REQUESTS // (2 * len(window))))
+        keep = min(most * len(window), MAX_WINDOW_REQUESTS - most * len(window))
         tagged = sorted([(r, False) for r in in_flight] + [(r, True) for r in decoding],
                         key=lambda t: t[0].arrival_s)[:max(0, keep)]
         # their own copies: a request in flight and in the window must not find its prompt
@@ -173,12 +179,9 @@ class LivePlanner:
                                       block_hashes=tuple(h + IN_FLIGHT_KEY_OFFSET
                                                          for h in r.block_hashes)), answering)
                  for i, (r, answering) in enumerate(tagged)]
-        span = max(self.window_s, window[-1].arrival_s)
-        rate = len(window) / span
-        replays = self.replays(window, span)
         sims: dict[tuple[Split, float], tuple[float, float]] = {}
 
-        def requests_for(split: Split, pace: float) -> list[TraceRequest]:
+        def requests_for(split: Split, pace: float, replays: int) -> list[TraceRequest]:
             lead = self.lead_s([r for r, answering in queue if answering], split)
             tpot = self.slo.tpot_s
             return ([r if not answering else
@@ -196,8 +199,9 @@ class LivePlanner:
         def run(split: Split, pace: float = 1.0) -> tuple[float, float]:
             """(goodput, work-off rate) at `pace` x the window's rate, in req/s of the window."""
             if (split, pace) not in sims:
-                g, w = self.score(requests_for(split, pace), split, replays * span / pace,
-                                  len(queue))
+                replays = min(self.replays(window, span / pace), most)
+                g, w = self.score(requests_for(split, pace, replays), split,
+                                  replays * span / pace, len(queue))
                 sims[split, pace] = (g / pace, w)
             return sims[split, pace]
 
@@ -233,13 +237,16 @@ class LivePlanner:
         return d
 
     def replays(self, window: Sequence[TraceRequest], span_s: float) -> int:
-        """How many times the window is simulated back to back: enough to cover the life of its
-        mean answer at the TPOT SLO (`replay_life`). A decode pool holds each answer's KV and
-        batch slot for that long; simulated once from the in-flight requests, a window shorter
-        than that never fills it, and the planner then saw room where there was none: on the
-        Mooncake requests with long answers (bench/planner_phase.py: answers of 560 tokens, 28 s
-        at 50 ms, in 15 s windows) it moved 4P:4D to 5P:3D after the first window and served
-        half the requests 4P:4D serves. Every replay counts toward goodput."""
+        """How many times the window, replayed in `span_s` (its span over the pace simulated),
+        is simulated back to back: enough to cover the life of its mean answer at the TPOT SLO
+        (`replay_life`), at most MAX_REPLAYS. A decode pool holds each answer's KV and batch slot
+        for that long; simulated once from the in-flight requests, a window shorter than that
+        never fills it, and the planner then saw room where there was none: on the Mooncake
+        requests with long answers (bench/planner_phase.py: 560 tokens on average, a mean life of
+        28 s at 50 ms, in 15 s windows) it moved 4P:4D to 5P:3D after the first window and served
+        half the requests 4P:4D serves. Every replay counts toward goodput. Each replay's prompts
+        are keyed apart, so that none finds another's in a cache: reuse across windows (a shared
+        system prompt) is not credited to the replays after the first."""
         if not self.replay_life:
             return 1
         life = self.slo.tpot_s * sum(r.output_tokens for r in window) / len(window)

@@ -70,7 +70,9 @@ def test_sglang_backends_register_on_exactly_the_checked_releases(monkeypatch, c
 
     assert sglang_backends.CHECKED_VERSIONS == ("0.5.23",)
     assert sglang_backends.version_supported("0.5.23")
-    for other in ("0.5.23rc1", "0.5.23.post1", "0.5.24", "0.5.22", "0.6.0", "0.5", "", None):
+    assert sglang_backends.version_supported("0.5.23+cpu")  # a local build of the release
+    for other in ("0.5.23rc1", "0.5.23.post1", "0.5.24", "0.5.22", "0.6.0", "0.5", "", None,
+                  "0.5.24+cpu"):
         assert not sglang_backends.version_supported(other), other
     monkeypatch.setattr(sglang_backends, "sglang_version", lambda: "0.5.24")
     monkeypatch.setattr(sglang_backends, "_registered", None)

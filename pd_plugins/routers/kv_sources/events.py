@@ -256,14 +256,21 @@ class KvEventSubscriber:
         _topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes[:8], "big")
         if self.last_seq >= 0 and seq != self.last_seq + 1:
-            # Batches were missed (the subscriber was down, or its queue overflowed) or the engine
-            # restarted: what it removed meanwhile is unknown, so nothing it held is trusted. The
-            # index forgets the worker's blocks and learns them again from the events to come.
             self.sequence_gaps += 1
-            self.events.forget_all()
-            self._log_rejection(f"batch {seq} after {self.last_seq}: batches missed, or the "
-                                f"engine restarted; its cached blocks forgotten until it stores "
-                                f"them again ({self.sequence_gaps} gaps so far)")
+            if seq <= self.last_seq:
+                # The numbering went back: the engine restarted (vLLM numbers a publisher's
+                # batches from 0), with an empty cache and no AllBlocksCleared sent. What the
+                # index held for it is gone; it learns the engine's blocks again as they are stored.
+                self.events.forget_all()
+                what = "the engine restarted: its cached blocks forgotten"
+            else:
+                # Batches missed (the subscription was down, or a queue overflowed): a few blocks
+                # they removed may still be counted. Kept: the rest of the cache is still there,
+                # and blocks that stay cached are never stored again, so forgetting them would
+                # lose the prefixes chained on them until the engine evicts those.
+                what = "batches missed"
+            self._log_rejection(f"batch {seq} after {self.last_seq}: {what} "
+                                f"({self.sequence_gaps} gaps so far)")
         self.last_seq = seq
         if len(payload) > MAX_BATCH_BYTES:
             self._rejected_batch(f"{len(payload)} bytes (at most {MAX_BATCH_BYTES} are decoded)")

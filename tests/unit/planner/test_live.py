@@ -98,11 +98,14 @@ def test_the_work_in_flight_counts_a_queue_of_answers_moves_toward_decode():
 
 def test_answers_in_progress_replay_their_prompts_ahead_of_the_window_not_in_its_way():
     """A prefilled request in flight holds its KV where it decodes; the simulator starts it at
-    its prefill again, and that prefill must not delay the window as if it were new work."""
+    its prefill again, and that prefill must not delay the window as if it were new work. (The
+    window simulated once: replayed over its answers' life at 1.5x its rate, 1P:3D would not
+    serve it all, as a longer run of it shows; that is the next test's subject.)"""
     chat = steady(600, 0.033, 256, 300)
     answering = steady(100, 0.0, prompt=4000, output=100, first_id=10_000)
-    ahead = planner().decide(20.0, chat, Split(2, 2), decoding=answering)
-    in_the_way = planner(replay_lead=False).decide(20.0, chat, Split(2, 2), decoding=answering)
+    ahead = planner(replay_life=False).decide(20.0, chat, Split(2, 2), decoding=answering)
+    in_the_way = planner(replay_lead=False, replay_life=False).decide(20.0, chat, Split(2, 2),
+                                                                      decoding=answering)
     assert ahead.want == Split(1, 3)
     assert ahead.scores[Split(1, 3)] == pytest.approx(len(chat) / 20, rel=0.05)  # all served
     assert ahead.scores[Split(1, 3)] > 2 * in_the_way.scores[Split(1, 3)]
@@ -124,6 +127,7 @@ def test_a_window_shorter_than_its_answers_life_is_replayed_until_the_decode_poo
     assert not once.decide(20.0, window, Split(2, 2)).moves
     p = planner()
     assert p.replays(window, 20.0) == 3
+    assert p.replays(window, 20.0 / 1.5) == 4  # at the headroom's pace: the same life, more replays
     assert p.decide(20.0, window, Split(2, 2)).want == Split(1, 3)
     faster = steady(450, 1 / 1.5, prompt=8000, output=1000)  # 300 s at 1.5x the window's rate
     served = {s: p.score(faster, s, 300.0)[0] / 1.5 for s in (Split(1, 3), Split(2, 2))}

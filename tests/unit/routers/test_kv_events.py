@@ -255,33 +255,31 @@ def test_batch_number_gaps_are_counted_and_logged_at_most_once_a_while(caplog):
     assert len([r for r in caplog.records if "batches missed" in r.getMessage()]) == 1
 
 
-def test_missed_batches_or_an_engine_restart_forget_what_the_worker_held():
-    """A batch whose number does not follow the last one's: batches were missed (a BlockRemoved
-    among them, perhaps) or the engine restarted with an empty cache. Nothing the index held for
-    the worker is trusted from then on; the blocks come back as the engine stores them again."""
+def test_an_engine_restart_forgets_what_the_worker_held_and_missed_batches_do_not():
+    """A batch numbered below the last one's: the engine restarted (vLLM numbers from 0) with an
+    empty cache, and nothing the index held for it is trusted. A batch numbered past the next:
+    batches were missed, and the index keeps what it knew, since blocks that stay cached are
+    never stored again: forgotten, a prompt extending a still-cached prefix would not chain."""
     index = PrefixIndex()
     subscriber = KvEventSubscriber(index, W, "tcp://127.0.0.1:1")
     encoder = msgspec.msgpack.Encoder()
-    first, second = list(range(16)), list(range(100, 116))
+    system, turn = list(range(16)), list(range(100, 108))
 
     def batch(seq: int, *events) -> None:
         subscriber.handle([b"", seq.to_bytes(8, "big"),
                            encoder.encode(kv_events.KVEventBatch(ts=time.time(), events=list(events)))])
 
-    batch(0, stored([1, 2, 3, 4], None, first))
-    batch(1, stored([5, 6, 7, 8], None, second))
-    assert index.matched_blocks(W, block_keys(first, 4)) == 4
-    batch(2)  # in order: nothing forgotten
-    assert index.matched_blocks(W, block_keys(second, 4)) == 4
-    # batches 3 and 4 missed (they may have removed the first prompt's blocks)
-    batch(5, stored([9, 10, 11, 12], None, second))
-    assert index.matched_blocks(W, block_keys(first, 4)) == 0
-    assert index.matched_blocks(W, block_keys(second, 4)) == 4  # stored again in batch 5
-    assert set(subscriber.events.engine_keys) == {9, 10, 11, 12}
-    # the engine restarted: its numbering starts over, its cache is empty
-    batch(0)
-    assert index.matched_blocks(W, block_keys(second, 4)) == 0
+    batch(0, stored([1, 2, 3, 4], None, system))
+    batch(1)
+    batch(5, stored([5, 6], 4, turn))  # batches 2-4 missed; chained on the cached prefix
+    assert index.matched_blocks(W, block_keys(system + turn, 4)) == 6
+    assert subscriber.sequence_gaps == 1
+    batch(0)  # the engine restarted: its numbering starts over, its cache is empty
+    assert index.matched_blocks(W, block_keys(system, 4)) == 0
+    assert not subscriber.events.engine_keys
     assert subscriber.sequence_gaps == 2
+    batch(1, stored([7, 8, 9, 10], None, system))  # learnt again as the engine stores it
+    assert index.matched_blocks(W, block_keys(system, 4)) == 4
 
 
 def test_a_batch_deeper_or_longer_than_any_engines_is_skipped_whole():
