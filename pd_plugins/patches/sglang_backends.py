@@ -37,7 +37,7 @@ def sglang_version() -> str | None:
 
 
 def version_supported(found: str | None) -> bool:
-    """A checked release exactly, a local "+..." build tag aside (pip's ==0.5.23 takes those too)."""
+    """A checked release exactly, a local "+..." build tag aside (pip's ==0.5.23 takes those)."""
     return found is not None and found.split("+", 1)[0] in CHECKED_VERSIONS
 
 

@@ -7,9 +7,10 @@ have left (the state the next window inherits: a queue left by an overload or by
 split; the answers in progress replay their prompts first, `lead_s`, so that the window does not
 queue behind prefills already done), followed by the last `window_s` of arrivals again (the
 traffic expected next; back to back until the replays cover its answers' life, `replays`, so that
-the decode pool fills as it will). It scores each split by goodput: the window's requests served within both SLOs per
-second, averaged over the window at its own rate and `headroom` times faster (of two splits that
-serve the window, the one with room to spare: the mix moves on past the window). It starts on
+the decode pool fills as it will). It scores each split by goodput: the window's requests served
+within both SLOs per second, averaged over the window at its own rate and `headroom` times faster
+(of two splits that serve the window, the one with room to spare: the mix moves on past the
+window). It starts on
 the current split and, unless that serves the window at both rates, climbs from there: both
 neighbours (one instance moved either way) and the split Dynamo's rule gives for the window,
 then further in the best one's direction while each step predicts more; Dynamo's split is taken
@@ -189,11 +190,11 @@ class LivePlanner:
                      for r, answering in queue if answering]
                     + [dataclasses.replace(r, arrival_s=lead) for r, answering in queue
                        if not answering]
-                    + [dataclasses.replace(r, request_id=len(queue) + k * len(window) + r.request_id,
-                                           arrival_s=lead + (k * span + r.arrival_s) / pace,
-                                           block_hashes=tuple(h + k * REPLAY_KEY_OFFSET
-                                                              for h in r.block_hashes) if k else
-                                           r.block_hashes)
+                    + [dataclasses.replace(
+                           r, request_id=len(queue) + k * len(window) + r.request_id,
+                           arrival_s=lead + (k * span + r.arrival_s) / pace,
+                           block_hashes=tuple(h + k * REPLAY_KEY_OFFSET for h in r.block_hashes)
+                           if k else r.block_hashes)
                        for k in range(replays) for r in window])
 
         def run(split: Split, pace: float = 1.0) -> tuple[float, float]:

@@ -76,7 +76,7 @@ class EventApplier:
         # other event types (vLLM adds some) carry nothing the index uses
 
     def forget_all(self) -> None:
-        """The worker's cache as the index knew it is gone (cleared, or events were missed)."""
+        """The worker's cache as the index knew it is gone (cleared, or the engine restarted)."""
         self.index.forget_blocks(self.worker_url)
         self.engine_keys.clear()
 

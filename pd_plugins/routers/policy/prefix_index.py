@@ -77,7 +77,7 @@ class PrefixIndex:
         self._pools.pop(worker_url, None)
 
     def forget_blocks(self, worker_url: str) -> None:
-        """The worker dropped its whole cache (exact mode: AllBlocksCleared, or the engine restarted)."""
+        """The worker dropped its whole cache (exact mode: AllBlocksCleared, or a restart)."""
         self._blocks.pop(worker_url, None)
 
     # -- exact mode: the engine says what it stores and removes -----------------------------

@@ -266,8 +266,8 @@ def test_an_engine_restart_forgets_what_the_worker_held_and_missed_batches_do_no
     system, turn = list(range(16)), list(range(100, 108))
 
     def batch(seq: int, *events) -> None:
-        subscriber.handle([b"", seq.to_bytes(8, "big"),
-                           encoder.encode(kv_events.KVEventBatch(ts=time.time(), events=list(events)))])
+        payload = encoder.encode(kv_events.KVEventBatch(ts=time.time(), events=list(events)))
+        subscriber.handle([b"", seq.to_bytes(8, "big"), payload])
 
     batch(0, stored([1, 2, 3, 4], None, system))
     batch(1)
