@@ -63,6 +63,9 @@ class WorkerSpec(_Strict):
     # `bind:` endpoints other than loopback or ipc accept events from any host that reaches them
     # (fake events skew routing): refused unless this is set (kv_sources/events.py).
     kv_events_bind_any: bool = False
+    # The engine's KV-event replay socket (its --kv-events-config `replay_endpoint`, which it
+    # binds), e.g. tcp://10.0.0.1:5558: batches the router missed are asked for again there.
+    kv_events_replay: str | None = None
     # The shared KV pool this worker is on; its contents count as cached on the worker for the
     # prefix scorers. PdShmConnector: the pool's path (same host as the router; read directly).
     # PdLMCacheConnector: `lmcache:<any name shared by the pool's workers>` (learned from the
@@ -93,6 +96,12 @@ class WorkerSpec(_Strict):
             from pd_plugins.routers.kv_sources.events import check_bind_endpoint  # loads ZMQ
 
             check_bind_endpoint(self.kv_events[5:], self.kv_events_bind_any)
+        if self.kv_events_replay is not None:
+            if not self.kv_events:
+                raise ValueError(f"worker {self.url}: kv_events_replay needs kv_events")
+            if not self.kv_events_replay.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"worker {self.url}: kv_events_replay must be a tcp:// or "
+                                 f"ipc:// address the engine binds (got {self.kv_events_replay!r})")
 
     @property
     def host(self) -> str:

@@ -133,7 +133,8 @@ class ModelGroup:
             self.prefix_index.attach_pool(worker.url, view)
         if worker.spec.kv_events and worker.url not in self._subscribers:
             sub = KvEventSubscriber(self.prefix_index, worker.url, worker.spec.kv_events,
-                                    allow_any_host=worker.spec.kv_events_bind_any)
+                                    allow_any_host=worker.spec.kv_events_bind_any,
+                                    replay=worker.spec.kv_events_replay)
             self._subscribers[worker.url] = asyncio.create_task(self._keep_subscribed(sub))
 
     async def _keep_subscribed(self, sub: KvEventSubscriber) -> None:

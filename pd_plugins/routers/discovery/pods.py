@@ -86,6 +86,7 @@ def pod_worker(pod, models: dict[str, str] | None) -> PodWorker | None:
     ip = pod.status.podIP
     host = f"[{ip}]" if ":" in ip else ip
     kv_events_port = _port(notes, "kv-events-port")
+    replay_port = _port(notes, "kv-events-replay-port")
     try:
         spec = WorkerSpec(
             url=f"http://{host}:{_port(notes, 'http-port', DEFAULT_HTTP_PORT)}",
@@ -96,6 +97,7 @@ def pod_worker(pod, models: dict[str, str] | None) -> PodWorker | None:
             or (pod.metadata.name if role == "prefill" else None),
             bootstrap_port=_port(notes, "bootstrap-port"),
             kv_events=f"tcp://{host}:{kv_events_port}" if kv_events_port else None,
+            kv_events_replay=f"tcp://{host}:{replay_port}" if replay_port else None,
             # started with kv_role kv_both: a pd.role change moves it (drained), no restart
             kv_both=notes.get(ANNOTATION_PREFIX + "kv-both", "").strip().lower() == "true")
     except ValueError as exc:  # WorkerSpec's own checks

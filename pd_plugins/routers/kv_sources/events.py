@@ -12,6 +12,7 @@ path) unless the operator opts in to another address.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import os
@@ -46,6 +47,12 @@ MAX_BATCH_EVENTS = (1 << 20) // 40
 MAX_HASH_BYTES = 64  # an engine block hash as bytes (vLLM's: 32-byte sha256); kept per block
 RECEIVE_QUEUE = 16  # batches ZMQ queues per publisher before it drops (bind: any may connect)
 REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often for bad batches
+# Missed batches asked for again from the engine's replay socket (`kv_events_replay`): the whole
+# answer within this long, and at most this many batches (vLLM keeps its last 10,000 by default:
+# `buffer_steps`); what does not come in time stays missed, as without a replay socket.
+REPLAY_TIMEOUT_S = 2.0
+MAX_REPLAYED = 10_000
+END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
 
 
 class EventRejected(ValueError):
@@ -201,11 +208,18 @@ class KvEventSubscriber:
     vLLM binds its PUB socket only for wildcard (`tcp://*:5557`) or ipc endpoints and connects to
     any other. So `endpoint` is either where the engine binds (the router connects), or
     `bind:tcp://127.0.0.1:5557`: the router binds there and the engine's config names that address.
+
+    `replay`: the engine's replay socket (its `replay_endpoint`, which it binds; the router
+    connects). Batches missed (the first ones, when the router starts after the engine; those sent
+    while the subscription was down) are then asked for again from the engine's buffer and applied
+    in order before the batch that showed the gap.
     """
 
     def __init__(self, index: PrefixIndex, worker_url: str, endpoint: str, topic: str = "",
-                 allow_any_host: bool = False) -> None:
+                 allow_any_host: bool = False, replay: str | None = None) -> None:
         self.index, self.worker_url, self.endpoint, self.topic = index, worker_url, endpoint, topic
+        self.replay = replay
+        self.batches_replayed = 0
         if endpoint.startswith("bind:"):
             check_bind_endpoint(endpoint[5:], allow_any_host)  # at configuration time
         self.events = EventApplier(index, worker_url)
@@ -238,6 +252,10 @@ class KvEventSubscriber:
         try:
             while True:
                 frames = await sock.recv_multipart()
+                if self.replay is not None and len(frames) == 3:
+                    seq = int.from_bytes(frames[1][:8], "big")
+                    if seq > self.last_seq + 1:  # (from -1: the router started after the engine)
+                        await self.replay_missed(seq)
                 try:
                     self.handle(frames)
                 except Exception as exc:  # a bug here must not end the subscription either
@@ -246,6 +264,34 @@ class KvEventSubscriber:
         finally:
             self.index.exact_workers.discard(self.worker_url)
             sock.close(linger=0)
+
+    async def replay_missed(self, until: int) -> None:
+        """Ask the engine's replay socket for the batches after the last one applied and before
+        `until`, and apply those that come, in order, within REPLAY_TIMEOUT_S. Never raises: a
+        replay that fails leaves the batches missed (logged by handle() as a gap)."""
+        start = self.last_seq + 1
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        replayed = 0
+        try:
+            sock.connect(self.replay)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while replayed < MAX_REPLAYED:
+                    frames = await sock.recv_multipart()  # b"", topic, seq, payload
+                    if len(frames) != 4 or frames[2] == END_SEQ:
+                        break
+                    seq = int.from_bytes(frames[2][:8], "big")
+                    if self.last_seq < seq < until:
+                        self.handle(frames[1:])
+                        replayed += 1
+        except (TimeoutError, zmq.ZMQError) as exc:
+            self._log_rejection(f"replay from {self.replay} after batch {start - 1} ended early: "
+                                f"{exc!r} ({replayed} batches replayed)")
+        finally:
+            sock.close(linger=0)
+            self.batches_replayed += replayed
 
     def handle(self, frames: list[bytes]) -> None:
         """One multipart message from the PUB socket: [topic, seq, msgpack batch]. Anything

@@ -31,7 +31,8 @@ def pod(name="p", role="decode", ip="10.1.2.3", **kw) -> Pod:
 # -- a pod as a worker -------------------------------------------------------------------------
 def test_pod_maps_role_model_url_and_annotations():
     notes = {"pd-plugins.io/kv-port": "5600", "pd-plugins.io/engine-id": "p0",
-             "pd-plugins.io/bootstrap-port": "8998", "pd-plugins.io/kv-events-port": "5557"}
+             "pd-plugins.io/bootstrap-port": "8998", "pd-plugins.io/kv-events-port": "5557",
+             "pd-plugins.io/kv-events-replay-port": "5558"}
     worker = pod_worker(pod(role="prefill", model="Qwen-Qwen2.5-0.5B-Instruct", http_port=8100,
                             annotations=notes), {"Qwen-Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B-Instruct"})
     assert (worker.role, worker.model) == ("prefill", "Qwen/Qwen2.5-0.5B-Instruct")
@@ -39,9 +40,11 @@ def test_pod_maps_role_model_url_and_annotations():
     assert spec.url == "http://10.1.2.3:8100"
     assert (spec.kv_port, spec.engine_id, spec.bootstrap_port) == (5600, "p0", 8998)
     assert spec.kv_events == "tcp://10.1.2.3:5557"
+    assert spec.kv_events_replay == "tcp://10.1.2.3:5558"
     plain = pod_worker(pod(ip="fd00::7"), None)  # defaults; IPv6 in brackets; one unnamed group
     assert plain.spec.url == "http://[fd00::7]:8000" and plain.model is None
     assert plain.spec.kv_port is None and plain.spec.kv_events is None
+    assert plain.spec.kv_events_replay is None
     assert plain.spec.engine_id is None
     # a prefill pod without the annotation: its pod name (push mode's engine id by downward API)
     assert pod_worker(pod("prefill-7f9c", role="prefill"), None).spec.engine_id == "prefill-7f9c"
@@ -72,6 +75,8 @@ def test_pods_that_cannot_be_workers_say_why():
     for raw in ("²", "٣", "9" * 5000):
         with pytest.raises(NotAWorker, match="not a port"):
             pod_worker(pod(annotations={"pd-plugins.io/kv-events-port": raw}), None)
+    with pytest.raises(NotAWorker, match="kv_events_replay needs kv_events"):
+        pod_worker(pod(annotations={"pd-plugins.io/kv-events-replay-port": "5558"}), None)
     # one unnamed group takes any pd.model
     assert pod_worker(pod(model="whatever"), None).model is None
 

@@ -255,6 +255,46 @@ def test_batch_number_gaps_are_counted_and_logged_at_most_once_a_while(caplog):
     assert len([r for r in caplog.records if "batches missed" in r.getMessage()]) == 1
 
 
+def test_missed_batches_are_replayed_from_vllms_own_publisher():
+    """vLLM's ZmqEventPublisher with a replay socket (its `replay_endpoint`): a router that
+    subscribes after the engine has published (or whose subscription was down) asks for the
+    missed batches there and applies them in order, so a prompt the engine cached before the
+    router listened is known. Without `replay`, the same subscriber knows only what it heard."""
+    pub_port, replay_port = free_port(), free_port()
+    publisher = kv_events.ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
+                                            replay_endpoint=f"tcp://*:{replay_port}")
+    early, late = list(range(16)), list(range(200, 216))
+
+    def publish(hashes, tokens):
+        publisher.publish(kv_events.KVEventBatch(ts=time.time(), events=[stored(hashes, None, tokens)]))
+
+    async def scenario(replay: str | None) -> tuple[PrefixIndex, KvEventSubscriber]:
+        index = PrefixIndex()
+        sub = KvEventSubscriber(index, W, f"tcp://127.0.0.1:{pub_port}", replay=replay)
+        task = asyncio.create_task(sub.run())
+        deadline = time.monotonic() + 10
+        while index.matched_blocks(W, block_keys(late, 4)) < 4 and time.monotonic() < deadline:
+            publish([21, 22, 23, 24], late)  # until the subscriber has connected and heard one
+            await asyncio.sleep(0.1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return index, sub
+
+    try:
+        publish([1, 2, 3, 4], early)  # before any subscriber: no SUB hears it
+        time.sleep(0.3)
+        heard, plain = asyncio.run(scenario(None))
+        replayed, sub = asyncio.run(scenario(f"tcp://127.0.0.1:{replay_port}"))
+    finally:
+        publisher.shutdown()
+    assert heard.matched_blocks(W, block_keys(late, 4)) == 4
+    assert heard.matched_blocks(W, block_keys(early, 4)) == 0  # missed: batch 0 was before it
+    assert plain.batches_replayed == 0
+    assert replayed.matched_blocks(W, block_keys(early, 4)) == 4  # batch 0, asked for again
+    assert sub.batches_replayed >= 1
+    assert sub.sequence_gaps == 0  # every batch applied in order
+
+
 def test_an_engine_restart_forgets_what_the_worker_held_and_missed_batches_do_not():
     """A batch numbered below the last one's: the engine restarted (vLLM numbers from 0) with an
     empty cache, and nothing the index held for it is trusted. A batch numbered past the next:
