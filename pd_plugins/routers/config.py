@@ -99,9 +99,11 @@ class WorkerSpec(_Strict):
         if self.kv_events_replay is not None:
             if not self.kv_events:
                 raise ValueError(f"worker {self.url}: kv_events_replay needs kv_events")
-            if not self.kv_events_replay.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"worker {self.url}: kv_events_replay must be a tcp:// or "
-                                 f"ipc:// address the engine binds (got {self.kv_events_replay!r})")
+            if (not self.kv_events_replay.startswith(("tcp://", "ipc://"))
+                    or "*" in self.kv_events_replay):
+                raise ValueError(f"worker {self.url}: kv_events_replay must be the tcp:// (host, "
+                                 "not *) or ipc:// address of the socket the engine binds (got "
+                                 f"{self.kv_events_replay!r})")
 
     @property
     def host(self) -> str:

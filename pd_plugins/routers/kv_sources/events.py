@@ -52,6 +52,8 @@ REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often fo
 # `buffer_steps`); what does not come in time stays missed, as without a replay socket.
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAYED = 10_000
+MAX_REPLAY_BYTES = 64 << 20  # what one replay may make the router hold
+REPLAY_BACKOFF_S = 30.0  # after a replay that failed, gaps are only logged for this long
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
 
 
@@ -220,6 +222,7 @@ class KvEventSubscriber:
         self.index, self.worker_url, self.endpoint, self.topic = index, worker_url, endpoint, topic
         self.replay = replay
         self.batches_replayed = 0
+        self._replay_after = float("-inf")  # no replay before this (loop time): REPLAY_BACKOFF_S
         if endpoint.startswith("bind:"):
             check_bind_endpoint(endpoint[5:], allow_any_host)  # at configuration time
         self.events = EventApplier(index, worker_url)
@@ -267,31 +270,62 @@ class KvEventSubscriber:
 
     async def replay_missed(self, until: int) -> None:
         """Ask the engine's replay socket for the batches after the last one applied and before
-        `until`, and apply those that come, in order, within REPLAY_TIMEOUT_S. Never raises: a
-        replay that fails leaves the batches missed (logged by handle() as a gap)."""
+        `until`, and apply those that come, in order. vLLM sends its whole buffer from there at
+        once, with no flow control: the reply is read to its end (or past REPLAY_TIMEOUT_S,
+        MAX_REPLAYED batches or MAX_REPLAY_BYTES, whichever comes first) before any is applied,
+        and the event loop gets a turn every few batches either way. Never raises: what does not
+        come stays missed (handle() logs the gap), and a replay that fails is not tried again
+        for REPLAY_BACKOFF_S (each would hold the live batches back for up to the timeout)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._replay_after:
+            return
         start = self.last_seq + 1
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        replayed = 0
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + (64 << 10))  # larger: skipped anyway
+        sock.setsockopt(zmq.RCVHWM, MAX_REPLAYED + 2)  # vLLM's ROUTER drops what does not fit
+        batches: dict[int, list[bytes]] = {}
+        size, received, problem = 0, 0, None
+        deadline = loop.time() + REPLAY_TIMEOUT_S
         try:
-            sock.connect(self.replay)
-            await sock.send_multipart([b"", start.to_bytes(8, "big")])
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                while replayed < MAX_REPLAYED:
+                sock.connect(self.replay)
+                await sock.send_multipart([b"", start.to_bytes(8, "big")])
+                while True:
                     frames = await sock.recv_multipart()  # b"", topic, seq, payload
                     if len(frames) != 4 or frames[2] == END_SEQ:
                         break
+                    received += 1
                     seq = int.from_bytes(frames[2][:8], "big")
-                    if self.last_seq < seq < until:
-                        self.handle(frames[1:])
-                        replayed += 1
+                    if start <= seq < until:
+                        batches[seq] = frames[1:]
+                        size += len(frames[3])
+                    if len(batches) > MAX_REPLAYED or size > MAX_REPLAY_BYTES:
+                        problem = f"more than {MAX_REPLAYED} batches or {MAX_REPLAY_BYTES} bytes"
+                        break
+                    if received % 64 == 0:  # a queued reply resolves without yielding
+                        await asyncio.sleep(0)
+                        if loop.time() > deadline:
+                            raise TimeoutError
         except (TimeoutError, zmq.ZMQError) as exc:
-            self._log_rejection(f"replay from {self.replay} after batch {start - 1} ended early: "
-                                f"{exc!r} ({replayed} batches replayed)")
+            problem = f"{exc!r}" if str(exc) else "no end within the timeout"
         finally:
             sock.close(linger=0)
-            self.batches_replayed += replayed
+        if problem is not None:
+            self._replay_after = loop.time() + REPLAY_BACKOFF_S
+            self._log_rejection(f"replay from {self.replay} after batch {start - 1} ended early: "
+                                f"{problem} ({len(batches)} batches kept)")
+        for n, seq in enumerate(sorted(batches)):
+            if seq > self.last_seq:  # (a batch numbered at or below the last is never replayed)
+                try:
+                    self.handle(batches[seq])
+                except Exception as exc:  # as in run(): a bug must not end the subscription
+                    self.batches_rejected += 1
+                    self._log_rejection(f"a replayed batch could not be applied: {exc!r}",
+                                        exc_info=True)
+                self.batches_replayed += 1
+            if n % 64 == 63:
+                await asyncio.sleep(0)
 
     def handle(self, frames: list[bytes]) -> None:
         """One multipart message from the PUB socket: [topic, seq, msgpack batch]. Anything

@@ -74,7 +74,9 @@ policy:
     (("--decode", "http://a:1", "--engine", "sglang", "--prefill", "http://a:2"), "needs bootstrap_port"),
     (("--decode", "http://a:1", "kv_events_replay=tcp://a:5558"), "kv_events_replay needs kv_events"),
     (("--decode", "http://a:1", "kv_events=tcp://a:5557", "kv_events_replay=bind:tcp://a:5558"),
-     "must be a tcp:// or ipc:// address the engine binds"),
+     "kv_events_replay must be the tcp://"),
+    (("--decode", "http://a:1", "kv_events=tcp://a:5557", "kv_events_replay=tcp://*:5558"),
+     "kv_events_replay must be the tcp://"),
 ])
 def test_invalid_configurations_are_refused(argv, message):
     with pytest.raises(ConfigError, match=message):

@@ -255,6 +255,9 @@ def test_batch_number_gaps_are_counted_and_logged_at_most_once_a_while(caplog):
     assert len([r for r in caplog.records if "batches missed" in r.getMessage()]) == 1
 
 
+EARLY_BATCHES = 2500  # (vLLM in another process sends faster: RCVHWM in replay_missed)
+
+
 def test_missed_batches_are_replayed_from_vllms_own_publisher():
     """vLLM's ZmqEventPublisher with a replay socket (its `replay_endpoint`): a router that
     subscribes after the engine has published (or whose subscription was down) asks for the
@@ -282,7 +285,11 @@ def test_missed_batches_are_replayed_from_vllms_own_publisher():
 
     try:
         publish([1, 2, 3, 4], early)  # before any subscriber: no SUB hears it
-        time.sleep(0.3)
+        for i in range(EARLY_BATCHES):  # more than ZMQ queues by default (1,000): none dropped
+            publish([1000 + i], list(range(1000 + 4 * i, 1004 + 4 * i)))
+        deadline = time.monotonic() + 10
+        while publisher._event_queue.qsize() and time.monotonic() < deadline:
+            time.sleep(0.05)
         heard, plain = asyncio.run(scenario(None))
         replayed, sub = asyncio.run(scenario(f"tcp://127.0.0.1:{replay_port}"))
     finally:
@@ -291,7 +298,9 @@ def test_missed_batches_are_replayed_from_vllms_own_publisher():
     assert heard.matched_blocks(W, block_keys(early, 4)) == 0  # missed: batch 0 was before it
     assert plain.batches_replayed == 0
     assert replayed.matched_blocks(W, block_keys(early, 4)) == 4  # batch 0, asked for again
-    assert sub.batches_replayed >= 1
+    last = 1000 + 4 * (EARLY_BATCHES - 1)
+    assert replayed.matched_blocks(W, block_keys(list(range(last, last + 4)), 4)) == 1
+    assert sub.batches_replayed >= 1 + EARLY_BATCHES
     assert sub.sequence_gaps == 0  # every batch applied in order
 
 
