@@ -70,8 +70,8 @@ PASS_STRIDE = 1 << 32  # and each pass over its trace (a trace holds under 2**32
 
 
 # Traces cut from one above by their answers' length (bench/planner_phase.py):
-# name -> (trace, fewest output tokens, most output tokens or None)
-ANSWER_CUTS = {"mooncake_long_answers": ("mooncake_conv", 400, None)}
+# name -> (trace, fewest output tokens)
+ANSWER_CUTS = {"mooncake_long_answers": ("mooncake_conv", 400)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,9 +80,8 @@ def cached_trace(name: str) -> list:
     max_model_len, which can be no more than one instance's KV cache (Mooncake's longest
     conversations, 0.5% of them, are over the 112k tokens of HARDWARE)."""
     if name in ANSWER_CUTS:
-        base, fewest, most = ANSWER_CUTS[name]
-        return [r for r in cached_trace(base)
-                if r.output_tokens >= fewest and (most is None or r.output_tokens <= most)]
+        base, fewest = ANSWER_CUTS[name]
+        return [r for r in cached_trace(base) if r.output_tokens >= fewest]
     blocks = base_config().hardware.kv_capacity_tokens() // HASH_BLOCK_SIZE
     return [r for r in load_trace(name)
             if blocks_for(r.input_tokens + r.output_tokens, r.block_tokens) <= blocks]
