@@ -26,13 +26,15 @@ def main(results_path: str, out: str) -> None:
     results = json.loads(Path(results_path).read_text())
     meta, runs, best = results["meta"], results["runs"], results["best_static"]
     step, phase_s = meta["interval_s"], meta["phase_s"]
+    # each phase's (start, end); results written before phases had lengths of their own: phase_s
+    bounds = meta.get("bounds") or [(k * phase_s, (k + 1) * phase_s) for k in range(len(meta["phases"]))]
     fig, (att, split) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
                                      gridspec_kw={"height_ratios": [2, 1]})
     for ax in (att, split):
-        for k, (name, _) in enumerate(meta["phases"]):
-            ax.axvspan(k * phase_s, (k + 1) * phase_s, color="#f2f2f2" if k % 2 else "white", zorder=0)
+        for k, ((name, _), (start, stop)) in enumerate(zip(meta["phases"], bounds)):
+            ax.axvspan(start, stop, color="#f2f2f2" if k % 2 else "white", zorder=0)
             if ax is att:
-                ax.text(k * phase_s + 5, 0.02, name, fontsize=9, color="#555555")
+                ax.text(start + 5, 0.02, name, fontsize=9, color="#555555")
     for strategy, (label, color) in STYLE.items():
         series = []
         for seed in meta["seeds"]:

@@ -3,8 +3,9 @@ in front of latency-modelled pd-mock-engine processes, every one declared kv_bot
 strategies driven live through the router's admin API; the simulator's prediction of the same run
 beside each replay.
 
-Traffic: bench/planner.py's `workload` (code, chat, code), shortened to fit this host: phases
-of PHASE_S (its fades shortened alike), at RATE x its rates on INSTANCES instances (the same load
+Traffic: one of bench/planner.py's workloads (`--workload`: azure_mooncake, the default, or
+answer_shift), shortened to fit this host: each phase PHASE_S long per its PHASE_S (its fades
+shortened alike), at RATE x its rates on INSTANCES instances (the same load
 per instance as its 8): every generated token is one SSE event through the router and the
 client, and the mocks, the router, the client and the planner share two cores. Engines:
 bench/planner.py's HARDWARE as `pd-mock-engine --latency-model`; the router runs its policy with
@@ -28,6 +29,7 @@ replay client). Times are model seconds (wall x the speedup) throughout.
     .venv/bin/python -m bench.planner_replay --repeats 2  # the spread too: ~40 min
     .venv/bin/python -m bench.planner_replay --quick      # 20 s phases, best static only: ~7 min
     .venv/bin/python -m bench.planner_replay --render     # tables and plot from the last results
+    .venv/bin/python -m bench.planner_replay --workload answer_shift   # ~35 min on 2 cores
 """
 
 from __future__ import annotations
@@ -75,20 +77,36 @@ BLOCK = 512         # the traces' prefix-block size: engines, router and record 
 DRAIN_TIMEOUT_S = 60.0
 STATIC_CHECK = 0.15  # other static splits replayed too: simulated attainment within this of the best
 TOKEN = "planner-replay"
-RESULTS = common.RESULTS / "planner_replay.json"
-PNG = common.IMG / "planner_replay.png"
+# bench.planner's workloads over HTTP: section of docs/benchmarks.md, title, results, plot
+OUTPUTS = {"azure_mooncake": ("planner-replay", "Planner over HTTP: live role changes through pd-router",
+                              "planner_replay.json", "planner_replay.png"),
+           "answer_shift": ("planner-replay-answer-shift",
+                            "Planner over HTTP: a shift in answer length (Mooncake)",
+                            "planner_replay_answer_shift.json", "planner_replay_answer_shift.png")}
 
 
-def compressed_workload(phase_s: float, seed: int = SEED, rate: float = RATE) -> list:
-    """bench.planner's workload at `rate` x its rates with phases of `phase_s` instead of its
-    PHASE_S, its fades shortened in the same proportion: its own builder, its module constants
-    set for the call (until `workload` takes them as arguments)."""
-    saved = sim_bench.PHASE_S, sim_bench.FADE_S
+def results_path(workload: str) -> Path:
+    return common.RESULTS / OUTPUTS[workload][2]
+
+
+def compressed_phases(phase_s: float, phases: tuple = sim_bench.PHASES) -> tuple:
+    """bench.planner's phases shortened by phase_s / its PHASE_S (a phase of its own length too)."""
+    factor = phase_s / sim_bench.PHASE_S
+    return tuple((name, rate_x, (rest[0] if rest else sim_bench.PHASE_S) * factor)
+                 for name, rate_x, *rest in phases)
+
+
+def compressed_workload(phase_s: float, seed: int = SEED, rate: float = RATE,
+                        phases: tuple = sim_bench.PHASES) -> list:
+    """bench.planner's workload at `rate` x its rates with its phases shortened to phase_s per
+    PHASE_S (`compressed_phases`), its fades in the same proportion: its own builder, its fade
+    constant set for the call."""
+    saved = sim_bench.FADE_S
     try:
-        sim_bench.PHASE_S, sim_bench.FADE_S = phase_s, sim_bench.FADE_S * phase_s / sim_bench.PHASE_S
-        return sim_bench.workload(seed, rate)
+        sim_bench.FADE_S = sim_bench.FADE_S * phase_s / sim_bench.PHASE_S
+        return sim_bench.workload(seed, rate, compressed_phases(phase_s, phases))
     finally:
-        sim_bench.PHASE_S, sim_bench.FADE_S = saved
+        sim_bench.FADE_S = saved
 
 
 def dynamo_want(window: list, instances: int) -> Split:
@@ -371,10 +389,11 @@ def cpu_seconds(proc) -> float:
 
 # -- the study ------------------------------------------------------------------------------------
 
-def study(quick: bool, repeats: int, speedup: float) -> dict:
+def study(quick: bool, repeats: int, speedup: float, workload: str = "azure_mooncake") -> dict:
     phase_s = QUICK_PHASE_S if quick else PHASE_S
-    requests = compressed_workload(phase_s)
-    full = sim_bench.workload(SEED, 1.0)  # what the simulator half replays, for the docs
+    phases = sim_bench.WORKLOADS[workload].phases
+    requests = compressed_workload(phase_s, phases=phases)
+    full = sim_bench.workload(SEED, 1.0, phases)  # what the simulator half replays, for the docs
     span = max(r.arrival_s for r in requests)
     print(f"{len(requests)} requests, {sum(r.output_tokens for r in requests)} output tokens, "
           f"{span:.0f} model s (~{span / speedup / 60:.1f} min a replay)", flush=True)
@@ -395,7 +414,10 @@ def study(quick: bool, repeats: int, speedup: float) -> dict:
     started = time.monotonic()
     results = {"sim": {f"{k} {p}": v for (k, p), v in sims.items()}, "replay": runs, "meta": {
         "hardware": HARDWARE, "instances": INSTANCES, "rate": RATE, "phase_s": phase_s,
-        "phases": sim_bench.PHASES, "sim_phase_s": sim_bench.PHASE_S, "slo": dataclasses.asdict(SLO),
+        "workload": workload, "phases": [phase[:2] for phase in phases],
+        "bounds": sim_bench.phase_bounds(compressed_phases(phase_s, phases)),
+        "sim_bounds": sim_bench.phase_bounds(phases),
+        "sim_phase_s": sim_bench.PHASE_S, "slo": dataclasses.asdict(SLO),
         "policy": POLICY, "interval_s": INTERVAL_S, "window_s": WINDOW_S,
         "hysteresis": dataclasses.asdict(HYSTERESIS), "seed": SEED, "speedup": speedup,
         "repeats": repeats, "quick": quick, "requests": len(requests), "span_s": span,
@@ -425,8 +447,9 @@ def study(quick: bool, repeats: int, speedup: float) -> dict:
 
 
 def save(results: dict) -> None:
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results))
+    path = results_path(results["meta"].get("workload", "azure_mooncake"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results))
 
 
 def load_average() -> str:
@@ -459,14 +482,22 @@ def markdown(results: dict) -> str:
     rows = {"static": best, "dynamo": f"dynamo {meta['instances'] // 2}",
             "live": f"live {meta['instances'] // 2}"}
     n = meta["instances"]
+    workload = meta.get("workload", "azure_mooncake")
+    section, title, _, png = OUTPUTS[workload]
+    flags = (" --quick" if meta["quick"] else "") + (
+        f" --workload {workload}" if workload != "azure_mooncake" else "")
+    lengths = [round(stop - start) for start, stop in meta.get("bounds") or [
+        (0, meta["phase_s"])] * len(meta["phases"])]
+    sim_lengths = [round(stop - start) for start, stop in meta.get("sim_bounds") or [
+        (0, meta["sim_phase_s"])] * len(meta["phases"])]
     lines = [
-        "<!-- planner-replay:start -->", "## Planner over HTTP: live role changes through pd-router", "",
-        f"`.venv/bin/python -m bench.planner_replay{' --quick' if meta['quick'] else ''}` ({meta['date']}; "
+        f"<!-- {section}:start -->", f"## {title}", "",
+        f"`.venv/bin/python -m bench.planner_replay{flags}` ({meta['date']}; "
         f"{meta['machine']}; {meta['wall_s'] / 60:.0f} min; {meta['repeats']} replay(s) of each "
         f"strategy, interleaved). The simulator half's traffic (bench/planner.py's `workload`, seed "
         f"{meta['seed']}), shortened for this host: phases ("
         + ", ".join(f"{name}" for name, _ in meta["phases"])
-        + f") of {meta['phase_s']:.0f} s instead of {meta['sim_phase_s']:.0f} s, their fades "
+        + f") of {_seconds(lengths)} instead of {_seconds(sim_lengths)}, their fades "
         f"shortened alike, at {meta['rate']:g}x its rates on {n} instances instead of "
         f"{meta['sim_instances']} (the same load per instance): {meta['requests']} requests, "
         f"{meta['tokens'] / 1e3:.0f}k generated tokens in {meta['span_s']:.0f} s. Why shortened: "
@@ -531,7 +562,7 @@ def markdown(results: dict) -> str:
                      "its request ends, and the requests still running (long answers, a queue) "
                      "come from GET /admin/in_flight.")
     lines.append("")
-    lines += [READING, ""]
+    lines += [READING[workload], ""]
     statics = "; ".join(f"{p}P:{n - p}D {sims[f'static {p}']['attainment']:.3f}"
                         + (f" (replay {spread([r['attainment'] for r in reps[f'static {p}']])})"
                            if f"static {p}" in reps else "") for p in range(1, n))
@@ -545,27 +576,39 @@ def markdown(results: dict) -> str:
               f"{cpu['engines']:.0f} s, router {cpu['router']:.0f} s, client {cpu['client']:.0f} s, "
               f"planner process {cpu['controller']:.0f} s. Largest lag of a mock behind its model "
               f"clock: {lag:.2f} s.", "",
-              "![SLO attainment per interval, replay and simulator](img/planner_replay.png)", "",
-              "<!-- planner-replay:end -->", ""]
+              f"![SLO attainment per interval, replay and simulator](img/{png})", "",
+              f"<!-- {section}:end -->", ""]
     return "\n".join(lines)
 
 
-READING = (
-    "Reading it (the run of 2026-12-04 12:16 UTC, the code as committed; rewrite this paragraph "
-    "after a rerun). The host was quiet (load 0.1 to 1, no mock more than 0.03 s behind its "
-    "clock), and replay and simulator agree for every strategy: static 0.789 against 0.786, "
-    "Dynamo's rule 0.991 against 0.990, LivePlanner 0.977 against 0.981, each moving at the "
-    "simulator's times (LivePlanner 30, 60, 75, 180 s; the simulator 30, 60, 75, 185 s). Against "
-    "the run of 2026-12-03 15:29 UTC (LivePlanner 0.434, half the static split's goodput), what "
-    "changed is the planner's view of the requests in flight: a request whose prompt was "
-    "prefilled counted as a one-token prompt there, and now keeps its prompt (the KV it holds), "
-    "in the simulator and in `read_traffic` alike, so the decode pool's load is no longer "
-    "underestimated in the chat phase. Over HTTP LivePlanner now serves 1.24x the goodput of the "
-    "best static split in hindsight (the issue's 1.2x: met on this shortened run, one replay) and "
-    "0.99x Dynamo's rule every window (the issue's 1.1x: missed). On this workload Dynamo's rule "
-    "is already close to the best any strategy serves (attainment 0.99), which leaves no room for "
-    "1.1x at this load; the simulator half above measures the same (0.985x, with a ceiling of "
-    "about 1.02x).")
+def _seconds(lengths: list[int]) -> str:
+    """"60 s" when every phase is that long, else "60, 180 and 60 s"."""
+    if len(set(lengths)) == 1:
+        return f"{lengths[0]} s"
+    return ", ".join(map(str, lengths[:-1])) + f" and {lengths[-1]} s"
+
+
+READING_AZURE_MOONCAKE = (
+    "Reading it (written for the run of 2026-12-04 12:16 UTC; rerun 2026-12-05 23:29 UTC with "
+    "LivePlanner's replays of a window over its answers' life, docs/planner.md, and every "
+    "figure below holds within 0.005 for the rerun: static 0.792, Dynamo's rule 0.988, "
+    "LivePlanner 0.974 against the simulator's 0.981, 1.23x the best static split and 0.99x "
+    "Dynamo's rule over HTTP, the same moves at the same times). The host was quiet (load 0.1 "
+    "to 1, no mock more than 0.03 s behind its clock), and replay and simulator agree for every "
+    "strategy: static 0.789 against 0.786, Dynamo's rule 0.991 against 0.990, LivePlanner 0.977 "
+    "against 0.981, each moving at the simulator's times (LivePlanner 30, 60, 75, 180 s; the "
+    "simulator 30, 60, 75, 185 s). Against the run of 2026-12-03 15:29 UTC (LivePlanner 0.434, "
+    "half the static split's goodput), what changed is the planner's view of the requests in "
+    "flight: a request whose prompt was prefilled counted as a one-token prompt there, and now "
+    "keeps its prompt (the KV it holds), in the simulator and in `read_traffic` alike, so the "
+    "decode pool's load is no longer underestimated in the chat phase. Over HTTP LivePlanner "
+    "now serves 1.24x the goodput of the best static split in hindsight (the issue's 1.2x: met "
+    "on this shortened run, one replay) and 0.99x Dynamo's rule every window (the issue's 1.1x: "
+    "missed). On this workload Dynamo's rule is already close to the best any strategy serves "
+    "(attainment 0.99), which leaves no room for 1.1x at this load; the simulator half above "
+    "measures the same (0.985x, with a ceiling of about 1.02x).")
+READING_ANSWER_SHIFT = "Reading it: see below (written by hand after the run)."
+READING = {"azure_mooncake": READING_AZURE_MOONCAKE, "answer_shift": READING_ANSWER_SHIFT}
 
 
 def timeline(split_log: list) -> str:
@@ -573,11 +616,13 @@ def timeline(split_log: list) -> str:
     return ", ".join(changes) if changes else "no moves"
 
 
-def render() -> int:
-    results = json.loads(RESULTS.read_text())
+def render(workload: str = "azure_mooncake") -> int:
+    path = results_path(workload)
+    results = json.loads(path.read_text())
     results["meta"]["best_replayed_static"] = best_replayed_static(results)
-    RESULTS.write_text(json.dumps(results))  # the plotter reads which static split was best
-    common.publish("planner-replay", markdown(results), "planner_replay_plot.py", RESULTS, PNG)
+    path.write_text(json.dumps(results))  # the plotter reads which static split was best
+    section, _, _, png = OUTPUTS[workload]
+    common.publish(section, markdown(results), "planner_replay_plot.py", path, common.IMG / png)
     return 0
 
 
@@ -589,10 +634,12 @@ def main() -> int:
     parser.add_argument("--speedup", type=float, default=SPEEDUP,
                         help=f"the mocks' clock: model seconds per wall second (default {SPEEDUP:g})")
     parser.add_argument("--render", action="store_true", help="only redo the section and the plot")
+    parser.add_argument("--workload", choices=sorted(OUTPUTS), default="azure_mooncake",
+                        help="bench/planner.py's workload (default azure_mooncake)")
     args = parser.parse_args()
     if not args.render:
-        study(args.quick, args.repeats or 1, args.speedup)
-    return render()
+        study(args.quick, args.repeats or 1, args.speedup, args.workload)
+    return render(args.workload)
 
 
 if __name__ == "__main__":

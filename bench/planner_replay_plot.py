@@ -33,11 +33,13 @@ def main(results_path: str, out: str) -> None:
     fig, (att, split) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
                                      gridspec_kw={"height_ratios": [2, 1]})
     end = meta["span_s"]
+    # each phase's (start, end); results written before phases had lengths of their own: phase_s
+    bounds = meta.get("bounds") or [(k * phase_s, (k + 1) * phase_s) for k in range(len(meta["phases"]))]
     for ax in (att, split):
-        for k, (name, _) in enumerate(meta["phases"]):
-            ax.axvspan(k * phase_s, (k + 1) * phase_s, color="#f2f2f2" if k % 2 else "white", zorder=0)
+        for k, ((name, _), (start, stop)) in enumerate(zip(meta["phases"], bounds)):
+            ax.axvspan(start, stop, color="#f2f2f2" if k % 2 else "white", zorder=0)
             if ax is split:
-                ax.text(k * phase_s + 1, n - 0.4, name, fontsize=9, color="#555555")
+                ax.text(start + 1, n - 0.4, name, fontsize=9, color="#555555")
     for strategy, (label, color) in STYLE.items():
         key = keys[strategy]
         series = [r["window_attainment"] for r in reps[key]]
