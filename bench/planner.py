@@ -85,6 +85,65 @@ ANSWER_SHIFT = (("mooncake_short_answers", 13.0, 150.0), ("mooncake_long_answers
                 ("mooncake_short_answers", 13.0, 150.0))
 
 
+WHY_AZURE_MOONCAKE = (
+    "Why this workload. The issue asks for a mix built from the Azure and Mooncake "
+    "traces, in which prefix reuse shrinks the prefill by \"an amount no formula from "
+    "average lengths captures\". The Azure traces carry no prefix information; on them "
+    "Dynamo's rule, which sizes both pools from mean lengths with a profile taken "
+    "without KV reuse, is close to what the simulated engines do (the previous version "
+    "of this benchmark, code, chat, code again, all Azure: LivePlanner 0.95x Dynamo's "
+    "rule). The third phase is the Mooncake conversation trace, the one public trace "
+    "with real prefix sharing (chained 512-token block hashes; the simulator caches at "
+    "512 tokens in the prefill and the decode instances alike, a prefill computes only "
+    "what its cache lacks, a decode pulls only what its cache lacks). Its prompts are "
+    "long (12k tokens on average, a tail past 100k) and share prefixes: reuse shrinks "
+    "its prefill, and the tail of long prompts (4% of them take more than the 2 s TTFT "
+    "SLO to prefill on an idle instance of this hardware) blocks the prefill queues and "
+    "grows it; a mean length sees neither. Measured, not assumed: alone, at this "
+    "rate, the first repeat's Mooncake requests were served best by 4P:4D (0.93 "
+    "attainment) and 2P:6D served 0.77; in the run (table below, where 4P:4D still "
+    "works off the chat phase's queue) 3P:5D serves the phase 0.84, 2P:6D 0.72, and "
+    "Dynamo's rule, from its mean lengths, holds 2P or 3P there. The order is code, "
+    "chat, Mooncake rather than code, "
+    "Mooncake, code: on this hardware and SLO the Mooncake phase wants about the split "
+    "the code phase wants (4-5P against 5-6P), so that order would hardly shift the "
+    "split. How much reuse the phase gets is measured too (per phase, below): little, "
+    "a few percent of its prompt tokens, against 37% over the whole trace, because a GPU "
+    "prefix cache holds 112k tokens of this model per instance while half of the "
+    "trace's repeated blocks come back only after 2.5M tokens of other blocks (LRU "
+    "distance over a run of 1,300 requests), and the simulator has no host-memory tier. "
+    "The Mooncake phase's rate (0.65x its trace's mean, 2.2 req/s) is near what its "
+    "best split serves (its ceiling is about 0.95 attainment: the tail above misses the "
+    "TTFT SLO on any split); requests whose prompt and answer exceed one instance's KV "
+    "(0.5% of the trace) are left out, as vLLM refuses a request over max_model_len. "
+    "Goodput counts requests, so this phase (2.2 req/s against 40-60 in the Azure "
+    "phases) weighs little in the headline numbers: the per-phase table shows each "
+    "strategy in each phase. As before, each phase runs near what its own best split "
+    "serves, every repeat takes other requests, a higher rate replays the same requests "
+    "faster, and each phase fades into the next over a minute (a step of the whole load "
+    "into a decode pool at its KV limit leaves a queue that no controller reacting "
+    "after the fact can work off, and real mixes shift over minutes). Both dynamic "
+    "strategies plan from the last interval (15 s)."
+)
+WHY_ANSWER_SHIFT = (
+    "Why this workload. On the mix above Dynamo's rule is within a few percent of the best any "
+    "strategy serves: the Azure phases are most of its requests, and on them the rule's mean "
+    "lengths tell it what the engines need. Where it misses is requests with long prompts and long "
+    "answers (\"Planner: one phase alone\" below): it sizes the decode pool from the window's "
+    "mean answer without the time each answer holds its KV. This workload shifts between the two "
+    "kinds of request one trace holds: the Mooncake conversation trace's requests with answers "
+    "under 100 tokens (prompt-heavy, like code completion: they want prefill instances), then "
+    "those with answers of 400 tokens and more (chat with long answers: they want decode "
+    "instances and KV room), then short answers again. The long-answer phase lasts three times "
+    "as long, so that long answers are a third of the requests (an eighth with phases of equal "
+    "length: at these rates short answers come about 3x as often), as goodput counts requests. "
+    "Each phase's rate is near what its own best "
+    "split serves, so that no fixed split serves both: the short answers want 6-7 prefill "
+    "instances, the long ones 3-4. The rates swept reach below the nominal one: at x1 no "
+    "strategy holds 90% attainment over the whole run."
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Workload:
     """A benchmark workload: its phases, the rates swept, where its results and section go."""
@@ -96,19 +155,21 @@ class Workload:
     title: str
     results: str             # file name under bench/results, and its plot's under docs/img
     png: str
+    why: str                 # the section's paragraph on why this workload
 
 
 WORKLOADS = {
     "azure_mooncake": Workload(PHASES, RATE_SCALES, SEEDS, "planner",
                                "Planner: live role changes on a shifting mix", "planner.json",
-                               "planner.png"),
+                               "planner.png", WHY_AZURE_MOONCAKE),
     # every strategy is under 90% attainment at x1 here: the sweep reaches down for DistServe;
     # 90% is near what any split serves (a few percent of the prompts take longer than the TTFT
     # SLO to prefill on an idle instance), so DistServe goodput jumps: five repeats
     "answer_shift": Workload(ANSWER_SHIFT, (0.5, 0.6, 0.7, 0.8, 0.9, 1.0), (0, 1, 2, 3, 4),
                              "planner-answer-shift",
                              "Planner: a shift in answer length (Mooncake)",
-                             "planner_answer_shift.json", "planner_answer_shift.png"),
+                             "planner_answer_shift.json", "planner_answer_shift.png",
+                             WHY_ANSWER_SHIFT),
 }
 
 
@@ -195,9 +256,8 @@ def dynamo_controller(config: SimConfig, instances: int = INSTANCES):
 
 
 def run(job: tuple) -> dict:
-    """job: (strategy, prefill instances, seed, scale[, phases])."""
-    strategy, prefill, seed, scale, *rest = job
-    phases = rest[0] if rest else PHASES
+    """job: (strategy, prefill instances, seed, scale, phases)."""
+    strategy, prefill, seed, scale, phases = job
     requests = workload(seed, scale, phases)
     config = dataclasses.replace(base_config(), prefill_instances=prefill,
                                  decode_instances=INSTANCES - prefill, seed=seed)
@@ -330,68 +390,11 @@ def phase_attainment(run: dict, meta: dict) -> list[float]:
     return out
 
 
-WHY_AZURE_MOONCAKE = (
-    "Why this workload. The issue asks for a mix built from the Azure and Mooncake "
-    "traces, in which prefix reuse shrinks the prefill by \"an amount no formula from "
-    "average lengths captures\". The Azure traces carry no prefix information; on them "
-    "Dynamo's rule, which sizes both pools from mean lengths with a profile taken "
-    "without KV reuse, is close to what the simulated engines do (the previous version "
-    "of this benchmark, code, chat, code again, all Azure: LivePlanner 0.95x Dynamo's "
-    "rule). The third phase is the Mooncake conversation trace, the one public trace "
-    "with real prefix sharing (chained 512-token block hashes; the simulator caches at "
-    "512 tokens in the prefill and the decode instances alike, a prefill computes only "
-    "what its cache lacks, a decode pulls only what its cache lacks). Its prompts are "
-    "long (12k tokens on average, a tail past 100k) and share prefixes: reuse shrinks "
-    "its prefill, and the tail of long prompts (4% of them take more than the 2 s TTFT "
-    "SLO to prefill on an idle instance of this hardware) blocks the prefill queues and "
-    "grows it; a mean length sees neither. Measured, not assumed: alone, at this "
-    "rate, the first repeat's Mooncake requests were served best by 4P:4D (0.93 "
-    "attainment) and 2P:6D served 0.77; in the run (table below, where 4P:4D still "
-    "works off the chat phase's queue) 3P:5D serves the phase 0.84, 2P:6D 0.72, and "
-    "Dynamo's rule, from its mean lengths, holds 2P or 3P there. The order is code, "
-    "chat, Mooncake rather than code, "
-    "Mooncake, code: on this hardware and SLO the Mooncake phase wants about the split "
-    "the code phase wants (4-5P against 5-6P), so that order would hardly shift the "
-    "split. How much reuse the phase gets is measured too (per phase, below): little, "
-    "a few percent of its prompt tokens, against 37% over the whole trace, because a GPU "
-    "prefix cache holds 112k tokens of this model per instance while half of the "
-    "trace's repeated blocks come back only after 2.5M tokens of other blocks (LRU "
-    "distance over a run of 1,300 requests), and the simulator has no host-memory tier. "
-    "The Mooncake phase's rate (0.65x its trace's mean, 2.2 req/s) is near what its "
-    "best split serves (its ceiling is about 0.95 attainment: the tail above misses the "
-    "TTFT SLO on any split); requests whose prompt and answer exceed one instance's KV "
-    "(0.5% of the trace) are left out, as vLLM refuses a request over max_model_len. "
-    "Goodput counts requests, so this phase (2.2 req/s against 40-60 in the Azure "
-    "phases) weighs little in the headline numbers: the per-phase table shows each "
-    "strategy in each phase. As before, each phase runs near what its own best split "
-    "serves, every repeat takes other requests, a higher rate replays the same requests "
-    "faster, and each phase fades into the next over a minute (a step of the whole load "
-    "into a decode pool at its KV limit leaves a queue that no controller reacting "
-    "after the fact can work off, and real mixes shift over minutes). Both dynamic "
-    "strategies plan from the last interval (15 s)."
-)
-WHY_ANSWER_SHIFT = (
-    "Why this workload. On the mix above Dynamo's rule is within a few percent of the best any "
-    "strategy serves: the Azure phases are most of its requests, and on them the rule's mean "
-    "lengths tell it what the engines need. Where it misses is requests with long prompts and long "
-    "answers (\"Planner: one phase alone\" below): it sizes the decode pool from the window's "
-    "mean answer without the time each answer holds its KV. This workload shifts between the two "
-    "kinds of request one trace holds: the Mooncake conversation trace's requests with answers "
-    "under 100 tokens (prompt-heavy, like code completion: they want prefill instances), then "
-    "those with answers of 400 tokens and more (chat with long answers: they want decode "
-    "instances and KV room), then short answers again. The long-answer phase lasts three times "
-    "as long, so that long answers are a third of the requests (an eighth with phases of equal "
-    "length: at these rates short answers come about 3x as often), as goodput counts requests. "
-    "Each phase's rate is near what its own best "
-    "split serves, so that no fixed split serves both: the short answers want 6-7 prefill "
-    "instances, the long ones 3-4. The rates swept reach below the nominal one: at x1 no "
-    "strategy holds 90% attainment over the whole run."
-)
-WHY = {"azure_mooncake": WHY_AZURE_MOONCAKE, "answer_shift": WHY_ANSWER_SHIFT}
 
 
 def meta_bounds(meta: dict) -> list:
-    """Each phase's (start, end) in a result's meta (results before phases had lengths: PHASE_S)."""
+    """Each phase's (start, end) in a result's meta (results before phases had lengths: PHASE_S;
+    render() writes them into the results for the plot)."""
     return meta.get("bounds") or [(k * meta["phase_s"], (k + 1) * meta["phase_s"])
                                   for k in range(len(meta["phases"]))]
 
@@ -432,7 +435,7 @@ def markdown(results: dict) -> str:
              + ("; the answers in progress replay their prompts ahead of the window, not in its "
                 "way (docs/planner.md)" if meta.get("replay_lead") else "") + ".",
              "",
-             WHY[meta.get("workload", "azure_mooncake")], "",
+             workload.why, "",
              "| strategy | goodput at the nominal rate (req/s within SLO) | SLO attainment | "
              "DistServe goodput (req/s, attainment >= 90%) | role moves | requests lost |",
              "| --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -514,7 +517,9 @@ def render(name: str = "azure_mooncake") -> int:
     path = common.RESULTS / workload.results
     results = json.loads(path.read_text())
     results["best_static"] = {str(s): row["static"]["prefill"] for s, row in per_seed(results).items()}
-    path.write_text(json.dumps(results))  # the plotter reads which static split was best
+    results["meta"]["bounds"] = meta_bounds(results["meta"])
+    path.write_text(json.dumps(results))  # the plotter reads which static split was best, and
+    # where each phase starts and ends
     common.publish(workload.section, markdown(results), "planner_plot.py", path,
                    common.IMG / workload.png)
     return 0

@@ -25,9 +25,7 @@ STYLE = {"static": ("best static split", "#7f7f7f"), "dynamo": ("Dynamo's rule",
 def main(results_path: str, out: str) -> None:
     results = json.loads(Path(results_path).read_text())
     meta, runs, best = results["meta"], results["runs"], results["best_static"]
-    step, phase_s = meta["interval_s"], meta["phase_s"]
-    # each phase's (start, end); results written before phases had lengths of their own: phase_s
-    bounds = meta.get("bounds") or [(k * phase_s, (k + 1) * phase_s) for k in range(len(meta["phases"]))]
+    step, bounds = meta["interval_s"], meta["bounds"]  # each phase's (start, end): render() writes it
     fig, (att, split) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
                                      gridspec_kw={"height_ratios": [2, 1]})
     for ax in (att, split):

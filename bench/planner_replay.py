@@ -4,8 +4,8 @@ strategies driven live through the router's admin API; the simulator's predictio
 beside each replay.
 
 Traffic: one of bench/planner.py's workloads (`--workload`: azure_mooncake, the default, or
-answer_shift), shortened to fit this host: each phase PHASE_S long per its PHASE_S (its fades
-shortened alike), at RATE x its rates on INSTANCES instances (the same load
+answer_shift), shortened to fit this host: every phase by PHASE_S / its PHASE_S (its fades
+alike), at RATE x its rates on INSTANCES instances (the same load
 per instance as its 8): every generated token is one SSE event through the router and the
 client, and the mocks, the router, the client and the planner share two cores. Engines:
 bench/planner.py's HARDWARE as `pd-mock-engine --latency-model`; the router runs its policy with
@@ -40,6 +40,7 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import tempfile
 import threading
@@ -64,10 +65,11 @@ from pd_plugins.planner.types import Split
 from pd_plugins.testing.engine_harness import start_all
 from pd_plugins.testing.processes import free_port
 from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
+from pd_plugins.workloads import TraceRequest
 
 INSTANCES = 4
 RATE = 0.5          # x bench.planner's nominal rates: half its instances, half its traffic
-PHASE_S = 60.0      # the first 60 s of each of its phases
+PHASE_S = 60.0      # a phase of bench.planner's PHASE_S (150 s) shortened to this
 QUICK_PHASE_S = 20.0
 SPEEDUP = 0.5       # slower than real time: at 1 this host fell seconds behind the model clock
 SLO, POLICY, HARDWARE = sim_bench.SLO, sim_bench.POLICY, sim_bench.HARDWARE
@@ -77,16 +79,28 @@ BLOCK = 512         # the traces' prefix-block size: engines, router and record 
 DRAIN_TIMEOUT_S = 60.0
 STATIC_CHECK = 0.15  # other static splits replayed too: simulated attainment within this of the best
 TOKEN = "planner-replay"
-# bench.planner's workloads over HTTP: section of docs/benchmarks.md, title, results, plot
-OUTPUTS = {"azure_mooncake": ("planner-replay", "Planner over HTTP: live role changes through pd-router",
-                              "planner_replay.json", "planner_replay.png"),
-           "answer_shift": ("planner-replay-answer-shift",
-                            "Planner over HTTP: a shift in answer length (Mooncake)",
-                            "planner_replay_answer_shift.json", "planner_replay_answer_shift.png")}
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """Where one of bench.planner's workloads, replayed, is written."""
+
+    section: str   # its markers in docs/benchmarks.md
+    title: str
+    results: str   # file name under bench/results (LivePlanner's inputs: INPUTS_DIR/<stem>-*)
+    png: str       # under docs/img
+
+
+OUTPUTS = {"azure_mooncake": Output("planner-replay",
+                                    "Planner over HTTP: live role changes through pd-router",
+                                    "planner_replay.json", "planner_replay.png"),
+           "answer_shift": Output("planner-replay-answer-shift",
+                                  "Planner over HTTP: a shift in answer length (Mooncake)",
+                                  "planner_replay_answer_shift.json",
+                                  "planner_replay_answer_shift.png")}
+INPUTS_DIR = common.RESULTS / "planner_replay_inputs"  # each LivePlanner re-plan's (redecide)
 
 
 def results_path(workload: str) -> Path:
-    return common.RESULTS / OUTPUTS[workload][2]
+    return common.RESULTS / OUTPUTS[workload].results
 
 
 def compressed_phases(phase_s: float, phases: tuple = sim_bench.PHASES) -> tuple:
@@ -234,6 +248,8 @@ def control_loop(c: Control, ready, stop) -> None:
     planner = new_live_planner(c.window_s, c.interval_s, c.hysteresis) if c.strategy == "live" else None
     lock = threading.Lock()
     log = open(c.log, "a", encoding="utf-8")
+    # LivePlanner's inputs, per re-plan (redecide)
+    inputs = open(inputs_path(c.log), "a", encoding="utf-8") if c.strategy == "live" else None
     zero = None  # the wall time of model time 0
     ready.set()  # imported and set up: the replay may start
 
@@ -270,6 +286,8 @@ def control_loop(c: Control, ready, stop) -> None:
             say("split", split=[split.prefill, split.decode], moving=moving,
                 window=[len(window), sent, len(window) - running])
             if c.strategy == "live":
+                inputs.write(json.dumps(decision_inputs(now_s, split, moving, traffic)) + "\n")
+                inputs.flush()
                 apply_once(planner, roles, traffic.window, traffic.now_s, say=say,
                            in_flight=traffic.in_flight, decoding=traffic.decoding)
             elif c.strategy == "dynamo" and not moving:
@@ -287,6 +305,39 @@ def control_loop(c: Control, ready, stop) -> None:
         tick = max(tick + 1, int(model_now() // c.interval_s) + 1)
     say("done", cpu_s=time.process_time())
     log.close()
+    if inputs is not None:
+        inputs.close()
+
+
+def inputs_path(control_log: str) -> Path:
+    return Path(control_log).with_name("planner_inputs.jsonl")
+
+
+def decision_inputs(t: float, split: Split, moving: bool, traffic: RouterTraffic) -> dict:
+    """What one LivePlanner re-plan decided from, so that it can be decided again offline
+    (`redecide`): the split (and whether a move was under way), the window and the requests in
+    flight, as read over HTTP."""
+    def rows(requests: list) -> list[dict]:
+        return [dataclasses.asdict(r) for r in requests]
+
+    return {"t": t, "split": [split.prefill, split.decode], "moving": moving,
+            "now_s": traffic.now_s, "window": rows(traffic.window),
+            "in_flight": rows(traffic.in_flight), "decoding": rows(traffic.decoding)}
+
+
+def redecide(inputs: list[dict], planner: LivePlanner | None = None) -> list:
+    """LivePlanner's decisions again, in order, from a replay's logged inputs (INPUTS_DIR, one
+    JSON line each), skipping the re-plans `apply_once` skipped (a move under way, an empty
+    pool): to see what it would decide with other settings, or changed code, on the windows the
+    router gave it. Its hysteresis follows its own decisions here, which may differ."""
+    planner = planner or new_live_planner()
+
+    def requests(rows: list[dict]) -> list[TraceRequest]:
+        return [TraceRequest(**{**r, "block_hashes": tuple(r["block_hashes"])}) for r in rows]
+
+    return [planner.decide(x["now_s"], requests(x["window"]), Split(*x["split"]),
+                           requests(x["in_flight"]), requests(x["decoding"]))
+            for x in inputs if not x["moving"] and min(x["split"]) >= 1]
 
 
 # -- one replay -----------------------------------------------------------------------------------
@@ -434,6 +485,11 @@ def study(quick: bool, repeats: int, speedup: float, workload: str = "azure_moon
                 print(f"[{i + 1}/{repeats} {(time.monotonic() - started) / 60:.1f} min] replaying "
                       f"{k} from {p}P:{INSTANCES - p}D (load {load_before})", flush=True)
                 out = replayed(requests, k, p, speedup, Path(tmp) / f"{k}{p}-{i}")
+                inputs = inputs_path(str(Path(tmp) / f"{k}{p}-{i}" / "control.jsonl"))
+                if inputs.exists():  # LivePlanner's, kept for redecide
+                    INPUTS_DIR.mkdir(parents=True, exist_ok=True)
+                    stem = Path(OUTPUTS[workload].results).stem
+                    shutil.copy(inputs, INPUTS_DIR / f"{stem}-{k}{p}-{i}.jsonl")
                 out["load"] = [load_before, load_average()]
                 runs[f"{k} {p}"].append(out)
                 sim = sims[k, p]
@@ -483,15 +539,13 @@ def markdown(results: dict) -> str:
             "live": f"live {meta['instances'] // 2}"}
     n = meta["instances"]
     workload = meta.get("workload", "azure_mooncake")
-    section, title, _, png = OUTPUTS[workload]
+    out = OUTPUTS[workload]
     flags = (" --quick" if meta["quick"] else "") + (
         f" --workload {workload}" if workload != "azure_mooncake" else "")
-    lengths = [round(stop - start) for start, stop in meta.get("bounds") or [
-        (0, meta["phase_s"])] * len(meta["phases"])]
-    sim_lengths = [round(stop - start) for start, stop in meta.get("sim_bounds") or [
-        (0, meta["sim_phase_s"])] * len(meta["phases"])]
+    lengths = [round(stop - start) for start, stop in meta["bounds"]]
+    sim_lengths = [round(stop - start) for start, stop in meta["sim_bounds"]]
     lines = [
-        f"<!-- {section}:start -->", f"## {title}", "",
+        f"<!-- {out.section}:start -->", f"## {out.title}", "",
         f"`.venv/bin/python -m bench.planner_replay{flags}` ({meta['date']}; "
         f"{meta['machine']}; {meta['wall_s'] / 60:.0f} min; {meta['repeats']} replay(s) of each "
         f"strategy, interleaved). The simulator half's traffic (bench/planner.py's `workload`, seed "
@@ -576,8 +630,8 @@ def markdown(results: dict) -> str:
               f"{cpu['engines']:.0f} s, router {cpu['router']:.0f} s, client {cpu['client']:.0f} s, "
               f"planner process {cpu['controller']:.0f} s. Largest lag of a mock behind its model "
               f"clock: {lag:.2f} s.", "",
-              f"![SLO attainment per interval, replay and simulator](img/{png})", "",
-              f"<!-- {section}:end -->", ""]
+              f"![SLO attainment per interval, replay and simulator](img/{out.png})", "",
+              f"<!-- {out.section}:end -->", ""]
     return "\n".join(lines)
 
 
@@ -616,11 +670,13 @@ READING_ANSWER_SHIFT = (
     "wrong is in LivePlanner's log: in the long-answer phase every split's predicted goodput "
     "for the window was near zero (a decode pool holding 17 long answers, the window's "
     "requests behind them), in the simulator as over HTTP. The simulator's planner stayed at "
-    "2P:2D (0.31 against 0.11 for 3P:1D at 135 s); over HTTP, from a slightly different "
-    "window, it read 0.14 for 3P:1D against 0.02 for 2P:2D, a gain past its 5% margin on "
-    "numbers that are both near zero, moved to 3P:1D at 140 s, then by the work-off rate (the "
-    "score it uses in a collapse, under 5% of the window within the SLOs) to 1P:3D at 152 s, "
-    "and back to 2P:2D at 196 s: three moves in a minute, each draining a worker. Dynamo's "
+    "2P:2D (its log, the same simulation run again: 0.31 against 0.11 req/s for 3P:1D at "
+    "135 s); over HTTP, from a slightly different window, it read 0.14 for 3P:1D against 0.02 "
+    "for 2P:2D, a gain past its 5% margin on numbers both under 8% of the window's rate, and "
+    "moved to 3P:1D at 140 s; at 150 s, by the work-off rate (its score in a collapse, when "
+    "under 5% of the window is served within the SLOs: 1.4 against 0.86), to 1P:3D, moving two "
+    "workers; at 196 s back to 2P:2D (0.03 against 0): three decisions within a minute, four "
+    "workers moved, 8 requests drained. Dynamo's "
     "rule made the same moves as in the simulator, the last two 32 and 79 s earlier, and "
     "served 0.67 where the simulator predicted 0.42: on this overloaded phase a few seconds "
     "decide. What it asks of LivePlanner: a margin that is absolute as well as relative (a "
@@ -637,10 +693,18 @@ def timeline(split_log: list) -> str:
 def render(workload: str = "azure_mooncake") -> int:
     path = results_path(workload)
     results = json.loads(path.read_text())
-    results["meta"]["best_replayed_static"] = best_replayed_static(results)
-    path.write_text(json.dumps(results))  # the plotter reads which static split was best
-    section, _, _, png = OUTPUTS[workload]
-    common.publish(section, markdown(results), "planner_replay_plot.py", path, common.IMG / png)
+    meta = results["meta"]
+    meta["best_replayed_static"] = best_replayed_static(results)
+    # results from before phases had lengths of their own: every one phase_s (sim_phase_s)
+    meta.setdefault("bounds", [(k * meta["phase_s"], (k + 1) * meta["phase_s"])
+                               for k in range(len(meta["phases"]))])
+    meta.setdefault("sim_bounds", [(k * meta["sim_phase_s"], (k + 1) * meta["sim_phase_s"])
+                                   for k in range(len(meta["phases"]))])
+    path.write_text(json.dumps(results))  # the plotter reads which static split was best, and
+    # where each phase starts and ends
+    out = OUTPUTS[workload]
+    common.publish(out.section, markdown(results), "planner_replay_plot.py", path,
+                   common.IMG / out.png)
     return 0
 
 

@@ -28,13 +28,12 @@ STYLE = {"static": ("best static split", "#7f7f7f"), "dynamo": ("Dynamo's rule",
 def main(results_path: str, out: str) -> None:
     results = json.loads(Path(results_path).read_text())
     meta, sims, reps = results["meta"], results["sim"], results["replay"]
-    n, step, phase_s = meta["instances"], meta["interval_s"], meta["phase_s"]
+    n, step = meta["instances"], meta["interval_s"]
     keys = {"static": meta["best_replayed_static"], "dynamo": f"dynamo {n // 2}", "live": f"live {n // 2}"}
     fig, (att, split) = plt.subplots(2, 1, figsize=(11, 7), sharex=True,
                                      gridspec_kw={"height_ratios": [2, 1]})
     end = meta["span_s"]
-    # each phase's (start, end); results written before phases had lengths of their own: phase_s
-    bounds = meta.get("bounds") or [(k * phase_s, (k + 1) * phase_s) for k in range(len(meta["phases"]))]
+    bounds = meta["bounds"]  # each phase's (start, end): render() writes it
     for ax in (att, split):
         for k, ((name, _), (start, stop)) in enumerate(zip(meta["phases"], bounds)):
             ax.axvspan(start, stop, color="#f2f2f2" if k % 2 else "white", zorder=0)

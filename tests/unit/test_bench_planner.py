@@ -23,6 +23,27 @@ def test_phase_bounds_default_and_own_lengths():
         (0.0, 10.0), (10.0, 10.0 + planner.PHASE_S), (10.0 + planner.PHASE_S, 40.0 + planner.PHASE_S)]
 
 
+def test_the_first_workload_is_the_one_its_results_were_measured_on(traces_available):
+    """Phases of their own lengths changed the builder, not the default workload: the requests
+    of docs/benchmarks.md's "Planner" runs (seed 0, x1), pinned by their totals."""
+    requests = planner.workload(0, 1.0)
+    assert (len(requests), sum(r.output_tokens for r in requests),
+            sum(r.input_tokens for r in requests)) == (16071, 1962360, 28194959)
+    assert sum(r.arrival_s for r in requests) == pytest.approx(2815270.312, abs=0.01)
+
+
+def test_phase_attainment_reads_phases_of_their_own_lengths():
+    """Each phase's steady part (outside the fades) from the run's bounds, not k * PHASE_S."""
+    meta = {"interval_s": 10.0, "fade_s": 20.0, "phases": [["a", 1], ["b", 1]],
+            "bounds": [(0.0, 30.0), (30.0, 120.0)]}
+    # per interval: 1.0 in the first phase, 0.5 in the second, None where nothing arrived
+    run = {"window_attainment": [1.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5, None, 0.5, 0.5, 0.5]}
+    # phase a: [0, 20) (its end's half fade cut), phase b: [40, 120); the fade's 0.0s left out
+    assert planner.phase_attainment(run, meta) == [1.0, 0.5]
+    old = {"interval_s": 10.0, "fade_s": 0.0, "phases": [["a", 1], ["b", 1]], "phase_s": 20.0}
+    assert planner.meta_bounds(old) == [(0.0, 20.0), (20.0, 40.0)]
+
+
 def test_answer_cuts_split_the_trace_by_answer_length(traces_available):
     short, long = (planner.cached_trace(n) for n in ("mooncake_short_answers", "mooncake_long_answers"))
     assert short and long
@@ -58,5 +79,32 @@ def test_the_replay_shortens_every_phase_alike(traces_available):
     assert [p[2] for p in phases] == [60.0, 180.0, 60.0]
     assert [p[:2] for p in phases] == [p[:2] for p in planner.ANSWER_SHIFT]
     assert [p[2] for p in planner_replay.compressed_phases(60.0)] == [60.0] * len(planner.PHASES)
+    fade = planner.FADE_S
     requests = planner_replay.compressed_workload(60.0, phases=planner.ANSWER_SHIFT)
+    assert planner.FADE_S == fade  # set for the call only
     assert max(r.arrival_s for r in requests) <= 300.0
+    # the long phase is 60..240 s, its fades 24 s: long answers only in [48, 252]
+    longs = [r.arrival_s for r in requests if r.output_tokens >= 400]
+    assert longs and 48.0 <= min(longs) and max(longs) <= 252.0
+
+
+def test_a_replayed_decision_can_be_decided_again_offline(traces_available):
+    """The replay's controller logs each LivePlanner re-plan's inputs (decision_inputs); redecide
+    gives the decision the planner made from them, after a JSON round trip."""
+    import json
+
+    from pd_plugins.planner.live import RouterTraffic
+    from pd_plugins.planner.types import Split
+
+    requests = planner_replay.compressed_workload(30.0)
+    window = [r for r in requests if r.arrival_s < 15.0]
+    assert len(window) >= 20  # enough for the planner to simulate, not to stay on a thin window
+    traffic = RouterTraffic(15.0, window, window[-3:], window[-6:-3])
+    logged = json.loads(json.dumps(planner_replay.decision_inputs(15.0, Split(2, 2), False, traffic)))
+    skipped = json.loads(json.dumps(planner_replay.decision_inputs(30.0, Split(2, 2), True, traffic)))
+    live = planner_replay.new_live_planner().decide(15.0, window, Split(2, 2), window[-3:],
+                                                    window[-6:-3])
+    # a re-plan during a move is skipped, as apply_once skips it
+    again = planner_replay.redecide([logged, skipped])
+    assert [(d.want, d.reason) for d in again] == [(live.want, live.reason)]
+    assert again[0].scores == live.scores
