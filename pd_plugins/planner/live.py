@@ -61,6 +61,11 @@ MAX_WINDOW_REQUESTS = 20_000  # requests in one simulation (the window's newest,
 # the oldest in flight): each re-plan stays a few simulations of at most this many
 IN_FLIGHT_KEY_OFFSET = 1 << 60  # apart from every trace's block keys
 COLLAPSE_SHARE = 0.05  # under this share of the window within the SLOs on every split: a collapse
+# A move whose best split serves under this share of the window within the SLOs is judged by
+# how fast it works the queue off, as in a collapse: a window of ~30 requests whose best
+# split met the SLOs for 3 of them was judged by that noise, and a replay over HTTP moved back
+# and forth on it (docs/benchmarks.md, "Planner over HTTP: a shift in answer length")
+FEW_SERVED_SHARE = 0.15
 MAX_REPLAYS = 4  # a window is simulated at most this many times back to back (replay_life)
 REPLAY_KEY_OFFSET = 1 << 56  # each replay's block keys apart from the others' (no made-up reuse)
 
@@ -217,6 +222,8 @@ class LivePlanner:
             return stay("the current split serves (nearly) the whole window within the SLOs, "
                         f"at {self.headroom:g}x its rate too", {s: value(s) for s, _ in sims})
         best, score = self._climb(current, run, value, rate, self._peer_split(window, current))
+        if score is value and best != current and run(best)[0] < FEW_SERVED_SHARE * rate:
+            score = self._work_off(run)  # too few served within the SLOs to tell the splits apart
         scores = {s: value(s) for s, pace in sims if pace == 1.0 and (s, self.headroom) in sims}
         scores |= {s: run(s)[0] for s, pace in sims if s not in scores}
         if best == current or score(best) <= score(current) * gain + 1e-12:
@@ -274,6 +281,11 @@ class LivePlanner:
             return None
         return dynamo_hint(window, self._base, self.slo, current.instances)
 
+    @staticmethod
+    def _work_off(run: Callable[[Split], tuple[float, float]]) -> Callable[[Split], float]:
+        """The score of a split in a collapse: how fast it works the queue off."""
+        return lambda s: run(s)[1]
+
     def _climb(self, current: Split, run: Callable[[Split], tuple[float, float]],
                value: Callable[[Split], float], arrival_rate: float, peer: Split | None
                ) -> tuple[Split, Callable[[Split], float]]:
@@ -299,7 +311,7 @@ class LivePlanner:
         # In a collapse (a queue no split clears within the window) hardly any request meets the
         # SLOs on any split: then the split that works the queue off sooner is better.
         collapsed = max(run(s)[0] for s in tried) < COLLAPSE_SHARE * arrival_rate
-        score: Callable[[Split], float] = (lambda s: run(s)[1]) if collapsed else value
+        score = self._work_off(run) if collapsed else value
         best = max(tried, key=lambda s: (score(s), s == current))
         if best == current:
             return current, score

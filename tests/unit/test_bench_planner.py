@@ -108,3 +108,24 @@ def test_a_replayed_decision_can_be_decided_again_offline(traces_available):
     again = planner_replay.redecide([logged, skipped])
     assert [(d.want, d.reason) for d in again] == [(live.want, live.reason)]
     assert again[0].scores == live.scores
+
+
+def test_a_window_every_split_fails_is_judged_by_how_fast_each_works_it_off(monkeypatch):
+    """A re-plan logged over HTTP (answer_shift, 135 s: 29 requests in the window, 17 long
+    answers in progress on 2P:2D): every split was predicted to serve under 12% of the window
+    within the SLOs (3P:1D about 3 requests, 2P:2D none). Judged by how fast each works the
+    queue off, the planner keeps 2P:2D; judged by those few requests (before FEW_SERVED_SHARE) it
+    moved to 3P:1D, and back at the next re-plan."""
+    import json
+    from pathlib import Path
+
+    import pd_plugins.planner.live as live
+
+    logged = json.loads((Path(__file__).parent / "planner_replay_window.json").read_text())
+    assert logged["split"] == [2, 2] and not logged["moving"]
+    decision = planner_replay.redecide([logged])[0]
+    assert not decision.moves, decision.reason
+    assert max(decision.scores.values()) < 0.15 * len(logged["window"]) / planner.WINDOW_S
+    monkeypatch.setattr(live, "FEW_SERVED_SHARE", 0.0)
+    before = planner_replay.redecide([logged])[0]
+    assert before.moves and str(before.want) == "3P:1D", before.reason
