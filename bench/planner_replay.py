@@ -704,8 +704,7 @@ def render(workload: str = "azure_mooncake") -> int:
     meta = results["meta"]
     meta["best_replayed_static"] = best_replayed_static(results)
     # results from before phases had lengths of their own: every one phase_s (sim_phase_s)
-    meta.setdefault("bounds", [(k * meta["phase_s"], (k + 1) * meta["phase_s"])
-                               for k in range(len(meta["phases"]))])
+    meta["bounds"] = sim_bench.meta_bounds(meta)
     meta.setdefault("sim_bounds", [(k * meta["sim_phase_s"], (k + 1) * meta["sim_phase_s"])
                                    for k in range(len(meta["phases"]))])
     path.write_text(json.dumps(results))  # the plotter reads which static split was best, and
