@@ -57,6 +57,11 @@ REPLAY_BACKOFF_S = 30.0  # after a replay that failed, gaps are only logged for 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
 
 
+def batch_number(frame: bytes) -> int:
+    """A batch's sequence number, from its frame (vLLM: 8 bytes, big-endian, from 0)."""
+    return int.from_bytes(frame[:8], "big")
+
+
 class EventRejected(ValueError):
     """A KV event the index cannot use (wrong shape or types); the batch's others still apply."""
 
@@ -256,7 +261,7 @@ class KvEventSubscriber:
             while True:
                 frames = await sock.recv_multipart()
                 if self.replay is not None and len(frames) == 3:
-                    seq = int.from_bytes(frames[1][:8], "big")
+                    seq = batch_number(frames[1])
                     if seq > self.last_seq + 1:  # (from -1: the router started after the engine)
                         await self.replay_missed(seq)
                 try:
@@ -296,7 +301,7 @@ class KvEventSubscriber:
                     if len(frames) != 4 or frames[2] == END_SEQ:
                         break
                     received += 1
-                    seq = int.from_bytes(frames[2][:8], "big")
+                    seq = batch_number(frames[2])
                     if start <= seq < until:
                         batches[seq] = frames[1:]
                         size += len(frames[3])
@@ -334,7 +339,7 @@ class KvEventSubscriber:
             self._rejected_batch(f"{len(frames)} frames, expected 3")
             return
         _topic, seq_bytes, payload = frames
-        seq = int.from_bytes(seq_bytes[:8], "big")
+        seq = batch_number(seq_bytes)
         if self.last_seq >= 0 and seq != self.last_seq + 1:
             self.sequence_gaps += 1
             if seq <= self.last_seq:
