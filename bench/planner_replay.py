@@ -79,6 +79,58 @@ BLOCK = 512         # the traces' prefix-block size: engines, router and record 
 DRAIN_TIMEOUT_S = 60.0
 STATIC_CHECK = 0.15  # other static splits replayed too: simulated attainment within this of the best
 TOKEN = "planner-replay"
+# The reading under each replay section (written by hand after a run, kept here so that
+# --render keeps it)
+READING_AZURE_MOONCAKE = (
+    "Reading it (written for the run of 2026-12-04 12:16 UTC; rerun 2026-12-05 23:29 UTC with "
+    "LivePlanner's replays of a window over its answers' life, docs/planner.md, and every "
+    "figure below holds within 0.005 for the rerun: static 0.792, Dynamo's rule 0.988, "
+    "LivePlanner 0.974 against the simulator's 0.981, 1.23x the best static split and 0.99x "
+    "Dynamo's rule over HTTP, the same moves at the same times). The host was quiet (load 0.1 "
+    "to 1, no mock more than 0.03 s behind its clock), and replay and simulator agree for every "
+    "strategy: static 0.789 against 0.786, Dynamo's rule 0.991 against 0.990, LivePlanner 0.977 "
+    "against 0.981, each moving at the simulator's times (LivePlanner 30, 60, 75, 180 s; the "
+    "simulator 30, 60, 75, 185 s). Against the run of 2026-12-03 15:29 UTC (LivePlanner 0.434, "
+    "half the static split's goodput), what changed is the planner's view of the requests in "
+    "flight: a request whose prompt was prefilled counted as a one-token prompt there, and now "
+    "keeps its prompt (the KV it holds), in the simulator and in `read_traffic` alike, so the "
+    "decode pool's load is no longer underestimated in the chat phase. Over HTTP LivePlanner "
+    "now serves 1.24x the goodput of the best static split in hindsight (the issue's 1.2x: met "
+    "on this shortened run, one replay) and 0.99x Dynamo's rule every window (the issue's 1.1x: "
+    "missed). On this workload Dynamo's rule is already close to the best any strategy serves "
+    "(attainment 0.99), which leaves no room for 1.1x at this load; the simulator half above "
+    "measures the same (0.985x, with a ceiling of about 1.02x).")
+READING_ANSWER_SHIFT = (
+    "Reading it (the run of 2026-12-06 00:41 UTC; rewrite this paragraph after a rerun). This "
+    "replay does not confirm the simulator half: over HTTP LivePlanner served 0.77x the best "
+    "static split and 0.67x Dynamo's rule, where the simulator predicted 1.33x and 1.70x for "
+    "the same requests. One replay each, and the host was not quiet (a simulation ran beside "
+    "it at low priority: load 1.2 to 1.7, mocks up to 0.2 s behind their clock). What went "
+    "wrong is in LivePlanner's log: in the long-answer phase every split's predicted goodput "
+    "for the window was near zero (a decode pool holding 17 long answers, the window's "
+    "requests behind them), in the simulator as over HTTP. The simulator's planner stayed at "
+    "2P:2D (its log, the same simulation run again: 0.31 against 0.11 req/s for 3P:1D at "
+    "135 s); over HTTP, from a slightly different window, it read 0.14 for 3P:1D against 0.02 "
+    "for 2P:2D, a gain past its 5% margin on numbers both under 8% of the window's rate, and "
+    "moved to 3P:1D at 140 s; at 150 s, by the work-off rate (its score in a collapse, when "
+    "under 5% of the window is served within the SLOs: 1.4 against 0.86), to 1P:3D, moving two "
+    "workers; at 196 s back to 2P:2D (0.03 against 0): three decisions within a minute, four "
+    "workers moved, 8 requests drained. Dynamo's "
+    "rule made the same moves as in the simulator, the last two 32 and 79 s earlier, and "
+    "served 0.67 where the simulator predicted 0.42: on this overloaded phase a few seconds "
+    "decide. A second replay of LivePlanner alone (02:01 UTC, quiet host, not in the table) "
+    "served 0.666 and moved at 15, 75, 140 (to 3P:1D on 0.22 against 0 req/s), 150 (back to "
+    "2P:2D) and 255 s. Since then a move whose best split serves under 15% of the window within "
+    "the SLOs is judged by the work-off rate (FEW_SERVED_SHARE, docs/planner.md): decided again "
+    "on that replay's logged inputs (redecide), the 140 s move is not made and the others are; "
+    "in the simulator 49 of the benchmarks' 51 LivePlanner runs are unchanged by it (two move by "
+    "under 0.01). A replay of LivePlanner alone with it (02:43 UTC, quiet host, not in the "
+    "table): 0.734 (the simulator: 0.706), moving at 15, 75 and 255 s as the simulator does; "
+    "against the other strategies' replays above (another run, a loaded host) that would be "
+    "1.27x the static split and 1.10x Dynamo's rule. The three strategies were not replayed "
+    "again together with it.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Output:
     """Where one of bench.planner's workloads, replayed, is written."""
@@ -87,15 +139,17 @@ class Output:
     title: str
     results: str   # file name under bench/results (LivePlanner's inputs: INPUTS_DIR/<stem>-*)
     png: str       # under docs/img
+    reading: str   # the paragraph under the table
 
 
 OUTPUTS = {"azure_mooncake": Output("planner-replay",
                                     "Planner over HTTP: live role changes through pd-router",
-                                    "planner_replay.json", "planner_replay.png"),
+                                    "planner_replay.json", "planner_replay.png",
+                                    READING_AZURE_MOONCAKE),
            "answer_shift": Output("planner-replay-answer-shift",
                                   "Planner over HTTP: a shift in answer length (Mooncake)",
                                   "planner_replay_answer_shift.json",
-                                  "planner_replay_answer_shift.png")}
+                                  "planner_replay_answer_shift.png", READING_ANSWER_SHIFT)}
 INPUTS_DIR = common.RESULTS / "planner_replay_inputs"  # each LivePlanner re-plan's (redecide)
 
 
@@ -616,7 +670,7 @@ def markdown(results: dict) -> str:
                      "its request ends, and the requests still running (long answers, a queue) "
                      "come from GET /admin/in_flight.")
     lines.append("")
-    lines += [READING[workload], ""]
+    lines += [OUTPUTS[workload].reading, ""]
     statics = "; ".join(f"{p}P:{n - p}D {sims[f'static {p}']['attainment']:.3f}"
                         + (f" (replay {spread([r['attainment'] for r in reps[f'static {p}']])})"
                            if f"static {p}" in reps else "") for p in range(1, n))
@@ -642,55 +696,6 @@ def _seconds(lengths: list[int]) -> str:
     return ", ".join(map(str, lengths[:-1])) + f" and {lengths[-1]} s"
 
 
-READING_AZURE_MOONCAKE = (
-    "Reading it (written for the run of 2026-12-04 12:16 UTC; rerun 2026-12-05 23:29 UTC with "
-    "LivePlanner's replays of a window over its answers' life, docs/planner.md, and every "
-    "figure below holds within 0.005 for the rerun: static 0.792, Dynamo's rule 0.988, "
-    "LivePlanner 0.974 against the simulator's 0.981, 1.23x the best static split and 0.99x "
-    "Dynamo's rule over HTTP, the same moves at the same times). The host was quiet (load 0.1 "
-    "to 1, no mock more than 0.03 s behind its clock), and replay and simulator agree for every "
-    "strategy: static 0.789 against 0.786, Dynamo's rule 0.991 against 0.990, LivePlanner 0.977 "
-    "against 0.981, each moving at the simulator's times (LivePlanner 30, 60, 75, 180 s; the "
-    "simulator 30, 60, 75, 185 s). Against the run of 2026-12-03 15:29 UTC (LivePlanner 0.434, "
-    "half the static split's goodput), what changed is the planner's view of the requests in "
-    "flight: a request whose prompt was prefilled counted as a one-token prompt there, and now "
-    "keeps its prompt (the KV it holds), in the simulator and in `read_traffic` alike, so the "
-    "decode pool's load is no longer underestimated in the chat phase. Over HTTP LivePlanner "
-    "now serves 1.24x the goodput of the best static split in hindsight (the issue's 1.2x: met "
-    "on this shortened run, one replay) and 0.99x Dynamo's rule every window (the issue's 1.1x: "
-    "missed). On this workload Dynamo's rule is already close to the best any strategy serves "
-    "(attainment 0.99), which leaves no room for 1.1x at this load; the simulator half above "
-    "measures the same (0.985x, with a ceiling of about 1.02x).")
-READING_ANSWER_SHIFT = (
-    "Reading it (the run of 2026-12-06 00:41 UTC; rewrite this paragraph after a rerun). This "
-    "replay does not confirm the simulator half: over HTTP LivePlanner served 0.77x the best "
-    "static split and 0.67x Dynamo's rule, where the simulator predicted 1.33x and 1.70x for "
-    "the same requests. One replay each, and the host was not quiet (a simulation ran beside "
-    "it at low priority: load 1.2 to 1.7, mocks up to 0.2 s behind their clock). What went "
-    "wrong is in LivePlanner's log: in the long-answer phase every split's predicted goodput "
-    "for the window was near zero (a decode pool holding 17 long answers, the window's "
-    "requests behind them), in the simulator as over HTTP. The simulator's planner stayed at "
-    "2P:2D (its log, the same simulation run again: 0.31 against 0.11 req/s for 3P:1D at "
-    "135 s); over HTTP, from a slightly different window, it read 0.14 for 3P:1D against 0.02 "
-    "for 2P:2D, a gain past its 5% margin on numbers both under 8% of the window's rate, and "
-    "moved to 3P:1D at 140 s; at 150 s, by the work-off rate (its score in a collapse, when "
-    "under 5% of the window is served within the SLOs: 1.4 against 0.86), to 1P:3D, moving two "
-    "workers; at 196 s back to 2P:2D (0.03 against 0): three decisions within a minute, four "
-    "workers moved, 8 requests drained. Dynamo's "
-    "rule made the same moves as in the simulator, the last two 32 and 79 s earlier, and "
-    "served 0.67 where the simulator predicted 0.42: on this overloaded phase a few seconds "
-    "decide. A second replay of LivePlanner alone (02:01 UTC, quiet host, not in the table) "
-    "served 0.666 and moved at 15, 75, 140 (to 3P:1D on 0.22 against 0 req/s), 150 (back to "
-    "2P:2D) and 255 s. Since then a move whose best split serves under 15% of the window within "
-    "the SLOs is judged by the work-off rate (FEW_SERVED_SHARE, docs/planner.md): decided again "
-    "on that replay's logged inputs (redecide), the 140 s move is not made and the others are; "
-    "in the simulator 49 of the benchmarks' 51 LivePlanner runs are unchanged by it (two move by "
-    "under 0.01). A replay of LivePlanner alone with it (02:43 UTC, quiet host, not in the "
-    "table): 0.734 (the simulator: 0.706), moving at 15, 75 and 255 s as the simulator does; "
-    "against the other strategies' replays above (another run, a loaded host) that would be "
-    "1.27x the static split and 1.10x Dynamo's rule. The three strategies were not replayed "
-    "again together with it.")
-READING = {"azure_mooncake": READING_AZURE_MOONCAKE, "answer_shift": READING_ANSWER_SHIFT}
 
 
 def timeline(split_log: list) -> str:

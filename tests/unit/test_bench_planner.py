@@ -129,3 +129,35 @@ def test_a_window_every_split_fails_is_judged_by_how_fast_each_works_it_off(monk
     monkeypatch.setattr(live, "FEW_SERVED_SHARE", 0.0)
     before = planner_replay.redecide([logged])[0]
     assert before.moves and str(before.want) == "3P:1D", before.reason
+
+
+def test_the_phase_oracle_takes_each_phases_best_static_split_weighted_by_its_requests(
+        traces_available):
+    """phase_oracle(): per phase the static split that served most of its requests, the
+    intervals weighted by their arrivals, with the phases' lengths read from the results."""
+    bounds = planner.phase_bounds(planner.ANSWER_SHIFT)
+    step, windows = 15.0, 51
+    short = [bounds[0][0] <= (i + 0.5) * step < bounds[0][1]
+             or bounds[2][0] <= (i + 0.5) * step < bounds[2][1] for i in range(windows)]
+
+    def results(statics: dict[int, list[float]]) -> dict:
+        meta = {"interval_s": step, "fade_s": planner.FADE_S, "seeds": [0], "scales": [0.5, 1.0],
+                # as results store them: a phase's length only in its bounds
+                "phases": [[n, x] for n, x, _ in planner.ANSWER_SHIFT], "bounds": bounds}
+        runs = [{"seed": 0, "scale": scale, "strategy": "static", "prefill": p, "rate": 4.0 * scale,
+                 "window_attainment": attainment}
+                for scale in meta["scales"] for p, attainment in statics.items()]
+        return {"meta": meta, "runs": runs}
+
+    only_short = [1.0 if s else 0.0 for s in short]
+    only_long = [0.0 if s else 1.0 for s in short]
+    both = planner.phase_oracle(results({1: only_short, 2: only_long, 3: [0.6] * windows}))[0]
+    assert both["attainment"] == 1.0 and both["goodput"] == 4.0 and both["goodput_at_load"] == 4.0
+
+    arrived = [0] * windows
+    for r in planner.workload(0, 1.0, planner.ANSWER_SHIFT):
+        arrived[min(int(r.arrival_s // step), windows - 1)] += 1
+    share = sum(n for n, s in zip(arrived, short) if s) / sum(arrived)
+    assert 0.2 < share < 0.9  # both kinds of phase hold many requests
+    alone = planner.phase_oracle(results({1: only_short}))[0]
+    assert alone["attainment"] == pytest.approx(share)
