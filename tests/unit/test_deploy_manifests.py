@@ -287,6 +287,9 @@ def assert_discovery_matches(objects) -> None:
         events = json.loads(flag(vllm_args, "--kv-events-config"))
         assert events["endpoint"].endswith(f":{notes['pd-plugins.io/kv-events-port']}")
         assert int(notes["pd-plugins.io/kv-events-port"]) == ports["kv-events"]
+        # missed batches asked for again (a router started after the engine): vLLM binds it
+        assert events["replay_endpoint"] == f"tcp://*:{notes['pd-plugins.io/kv-events-replay-port']}"
+        assert int(notes["pd-plugins.io/kv-events-replay-port"]) == ports["kv-replay"]
         assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == ports["http"]
     assert roles == {"prefill", "decode"}
     # with `models:`, each model's pods are those with its label; without, every engine pod
@@ -722,7 +725,8 @@ def assert_network_policies(objects) -> None:
         name = engine["metadata"]["name"]
         notes = engine["spec"]["template"]["metadata"]["annotations"]
         # what discovery makes the router open: the annotations' ports
-        used = {int(notes[f"pd-plugins.io/{key}"]) for key in ("http-port", "kv-events-port")}
+        used = {int(notes[f"pd-plugins.io/{key}"])
+                for key in ("http-port", "kv-events-port", "kv-events-replay-port")}
         assert used <= admitted(objects, engine, router_labels), name
         assert admitted(objects, engine, router_labels) == used, name
         for other in engines(objects):  # NIXL, UCX and lease checks: any port between engines
@@ -753,21 +757,23 @@ def test_network_policies_admit_what_discovery_uses_and_nothing_else(overlay: st
 
 
 def test_moved_engine_ports_stay_reachable(tmp_path: Path) -> None:
-    """Change an engine's HTTP and KV-events ports everywhere engines.yaml names them (the
-    annotations discovery reads, the container ports, vLLM's arguments): the router may still
-    open both (the policies name the container ports, not numbers)."""
+    """Change an engine's HTTP, KV-events and replay ports everywhere engines.yaml names them
+    (the annotations discovery reads, the container ports, vLLM's arguments): the router may
+    still open them all (the policies name the container ports, not numbers)."""
     deploy = copy_of_deploy(tmp_path)
     path = deploy / "base" / "engines" / "engines.yaml"
     text = path.read_text()
-    assert text.count('"8000"') >= 4 and text.count("5557") >= 3
+    assert text.count('"8000"') >= 4 and text.count("5557") >= 3 and text.count("5558") >= 3
     path.write_text(text.replace('"8000"', '"8100"')
-                    .replace("containerPort: 8000", "containerPort: 8100").replace("5557", "5558"))
+                    .replace("containerPort: 8000", "containerPort: 8100")
+                    .replace("5557", "5567").replace("5558", "5568"))
     objects = render(deploy / "overlays" / "cpu")
     assert_discovery_matches(objects)
     for engine in engines(objects):
         notes = engine["spec"]["template"]["metadata"]["annotations"]
         assert notes["pd-plugins.io/http-port"] == "8100"
-        assert notes["pd-plugins.io/kv-events-port"] == "5558"
+        assert notes["pd-plugins.io/kv-events-port"] == "5567"
+        assert notes["pd-plugins.io/kv-events-replay-port"] == "5568"
     assert_network_policies(objects)
 
 
