@@ -696,8 +696,6 @@ def _seconds(lengths: list[int]) -> str:
     return ", ".join(map(str, lengths[:-1])) + f" and {lengths[-1]} s"
 
 
-
-
 def timeline(split_log: list) -> str:
     changes = [f"{t:.0f}: {p}P:{d}D" for t, p, d in split_log[1:]]
     return ", ".join(changes) if changes else "no moves"

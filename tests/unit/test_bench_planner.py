@@ -140,12 +140,15 @@ def test_the_phase_oracle_takes_each_phases_best_static_split_weighted_by_its_re
     short = [bounds[0][0] <= (i + 0.5) * step < bounds[0][1]
              or bounds[2][0] <= (i + 0.5) * step < bounds[2][1] for i in range(windows)]
 
+    # results from before run() kept each interval's arrivals: the workload is built again
+    requests = {scale: len(planner.workload(0, scale, planner.ANSWER_SHIFT)) for scale in (0.5, 1.0)}
+
     def results(statics: dict[int, list[float]]) -> dict:
         meta = {"interval_s": step, "fade_s": planner.FADE_S, "seeds": [0], "scales": [0.5, 1.0],
                 # as results store them: a phase's length only in its bounds
                 "phases": [[n, x] for n, x, _ in planner.ANSWER_SHIFT], "bounds": bounds}
         runs = [{"seed": 0, "scale": scale, "strategy": "static", "prefill": p, "rate": 4.0 * scale,
-                 "window_attainment": attainment}
+                 "window_attainment": attainment, "requests": requests[scale]}
                 for scale in meta["scales"] for p, attainment in statics.items()]
         return {"meta": meta, "runs": runs}
 
@@ -161,3 +164,43 @@ def test_the_phase_oracle_takes_each_phases_best_static_split_weighted_by_its_re
     assert 0.2 < share < 0.9  # both kinds of phase hold many requests
     alone = planner.phase_oracle(results({1: only_short}))[0]
     assert alone["attainment"] == pytest.approx(share)
+
+
+def quick_results(attainment: float) -> dict:
+    """Results shaped like `bench.planner --quick --workload answer_shift` (one repeat, x0.9 and
+    x1), every run at `attainment` in every interval."""
+    bounds = planner.phase_bounds(planner.ANSWER_SHIFT)
+    step = planner.INTERVAL_S
+    windows = int(bounds[-1][1] // step) + 1
+    meta = {"hardware": planner.HARDWARE, "instances": 8, "slo": {"ttft_s": 2.0, "tpot_s": 0.05},
+            "policy": planner.POLICY, "workload": "answer_shift",
+            "phases": [[n, x] for n, x, _ in planner.ANSWER_SHIFT], "bounds": bounds,
+            "phase_s": planner.PHASE_S, "fade_s": planner.FADE_S, "interval_s": step,
+            "window_s": planner.WINDOW_S, "hysteresis": {"margin": 0.05, "min_dwell_s": 60.0},
+            "seeds": [0], "headroom": 1.5, "replay_lead": True, "jobs": 1,
+            "scales": list(planner.QUICK_SCALES), "machine": "test", "wall_s": 60.0,
+            "date": "2026-12-06"}
+    runs = []
+    for scale in meta["scales"]:
+        for strategy, prefill in [("static", p) for p in range(1, 8)] + [("dynamo", 4), ("live", 4)]:
+            rate = 5.0 * scale
+            runs.append({"strategy": strategy, "prefill": prefill, "seed": 0, "scale": scale,
+                         "requests": 10 * windows, "rate": rate, "attainment": attainment,
+                         "goodput_at_load": attainment * rate, "rejected": 0, "lost": 0,
+                         "cached_share": [0.0] * 3, "window_attainment": [attainment] * windows,
+                         "window_requests": [10] * windows, "split_log": [[0.0, prefill, 8 - prefill]],
+                         "moves": 0, "planner_simulations": 0, "cpu_s": 1.0})
+    return {"meta": meta, "runs": runs}
+
+
+@pytest.mark.parametrize("attainment", [0.5, 0.95])
+def test_the_report_renders_a_quick_run_under_and_over_90_percent(attainment):
+    """--quick sweeps x0.9 and x1 only: at 0.5 no split reaches 90% (no DistServe goodput, no
+    finite ratio), at 0.95 every one does at every rate (a lower limit, marked so)."""
+    text = planner.markdown(quick_results(attainment))
+    (line,) = [x for x in text.splitlines() if x.startswith("What choosing a split per phase")]
+    if attainment < 0.9:
+        assert "none (under 90% at every rate swept)" in line
+        assert "no finite ratio" in line
+    else:
+        assert "DistServe goodput >= 5" in line and "1x" in line
