@@ -141,7 +141,8 @@ def test_the_phase_oracle_takes_each_phases_best_static_split_weighted_by_its_re
              or bounds[2][0] <= (i + 0.5) * step < bounds[2][1] for i in range(windows)]
 
     # results from before run() kept each interval's arrivals: the workload is built again
-    requests = {scale: len(planner.workload(0, scale, planner.ANSWER_SHIFT)) for scale in (0.5, 1.0)}
+    requests = {scale: len(planner.workload(0, scale, planner.ANSWER_SHIFT))
+                for scale in (0.5, 1.0)}
 
     def results(statics: dict[int, list[float]]) -> dict:
         meta = {"interval_s": step, "fade_s": planner.FADE_S, "seeds": [0], "scales": [0.5, 1.0],
@@ -182,13 +183,15 @@ def quick_results(attainment: float) -> dict:
             "date": "2026-12-06"}
     runs = []
     for scale in meta["scales"]:
-        for strategy, prefill in [("static", p) for p in range(1, 8)] + [("dynamo", 4), ("live", 4)]:
+        strategies = [("static", p) for p in range(1, 8)] + [("dynamo", 4), ("live", 4)]
+        for strategy, prefill in strategies:
             rate = 5.0 * scale
             runs.append({"strategy": strategy, "prefill": prefill, "seed": 0, "scale": scale,
                          "requests": 10 * windows, "rate": rate, "attainment": attainment,
                          "goodput_at_load": attainment * rate, "rejected": 0, "lost": 0,
                          "cached_share": [0.0] * 3, "window_attainment": [attainment] * windows,
-                         "window_requests": [10] * windows, "split_log": [[0.0, prefill, 8 - prefill]],
+                         "window_requests": [10] * windows,
+                         "split_log": [[0.0, prefill, 8 - prefill]],
                          "moves": 0, "planner_simulations": 0, "cpu_s": 1.0})
     return {"meta": meta, "runs": runs}
 

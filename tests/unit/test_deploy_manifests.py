@@ -288,7 +288,8 @@ def assert_discovery_matches(objects) -> None:
         assert events["endpoint"].endswith(f":{notes['pd-plugins.io/kv-events-port']}")
         assert int(notes["pd-plugins.io/kv-events-port"]) == ports["kv-events"]
         # missed batches asked for again (a router started after the engine): vLLM binds it
-        assert events["replay_endpoint"] == f"tcp://*:{notes['pd-plugins.io/kv-events-replay-port']}"
+        replay_port = notes["pd-plugins.io/kv-events-replay-port"]
+        assert events["replay_endpoint"] == f"tcp://*:{replay_port}"
         assert int(notes["pd-plugins.io/kv-events-replay-port"]) == ports["kv-replay"]
         assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == ports["http"]
     assert roles == {"prefill", "decode"}
