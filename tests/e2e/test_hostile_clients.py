@@ -4,7 +4,7 @@
   upstream's scheduler would call `.get` on): pd-router refuses them with 400; an engine reached
   directly refuses or ignores them, and keeps serving.
 - A client that disconnects while its decode leg waits in the decode's queue: the prefill frees
-  the prompt's KV within about a second (the router closes the decode leg; the decode aborts the
+  the prompt's KV at once (0.1 s here; the router closes the decode leg; the decode aborts the
   request and tells the prefill), not when its lease runs out.
 - A client that disconnects mid-decode: the decode stops generating for it at once.
 
@@ -35,9 +35,11 @@ pytestmark = pytest.mark.e2e
 T = TypeVar("T")
 
 LEASE_S = 60          # what an abandoned prefill would hold its blocks for
-# "at once", against the lease's 60 s: the abort itself takes well under a second, but the gauges
-# read here move once per engine step, and on CI's loaded 2-core host 1.5 s was missed once
-FREED_WITHIN_S = 5.0
+# "at once", against the lease's 60 s: the abort itself takes 0.05-0.4 s here (idle, and with three
+# busy loops on the two cores), but CI's shared host has stalled it past 1.5 s and once to 8.2 s.
+# What tells an abort from the lease running out is the prefill's expired count, checked as well;
+# a quarter of the lease still fails a free that waits for it.
+FREED_WITHIN_S = LEASE_S / 4
 PROMPT = token_prompt(100, seed=6001)  # three full blocks of 32 held by the prefill
 BLOCKERS = 3  # direct requests to the decode that keep its one slot busy
 # the mid-decode request's answer: as long as both engines' --max-model-len 1024 allow after PROMPT
