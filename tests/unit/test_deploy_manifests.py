@@ -290,7 +290,7 @@ def assert_discovery_matches(objects) -> None:
         # missed batches asked for again (a router started after the engine): vLLM binds it
         replay_port = notes["pd-plugins.io/kv-events-replay-port"]
         assert events["replay_endpoint"] == f"tcp://*:{replay_port}"
-        assert int(notes["pd-plugins.io/kv-events-replay-port"]) == ports["kv-replay"]
+        assert int(replay_port) == ports["kv-replay"]
         assert notes["prometheus.io/scrape"] == "true" and int(notes["prometheus.io/port"]) == ports["http"]
     assert roles == {"prefill", "decode"}
     # with `models:`, each model's pods are those with its label; without, every engine pod
