@@ -471,41 +471,44 @@ class Upstream:
                     on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
                     body_timeout: float | None = None, whole: bool = False) -> _Conn:
         """A connection that `data` went out on and whose answer's headers (`whole`: all of the
-        answer) are in. A reused connection that the server had closed is replaced once."""
+        answer) are in. A reused connection that the server had closed is replaced once. (The
+        wait is written out here, not a call per wake-up: this runs twice per PD request.)"""
         for attempt in (0, 1):
             conn = self._idle_conn() or await self._connect()
+            conn._reset()
+            conn.whole, conn.body_timeout = whole, body_timeout
+            if timeout is not None:
+                conn.arm(timeout, answered=False)
+            else:
+                conn.deadline.disarm()
             try:
-                await self._send(conn, data, timeout, on_sent, on_orphan, body_timeout, whole)
+                conn.sent_at = conn.loop.time()
+                conn.transport.write(data)
+                if on_sent is not None:
+                    on_sent()
+                while not (conn.done if whole else conn.headers_done):
+                    if conn.exc is not None:
+                        raise conn.exc
+                    waiter = conn.waiter = conn.loop.create_future()
+                    try:
+                        await waiter
+                    finally:
+                        conn.waiter = None
                 return conn
             except _Stale:
+                conn.abort()
                 if attempt:
                     raise UpstreamError("upstream closed the connection twice") from None
+            except BaseException as exc:
+                conn.abort()
+                if isinstance(exc, asyncio.CancelledError):
+                    conn.orphan(on_orphan)
+                elif (whole and conn.headers_done and conn.status != 200
+                      and isinstance(exc, UpstreamError)):
+                    conn.chunks = []  # an error answer whose body failed: its status still says which
+                    return conn
+                raise
         raise AssertionError("unreachable")
-
-    async def _send(self, conn: _Conn, data: bytes, timeout: float | None,
-                    on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
-                    body_timeout: float | None, whole: bool) -> None:
-        conn._reset()
-        conn.whole, conn.body_timeout = whole, body_timeout
-        if timeout is not None:
-            conn.arm(timeout, answered=False)
-        else:
-            conn.deadline.disarm()
-        try:
-            conn.sent_at = conn.loop.time()
-            conn.transport.write(data)
-            if on_sent is not None:
-                on_sent()
-            while not (conn.done if whole else conn.headers_done):
-                await conn.wait()
-        except BaseException as exc:
-            conn.abort()
-            if isinstance(exc, asyncio.CancelledError):
-                conn.orphan(on_orphan)
-            elif whole and conn.headers_done and conn.status != 200 and isinstance(exc, UpstreamError):
-                conn.chunks = []  # an error answer whose body failed: its status still says which
-                return
-            raise
 
     def shut(self) -> None:
         """Close the idle connections now, and each one in use when its answer is done."""

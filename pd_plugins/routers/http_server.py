@@ -44,8 +44,8 @@ from pd_plugins.routers.errors import error_body, error_response
 
 log = logging.getLogger("pd_router.http")
 
-__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "body_too_slow", "read_body",
-           "stream_response"]
+__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "body_too_slow", "header_map",
+           "read_body", "stream_response"]
 
 # The request lines served here (the path may carry a query string, as aiohttp's routes allow).
 HOT_REQUEST_LINE = re.compile(rb"POST /v1/(?:chat/)?completions[ ?]")
@@ -75,20 +75,16 @@ REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
 
 class RequestHeaders:
     """A request's headers, looked up by name case-insensitively (the first of a repeated one, as
-    aiohttp's CIMultiDict.get does; values decoded as aiohttp decodes them). The handler only
-    ever reads a few of them by name: the map is built at the first lookup."""
+    aiohttp's CIMultiDict.get does; values decoded as aiohttp decodes them), over the name map
+    the front server builds once per request (`header_map`)."""
 
-    __slots__ = ("_raw", "_by_name")
+    __slots__ = ("_by_name",)
 
-    def __init__(self, raw: tuple[tuple[bytes, bytes], ...]) -> None:
-        self._raw = raw
-        self._by_name: dict[str, bytes] | None = None
+    def __init__(self, by_name: dict[bytes, bytes]) -> None:
+        self._by_name = by_name
 
     def get(self, name: str, default: Any = None) -> Any:
-        by_name = self._by_name
-        if by_name is None:  # reversed: the first of a repeated header wins
-            by_name = self._by_name = {n.decode("latin-1").lower(): v for n, v in reversed(self._raw)}
-        value = by_name.get(name.lower())
+        value = self._by_name.get(name.lower().encode("latin-1"))
         return default if value is None else value.decode("utf-8", "surrogateescape")
 
     def __getitem__(self, name: str) -> str:
@@ -99,6 +95,16 @@ class RequestHeaders:
 
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self.get(name) is not None
+
+
+def header_map(raw: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Lower-cased header names to their first value."""
+    by_name: dict[bytes, bytes] = {}
+    for name, value in raw:
+        name = name.lower()
+        if name not in by_name:
+            by_name[name] = value
+    return by_name
 
 
 class FastRequest:
@@ -288,6 +294,7 @@ class _FrontConnection(asyncio.Protocol):
         self.path = self.query = ""
         self.header_bytes = 0
         self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.by_name: dict[bytes, bytes] = {}  # at the end of the head: header_map(raw_headers)
         self.body: list[bytes] = []
         self.body_bytes = 0
         self.message_bytes = 0  # bytes of reads begun while this request was in progress
@@ -414,15 +421,11 @@ class _FrontConnection(asyncio.Protocol):
         """A request refused by its head (414, 431, not authorized: 401, too large: 413) is
         answered now, its body never read (nor asked for with 100 Continue)."""
         self.in_head = False
-        length, expect, authorization = 0, False, None
-        for name, value in self.raw_headers:
-            lname = name.lower()
-            if lname == b"content-length":
-                length = int(value) if value.strip().isdigit() else 0
-            elif lname == b"expect":
-                expect = value.lower() == b"100-continue"
-            elif lname == b"authorization" and authorization is None:  # the first, as get()
-                authorization = value
+        by_name = self.by_name = header_map(self.raw_headers)
+        declared = by_name.get(b"content-length", b"")
+        length = int(declared) if declared.strip().isdigit() else 0
+        expect = by_name.get(b"expect", b"").lower() == b"100-continue"
+        authorization = by_name.get(b"authorization")
         self.path, _, self.query = self.url.decode("latin-1").partition("?")
         if self.refusal is None and self.server.authorize is not None:
             refusal = self.server.authorize(self.path, authorization.decode(
@@ -474,7 +477,7 @@ class _FrontConnection(asyncio.Protocol):
             self.queue.append("400 pipelined")
             return
         body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.queue.append(FastRequest(self, method, path, self.query, RequestHeaders(tuple(self.raw_headers)),
+        self.queue.append(FastRequest(self, method, path, self.query, RequestHeaders(self.by_name),
                                       self.parser.get_http_version(),
                                       self.parser.should_keep_alive(), body, self.too_large))
 

@@ -34,8 +34,8 @@ from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.errors import error_body, error_response
 from pd_plugins.routers.http_server import FastStreamResponse, stream_response
-from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, json_answer, json_leg,
-                                        open_leg, whole_leg)
+from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, answer_params, open_leg,
+                                        whole_leg)
 from pd_plugins.vocab.expert_signature import ExpertSignature
 from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of, stored_tokens_of
 
@@ -330,8 +330,8 @@ class Proxy:
     async def _release(self, attempt: Attempt, body: dict[str, Any], why: str) -> None:
         worker = attempt.decision.decode
         try:
-            await json_leg(self.pools, worker, "decode", attempt.path, body, attempt.request_id,
-                           self.timeouts.decode_first_byte_s)
+            await whole_leg(self.pools, worker, "decode", attempt.path, body, attempt.request_id,
+                            self.timeouts.decode_first_byte_s)
             log.info("request %s: %s after its prefill; the KV was released through decode %s",
                      attempt.request_id, why, worker.url)
         except Exception as exc:  # noqa: BLE001 - nobody awaits this task: log, never raise
@@ -345,7 +345,8 @@ class Proxy:
             task.cancel()
         await asyncio.gather(*self._releases, return_exceptions=True)
 
-    async def _prefill_leg(self, attempt: Attempt, body: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill_leg(self, attempt: Attempt, body: dict[str, Any]) -> Any:
+        """The prefill leg with its accounting; returns its answer's kv_transfer_params."""
         worker, info = attempt.decision.prefill, attempt.request.info
         charge = accounting.prefill_started(self.ctx, worker, info)
         started = time.monotonic()
@@ -356,8 +357,9 @@ class Proxy:
                 orphans.append(payload)
 
         try:
-            answer = await json_leg(self.pools, worker, "prefill", attempt.path, body,
-                                    attempt.request_id, self.timeouts.prefill_s, orphaned)
+            params = answer_params(await whole_leg(self.pools, worker, "prefill", attempt.path, body,
+                                                   attempt.request_id, self.timeouts.prefill_s,
+                                                   on_orphan=orphaned), worker, "prefill")
         except asyncio.CancelledError:
             if not orphans:
                 raise
@@ -365,12 +367,11 @@ class Proxy:
             # _prepare releases before the cancellation goes on (or, for an answer that is not
             # one, just goes on with the cancellation).
             attempt.client_left = True
-            answer = json_answer(orphans[0], worker, "prefill")
+            params = answer_params(orphans[0], worker, "prefill")
         finally:
             accounting.prefill_ended(worker, info, charge)
         elapsed = time.monotonic() - started
         self.metrics.prefill_leg.observe(elapsed)
-        params = answer.get("kv_transfer_params")
         try:
             section = pd_section_of(params)
         except ValueError as exc:  # the answer still serves; the router learns nothing from it
@@ -388,7 +389,7 @@ class Proxy:
         accounting.prefill_succeeded(self.ctx, worker, info, charge, elapsed,
                                      section.cached_tokens if section is not None else None,
                                      self.record_prefixes)
-        return answer
+        return params
 
     async def _decode_first(self, attempt: Attempt, body: dict[str, Any],
                             on_sent: Callable[[], None] | None = None):

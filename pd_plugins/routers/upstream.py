@@ -18,7 +18,6 @@ from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Orphan, Response, U
                                             UpstreamTimeout, header_value)
 
 _encode = msgspec.json.Encoder().encode
-_decode = msgspec.json.Decoder().decode
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -143,21 +142,20 @@ def _refused_or_failed(worker: Any, leg: str, status: int, payload: bytes,
     raise WorkerFailed(worker, leg, f"HTTP {status}: {payload[:200]!r}")
 
 
-async def json_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
-                   request_id: str, timeout_s: float,
-                   on_orphan: Orphan | None = None) -> dict[str, Any]:
-    """A whole non-streaming leg, parsed; a body that is not a JSON object is the worker's fault."""
-    payload = await whole_leg(pools, worker, leg, path, body, request_id, timeout_s,
-                              on_orphan=on_orphan)
-    return json_answer(payload, worker, leg)
+class _ParamsOnly(msgspec.Struct):
+    kv_transfer_params: Any = None
 
 
-def json_answer(payload: bytes, worker: Any, leg: str) -> dict[str, Any]:
-    """A leg's answer as a JSON object (WorkerFailed if it is not one)."""
+# every other field of the answer (choices, usage, ...) is skipped, not built: a per-request cost
+_decode_params_only = msgspec.json.Decoder(_ParamsOnly).decode
+
+
+def answer_params(payload: bytes, worker: Any, leg: str) -> Any:
+    """A leg's answer's kv_transfer_params, None if absent (WorkerFailed if the answer is not a
+    JSON object)."""
     try:
-        data = _decode(payload)
+        return _decode_params_only(payload).kv_transfer_params
+    except msgspec.ValidationError:  # JSON, but not an object
+        raise WorkerFailed(worker, leg, "answer is not a JSON object") from None
     except msgspec.DecodeError:
         raise WorkerFailed(worker, leg, f"answer is not JSON: {payload[:80]!r}") from None
-    if not isinstance(data, dict):
-        raise WorkerFailed(worker, leg, "answer is not a JSON object")
-    return data

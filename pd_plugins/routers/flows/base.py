@@ -24,8 +24,8 @@ class Attempt:
 
 
 # Runs the prefill leg on attempt.decision.prefill with the router's accounting and timeout;
-# returns the parsed answer or raises WorkerFailed / RequestRefused.
-PrefillLeg = Callable[[Attempt, dict[str, Any]], Awaitable[dict[str, Any]]]
+# returns its answer's kv_transfer_params (None if absent) or raises WorkerFailed / RequestRefused.
+PrefillLeg = Callable[[Attempt, dict[str, Any]], Awaitable[Any]]
 
 
 class PdFlow(Protocol):

@@ -33,8 +33,7 @@ class VllmPullFlow:
         prefill = attempt.decision.prefill
         if prefill is None:
             return body, None
-        answer = await prefill_leg(attempt, vllm_prefill_body(body))
-        params = answer.get("kv_transfer_params")
+        params = await prefill_leg(attempt, vllm_prefill_body(body))
         if not isinstance(params, dict) or not params.get("remote_engine_id"):
             raise WorkerFailed(prefill, "prefill", "answer has no kv_transfer_params "
                                                    "(is the prefill started with a kv_producer connector?)")

@@ -199,7 +199,7 @@ def test_rearm_moves_the_deadline_both_ways_and_disarm_holds_it():
 
 @pytest.mark.parametrize("api", ["request", "exchange"])
 @pytest.mark.parametrize("path, answer", [
-    ("/small", b"ok:hi"),                  # one read: the reader waits for the headers (_send)
+    ("/small", b"ok:hi"),                  # one read: the reader waits for the headers (_sent)
     ("/echo", b"x" * 100_000 + b"hi"),    # a large answer
     ("/late_end", b"first,last"),         # request(): the reader is in read(), a part taken
 ])

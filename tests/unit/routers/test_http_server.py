@@ -11,7 +11,7 @@ from aiohttp import web
 
 from pd_plugins.routers import http_server
 from pd_plugins.routers.http_server import (MAX_HEADERS, FastRequest, FrontServer, RequestHeaders,
-                                            body_too_slow, read_body, stream_response)
+                                            body_too_slow, header_map, read_body, stream_response)
 
 BODY = json.dumps({"prompt": "hi"}).encode()
 
@@ -371,8 +371,9 @@ def test_shutdown_lets_a_request_in_progress_finish():
 
 
 def test_request_headers_are_looked_up_as_aiohttp_would():
-    headers = RequestHeaders(((b"X-Request-Id", b"first"), (b"content-type", b"application/json"),
-                              (b"x-request-id", b"second"), (b"X-Odd", b"caf\xc3\xa9\xff")))
+    headers = RequestHeaders(header_map([(b"X-Request-Id", b"first"),
+                                         (b"content-type", b"application/json"),
+                                         (b"x-request-id", b"second"), (b"X-Odd", b"caf\xc3\xa9\xff")]))
     assert headers.get("x-request-id") == headers.get("X-REQUEST-ID") == "first"  # the first wins
     assert headers.get("Content-Type") == "application/json"
     assert headers.get("X-Odd") == b"caf\xc3\xa9\xff".decode("utf-8", "surrogateescape")

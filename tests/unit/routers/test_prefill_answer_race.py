@@ -37,7 +37,7 @@ async def _prepare_with_race(monkeypatch, answer: bytes) -> list:
         on_orphan(200, answer)  # the whole answer is in ...
         raise asyncio.CancelledError  # ... and the client left before the leg's task resumed
 
-    monkeypatch.setattr(proxy_module, "json_leg", raced_leg)
+    monkeypatch.setattr(proxy_module, "whole_leg", raced_leg)
     request = parse_request(b'{"model": "m", "prompt": "hello there", "max_tokens": 4}',
                             "completion", {}, select_model=router.select_model,
                             strip_transfer_fields=False)
