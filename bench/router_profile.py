@@ -6,7 +6,10 @@
 For each case (vLLM pull flow non-streaming and streaming, SGLang flow non-streaming; every
 request disaggregated, `--policy round_robin`) a pd-router runs alone on core 0 and mock prefill
 and decode engines (zero delays) and wrk (Debian's `wrk`: `apt-get install wrk`) on core 1, at 16
-connections; py-spy samples the router for 10 s at 250 Hz. Writes docs/img/router_flame_<case>.svg
+connections; py-spy samples the router for 10 s at 250 Hz, native frames included (`--native`):
+the samples where the router waits for work (its event loop in epoll, a pool thread on a futex) are
+told apart from those where it runs, and the shares are of the latter (py-spy samples wall-clock
+time: without this, idle time counted as "event loop"). Writes docs/img/router_flame_<case>.svg
 the largest shares (self time by function, and the parts of the path) to
 bench/results/router_profile.json, and the table of the "Router hot path profile" section of
 docs/benchmarks.md (between its markers; the reading below them is written by hand).
@@ -44,7 +47,15 @@ PARTS = (("front server (HTTP in/out)", ("http_server.py",)),
          ("proxy and flow", ("proxy.py", "flows/")))
 
 
-EVENT_LOOP = "event loop (uvloop C: sockets, timers, task switching)"
+EVENT_LOOP = "event loop (uvloop C: timers, task switching)"
+SOCKET_IO = "socket reads and writes (system calls)"
+# a sample whose innermost (native) frame is one of these is the router waiting, not working
+IDLE_LEAVES = ("epoll_wait", "epoll_pwait", "epoll_pwait2", "poll", "ppoll", "select",
+               "pselect", "futex", "__futex_abstimed_wait_common", "pthread_cond_wait",
+               "pthread_cond_timedwait", "sem_wait", "sem_timedwait", "do_futex_wait", "nanosleep",
+               "clock_nanosleep")
+SOCKET_LEAVES = ("write", "writev", "send", "sendto", "sendmsg", "read", "readv", "recv",
+                 "recvfrom", "recvmsg")
 TITLES = {"vllm_pull": "vLLM pull, non-streaming", "vllm_pull_stream": "vLLM pull, streaming",
           "sglang": "SGLang, non-streaming"}
 
@@ -85,7 +96,7 @@ def profile(case: str, engine: str, stream: bool, workdir: Path) -> dict:
         svg = common.IMG / f"router_flame_{case}.svg"
         for fmt, out in (("raw", raw), ("flamegraph", svg)):
             subprocess.run([py_spy(), "record", "-p", str(router.proc.pid), "-d", str(SECONDS // 2),
-                            "-r", str(RATE), "-f", fmt, "-o", str(out), "--nonblocking"],
+                            "-r", str(RATE), "-f", fmt, "-o", str(out), "--native"],
                            check=True, capture_output=True)
         wrk_out = load.communicate()[0]
         rate = next((float(line.split()[1]) for line in wrk_out.splitlines()
@@ -101,26 +112,33 @@ def profile(case: str, engine: str, stream: bool, workdir: Path) -> dict:
 
 
 def shares(raw: Path) -> dict:
-    """Self time by function, and by part of the path (py-spy's collapsed stacks)."""
+    """Self time by function, and by part of the path (py-spy's collapsed stacks), as shares of
+    the samples where the router was busy."""
     own: collections.Counter = collections.Counter()
     parts: collections.Counter = collections.Counter()
-    total = 0
+    total = busy = 0
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         n = int(count)
         total += n
         frames = stack.split(";")
+        leaf = frames[-1].split(" (", 1)[0]
+        if leaf in IDLE_LEAVES:
+            continue
+        busy += n
         own[frames[-1]] += n
-        part = EVENT_LOOP
-        for frame in reversed(frames):  # the innermost of our frames names the part
-            match = next((name for name, files in PARTS if any(f in frame for f in files)), None)
-            if match:
-                part = match
-                break
+        part = SOCKET_IO if leaf in SOCKET_LEAVES else EVENT_LOOP
+        if part == EVENT_LOOP:
+            for frame in reversed(frames):  # the innermost of our frames names the part
+                match = next((name for name, files in PARTS if any(f in frame for f in files)), None)
+                if match:
+                    part = match
+                    break
         parts[part] += n
-    return {"samples": total,
-            "parts": {k: round(v / total * 100, 1) for k, v in parts.most_common()},
-            "top_self": [[f, round(n / total * 100, 1)] for f, n in own.most_common(12)]}
+    busy = busy or 1
+    return {"samples": total, "busy_share": round(busy / (total or 1) * 100, 1),
+            "parts": {k: round(v / busy * 100, 1) for k, v in parts.most_common()},
+            "top_self": [[f, round(n / busy * 100, 1)] for f, n in own.most_common(12)]}
 
 
 def main() -> None:
@@ -142,7 +160,7 @@ def main() -> None:
 
 def markdown(results: dict) -> str:
     """The section's table: each case's rate under the profiler and its share per part."""
-    columns = [EVENT_LOOP, *(name for name, _ in PARTS)]
+    columns = [SOCKET_IO, EVENT_LOOP, *(name for name, _ in PARTS)]
     lines = ["<!-- router-profile:start -->", "## Router hot path profile", "",
              "Where pd-router's CPU goes on the PD hot path (`.venv/bin/python -m "
              "bench.router_profile`, about 2 minutes): a router alone on core 0 with `--policy "
@@ -150,14 +168,16 @@ def markdown(results: dict) -> str:
              f"{results['connections']} connections, py-spy sampling the router for "
              f"{results['seconds'] // 2} s per output at {RATE} Hz. Run {results['date']} on "
              f"{results['machine']}; numbers also in `bench/results/router_profile.json` (not "
-             "committed). Shares are of the router's samples, by the innermost of our frames "
-             "(outside all of them: the event loop).", "",
-             "| case | req/s | " + " | ".join(columns) + " |",
-             "|---|---:|" + "---:|" * len(columns)]
+             "committed). Shares are of the samples where the router was busy (column \"busy\": "
+             "of all its samples; the rest it waited for work), by the innermost of our frames "
+             "(outside all of them: the event loop), the socket system calls apart.", "",
+             "| case | req/s | busy | " + " | ".join(columns) + " |",
+             "|---|---:|---:|" + "---:|" * len(columns)]
     for case, r in results["cases"].items():
         rate = r.get("requests_per_s")
         cells = [f"{r['parts'].get(c, 0.0):.0f}%" for c in columns]
-        lines.append(f"| {TITLES[case]} | {rate:.0f} | " if rate else f"| {TITLES[case]} | - | ")
+        lines.append((f"| {TITLES[case]} | {rate:.0f} | " if rate else f"| {TITLES[case]} | - | ")
+                     + f"{r.get('busy_share', 100.0):.0f}% | ")
         lines[-1] += " | ".join(cells) + " |"
     links = ", ".join(f"[{TITLES[case]}]({Path(r['flame_graph']).relative_to('docs')})"
                       for case, r in results["cases"].items())
