@@ -102,6 +102,8 @@ class VllmServer(ManagedProcess):
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONHASHSEED": "0",
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            # its engine core's IPC sockets: a killed server would leave them in /tmp for good
+            "VLLM_RPC_BASE_PATH": str(self.scratch_dir()),
         })
         extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
         if extra.get("expert_signatures"):  # the capture hooks the V1 model runner (on a GPU

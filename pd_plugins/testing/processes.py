@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,6 +85,7 @@ class ManagedProcess:
     log_dir: Path = field(default_factory=new_log_dir)
     proc: subprocess.Popen | None = None
     health_path: str = "/health"
+    _scratch: list[Path] = field(default_factory=list, repr=False)  # scratch_dir()s, for stop()
 
     name: str  # set by subclasses as their first field
 
@@ -92,6 +94,15 @@ class ManagedProcess:
 
     def environment(self) -> dict[str, str]:
         return dict(os.environ)
+
+    def scratch_dir(self) -> Path:
+        """A directory of the server's own, removed when it stops: for what an engine leaves in
+        the temporary directory when it is killed (vLLM's IPC sockets: VLLM_RPC_BASE_PATH). Made
+        in the system's temporary directory, not under the log's, so that a Unix socket's path in
+        it stays within the 107 bytes Linux allows."""
+        path = Path(tempfile.mkdtemp(prefix="pd-srv-"))
+        self._scratch.append(path)
+        return path
 
     @property
     def url(self) -> str:
@@ -150,6 +161,8 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             pass
         self._reap_group()
+        while self._scratch:
+            shutil.rmtree(self._scratch.pop(), ignore_errors=True)
         if self in LIVE_SERVERS:
             LIVE_SERVERS.remove(self)
 

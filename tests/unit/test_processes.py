@@ -105,3 +105,35 @@ def test_a_parent_stopped_by_sigterm_or_sighup_stops_the_servers_it_started(tmp_
                 pytest.fail(f"the server outlived its parent after signal {signum}")
         finally:
             parent.kill()
+
+
+@dataclass
+class SocketLeaver(ManagedProcess):
+    """Binds a Unix socket in its scratch directory and is killed with it open, as a vLLM engine
+    core leaves its IPC sockets behind."""
+
+    name: str = "socket-leaver"
+
+    def environment(self) -> dict[str, str]:
+        return {**os.environ, "SCRATCH": str(self.scratch_dir())}
+
+    def command(self) -> list[str]:
+        script = ("import os, socket, time\n"
+                  "s = socket.socket(socket.AF_UNIX)\n"
+                  "s.bind(os.path.join(os.environ['SCRATCH'], 'engine.sock'))\n"
+                  "time.sleep(60)\n")
+        return [sys.executable, "-c", script]
+
+
+def test_what_a_killed_server_leaves_in_its_scratch_directory_goes_with_it():
+    server = SocketLeaver().start()
+    try:
+        scratch = server._scratch[0]
+        deadline = time.monotonic() + 20
+        while not (scratch / "engine.sock").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (scratch / "engine.sock").is_socket()
+        assert len(str(scratch / "0123456789abcdef0123456789abcdef0123")) < 108  # a socket path
+    finally:
+        server.stop(grace=0.5)  # SIGTERM ends it at once; SIGKILL would leave the same
+    assert not scratch.exists()
