@@ -1,7 +1,11 @@
+import json
 import random
+
+import pytest
 
 from pd_plugins.routers.flows.sglang import bootstrap_room
 from pd_plugins.routers.health import parse_engine_metrics
+from pd_plugins.routers.upstream import WorkerFailed, answer_params
 
 VLLM_METRICS = """# HELP vllm:num_requests_waiting Number of requests waiting.
 vllm:num_requests_waiting{engine="0",model_name="tiny"} 3.0
@@ -36,3 +40,16 @@ def test_an_admin_token_that_is_not_utf8_is_refused_not_a_500():
     odd = SimpleNamespace(headers={"Authorization": b"Bearer \xff\xfe".decode("utf-8", "surrogateescape")})
     assert admin.allows(odd) is False
     assert admin.allows(SimpleNamespace(headers={"Authorization": "Bearer the-token"})) is True
+
+
+def test_a_leg_answer_gives_its_kv_transfer_params_and_a_malformed_one_is_the_workers_fault():
+    worker = type("W", (), {"url": "http://p0"})()
+    params = {"remote_engine_id": "p0", "remote_block_ids": [[1, 2]], "pd": {"cached_tokens": 3}}
+    answer = json.dumps({"id": "x", "choices": [{"text": "a", "logprobs": None}],
+                         "usage": {"prompt_tokens": 9}, "kv_transfer_params": params}).encode()
+    assert answer_params(answer, worker, "prefill") == params
+    assert answer_params(b'{"choices": []}', worker, "prefill") is None
+    for payload, why in ((b"[1, 2]", "not a JSON object"), (b"not json", "not JSON"),
+                         (b'{"kv_transfer_params": 1', "not JSON")):
+        with pytest.raises(WorkerFailed, match=why):
+            answer_params(payload, worker, "prefill")
