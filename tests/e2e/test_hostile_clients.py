@@ -144,13 +144,15 @@ class Inconclusive(Exception):
 
 
 def until_conclusive(try_once: Callable[[int], T], what: str, tries: int = 3) -> T:
-    """`try_once(attempt)` until a try is not Inconclusive (each try waits for an idle decode)."""
+    """`try_once(attempt)` until a try is not Inconclusive (each try waits for an idle decode);
+    a failure says what made each try inconclusive."""
+    reasons = []
     for attempt in range(tries):
         try:
             return try_once(attempt)
-        except Inconclusive:
-            pass
-    pytest.fail(f"{what}, {tries} times")
+        except Inconclusive as exc:
+            reasons.append(f"try {attempt + 1}: {exc}" if str(exc) else f"try {attempt + 1}")
+    pytest.fail(f"{what}, {tries} times ({'; '.join(reasons)})")
 
 
 def evidence(pd, router) -> str:
@@ -222,6 +224,7 @@ def leave_while_the_decode_leg_queues(pd, router, attempt: int) -> float:
     blockers = [send_raw(pd.decode.url,
                          completion_body(token_prompt(20, seed=6002 + 10 * attempt + i), 1000))
                 for i in range(BLOCKERS)]
+    sent_at = time.monotonic()
     client = None
     try:
         try:
@@ -232,7 +235,8 @@ def leave_while_the_decode_leg_queues(pd, router, attempt: int) -> float:
             # waiting: nothing was tested yet, try again; a decode that ran none of them fails
             if finished(pd.decode.metrics()) == finished_before:
                 raise
-            raise Inconclusive from None
+            raise Inconclusive(f"a blocker ended {time.monotonic() - sent_at:.1f} s after they "
+                               "went out, before the others showed waiting") from None
         client = send_raw(router.url, completion_body(token_prompt(100, seed=6001 + attempt), 8))
 
         def setting_up(predicate, timeout: float, what: str) -> None:
@@ -247,7 +251,13 @@ def leave_while_the_decode_leg_queues(pd, router, attempt: int) -> float:
             if answered(client):
                 head = client.recv(16, socket.MSG_PEEK)
                 assert head.startswith(b"HTTP/1.1 200"), f"the router answered {head!r}"
-                raise Inconclusive
+                done = finished(pd.decode.metrics()) - finished_before
+                route = next((line.decode(errors="replace") for line in
+                              client.recv(4096, socket.MSG_PEEK).split(b"\r\n")
+                              if line.lower().startswith(b"x-pd-route:")), "no x-pd-route")
+                raise Inconclusive(f"the client was answered ({route}) while waiting for {what}, "
+                                   f"{time.monotonic() - sent_at:.1f} s after the blockers went "
+                                   f"out ({done:g} of {BLOCKERS} finished; {evidence(pd, router)})")
 
         setting_up(lambda: metric(pd.prefill, "vllm:request_success_total") > served, 30,
                    "the prefill leg")
