@@ -471,8 +471,7 @@ class Upstream:
                     on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
                     body_timeout: float | None = None, whole: bool = False) -> _Conn:
         """A connection that `data` went out on and whose answer's headers (`whole`: all of the
-        answer) are in. A reused connection that the server had closed is replaced once. (The
-        wait is written out here, not a call per wake-up: this runs twice per PD request.)"""
+        answer) are in. A reused connection that the server had closed is replaced once."""
         for attempt in (0, 1):
             conn = self._idle_conn() or await self._connect()
             conn._reset()
@@ -487,13 +486,7 @@ class Upstream:
                 if on_sent is not None:
                     on_sent()
                 while not (conn.done if whole else conn.headers_done):
-                    if conn.exc is not None:
-                        raise conn.exc
-                    waiter = conn.waiter = conn.loop.create_future()
-                    try:
-                        await waiter
-                    finally:
-                        conn.waiter = None
+                    await conn.wait()
                 return conn
             except _Stale:
                 conn.abort()
