@@ -128,17 +128,17 @@ def shares(raw: Path) -> dict:
         busy += n
         own[frames[-1]] += n
         part = SOCKET_IO if leaf in SOCKET_LEAVES else EVENT_LOOP
-        if part == EVENT_LOOP:
-            for frame in reversed(frames):  # the innermost of our frames names the part
-                match = next((name for name, files in PARTS if any(f in frame for f in files)), None)
-                if match:
-                    part = match
-                    break
+        for frame in reversed(frames) if part == EVENT_LOOP else ():
+            # the innermost of our frames names the part
+            match = next((name for name, files in PARTS if any(f in frame for f in files)), None)
+            if match:
+                part = match
+                break
         parts[part] += n
-    busy = busy or 1
-    return {"samples": total, "busy_share": round(busy / (total or 1) * 100, 1),
-            "parts": {k: round(v / busy * 100, 1) for k, v in parts.most_common()},
-            "top_self": [[f, round(n / busy * 100, 1)] for f, n in own.most_common(12)]}
+    per_busy = 100 / max(busy, 1)
+    return {"samples": total, "busy_share": round(busy * 100 / max(total, 1), 1),
+            "parts": {k: round(v * per_busy, 1) for k, v in parts.most_common()},
+            "top_self": [[f, round(n * per_busy, 1)] for f, n in own.most_common(12)]}
 
 
 def main() -> None:

@@ -24,3 +24,10 @@ def test_idle_samples_are_left_out_and_socket_calls_counted_apart(tmp_path):
     assert got["parts"] == {"front server (HTTP in/out)": 40.0, SOCKET_IO: 25.0, EVENT_LOOP: 25.0,
                             "legs' HTTP client": 10.0}
     assert sum(share for _, share in got["top_self"]) == 100.0
+
+
+def test_a_profile_of_waits_alone_says_the_router_was_never_busy(tmp_path):
+    raw = tmp_path / "raw.txt"
+    raw.write_text(f"{LOOP};epoll_pwait (libc.so.6) 40\n")
+    got = shares(raw)
+    assert got["samples"] == 40 and got["busy_share"] == 0.0 and got["parts"] == {}
