@@ -20,9 +20,10 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
-from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool
+if TYPE_CHECKING:
+    from pd_plugins.transfer.shm_pool import ShmKVPool
 
 log = logging.getLogger("pd_router.pool_index")
 
@@ -49,6 +50,9 @@ class PoolPrefixView:
         if self._pool is not None and self._inode != _inode(self.path):
             self.close()  # removed or replaced: the mapping we hold is no engine's pool any more
         if self._pool is None:
+            # imported here: the pool's module loads numba (its copy kernels), which a router
+            # without a shm pool should not pay for at startup (~0.3 s, ~70 MiB)
+            from pd_plugins.transfer.shm_pool import PoolError, ShmKVPool
             try:
                 self._pool = ShmKVPool.attach(self.path, readonly=True, group=self.group)
                 self._inode = self._pool.file_id()
