@@ -9,6 +9,9 @@ still uses aiohttp.
     resp = await pool.request("POST", "/v1/completions", body, {"X-Request-Id": rid}, timeout=30)
     data = await resp.read()                 # whole body (Content-Length, chunked or until EOF)
     async for chunk in resp: ...             # or: the body as it arrives
+    resp.pipe(sink, idle_s, until); await resp.piped()
+                                             # or: each piece to sink(piece) in the connection's
+                                             # callback, no task woken per piece (stream_relay.py)
     status, headers, body = await pool.exchange(pool.json_request(path, body, rid), timeout=30)
                                              # a whole answer, one wait (the legs that are not streamed)
     await pool.close()
@@ -37,6 +40,7 @@ never read (pd-router releases the KV a prefill answer holds).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from typing import Callable
 
@@ -113,6 +117,11 @@ class _Conn(asyncio.Protocol):
         self.timeout_s, self.answered = 0.0, False  # the timeout armed, and for which part
         self.whole = False  # exchange(): wake the reader only once the answer is complete
         self.body_timeout: float | None = None  # exchange(): the body's, from the headers on
+        # Response.pipe(): each body piece goes to sink(piece) in this callback, the reader's task
+        # is not woken for it; a sink that returns True pauses reading (Response.resume). Each
+        # piece re-arms the timeout: the next within idle_s, and none after `until` (loop time).
+        self.sink: Callable[[bytes], bool] | None = None
+        self.idle_s = self.until = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -126,6 +135,7 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = self.headers_done = self.done = self.interim = False
         self.exc: BaseException | None = None
         self.waiter: asyncio.Future | None = None
+        self.sink = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -200,6 +210,13 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.body_bytes += len(body)
+            if self.sink(body):
+                self._pause_for_sink()
+            elif not self.paused:
+                self.deadline.arm(min(self.idle_s, self.until - self.loop.time()))
+            return
         self.chunks.append(body)
         self.buffered += len(body)
         self.body_bytes += len(body)
@@ -212,6 +229,16 @@ class _Conn(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()
         self._wake()
+
+    def _pause_for_sink(self) -> None:
+        """The sink asked for a pause (Response.pipe). It still gets the rest of the bytes read
+        already: pausing stops the next reads, not this one's parsing."""
+        if not self.paused:
+            self.paused = True
+            self.deadline.disarm()  # the reader's time with the sink is not the server's
+            if self.transport is not None:
+                self.transport.pause_reading()
+            self._wake()
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -334,6 +361,44 @@ class Response:
             await conn.wait()
         chunks = conn.take()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def pipe(self, sink: Callable[[bytes], bool], idle_s: float, until: float) -> None:
+        """From now on hand each piece of the body to `sink` as it arrives, in the connection's
+        callback: a stream relayed piece by piece wakes no task per piece. The pieces that
+        arrived already go first, now. `sink` must not raise; it returns True to pause reading
+        (TCP then pushes back on the server, and the timeout stops) until resume(). Each piece
+        must come within `idle_s` of the one before, and none after `until` (time.monotonic());
+        past either, UpstreamTimeout. Wait for the end with piped()."""
+        conn = self._conn
+        conn.sink, conn.idle_s = sink, idle_s
+        self.resume(until)
+        for piece in conn.take():
+            if sink(piece):
+                conn._pause_for_sink()
+
+    async def piped(self) -> None:
+        """Wait until the piped body ends (done), the sink paused reading (paused), or the
+        answer fails (its UpstreamError or UpstreamTimeout is raised)."""
+        conn = self._conn
+        while not (conn.done or conn.paused):
+            await conn.wait()
+        if conn.exc is not None:
+            raise conn.exc
+
+    @property
+    def done(self) -> bool:
+        """The whole answer has arrived."""
+        return self._conn.done
+
+    def resume(self, until: float) -> None:
+        """Read the piped body again after the sink paused; `until` as in pipe()."""
+        conn = self._conn
+        conn.until = conn.loop.time() + (until - time.monotonic())
+        conn.arm(min(conn.idle_s, until - time.monotonic()), answered=True)
+        if conn.paused:
+            conn.paused = False
+            if not conn.closed and conn.transport is not None:
+                conn.transport.resume_reading()
 
     def rearm(self, timeout: float) -> None:
         """Replace the request's timeout: from now on the rest must arrive within `timeout`

@@ -30,6 +30,7 @@ from pd_plugins.routers.policy.latency_model import OnlineLinearFit
 from pd_plugins.routers.request import BadRequest, ClientRequest, tokenize_deferred
 from pd_plugins.routers.replica_channels import ReplicaShare
 from pd_plugins.routers.sessions import SessionTable
+from pd_plugins.routers.stream_relay import SseRelay
 from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.errors import error_body, error_response
@@ -42,7 +43,6 @@ from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
-MAX_HELD_EVENT = 1 << 20  # the unfinished end of a streamed chunk held for the rest of its event
 STAGE_KEY = "pd_stage"  # on the aiohttp request: prefill | decode | answer, for client_gone
 MEASURED_KEY = "pd_measured"  # on the aiohttp request: what the traffic record gets (Measured)
 
@@ -429,37 +429,30 @@ class Proxy:
     async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: Response,
                             first_chunk: bytes, header: str, started: float,
                             decode_started: float) -> web.StreamResponse:
+        """The stream's pieces go to the client from the leg's connection callback (SseRelay);
+        this task wakes when the relay needs it (a slow client, aiohttp's response) and at the
+        end."""
         out = stream_response(http, {**SSE_HEADERS, "x-pd-route": header})
-        first_at = time.monotonic()
-        last_at, events = first_at, first_chunk.count(b"data:")
-        idle_s, deadline = self.timeouts.decode_idle_s, decode_started + self.timeouts.decode_total_s
-        if (measured := http.get(MEASURED_KEY)) is not None:  # its tokens so far: /admin/in_flight
-            measured.streamed = events
-        # Whole events only go to the client: the rest of a chunk (TCP cuts anywhere) waits for
-        # its end, so that an error event after a broken leg starts an event of its own.
-        whole, tail = _whole_events(first_chunk)
+        measured = http.get(MEASURED_KEY)
+        relay = SseRelay(out, measured)
+        deadline = decode_started + self.timeouts.decode_total_s
         try:
             resp.disarm()  # the decode's timeouts do not run while the client is written to
-            if whole:
-                await self._to_client(http, out, whole)
-            # the time a slow client takes is not the decode's: its deadline moves by as much
-            deadline += time.monotonic() - first_at
+            relay(first_chunk)
+            resp.pipe(relay, self.timeouts.decode_idle_s, deadline)
             while True:
-                resp.rearm(max(0.001, min(idle_s, deadline - time.monotonic())))
-                chunk = await resp.next_chunk()
-                if not chunk:
+                if relay.held:
+                    resp.disarm()
+                    waited = time.monotonic()
+                    await self._write_held(http, out, relay)
+                    # the time a slow client takes is not the decode's: its deadline moves by as much
+                    deadline += time.monotonic() - waited
+                    resp.resume(deadline)  # (also when done: a paused connection is not reused)
+                if resp.done:
                     break
-                events += chunk.count(b"data:")
-                if measured is not None:
-                    measured.streamed = events
-                last_at = time.monotonic()
-                resp.disarm()
-                whole, tail = _whole_events(tail + chunk if tail else chunk)
-                if whole:
-                    await self._to_client(http, out, whole)
-                deadline += time.monotonic() - last_at
-            if tail:  # the stream ended cleanly: its last bytes are the engine's to send
-                await self._to_client(http, out, tail)
+                await resp.piped()
+            if relay.tail:  # the stream ended cleanly: its last bytes are the engine's to send
+                await self._to_client(http, out, relay.tail)
         except ClientTooSlow:
             _measured_end(http, _decision_label(attempt.decision), 499)
             self._client_too_slow(http, attempt)
@@ -473,8 +466,9 @@ class Proxy:
             self.metrics.requests.labels(_decision_label(attempt.decision), "error").inc()
             _measured_end(http, "failed", 502)
             shown = f": {message}" if self.config.route_header == "full" else ""
-            await _write_quietly(out, b"data: " + error_body(502, f"decode worker failed mid-stream"
-                                                                  f"{shown}") + b"\n\n",
+            # the whole events that came before the failure, then an error event of its own
+            await _write_quietly(out, b"".join(relay.pending) + b"data: " + error_body(
+                502, f"decode worker failed mid-stream{shown}") + b"\n\n",
                                  self.timeouts.client_write_s)
             return out
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
@@ -485,7 +479,8 @@ class Proxy:
             return out
         finally:
             resp.release()
-        tokens = max(1, events - 1)  # the last event is [DONE]
+        first_at, last_at = relay.first_at, relay.last_at
+        tokens = max(1, relay.events - 1)  # the last event is [DONE]
         self.metrics.ttft.observe(first_at - started)
         if tokens > 1:
             tpot = (last_at - first_at) / (tokens - 1)
@@ -498,6 +493,19 @@ class Proxy:
             measured.output_tokens = tokens
         await _write_quietly(out, None, self.timeouts.client_write_s)
         return out
+
+    async def _write_held(self, http: web.Request, out: web.StreamResponse, relay: SseRelay) -> None:
+        """What the relay could not write: once the client's socket has drained, the events
+        waiting (and those that come meanwhile, if the leg was not paused yet)."""
+        if relay.gone:
+            raise ConnectionResetError("the client closed the connection")
+        if relay.fast:
+            await self._to_client(http, out, b"")  # waits only while the socket is full
+        while relay.pending:
+            data = b"".join(relay.pending)
+            relay.pending.clear()
+            await self._to_client(http, out, data)
+        relay.held = not relay.fast
 
     async def _to_client(self, http: web.Request, out: web.StreamResponse, data: bytes,
                          eof: bool = False) -> None:
@@ -609,19 +617,6 @@ def _ascii(text: str) -> str:
 def _consume(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
-
-
-def _whole_events(data: bytes) -> tuple[bytes, bytes]:
-    """(the complete SSE events in `data`, the unfinished rest). An event ends at a blank line
-    (\\n\\n, or \\r\\n\\r\\n). A rest past MAX_HELD_EVENT is let through whole: what is held
-    per stream stays bounded."""
-    if data.endswith((b"\n\n", b"\r\n\r\n")):  # nearly always: the chunk ends an event
-        return data, b""
-    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\n\r\n")
-    end = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
-    if len(data) - end > MAX_HELD_EVENT:
-        return data, b""
-    return data[:end], data[end:]
 
 
 async def _write_quietly(out: web.StreamResponse, data: bytes | None, timeout_s: float) -> None:

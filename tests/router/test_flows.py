@@ -2,6 +2,7 @@
 the router chose (the mock decode checks the prompt digest its prefill registered)."""
 
 import json
+import time
 
 import pytest
 import requests
@@ -129,3 +130,34 @@ def test_sglang_without_a_prefill_worker_is_a_clear_503():
                              timeout=10)
         assert resp.status_code == 503, resp.text
         assert "cannot prefill" in resp.json()["error"]["message"]
+
+
+def test_streamed_tokens_reach_the_client_as_they_come_on_both_front_servers():
+    # The decode's events are relayed from its connection's callback (stream_relay.py) on the
+    # front server, and by the request's task on aiohttp's (a connection that asked for something
+    # else first is aiohttp's from then on): on both, each token as it comes, not at the end.
+    prefills, decodes = mocks(decode_args=("--tpot-ms", "100"))
+    body = {"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 5, "stream": True}
+    with deployment(prefills, decodes, "--policy", "round_robin") as router:
+        reference = None
+        with requests.Session() as session:
+            for handed_over in (False, True):
+                if handed_over:
+                    assert session.get(router.url + "/v1/models", timeout=10).status_code == 200
+                arrivals, lines = [], []
+                with session.post(router.url + "/v1/completions", json=body, stream=True,
+                                  timeout=20) as resp:
+                    assert resp.status_code == 200
+                    for line in resp.iter_lines():
+                        if line.startswith(b"data: "):
+                            arrivals.append(time.monotonic())
+                            lines.append(line)
+                text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in lines[:-1])
+                assert lines[-1] == b"data: [DONE]" and len(lines) == 6
+                assert reference is None or text == reference
+                reference = text
+                # 5 tokens 0.1 s apart: the first arrived well before the last
+                assert arrivals[-2] - arrivals[0] > 0.25, (handed_over, arrivals)
+        metrics = router.metrics()
+        assert 'pd_router_requests_total{decision="disaggregated",outcome="ok"} 2.0' in metrics
+        assert "pd_router_tpot_seconds_count 2.0" in metrics

@@ -56,7 +56,8 @@ async def stall_after_first(request):
 def run(scenario):
     async def main():
         handlers = {"/echo": echo, "/stream": stream, "/slow": slow, "/stall": stall_after_first,
-                    "/small": small, "/late_end": late_end}
+                    "/small": small, "/late_end": late_end, "/many_events": many_events,
+                    "/trickle": trickle}
         async with loopback_server(handlers) as port:
             upstream = Upstream("127.0.0.1", port)
             try:
@@ -88,6 +89,118 @@ def test_chunked_stream_in_pieces():
             pieces.append(chunk)
         resp.release()
         assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(5))
+    run(scenario)
+
+
+async def many_events(request):
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    for i in range(20):
+        await out.write(b"data: %d\n\n" % i)
+        await asyncio.sleep(0.01)
+    await out.write_eof()
+    return out
+
+
+async def trickle(request):  # an event every 0.1 s for 1 s: never idle for long, long in all
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    for i in range(10):
+        await out.write(b"data: %d\n\n" % i)
+        await asyncio.sleep(0.1)
+    await out.write_eof()
+    return out
+
+
+def test_a_piped_body_goes_to_its_sink_in_the_connection_callback_and_ends_once():
+    async def scenario(up):
+        resp = await up.request("GET", "/many_events", timeout=5)
+        first = await resp.next_chunk()
+        pieces, wakes = [first], 0
+        this_task = asyncio.current_task()
+
+        def sink(piece):
+            assert asyncio.current_task() is not this_task  # not the reader's task: a callback
+            pieces.append(piece)
+            return False
+
+        resp.pipe(sink, idle_s=5, until=time.monotonic() + 30)
+        while not resp.done:
+            await resp.piped()
+            wakes += 1
+        resp.release()
+        assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(20))
+        assert len(pieces) >= 10 and wakes == 1  # pieces one by one; the reader woken at the end
+        assert len(up._idle) == 1  # read to its end: the connection is reused
+    run(scenario)
+
+
+def test_a_sink_that_pauses_stops_the_reading_until_resumed():
+    async def scenario(up):
+        resp = await up.request("GET", "/many_events", timeout=5)
+        pieces = [await resp.next_chunk()]
+
+        def sink(piece):
+            pieces.append(piece)
+            return True  # the reader has to act on every piece
+
+        resp.pipe(sink, idle_s=5, until=time.monotonic() + 30)
+        pauses = 0
+        while True:
+            await resp.piped()
+            if resp.done:
+                break
+            pauses += 1
+            seen = len(pieces)
+            await asyncio.sleep(0.05)  # paused: the server's next events wait in TCP
+            assert len(pieces) == seen
+            resp.resume(time.monotonic() + 30)
+        resp.release()
+        assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(20))
+        assert pauses >= 2  # (events that came while paused are read together)
+    run(scenario)
+
+
+def test_a_piped_body_times_out_when_idle_and_when_past_its_deadline():
+    async def scenario(up):
+        resp = await up.request("GET", "/stall", timeout=5)
+        assert await resp.next_chunk() == b"first"
+        t0 = time.monotonic()
+        resp.pipe(lambda piece: False, idle_s=0.2, until=t0 + 30)
+        with pytest.raises(UpstreamTimeout):
+            await resp.piped()
+        assert 0.15 < time.monotonic() - t0 < 1.5
+        resp.release()
+        # pieces every 0.1 s for 1 s: each re-arms an idle timeout of 0.3 s, which never fires ...
+        resp = await up.request("GET", "/trickle", timeout=5)
+        await resp.next_chunk()
+        resp.pipe(lambda piece: False, idle_s=0.3, until=time.monotonic() + 30)
+        await resp.piped()
+        assert resp.done
+        resp.release()
+        # ... but they do not move the deadline
+        resp = await up.request("GET", "/trickle", timeout=5)
+        await resp.next_chunk()
+        got = []
+        t0 = time.monotonic()
+        resp.pipe(lambda piece: got.append(piece) and False, idle_s=0.5, until=t0 + 0.45)
+        with pytest.raises(UpstreamTimeout):
+            await resp.piped()
+        assert 0.4 < time.monotonic() - t0 < 1.0 and 2 <= len(got) <= 5
+        resp.release()
+    run(scenario)
+
+
+def test_a_piped_answer_that_breaks_raises_from_piped():
+    async def scenario(up):
+        resp = await up.request("GET", "/stall", timeout=5)
+        assert await resp.next_chunk() == b"first"
+        resp.pipe(lambda piece: False, idle_s=5, until=time.monotonic() + 30)
+        resp._conn.transport.abort()  # the connection dies mid-answer
+        with pytest.raises(UpstreamError):
+            await resp.piped()
+        resp.release()
+        assert not up._idle
     run(scenario)
 
 
