@@ -63,12 +63,19 @@ CONCURRENCY = (1, 16, 64)
 PROMPT = ("In a disaggregated serving system the router first sends the prompt to a prefill "
           "worker, which computes the KV cache and hands it to a decode worker that streams "
           "the answer back to the client; this sentence only has to be long enough.")
-BODIES = {stream: json.dumps({"model": "mock", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-                               "stream": stream}).encode() for stream in (False, True)}
+MAX_TOKENS = 8  # the answer's length (--max-tokens); the mocks send it at once (--tpot-ms 0)
+
+
+def request_bodies(max_tokens: int) -> dict[bool, bytes]:
+    return {stream: json.dumps({"model": "mock", "prompt": PROMPT, "max_tokens": max_tokens,
+                                "temperature": 0, "stream": stream}).encode()
+            for stream in (False, True)}
+
+
+BODIES = request_bodies(MAX_TOKENS)  # updated in place by --max-tokens
 SSE_END = b"data: [DONE]"
 ROUTE_RE = re.compile(r"route=(\w+)")  # pd-router's x-pd-route: route=disaggregated|local
 HEADERS = {"Content-Type": "application/json"}
-ENGINE_ARGS = ("--ttft-ms", "0", "--tpot-ms", "0")
 PD_ROUTER_CONFIG = {"health": {"interval_s": 3600, "canary": False, "metrics_interval_s": 3600}}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STREAM_SUFFIX = ":stream"
@@ -509,7 +516,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
     lines = [f"<!-- {SECTION}:start -->", "## Router overhead", "",
              "What a PD router costs per request: pd-router against the Rust routers that ship with vLLM "
              "(`vllm-router`) and SGLang (`sglang-router`), all on the same mock engines "
-             "(`pd-mock-engine`, zero prefill and decode time, a ~60-token prompt, `max_tokens` 8), "
+             "(`pd-mock-engine`; workload below), "
              "non-streaming and streaming (`\"stream\": true`: the load generator reads the SSE stream "
              "to its end, and latency is the whole response's). Every request is disaggregated (round "
              "robin, one prefill and one decode engine), except in the row \"pd-router (vLLM pull, "
@@ -527,6 +534,10 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              f"[--repeats N] [--streaming both|off|only] [--loadgen wrk|aiohttp]`). This run: `{meta['command']}`, {meta['date']}, "
              f"{meta['runtime_s'] / 60:.1f} min.", "",
              f"- Machine: {meta['machine']}.",
+             f"- Workload: a ~60-token prompt, {meta.get('max_tokens', MAX_TOKENS)} output tokens "
+             "(`max_tokens`), zero prefill time, "
+             + (f"the mock decode {meta['tpot_ms']:g} ms per token (a stream comes token by token)."
+                if meta.get("tpot_ms") else "zero decode time (the mocks send an answer at once)."),
              "- Pinning: each router alone on core 0; the mock prefill and decode engines and the "
              f"load generator ({LOADGEN_DESC[loadgen]}) share core 1.",
              f"- Versions: {meta['versions']}.",
@@ -806,6 +817,11 @@ def main() -> int:
                          "process's aiohttp closed loop (checks every response body)")
     ap.add_argument("--streaming", choices=sorted(STREAMING), default="both",
                     help="non-streaming and streaming requests (both, the default), or one of them")
+    ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
+                    help=f"tokens per answer (default {MAX_TOKENS}); with --tpot-ms, a streamed answer "
+                         "comes token by token; either one off its default implies --no-docs")
+    ap.add_argument("--tpot-ms", type=float, default=0.0,
+                    help="the mock decode's time per output token (default 0: the answer at once)")
     ap.add_argument("--targets", nargs="+", metavar="KEY",
                     help="only these rows (and the direct baseline): pd-vllm, pd-vllm-default, "
                          "vllm-router, pd-sglang, sglang-router, naive, floor; a partial run "
@@ -817,8 +833,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.render:
         return render(args.render)
-    if args.targets:
+    if args.targets or args.max_tokens != MAX_TOKENS or args.tpot_ms:
         args.no_docs = True  # the published section is the whole comparison, never a part of it
+    BODIES.update(request_bodies(args.max_tokens))
+    engine_args = ("--ttft-ms", "0", "--tpot-ms", f"{args.tpot_ms:g}")
     repeats = args.repeats or (1 if args.quick else 3)
     # 13 target-mode rows x 3 concurrencies x 3 repeats x 5 s: about 10 minutes of measuring.
     window_s = args.window_s or (1.5 if args.quick else 4.0)
@@ -848,7 +866,7 @@ def main() -> int:
     lua.write_text(WRK_LUA)
 
     def engine(name: str, role: str, kind: str) -> MockEngineProcess:
-        return MockEngineProcess(name, role=role, engine=kind, args=ENGINE_ARGS, cpu=LOAD_CPU,
+        return MockEngineProcess(name, role=role, engine=kind, args=engine_args, cpu=LOAD_CPU,
                                  log_dir=run_dir)
 
     vp, vd = engine("vllm-prefill", "prefill", "vllm"), engine("vllm-decode", "decode", "vllm")
@@ -978,6 +996,7 @@ def main() -> int:
         "machine": common.machine(), "versions": versions(peers), "repeats": repeats,
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
         "streaming": args.streaming, "loadgen": loadgen,
+        "max_tokens": args.max_tokens, "tpot_ms": args.tpot_ms,
         "runtime_s": time.monotonic() - began,
         "foreign_pct": spread([r["foreign_pct"] for reps in runs.values() for r in reps]),
         "core_busy_c64": {m: spread([r.get(m) for (key, c), reps in runs.items() if c == 64

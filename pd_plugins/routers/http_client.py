@@ -165,6 +165,8 @@ class _Conn(asyncio.Protocol):
                                     f"{MAX_HEAD_BYTES} bytes" if not self.headers_done else
                                     "answer's chunk framing or trailers out of proportion "
                                     "to its body"))
+        elif self.sink is not None and self.chunks:
+            self._feed_sink()
 
     def eof_received(self) -> None:
         # httptools has no feed_eof: a body with neither Content-Length nor chunked framing
@@ -210,16 +212,11 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
-        if self.sink is not None:
-            self.body_bytes += len(body)
-            if self.sink(body):
-                self._pause_for_sink()
-            elif not self.paused:
-                self.deadline.arm(min(self.idle_s, self.until - self.loop.time()))
-            return
         self.chunks.append(body)
         self.buffered += len(body)
         self.body_bytes += len(body)
+        if self.sink is not None:  # piped: what this read brought goes to it at the read's end
+            return
         if self.whole:  # its reader takes the whole answer: nothing to pace, but bounded
             if self.buffered > self.limit and self.exc is None:
                 self.fail(UpstreamError(f"answer larger than {self.limit} bytes"))
@@ -230,15 +227,19 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
         self._wake()
 
-    def _pause_for_sink(self) -> None:
-        """The sink asked for a pause (Response.pipe). It still gets the rest of the bytes read
-        already: pausing stops the next reads, not this one's parsing."""
-        if not self.paused:
-            self.paused = True
-            self.deadline.disarm()  # the reader's time with the sink is not the server's
-            if self.transport is not None:
-                self.transport.pause_reading()
-            self._wake()
+    def _feed_sink(self) -> None:
+        """What the body brought since the last call, to the sink (Response.pipe) in one piece
+        (a read with several of the server's chunks: one write on, not one per chunk)."""
+        chunks, self.chunks, self.buffered = self.chunks, [], 0
+        if self.sink(chunks[0] if len(chunks) == 1 else b"".join(chunks)):
+            if not self.paused:
+                self.paused = True
+                self.deadline.disarm()  # the reader's time with the sink is not the server's
+                if self.transport is not None:
+                    self.transport.pause_reading()
+                self._wake()
+        elif not self.paused:
+            self.deadline.arm(min(self.idle_s, self.until - self.loop.time()))
 
     def on_message_complete(self) -> None:
         if self.interim:
@@ -372,9 +373,8 @@ class Response:
         conn = self._conn
         conn.sink, conn.idle_s = sink, idle_s
         self.resume(until)
-        for piece in conn.take():
-            if sink(piece):
-                conn._pause_for_sink()
+        if conn.chunks:
+            conn._feed_sink()
 
     async def piped(self) -> None:
         """Wait until the piped body ends (done), the sink paused reading (paused), or the
