@@ -392,9 +392,9 @@ class Response:
 
     def resume(self, until: float) -> None:
         """Read the piped body again after the sink paused; `until` as in pipe()."""
-        conn = self._conn
-        conn.until = conn.loop.time() + (until - time.monotonic())
-        conn.arm(min(conn.idle_s, until - time.monotonic()), answered=True)
+        conn, left = self._conn, until - time.monotonic()
+        conn.until = conn.loop.time() + left  # the connection's timeout runs on the loop's clock
+        conn.arm(min(conn.idle_s, left), answered=True)
         if conn.paused:
             conn.paused = False
             if not conn.closed and conn.transport is not None:
@@ -402,7 +402,7 @@ class Response:
 
     def rearm(self, timeout: float) -> None:
         """Replace the request's timeout: from now on the rest must arrive within `timeout`
-        (once per streamed chunk: it moves a due time, see deadline.py)."""
+        (cheap enough for every chunk: it moves a due time, see deadline.py)."""
         if self._conn is not None:
             self._conn.arm(timeout, answered=True)
 
