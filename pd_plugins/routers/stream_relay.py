@@ -32,7 +32,7 @@ class SseRelay:
     def __init__(self, out: Any, measured: Any) -> None:
         self.out, self.measured = out, measured
         self.fast = isinstance(out, FastStreamResponse)  # written here; aiohttp's by the task
-        self.events = 0  # `data:` lines relayed: the tokens, and [DONE]
+        self.events = 0  # whole `data:` events relayed: the tokens, and [DONE]
         self.first_at = self.last_at = time.monotonic()
         self.tail = b""  # an event's beginning, waiting for its end
         self.pending: list[bytes] = []  # whole events the task writes (held)
@@ -41,14 +41,14 @@ class SseRelay:
 
     def __call__(self, piece: bytes) -> bool:
         """Relay one piece of the stream; True: the task has to write (reading pauses)."""
-        self.events += piece.count(b"data:")
-        if self.measured is not None:  # its tokens so far: /admin/in_flight
-            self.measured.streamed = self.events
         self.last_at = time.monotonic()
         if self.tail or not piece.endswith((b"\n\n", b"\r\n\r\n")):  # (nearly always ends one)
             piece, self.tail = whole_events(self.tail + piece)
             if not piece:
                 return False
+        self.events += piece.count(b"data:")  # counted whole: a piece may cut one in two
+        if self.measured is not None:  # its tokens so far: /admin/in_flight
+            self.measured.streamed = self.events
         if self.held:
             self.pending.append(piece)
             return True
