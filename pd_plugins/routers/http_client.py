@@ -150,6 +150,8 @@ class _Conn(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if self.sink is not None and self.chunks:  # the body before the error goes on
+                self._feed_sink()
             cause = exc.__context__  # what a callback raised (past a limit)
             self.fail(cause if isinstance(cause, UpstreamError) else
                       UpstreamError(f"bad HTTP response: {exc}"))
@@ -238,6 +240,8 @@ class _Conn(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.pause_reading()
                 self._wake()
+        elif self.done:  # (on_message_complete disarmed it)
+            pass
         elif not self.paused:
             self.deadline.arm(min(self.idle_s, self.until - self.loop.time()))
 
@@ -248,6 +252,8 @@ class _Conn(asyncio.Protocol):
         self.done = True
         if not self.parser.should_keep_alive():
             self.closed = True
+        if self.sink is not None:  # piped: its reader finishes the answer without a timeout
+            self.deadline.disarm()
         self._wake()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -382,7 +388,9 @@ class Response:
         conn = self._conn
         while not (conn.done or conn.paused):
             await conn.wait()
-        if conn.exc is not None:
+        if conn.chunks:  # what came with an error after the end (bytes past it, a timer)
+            conn._feed_sink()
+        if conn.exc is not None and not conn.done:  # a whole answer is one, whatever came after
             raise conn.exc
 
     @property
@@ -394,7 +402,10 @@ class Response:
         """Read the piped body again after the sink paused; `until` as in pipe()."""
         conn, left = self._conn, until - time.monotonic()
         conn.until = conn.loop.time() + left  # the connection's timeout runs on the loop's clock
-        conn.arm(min(conn.idle_s, left), answered=True)
+        if conn.done:
+            conn.deadline.disarm()
+        else:
+            conn.arm(min(conn.idle_s, left), answered=True)
         if conn.paused:
             conn.paused = False
             if not conn.closed and conn.transport is not None:
@@ -471,6 +482,7 @@ class Upstream:
     def _release(self, conn: _Conn) -> None:
         """Back to the pool if its answer was read to the end and it may be reused; else closed."""
         conn.deadline.disarm()
+        conn.sink = None  # (holds the reader's sink, and what it references, until reused)
         if conn.done and not conn.closed and conn.exc is None and not conn.paused:
             self._put(conn)
         else:

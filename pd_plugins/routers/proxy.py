@@ -437,12 +437,11 @@ class Proxy:
         relay = SseRelay(out, measured)
         deadline = decode_started + self.timeouts.decode_total_s
         try:
-            resp.disarm()  # the decode's timeouts do not run while the client is written to
             relay(first_chunk)
             resp.pipe(relay, self.timeouts.decode_idle_s, deadline)
             while True:
                 if relay.held:
-                    resp.disarm()
+                    resp.disarm()  # the decode's timeouts do not run while the client is written to
                     waited = time.monotonic()
                     await self._write_held(http, out, relay)
                     # the time a slow client takes is not the decode's: its deadline moves by as much

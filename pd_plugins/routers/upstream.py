@@ -92,7 +92,7 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
                    on_orphan: Orphan | None = None) -> Response:
     """POST and wait for the response headers; non-2xx answers are classified and raised.
 
-    The timeout keeps running over the body until the caller re-arms it (Response.rearm).
+    The timeout keeps running over the body until the caller re-arms it (Response.pipe, rearm).
     `on_sent`: called once the request is on its way to the worker; `on_orphan`: given the
     whole answer if the caller is cancelled after it arrived (http_client.py)."""
     headers = {**JSON_HEADERS, "X-Request-Id": request_id}
