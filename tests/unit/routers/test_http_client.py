@@ -16,14 +16,17 @@ async def echo(request):
                         headers={"X-Seen": request.headers.get("X-Request-Id", "")})
 
 
-async def stream(request):
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await out.prepare(request)
-    for i in range(5):
-        await out.write(b"data: %d\n\n" % i)
-        await asyncio.sleep(0.01)
-    await out.write_eof()
-    return out
+def event_stream(count: int, gap_s: float):
+    """A handler streaming `count` events `gap_s` apart."""
+    async def stream(request):
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        for i in range(count):
+            await out.write(b"data: %d\n\n" % i)
+            await asyncio.sleep(gap_s)
+        await out.write_eof()
+        return out
+    return stream
 
 
 async def late_end(request):
@@ -55,9 +58,11 @@ async def stall_after_first(request):
 
 def run(scenario):
     async def main():
-        handlers = {"/echo": echo, "/stream": stream, "/slow": slow, "/stall": stall_after_first,
-                    "/small": small, "/late_end": late_end, "/many_events": many_events,
-                    "/trickle": trickle}
+        handlers = {"/echo": echo, "/stream": event_stream(5, 0.01), "/slow": slow,
+                    "/stall": stall_after_first,
+                    "/small": small, "/late_end": late_end,
+                    "/many_events": event_stream(20, 0.01),
+                    "/trickle": event_stream(10, 0.1)}  # never idle for long, long in all
         async with loopback_server(handlers) as port:
             upstream = Upstream("127.0.0.1", port)
             try:
@@ -90,26 +95,6 @@ def test_chunked_stream_in_pieces():
         resp.release()
         assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(5))
     run(scenario)
-
-
-async def many_events(request):
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await out.prepare(request)
-    for i in range(20):
-        await out.write(b"data: %d\n\n" % i)
-        await asyncio.sleep(0.01)
-    await out.write_eof()
-    return out
-
-
-async def trickle(request):  # an event every 0.1 s for 1 s: never idle for long, long in all
-    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await out.prepare(request)
-    for i in range(10):
-        await out.write(b"data: %d\n\n" % i)
-        await asyncio.sleep(0.1)
-    await out.write_eof()
-    return out
 
 
 def test_a_piped_body_goes_to_its_sink_in_the_connection_callback_and_ends_once():
