@@ -3,6 +3,7 @@ ratios to both Rust routers, issue 30's "Done when" checks and the wrk output pa
 
 from __future__ import annotations
 
+import json
 import pytest
 
 from bench import router_overhead as ro
@@ -137,3 +138,17 @@ def test_markdown_names_the_load_generator_and_how_it_counts():
     meta = {**meta, "loadgen": "aiohttp", "core_busy_c64": {}}
     text = ro.markdown(meta, info, summary)
     assert "- Load generator: `aiohttp`" in text and "Every response is checked" in text
+
+
+def test_markdown_states_the_workload_and_request_bodies_follow_max_tokens():
+    targets, runs = run_all()
+    summary = ro.summarize(targets, runs)
+    info = [{"key": t.key, "label": t.label, "broken": None, "stream": t.stream} for t in targets]
+    meta = {"command": "x", "date": "d", "runtime_s": 60, "machine": "m", "versions": "v",
+            "warm_s": 1, "window_s": 4, "repeats": 1, "foreign_pct": None}
+    assert f"{ro.MAX_TOKENS} output tokens" in ro.markdown(meta, info, summary)  # older results
+    text = ro.markdown({**meta, "max_tokens": 64, "tpot_ms": 1.0}, info, summary)
+    assert "64 output tokens" in text and "1 ms per token (a stream comes token by token)" in text
+    bodies = ro.request_bodies(64)
+    assert [json.loads(bodies[s])["max_tokens"] for s in (False, True)] == [64, 64]
+    assert json.loads(bodies[True])["stream"] is True
