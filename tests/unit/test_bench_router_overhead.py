@@ -4,6 +4,7 @@ ratios to both Rust routers, issue 30's "Done when" checks and the wrk output pa
 from __future__ import annotations
 
 import json
+
 import pytest
 
 from bench import router_overhead as ro
