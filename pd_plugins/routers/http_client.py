@@ -119,7 +119,7 @@ class _Conn(asyncio.Protocol):
         self.body_timeout: float | None = None  # exchange(): the body's, from the headers on
         # Response.pipe(): each body piece goes to sink(piece) in this callback, the reader's task
         # is not woken for it; a sink that returns True pauses reading (Response.resume). Each
-        # piece re-arms the timeout: the next within idle_s, and none after `until` (loop time).
+        # read re-arms the timeout: the next within idle_s, and none after `until` (loop time).
         self.sink: Callable[[bytes], bool] | None = None
         self.idle_s = self.until = 0.0
         self._reset()
@@ -240,9 +240,7 @@ class _Conn(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.pause_reading()
                 self._wake()
-        elif self.done:  # (on_message_complete disarmed it)
-            pass
-        elif not self.paused:
+        elif not (self.done or self.paused):  # (the end disarmed it: on_message_complete)
             self.deadline.arm(min(self.idle_s, self.until - self.loop.time()))
 
     def on_message_complete(self) -> None:

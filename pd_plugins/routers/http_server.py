@@ -175,8 +175,7 @@ class FastStreamResponse:
         is full and the caller should await drained() before writing more."""
         if self._ended:
             return False
-        if not self.prepared:
-            self._prepare()
+        self._prepare()
         if data and self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
         if eof:
