@@ -88,13 +88,19 @@ def test_a_missing_peer_or_row_is_not_measured_rather_than_met():
     assert checks[1][0] is True and "vllm-router not measured" in checks[1][1]
 
 
-def test_markdown_has_both_modes_the_ratio_table_and_the_check_list():
+META = {"command": "x", "date": "d", "runtime_s": 60, "machine": "m", "versions": "v",
+        "warm_s": 1, "window_s": 4, "repeats": 1, "foreign_pct": None}
+
+
+def section(**meta) -> str:
+    """The docs section of run_all()'s runs, with META and `meta`."""
     targets, runs = run_all()
-    summary = ro.summarize(targets, runs)
     info = [{"key": t.key, "label": t.label, "broken": None, "stream": t.stream} for t in targets]
-    meta = {"command": "x", "date": "d", "runtime_s": 60, "machine": "m", "versions": "v",
-            "warm_s": 1, "window_s": 4, "repeats": 1, "foreign_pct": None}
-    text = ro.markdown(meta, info, summary)
+    return ro.markdown({**META, **meta}, info, ro.summarize(targets, runs))
+
+
+def test_markdown_has_both_modes_the_ratio_table_and_the_check_list():
+    text = section()
     assert text.startswith(f"<!-- {ro.SECTION}:start -->") and text.endswith(f"<!-- {ro.SECTION}:end -->\n")
     assert "| pd-vllm | streaming | 64 |" in text
     assert "| pd-vllm | non-streaming | 0.67× / 0.71× | 0.83× / 0.83× |" in text
@@ -126,29 +132,18 @@ def test_parse_wrk_refuses_output_without_a_summary():
 
 
 def test_markdown_names_the_load_generator_and_how_it_counts():
-    targets, runs = run_all()
-    summary = ro.summarize(targets, runs)
-    info = [{"key": t.key, "label": t.label, "broken": None, "stream": t.stream} for t in targets]
-    meta = {"command": "x", "date": "d", "runtime_s": 60, "machine": "m", "versions": "v",
-            "warm_s": 1, "window_s": 2, "repeats": 1, "foreign_pct": None, "loadgen": "wrk",
-            "core_busy_c64": {"load_core_pct": ro.spread([97.0, 99.0]),
-                              "router_pct": ro.spread([60.0, 90.0])}}
-    text = ro.markdown(meta, info, summary)
+    text = section(window_s=2, loadgen="wrk",
+                   core_busy_c64={"load_core_pct": ro.spread([97.0, 99.0]),
+                                  "router_pct": ro.spread([60.0, 90.0])})
     assert "- Load generator: `wrk`" in text and "does not check bodies" in text
     assert "pd_router_requests_total" in text and "core 1 was 98% busy" in text
-    meta = {**meta, "loadgen": "aiohttp", "core_busy_c64": {}}
-    text = ro.markdown(meta, info, summary)
+    text = section(window_s=2, loadgen="aiohttp", core_busy_c64={})
     assert "- Load generator: `aiohttp`" in text and "Every response is checked" in text
 
 
 def test_markdown_states_the_workload_and_request_bodies_follow_max_tokens():
-    targets, runs = run_all()
-    summary = ro.summarize(targets, runs)
-    info = [{"key": t.key, "label": t.label, "broken": None, "stream": t.stream} for t in targets]
-    meta = {"command": "x", "date": "d", "runtime_s": 60, "machine": "m", "versions": "v",
-            "warm_s": 1, "window_s": 4, "repeats": 1, "foreign_pct": None}
-    assert f"{ro.MAX_TOKENS} output tokens" in ro.markdown(meta, info, summary)  # older results
-    text = ro.markdown({**meta, "max_tokens": 64, "tpot_ms": 1.0}, info, summary)
+    assert f"{ro.MAX_TOKENS} output tokens" in section()  # older results have neither field
+    text = section(max_tokens=64, tpot_ms=1.0)
     assert "64 output tokens" in text and "1 ms per token (a stream comes token by token)" in text
     bodies = ro.request_bodies(64)
     assert [json.loads(bodies[s])["max_tokens"] for s in (False, True)] == [64, 64]
