@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +104,11 @@ def reference_proxy_args(doc: str) -> tuple[str, str, int]:
     ap.add_argument("port", type=int)
     args = ap.parse_args()
     return args.prefill_url.rstrip("/"), args.decode_url.rstrip("/"), args.port
+
+
+def spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    """median (min-max) over repeats, each formatted with `fmt`; the one value alone."""
+    if len(values) == 1:
+        return fmt.format(values[0])
+    return (f"{fmt.format(statistics.median(values))} "
+            f"({fmt.format(min(values))}-{fmt.format(max(values))})")

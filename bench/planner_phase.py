@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 
@@ -95,11 +94,8 @@ def markdown(results: dict) -> str:
                 f"({dyn['moves']}) | {live['attainment']:.3f} ({live['moves']}) | "
                 f"{vs_dynamo[-1]:.2f}x | {vs_static[-1]:.2f}x |")
 
-    def spread(ratios: list[float]) -> str:
-        return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
-
-    lines += ["", f"Median over the cells: LivePlanner / Dynamo's rule {spread(vs_dynamo)}; "
-                  f"LivePlanner / best static split {spread(vs_static)}.",
+    lines += ["", f"Median over the cells: LivePlanner / Dynamo's rule {common.spread(vs_dynamo, '{:.2f}x')}; "
+                  f"LivePlanner / best static split {common.spread(vs_static, '{:.2f}x')}.",
               "", "<!-- planner-phase:end -->"]
     return "\n".join(lines) + "\n"
 

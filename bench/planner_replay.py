@@ -569,13 +569,6 @@ NAMES = {"static": "best static split (hindsight)", "dynamo": "Dynamo's rule eve
          "live": "LivePlanner (live role changes)"}
 
 
-def spread(values: list[float], fmt: str = "{:.3f}") -> str:
-    """median (min-max) over the repeats, or the one value."""
-    if len(values) == 1:
-        return fmt.format(values[0])
-    return f"{fmt.format(median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def best_replayed_static(results: dict) -> str:
     """The static split with the highest median replayed attainment (hindsight, over HTTP)."""
     statics = [k for k in results["replay"] if k.startswith("static")]
@@ -636,9 +629,9 @@ def markdown(results: dict) -> str:
     for k, key in rows.items():
         rs, sim = reps[key], sims[key]
         label = NAMES[k] + (f" {key.split()[1]}P:{n - int(key.split()[1])}D" if k == "static" else "")
-        lines.append(f"| {label} | {spread([r['attainment'] for r in rs])} | {sim['attainment']:.3f} | "
-                     f"{spread([r['goodput'] for r in rs], '{:.2f}')} | {sim['goodput']:.2f} | "
-                     f"{spread([r['moves'] for r in rs], '{:.0f}')} | {sim['moves']} | "
+        lines.append(f"| {label} | {common.spread([r['attainment'] for r in rs])} | {sim['attainment']:.3f} | "
+                     f"{common.spread([r['goodput'] for r in rs], '{:.2f}')} | {sim['goodput']:.2f} | "
+                     f"{common.spread([r['moves'] for r in rs], '{:.0f}')} | {sim['moves']} | "
                      f"{sum(r['lost'] for r in rs)} | {sum(r['rejected'] for r in rs)} |")
     lines.append("")
     ratios = []
@@ -668,7 +661,7 @@ def markdown(results: dict) -> str:
     lines.append("")
     lines += [OUTPUTS[workload].reading, ""]
     statics = "; ".join(f"{p}P:{n - p}D {sims[f'static {p}']['attainment']:.3f}"
-                        + (f" (replay {spread([r['attainment'] for r in reps[f'static {p}']])})"
+                        + (f" (replay {common.spread([r['attainment'] for r in reps[f'static {p}']])})"
                            if f"static {p}" in reps else "") for p in range(1, n))
     lines += [f"Every static split's SLO attainment in the simulator: {statics}.", ""]
     every = [r for rs in reps.values() for r in rs]
