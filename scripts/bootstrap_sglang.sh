@@ -13,13 +13,14 @@ STAMP="$VENV/.pd-bootstrap"
 # one build at a time (bootstrap.sh starts this in the background; a rerun must not race it)
 exec 9>"$VENV.lock"
 flock 9
-want=$(cat "$LOCK" scripts/bootstrap_sglang.sh | sha256sum | cut -c1-16)
+# the base's interpreter is part of the stamp: a base rebuilt on another one rebuilds this too
+want=$( (cat "$LOCK" scripts/bootstrap_sglang.sh; readlink -f "$BASE/bin/python") | sha256sum | cut -c1-16)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
   exit 0
 fi
 echo "bootstrap: building $VENV (SGLang's package over $BASE); about a minute once"
 PYTHON=$(readlink -f "$BASE/bin/python")
-"$PYTHON" -m venv "$VENV"
+"$PYTHON" -m venv --clear "$VENV"
 site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 base_site=$("$BASE/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 # addsitedir (not a bare path) so .venv's own .pth files (the editable pd-plugins) apply too
