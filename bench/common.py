@@ -107,8 +107,9 @@ def reference_proxy_args(doc: str) -> tuple[str, str, int]:
 
 
 def spread(values: list[float], fmt: str = "{:.3f}") -> str:
-    """median (min-max) over repeats, each formatted with `fmt`; the one value alone."""
+    """median (min to max) over repeats, each formatted with `fmt`; the one value alone. ("to", not
+    a dash: the values may be negative.)"""
     if len(values) == 1:
         return fmt.format(values[0])
     return (f"{fmt.format(statistics.median(values))} "
-            f"({fmt.format(min(values))}-{fmt.format(max(values))})")
+            f"({fmt.format(min(values))} to {fmt.format(max(values))})")

@@ -261,11 +261,9 @@ def markdown(results: dict) -> str:
                   f"metric by metric (target: within {DEFAULT_TARGET - 1:.0%}): " + "; ".join(versus) + "."]
     reps = results["replay"]
     if reps:
-        def spread(policy, key):
-            vals = [r[policy][key] * 1e3 for r in reps]
-            return f"{statistics.median(vals):.0f} ms (range {min(vals):.0f}-{max(vals):.0f})"
         lines += ["", f"Replay spread over {len(reps)} runs, turn-2+ TTFT p50: " + "; ".join(
-            f"{p} {spread(p, 'ttft2_p50')}" for p in POLICIES) + "."]
+            f"{p} {common.spread([r[p]['ttft2_p50'] * 1e3 for r in reps], '{:.0f} ms')}"
+            for p in POLICIES) + "."]
     if "sim_of_replay_jitter" in results:
         lines += ["", jitter_spread(results["sim_of_replay_jitter"])]
     if reps and "sim_of_replay" in results and all("engine_ttft2_p50" in r[p] for r in reps for p in POLICIES):
@@ -277,17 +275,15 @@ def markdown(results: dict) -> str:
 def jitter_spread(runs: dict) -> str:
     """The simulator on the replay's requests with arrivals jittered: turn-2+ TTFT p50 per policy
     and ours against plain PD, median and range over the seeds."""
-    def spread(vals, fmt):
-        return f"{fmt(statistics.median(vals))} (range {fmt(min(vals))} to {fmt(max(vals))})"
-    ms = lambda v: f"{v * 1e3:.1f} ms"  # noqa: E731
     change = [o["ttft2_p50"] / b["ttft2_p50"] - 1 for o, b in zip(runs["multi_turn"], runs[BASELINE])]
     tpot = [o["tpot_p95"] / b["tpot_p95"] - 1 for o, b in zip(runs["multi_turn"], runs[BASELINE])]
     return (f"The simulator on the replay's requests again, every arrival delayed by 0 to "
             f"{JITTER_S * 1e3:g} ms (uniform; {len(change)} seeds), about the timing noise of the replay's "
             "client and router. Turn-2+ TTFT p50: " + "; ".join(
-                f"{p} {spread([r['ttft2_p50'] for r in runs[p]], ms)}" for p in POLICIES)
-            + f". Ours against plain PD: {spread(change, lambda v: f'{v:+.1%}')}, TPOT p95 "
-            f"{spread(tpot, lambda v: f'{v:+.1%}')}. Which decode a conversation lands on, and what "
+                f"{p} {common.spread([r['ttft2_p50'] * 1e3 for r in runs[p]], '{:.1f} ms')}"
+                for p in POLICIES)
+            + f". Ours against plain PD: {common.spread(change, '{:+.1%}')}, TPOT p95 "
+            f"{common.spread(tpot, '{:+.1%}')}. Which decode a conversation lands on, and what "
             "runs beside it, moves ours' p50 by a millisecond or more.")
 
 

@@ -738,7 +738,8 @@ def versions(peers: dict[str, str | None]) -> str:
     dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "pd_plugins"],
                            capture_output=True, text=True).stdout.strip()
     parts = [f"pd-plugins {v('pd-plugins')} (git {rev}{', pd_plugins/ modified' if dirty else ''})",
-             f"Python {platform.python_version()}", f"aiohttp {v('aiohttp')}", f"uvloop {v('uvloop')}"]
+             # the build matters as much as the version (docs/development.md, "Environment")
+             f"Python {platform.python_version()} (from {sys.base_prefix})", f"aiohttp {v('aiohttp')}", f"uvloop {v('uvloop')}"]
     parts += [f"{d} {ver}" if ver else f"{d} not installed" for d, ver in peers.items()]
     return ", ".join(parts)
 
