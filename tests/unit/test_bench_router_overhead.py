@@ -148,3 +148,9 @@ def test_markdown_states_the_workload_and_request_bodies_follow_max_tokens():
     bodies = ro.request_bodies(64)
     assert [json.loads(bodies[s])["max_tokens"] for s in (False, True)] == [64, 64]
     assert json.loads(bodies[True])["stream"] is True
+
+
+def test_the_window_at_64_connections_is_twice_as_long_and_the_method_says_so():
+    assert ro.window_at(1, 4.0) == ro.window_at(16, 4.0) == 4.0
+    assert ro.window_at(64, 4.0) == 8.0
+    assert "then a 2 s window (4 s at concurrency 64" in section(window_s=2)
