@@ -94,8 +94,9 @@ def markdown(results: dict) -> str:
                 f"({dyn['moves']}) | {live['attainment']:.3f} ({live['moves']}) | "
                 f"{vs_dynamo[-1]:.2f}x | {vs_static[-1]:.2f}x |")
 
-    lines += ["", f"Median over the cells: LivePlanner / Dynamo's rule {common.spread(vs_dynamo, '{:.2f}x')}; "
-                  f"LivePlanner / best static split {common.spread(vs_static, '{:.2f}x')}.",
+    lines += ["", "Median over the cells: LivePlanner / Dynamo's rule "
+                  f"{common.spread(vs_dynamo, '{:.2f}x')}; LivePlanner / best static split "
+                  f"{common.spread(vs_static, '{:.2f}x')}.",
               "", "<!-- planner-phase:end -->"]
     return "\n".join(lines) + "\n"
 

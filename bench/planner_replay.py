@@ -52,6 +52,7 @@ import msgspec
 import psutil
 
 from bench import common
+from bench.common import spread
 from bench import planner as sim_bench
 from pd_plugins.mock.client import collect_engine_stats
 from pd_plugins.perf.cluster_sim import simulate
@@ -629,9 +630,9 @@ def markdown(results: dict) -> str:
     for k, key in rows.items():
         rs, sim = reps[key], sims[key]
         label = NAMES[k] + (f" {key.split()[1]}P:{n - int(key.split()[1])}D" if k == "static" else "")
-        lines.append(f"| {label} | {common.spread([r['attainment'] for r in rs])} | {sim['attainment']:.3f} | "
-                     f"{common.spread([r['goodput'] for r in rs], '{:.2f}')} | {sim['goodput']:.2f} | "
-                     f"{common.spread([r['moves'] for r in rs], '{:.0f}')} | {sim['moves']} | "
+        lines.append(f"| {label} | {spread([r['attainment'] for r in rs])} | {sim['attainment']:.3f} | "
+                     f"{spread([r['goodput'] for r in rs], '{:.2f}')} | {sim['goodput']:.2f} | "
+                     f"{spread([r['moves'] for r in rs], '{:.0f}')} | {sim['moves']} | "
                      f"{sum(r['lost'] for r in rs)} | {sum(r['rejected'] for r in rs)} |")
     lines.append("")
     ratios = []
@@ -661,7 +662,7 @@ def markdown(results: dict) -> str:
     lines.append("")
     lines += [OUTPUTS[workload].reading, ""]
     statics = "; ".join(f"{p}P:{n - p}D {sims[f'static {p}']['attainment']:.3f}"
-                        + (f" (replay {common.spread([r['attainment'] for r in reps[f'static {p}']])})"
+                        + (f" (replay {spread([r['attainment'] for r in reps[f'static {p}']])})"
                            if f"static {p}" in reps else "") for p in range(1, n))
     lines += [f"Every static split's SLO attainment in the simulator: {statics}.", ""]
     every = [r for rs in reps.values() for r in rs]

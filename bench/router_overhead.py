@@ -751,7 +751,8 @@ def versions(peers: dict[str, str | None]) -> str:
                            capture_output=True, text=True).stdout.strip()
     parts = [f"pd-plugins {v('pd-plugins')} (git {rev}{', pd_plugins/ modified' if dirty else ''})",
              # the build matters as much as the version (docs/development.md, "Environment")
-             f"Python {platform.python_version()} (from {sys.base_prefix})", f"aiohttp {v('aiohttp')}", f"uvloop {v('uvloop')}"]
+             f"Python {platform.python_version()} (from {sys.base_prefix})",
+             f"aiohttp {v('aiohttp')}", f"uvloop {v('uvloop')}"]
     parts += [f"{d} {ver}" if ver else f"{d} not installed" for d, ver in peers.items()]
     return ", ".join(parts)
 

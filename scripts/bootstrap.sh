@@ -14,7 +14,7 @@ STAMP="$VENV/.pd-bootstrap"
 # The interpreter: $PYTHON if set, else the distribution's python3.11 when it can make a venv, else
 # the first python3.11 or python3 on PATH. Debian's and Ubuntu's builds are optimized (PGO and LTO):
 # pd-router spends about 12% less CPU per request on Debian's than on a default source build such
-# as pyenv's (docs/benchmarks.md, "Router overhead"), and the engines' Python runs faster too.
+# as pyenv's (docs/development.md, "Environment"), and the engines' Python runs faster too.
 pick_python() {
   local candidate
   for candidate in /usr/bin/python3.11 "$(command -v python3.11)" "$(command -v python3)"; do
