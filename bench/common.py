@@ -42,6 +42,15 @@ def machine() -> str:
     return f"{model}{virt}, {os.cpu_count()} cores{mem}, Linux {platform.release()}"
 
 
+def git_rev() -> str:
+    """This checkout's commit, and whether the code measured (pd_plugins/) differs from it."""
+    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True).stdout.strip() or "?"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "pd_plugins"],
+                           capture_output=True, text=True).stdout.strip()
+    return rev + (", pd_plugins/ modified" if dirty else "")
+
+
 def write_section(name: str, text: str) -> None:
     """Replace the `<!-- NAME:start -->`..`<!-- NAME:end -->` section of docs/benchmarks.md (text
     includes the markers), or append it."""

@@ -745,11 +745,7 @@ def versions(peers: dict[str, str | None]) -> str:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             return "?"
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                         capture_output=True, text=True).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "pd_plugins"],
-                           capture_output=True, text=True).stdout.strip()
-    parts = [f"pd-plugins {v('pd-plugins')} (git {rev}{', pd_plugins/ modified' if dirty else ''})",
+    parts = [f"pd-plugins {v('pd-plugins')} (git {common.git_rev()})",
              # the build matters as much as the version (docs/development.md, "Environment")
              f"Python {platform.python_version()} (from {sys.base_prefix})",
              f"aiohttp {v('aiohttp')}", f"uvloop {v('uvloop')}"]
