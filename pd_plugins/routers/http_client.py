@@ -14,6 +14,8 @@ still uses aiohttp.
                                              # callback, no task woken per piece (stream_relay.py)
     status, headers, body = await pool.exchange(pool.json_request(path, body, rid), timeout=30)
                                              # a whole answer, one wait (the legs that are not streamed)
+    resp = await pool.open(pool.json_request(path, body, rid), timeout=30, first_body=True)
+                                             # a prebuilt request; back at the body's first piece
     await pool.close()
 
 One Upstream per host:port keeps idle keep-alive connections (LIFO, up to `max_idle`). A
@@ -116,6 +118,9 @@ class _Conn(asyncio.Protocol):
         self.deadline = Deadline(loop, self._timed_out)
         self.timeout_s, self.answered = 0.0, False  # the timeout armed, and for which part
         self.whole = False  # exchange(): wake the reader only once the answer is complete
+        # open(first_body=True): a 200 answer's reader is woken at its first piece of body, not
+        # at its head as well (a streamed leg: one wake-up of the request's task fewer)
+        self.first_body = False
         self.body_timeout: float | None = None  # exchange(): the body's, from the headers on
         # Response.pipe(): each body piece goes to sink(piece) in this callback, the reader's task
         # is not woken for it; a sink that returns True pauses reading (Response.resume). Each
@@ -210,6 +215,8 @@ class _Conn(asyncio.Protocol):
             # under what is left of the first one
             if self.body_timeout is not None and self.status == 200:
                 self.arm(self.body_timeout, answered=True)
+            return
+        if self.first_body and status == 200:
             return
         self._wake()
 
@@ -539,18 +546,27 @@ class Upstream:
         if headers:
             head += [f"{k}: {v}\r\n".encode() for k, v in headers.items()]
         head.append(b"\r\n")
-        conn = await self._sent(b"".join(head) + body, timeout, on_sent, on_orphan)
+        return await self.open(b"".join(head) + body, timeout, on_sent, on_orphan)
+
+    async def open(self, data: bytes, timeout: float | None = None,
+                   on_sent: Callable[[], None] | None = None, on_orphan: Orphan | None = None,
+                   first_body: bool = False) -> Response:
+        """Send a whole request (`data`, e.g. from json_request); return once the status and
+        headers are in (`first_body`: for a 200 answer, once the first piece of its body is in
+        too, or its end) as request() does."""
+        conn = await self._sent(data, timeout, on_sent, on_orphan, first_body=first_body)
         return Response(conn, self, on_orphan)
 
     async def _sent(self, data: bytes, timeout: float | None,
                     on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
-                    body_timeout: float | None = None, whole: bool = False) -> _Conn:
+                    body_timeout: float | None = None, whole: bool = False,
+                    first_body: bool = False) -> _Conn:
         """A connection that `data` went out on and whose answer's headers (`whole`: all of the
         answer) are in. A reused connection that the server had closed is replaced once."""
         for attempt in (0, 1):
             conn = self._idle_conn() or await self._connect()
             conn._reset()
-            conn.whole, conn.body_timeout = whole, body_timeout
+            conn.whole, conn.body_timeout, conn.first_body = whole, body_timeout, first_body
             if timeout is not None:
                 conn.arm(timeout, answered=False)
             else:
@@ -560,7 +576,8 @@ class Upstream:
                 conn.transport.write(data)
                 if on_sent is not None:
                     on_sent()
-                while not (conn.done if whole else conn.headers_done):
+                while not (conn.done if whole else conn.headers_done and (
+                        not first_body or conn.chunks or conn.done or conn.status != 200)):
                     await conn.wait()
                 return conn
             except _Stale:

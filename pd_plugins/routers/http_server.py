@@ -84,8 +84,17 @@ class RequestHeaders:
         self._by_name = by_name
 
     def get(self, name: str, default: Any = None) -> Any:
-        value = self._by_name.get(name.lower().encode("latin-1"))
+        key = _KEYS.get(name)
+        if key is None:
+            key = name.lower().encode("latin-1")
+            if len(_KEYS) < MAX_HEADERS:  # the router's own names: a handful
+                _KEYS[name] = key
+        value = self._by_name.get(key)
         return default if value is None else value.decode("utf-8", "surrogateescape")
+
+    def has_any(self, names: frozenset[bytes]) -> bool:
+        """Whether any of these (lower-cased) header names is there: one test in C."""
+        return not names.isdisjoint(self._by_name)
 
     def __getitem__(self, name: str) -> str:
         value = self.get(name)
@@ -97,14 +106,12 @@ class RequestHeaders:
         return isinstance(name, str) and self.get(name) is not None
 
 
+_KEYS: dict[str, bytes] = {}  # a header name as the code spells it -> its lower-cased bytes
+
+
 def header_map(raw: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
     """Lower-cased header names to their first value."""
-    by_name: dict[bytes, bytes] = {}
-    for name, value in raw:
-        name = name.lower()
-        if name not in by_name:
-            by_name[name] = value
-    return by_name
+    return {name.lower(): value for name, value in reversed(raw)}  # (the first one stays)
 
 
 class FastRequest:

@@ -44,6 +44,8 @@ MAX_REQUEST_ID = 128
 XARGS_INT_RANGE = (-(2**63), 2**64)  # vLLM's extra_args travel as MessagePack integers
 SESSION_HEADERS = ("x-session-id", "x-conversation-id", "x-user-id")
 SESSION_FIELDS = ("session_id", "user")  # body fields, after the headers
+_SESSION_KEYS = frozenset(name.encode() for name in SESSION_HEADERS)
+_SESSION_FIELD_SET = frozenset(SESSION_FIELDS)
 MAX_SESSION_ID = 128
 CHARS_PER_TOKEN = 4  # estimate for text prompts without a tokenizer
 # A text prompt longer than this (characters) is tokenized on a worker thread (tokenize_deferred),
@@ -82,6 +84,7 @@ class ClientRequest:
     # a long text prompt to tokenize off the event loop before the request is served
     # (tokenize_deferred): (text, block-key root, tokens to generate at least, exact)
     deferred: tuple | None = None
+    client_id: str | None = None  # the client's X-Request-Id (checked: short printable ASCII)
 
     @property
     def stream(self) -> bool:
@@ -110,7 +113,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
     _check_depth(body, raw)
-    _check_request_id(headers)
+    client_id = _request_id(headers)
     _remove_transfer_fields(body, "", strip_transfer_fields)
     xargs = body.get("vllm_xargs")
     if xargs is not None:
@@ -194,7 +197,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
                        block_width=(block_size or 0) * (1 if tokens is not None else CHARS_PER_TOKEN))
     n = body.get("n")  # (vLLM 0.32's completions take no best_of: it is ignored there)
     fan_out = (n is not None and n != 1) or bool(body.get("use_beam_search"))
-    return ClientRequest(kind, body, info, target, fan_out, deferred)
+    return ClientRequest(kind, body, info, target, fan_out, deferred, client_id)
 
 
 def _refuse_by_length(text: str, tokenize: Tokenize, need: int, max_model_len: int) -> None:
@@ -283,18 +286,23 @@ def short_printable_ascii(value: str, limit: int) -> bool:
     return len(value) <= limit and value.isascii() and value.isprintable()
 
 
-def _check_request_id(headers: Any) -> None:
-    """A client's X-Request-Id goes into the legs' ids and logs: short printable ASCII only (a
-    header that is not UTF-8 arrives here with surrogates, which are not ASCII)."""
+def _request_id(headers: Any) -> str | None:
+    """A client's X-Request-Id, which goes into the legs' ids and logs: short printable ASCII
+    only (a header that is not UTF-8 arrives here with surrogates, which are not ASCII)."""
     value = headers.get("X-Request-Id")
     if value and not short_printable_ascii(value, MAX_REQUEST_ID):
         raise BadRequest(400, f"X-Request-Id must be at most {MAX_REQUEST_ID} printable ASCII "
                               "characters", param="X-Request-Id")
+    return value or None
 
 
 def _session_id(headers: Any, body: dict) -> str | None:
     """The conversation's id from the first header or body field that has one: trimmed, at most
     MAX_SESSION_ID printable ASCII characters (a 400 otherwise, never a silent truncation)."""
+    has_any = getattr(headers, "has_any", None)  # the front server's (http_server.RequestHeaders)
+    if (has_any is not None and not has_any(_SESSION_KEYS)
+            and _SESSION_FIELD_SET.isdisjoint(body)):
+        return None  # most requests: no name looked up one by one
     for source, names, where in (("header", SESSION_HEADERS, headers), ("field", SESSION_FIELDS, body)):
         for name in names:
             value = where.get(name)

@@ -18,7 +18,6 @@ from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Orphan, Response, U
                                             UpstreamTimeout, header_value)
 
 _encode = msgspec.json.Encoder().encode
-JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class WorkerFailed(Exception):
@@ -90,15 +89,16 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
                    request_id: str, timeout_s: float,
                    on_sent: Callable[[], None] | None = None,
                    on_orphan: Orphan | None = None) -> Response:
-    """POST and wait for the response headers; non-2xx answers are classified and raised.
+    """POST and wait for the response headers and, for a 200 answer, the first piece of its
+    body (or its end); non-2xx answers are classified and raised.
 
     The timeout keeps running over the body until the caller re-arms it (Response.pipe, rearm).
     `on_sent`: called once the request is on its way to the worker; `on_orphan`: given the
     whole answer if the caller is cancelled after it arrived (http_client.py)."""
-    headers = {**JSON_HEADERS, "X-Request-Id": request_id}
+    upstream = pools.of(worker)
     try:
-        resp = await pools.of(worker).request("POST", path, _encode(body), headers, timeout_s,
-                                                   on_sent, on_orphan)
+        resp = await upstream.open(upstream.json_request(path, _encode(body), request_id),
+                                   timeout_s, on_sent, on_orphan, first_body=True)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc) from None
     if resp.status == 200:

@@ -129,7 +129,8 @@ class WorkerPool:
         return [w for w in self._workers.values() if w.role == role]
 
     def usable(self, role: Role) -> list[Worker]:
-        return [w for w in self._workers.values() if w.role == role and w.usable]
+        # (Worker.usable written out: a property call per worker, per request)
+        return [w for w in self._workers.values() if w.role == role and w.healthy and not w.draining]
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))

@@ -159,6 +159,8 @@ class NoParams(Params):
 
 def uncached_tokens(ctx: PolicyContext, worker: Worker, request: RequestInfo) -> int:
     """Prompt tokens `worker` must compute (at least one), by the router's prefix index."""
+    if not request.block_keys:  # no piece reads prefixes (no keys computed): nothing matches
+        return max(1, request.prompt_tokens)
     cached = ctx.prefix_index.matched_blocks(worker.url, request.block_keys) * ctx.block_size
     return max(1, request.prompt_tokens - cached)
 

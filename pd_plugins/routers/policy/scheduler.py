@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Collection
 
 import msgspec
 
@@ -226,19 +226,24 @@ class Scheduler:
             decision = self.schedule(request)
         return self.admission.admit(request, decision)
 
-    def choose_decode(self, request: RequestInfo, exclude: set) -> Choice | None:
-        candidates = serving_adapter(request, [w for w in self.ctx.pool.usable("decode")
-                                               if w not in exclude])
+    def choose_decode(self, request: RequestInfo, exclude: Collection) -> Choice | None:
+        candidates = self.ctx.pool.usable("decode")
+        if exclude:
+            candidates = [w for w in candidates if w not in exclude]
+        if request.adapter is not None:
+            candidates = serving_adapter(request, candidates)
         if self.fixed_decode_url is not None:
             candidates = [w for w in candidates if w.url == self.fixed_decode_url]
             return Choice(candidates[0], "sidecar") if candidates else None
         return self.decode.choose(request, candidates)
 
     def choose_prefill(self, request: RequestInfo, decode_choice: Choice,
-                       exclude: set) -> tuple[Choice | None, str]:
+                       exclude: Collection) -> tuple[Choice | None, str]:
         """The prefill worker, or None with the reason the decode worker prefills locally."""
-        usable = [w for w in self.ctx.pool.usable("prefill") if w not in exclude]
-        candidates = serving_adapter(request, usable)
+        usable = self.ctx.pool.usable("prefill")
+        if exclude:
+            usable = [w for w in usable if w not in exclude]
+        candidates = serving_adapter(request, usable) if request.adapter is not None else usable
         if usable and not candidates and self.local_prefill:
             return None, f"no prefill worker serves adapter {request.adapter!r}"
         for name, decider in self.deciders if self.local_prefill else ():
@@ -256,18 +261,18 @@ class Scheduler:
         decode leg starts after the prefill's answer."""
         if self.fixed_decode_url is not None or request.expert_histogram is None:
             return decision
-        choice = self.choose_decode(request, set(exclude))
+        choice = self.choose_decode(request, exclude)
         if choice is None or choice.worker is decision.decode:
             return decision
         return Decision(choice.worker, decision.prefill,
                         [*decision.reasons, f"decode (experts known): {choice.reason}"])
 
-    def schedule(self, request: RequestInfo, exclude_prefill: set = frozenset(),
-                 exclude_decode: set = frozenset()) -> Decision | None:
-        decode = self.choose_decode(request, set(exclude_decode))
+    def schedule(self, request: RequestInfo, exclude_prefill: Collection = frozenset(),
+                 exclude_decode: Collection = frozenset()) -> Decision | None:
+        decode = self.choose_decode(request, exclude_decode)
         if decode is None:
             return None
-        prefill, why_local = self.choose_prefill(request, decode, set(exclude_prefill))
+        prefill, why_local = self.choose_prefill(request, decode, exclude_prefill)
         reasons = [f"decode: {decode.reason}"]
         if prefill is None and not self.local_prefill:
             return None  # nowhere to prefill: the caller answers 503

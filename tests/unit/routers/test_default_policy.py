@@ -206,7 +206,7 @@ def test_the_proxy_admits_on_the_route_its_first_attempt_takes():
     http = types.SimpleNamespace(get=lambda key, default=None: default, headers={})
 
     def serve(tokens):
-        client = types.SimpleNamespace(info=request(tokens), fan_out=False)
+        client = types.SimpleNamespace(info=request(tokens), fan_out=False, client_id=None)
         return asyncio.run(proxy._serve(http, client, "/v1/completions"))
 
     assert serve(list(range(100, 300))).status == 200

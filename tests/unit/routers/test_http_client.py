@@ -39,6 +39,18 @@ async def late_end(request):
     return out
 
 
+def head_then_body(status: int):
+    """The head at once, the body 0.3 s later."""
+    async def handler(request):
+        out = web.StreamResponse(status=status)
+        await out.prepare(request)
+        await asyncio.sleep(0.3)
+        await out.write(b"first")
+        await out.write_eof()
+        return out
+    return handler
+
+
 async def small(request):
     return web.Response(body=b"ok:" + await request.read())
 
@@ -62,7 +74,8 @@ def run(scenario):
                     "/stall": stall_after_first,
                     "/small": small, "/late_end": late_end,
                     "/many_events": event_stream(20, 0.01),
-                    "/trickle": event_stream(10, 0.1)}  # never idle for long, long in all
+                    "/trickle": event_stream(10, 0.1),  # never idle for long, long in all
+                    "/head_then_body": head_then_body(200), "/head_then_500": head_then_body(500)}
         async with loopback_server(handlers) as port:
             upstream = Upstream("127.0.0.1", port)
             try:
@@ -691,3 +704,20 @@ def test_a_refusal_with_a_content_type_that_is_not_utf8_is_passed_on():
                 assert refused.value.content_type == "\xff\xfe"
             await pools.close()
     asyncio.run(main())
+
+
+def test_first_body_returns_a_200_answer_with_its_first_piece_and_any_other_at_its_head():
+    # a streamed leg's reader is woken once, at the first piece (open_leg), not also at the head
+    async def scenario(up):
+        for first_body, path, waited, status in ((False, "/head_then_body", False, 200),
+                                                 (True, "/head_then_body", True, 200),
+                                                 (True, "/head_then_500", False, 500)):
+            began = time.monotonic()
+            resp = await up.open(up.json_request(path, b"{}", "r"), 5, first_body=first_body)
+            assert resp.status == status
+            assert (time.monotonic() - began >= 0.25) is waited, (first_body, path)
+            if waited:  # the piece is there: no wait for it
+                async with asyncio.timeout(0.05):
+                    assert await resp.next_chunk() == b"first"
+            assert await resp.read() in (b"", b"first")
+    run(scenario)

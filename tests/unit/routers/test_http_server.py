@@ -380,6 +380,7 @@ def test_request_headers_are_looked_up_as_aiohttp_would():
     assert headers.get("Authorization", "") == "" and headers.get("Authorization") is None
     assert "CONTENT-type" in headers and "Authorization" not in headers
     assert headers["x-odd"].startswith("café")
+    assert headers.has_any(frozenset((b"x-odd", b"x-none"))) and not headers.has_any(frozenset((b"x-none",)))
     with pytest.raises(KeyError):
         headers["Authorization"]
 

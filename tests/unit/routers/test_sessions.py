@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pd_plugins.routers.config import SessionSpec
+from pd_plugins.routers.http_server import RequestHeaders, header_map
 from pd_plugins.routers.policy.base import RequestInfo, build
 from pd_plugins.vocab.block_keys import block_keys
 from pd_plugins.routers.policy.scheduler import Scheduler, preset
@@ -35,6 +36,18 @@ def parse(body: dict, headers: dict | None = None):
     return parse_request(msgspec.json.encode(body), "completion", headers or {},
                          strip_transfer_fields=False,
                          select_model=serving(Target(max_model_len=None, key_block_size=BLOCK)))
+
+
+def front(headers: dict) -> RequestHeaders:
+    """Headers as the front server hands them over (its fast path: no session header at all)."""
+    return RequestHeaders(header_map([(k.encode(), v.encode()) for k, v in headers.items()]))
+
+
+def test_session_id_from_the_front_servers_headers():
+    assert parse({"prompt": "hi"}, front({"X-Conversation-Id": " c9"})).info.session_id == "c9"
+    assert parse({"prompt": "hi"}, front({"X-User-Id": "u1", "Accept": "*/*"})).info.session_id == "u1"
+    assert parse({"prompt": "hi", "user": "bob"}, front({"Accept": "*/*"})).info.session_id == "bob"
+    assert parse({"prompt": "hi"}, front({"Accept": "*/*"})).info.session_id is None
 
 
 def test_session_id_from_header_then_body_fields_trimmed():
