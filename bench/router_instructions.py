@@ -110,7 +110,8 @@ def measure(tree: str, case: str, workdir: Path) -> dict:
     out = str(workdir / f"{case}.callgrind")
     if tree == FLOOR:
         router = CallgrindFloor("floor", module="bench.floor_proxy", prefill=mocks[0],
-                                decode=mocks[1], cpu="0", log_dir=workdir, out=out)
+                                decode=mocks[1], cpu="0", log_dir=workdir)
+        router.out = out
     else:
         router = CallgrindRouter(f"{case}-router", prefill=[mocks[0].worker_arg()],
                                  decode=[mocks[1].worker_arg()], args=flags,
@@ -169,6 +170,13 @@ def table(results: dict[str, dict[str, dict]]) -> list[str]:
     return lines
 
 
+def checkout(tree: str) -> str:
+    """Another tree as the docs name it: its commit, if it is a git checkout."""
+    rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True).stdout.strip()
+    return f"git {rev}" if rev else tree
+
+
 def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s: float) -> str:
     return "\n".join([
         f"<!-- {SECTION}:start -->",
@@ -188,7 +196,8 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
         f"Rerun: `.venv/bin/python -m bench.router_instructions` (an A/B: `--tree NAME=DIR` with "
         f"another checkout, e.g. a `git worktree`). This run: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{took_s / 60:.1f} min; this checkout: git {common.git_rev()}"
-        + "".join(f"; {name}: {tree}" for name, tree in trees.items() if name != "this checkout")
+        + "".join(f"; {name}: {checkout(tree)}" for name, tree in trees.items()
+                  if name not in ("this checkout", FLOOR))
         + f"; Python {platform.python_version()} (from {sys.base_prefix}), valgrind "
           f"{subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}.",
         "",
