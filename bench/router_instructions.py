@@ -3,13 +3,13 @@
 
     .venv/bin/python -m bench.router_instructions      # this checkout and the floor proxy, ~4 min
     .venv/bin/python -m bench.router_instructions --tree before=/tmp/old
-                                  # an A/B: another checkout's router beside this one's (git worktree)
+                            # an A/B: another checkout's router beside this one's (a git worktree)
 
 Why: CPU time per request on this shared 2-core VM swings by 10-30% from one 4 s window to the
 next (docs/benchmarks.md, "Router overhead"), so a change worth a few percent cannot be told from
 noise there. valgrind's callgrind counts what the router's process executes, which does not
 depend on the machine's load: the same code and the same requests give the same counts within
-about 1%. It counts user-space instructions (Ir) and, with its cache simulation, the misses of a
+about 2%. It counts user-space instructions (Ir) and, with its cache simulation, the misses of a
 32 KiB L1 instruction and data cache (I1mr, D1mr + D1mw) and of a 1 MiB L2 standing in for the
 last level (LLmr + LLmw; the VM's caches are not modelled: what the kernel, the engines and other
 tenants evict is not in these counts). The estimate callgrind's own docs use weighs them into
@@ -17,8 +17,8 @@ cycles: Ir + 10 x L1 misses + 100 x LL misses. Measured per case: a router alone
 under valgrind, the mock engines (zero delays) and wrk (one connection) on core 1; the counts
 over a window of requests, less the same process's counts per second while idle, divided by the
 requests. `bench/floor_proxy.py` (the least a Python PD proxy can run, vLLM flow only) is measured
-the same way as a reference row. A count is not a time: the router runs cold between requests at one connection (about a
-third of its hot-loop speed, docs/benchmarks.md), so compare these across checkouts, and time
+the same way as a reference row. A count is not a time (the router runs cold between requests
+at one connection, on caches the VM shares), so compare counts across checkouts, and time
 against the Rust routers with bench.router_overhead.
 """
 
@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 from bench import common
-from bench.router_overhead import PD_ROUTER_CONFIG, WRK_LUA, Target, measure_wrk
-from bench.router_overhead import ReferenceProxyProcess
+from bench.router_overhead import (PD_ROUTER_CONFIG, WRK_LUA, ReferenceProxyProcess, Target,
+                                   measure_wrk)
 from pd_plugins.testing.processes import ManagedProcess
 from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
 
@@ -51,8 +51,6 @@ CASES = {  # name: (engine, streaming)
 CACHES = ("--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", "--LL=1048576,16,64")
 WARM_S, WINDOW_S = 4, 6
 RESULTS = common.RESULTS / "router_instructions"
-
-
 FLOOR = "Python floor proxy (reference)"
 
 
@@ -78,6 +76,8 @@ class CallgrindRouter(RouterProcess):
 
 
 class CallgrindFloor(ReferenceProxyProcess):
+    """bench/floor_proxy.py under valgrind --tool=callgrind (this checkout's)."""
+
     out: str = ""
 
     def command(self) -> list[str]:
@@ -94,8 +94,8 @@ def dump(proc: ManagedProcess, out: str) -> dict[str, int]:
         if new:
             text = Path(new.pop()).read_text()
             events = re.search(r"^events:\s+(.*)$", text, re.M)[1].split()
-            totals = [int(x) for x in re.search(r"^(?:summary|totals):\s+([\d ]+)$", text, re.M)[1].split()]
-            return dict(zip(events, totals))
+            totals = re.search(r"^(?:summary|totals):\s+([\d ]+)$", text, re.M)[1].split()
+            return dict(zip(events, map(int, totals)))
         time.sleep(0.2)
     raise TimeoutError("callgrind wrote no dump")
 
@@ -127,7 +127,8 @@ def measure(tree: str, case: str, workdir: Path) -> dict:
             p.wait_healthy(600)
         target = Target(case, case, router.url, router, stream=stream)
         measure_wrk(target, 1, 0, WARM_S, lua)
-        subprocess.run(["callgrind_control", "-z", str(router.proc.pid)], capture_output=True, check=True)
+        subprocess.run(["callgrind_control", "-z", str(router.proc.pid)], capture_output=True,
+                       check=True)
         began = time.monotonic()
         run = measure_wrk(target, 1, 0, WINDOW_S, lua)
         busy, busy_s = dump(router, out), time.monotonic() - began
@@ -178,6 +179,8 @@ def checkout(tree: str) -> str:
 
 
 def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s: float) -> str:
+    now = dt.datetime.now(dt.timezone.utc)
+    valgrind = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout
     return "\n".join([
         f"<!-- {SECTION}:start -->",
         "## Router instructions per request (callgrind)",
@@ -194,12 +197,11 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
         f"to this checkout's row.",
         "",
         f"Rerun: `.venv/bin/python -m bench.router_instructions` (an A/B: `--tree NAME=DIR` with "
-        f"another checkout, e.g. a `git worktree`). This run: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"another checkout, e.g. a `git worktree`). This run: {now:%Y-%m-%d %H:%M} UTC, "
         f"{took_s / 60:.1f} min; this checkout: git {common.git_rev()}"
         + "".join(f"; {name}: {checkout(tree)}" for name, tree in trees.items()
                   if name not in ("this checkout", FLOOR))
-        + f"; Python {platform.python_version()} (from {sys.base_prefix}), valgrind "
-          f"{subprocess.run(['valgrind', '--version'], capture_output=True, text=True).stdout.strip()}.",
+        + f"; Python {platform.python_version()} (from {sys.base_prefix}), {valgrind.strip()}.",
         "",
         *table(results),
         f"<!-- {SECTION}:end -->",
