@@ -42,11 +42,12 @@ def machine() -> str:
     return f"{model}{virt}, {os.cpu_count()} cores{mem}, Linux {platform.release()}"
 
 
-def git_rev() -> str:
-    """This checkout's commit, and whether the code measured (pd_plugins/) differs from it."""
-    rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+def git_rev(root: Path | str = ROOT) -> str:
+    """A checkout's commit (this one's by default), and whether the code measured (pd_plugins/)
+    differs from it; "?" where `root` is not a git checkout."""
+    rev = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip() or "?"
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "pd_plugins"],
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "pd_plugins"],
                            capture_output=True, text=True).stdout.strip()
     return rev + (", pd_plugins/ modified" if dirty else "")
 

@@ -171,11 +171,10 @@ def table(results: dict[str, dict[str, dict]]) -> list[str]:
     return lines
 
 
-def checkout(tree: str) -> str:
-    """Another tree as the docs name it: its commit, if it is a git checkout."""
-    rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True).stdout.strip()
-    return f"git {rev}" if rev else tree
+def named(tree: str) -> str:
+    """Another tree as the docs name it: its commit where it is a git checkout, else its path."""
+    rev = common.git_rev(tree)
+    return tree if rev == "?" else f"git {rev}"
 
 
 def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s: float) -> str:
@@ -199,7 +198,7 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
         f"Rerun: `.venv/bin/python -m bench.router_instructions` (an A/B: `--tree NAME=DIR` with "
         f"another checkout, e.g. a `git worktree`). This run: {now:%Y-%m-%d %H:%M} UTC, "
         f"{took_s / 60:.1f} min; this checkout: git {common.git_rev()}"
-        + "".join(f"; {name}: {checkout(tree)}" for name, tree in trees.items()
+        + "".join(f"; {name}: {named(tree)}" for name, tree in trees.items()
                   if name not in ("this checkout", FLOOR))
         + f"; Python {platform.python_version()} (from {sys.base_prefix}), {valgrind.strip()}.",
         "",

@@ -214,12 +214,11 @@ class FastStreamResponse:
             await self._conn.drain()
 
 
-async def read_body(request: FastRequest | web.BaseRequest) -> bytes:
-    """A request's body, whichever server read it, within READ_TIMEOUT_S (TimeoutError past it).
-    The front server times out a request's reading itself (408); aiohttp times out only idle
-    connections, so a client could hold one of its handlers forever by never finishing a body."""
-    if isinstance(request, FastRequest):
-        return await request.read()
+async def read_body(request: web.BaseRequest) -> bytes:
+    """An aiohttp request's body within READ_TIMEOUT_S (TimeoutError past it): aiohttp times out
+    only idle connections, so a client could hold one of its handlers forever by never finishing
+    a body. (The front server times out a request's reading itself, 408, and hands the handler
+    its body read: FastRequest.body().)"""
     async with asyncio.timeout(READ_TIMEOUT_S):
         return await request.read()
 

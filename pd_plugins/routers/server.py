@@ -295,7 +295,7 @@ class Router:
         raise BadRequest(404, f"model {model!r} is not served here; available: {self._known}",
                          param="model")
 
-    async def generate(self, http: web.Request | FastRequest) -> web.StreamResponse:
+    async def generate(self, http: web.Request) -> web.StreamResponse:
         """An inference request that aiohttp's server read (the front server's: `answer`)."""
         try:
             raw = await read_body(http)

@@ -230,8 +230,7 @@ class Scheduler:
         candidates = self.ctx.pool.usable("decode")
         if exclude:
             candidates = [w for w in candidates if w not in exclude]
-        if request.adapter is not None:
-            candidates = serving_adapter(request, candidates)
+        candidates = serving_adapter(request, candidates)
         if self.fixed_decode_url is not None:
             candidates = [w for w in candidates if w.url == self.fixed_decode_url]
             return Choice(candidates[0], "sidecar") if candidates else None
@@ -243,7 +242,7 @@ class Scheduler:
         usable = self.ctx.pool.usable("prefill")
         if exclude:
             usable = [w for w in usable if w not in exclude]
-        candidates = serving_adapter(request, usable) if request.adapter is not None else usable
+        candidates = serving_adapter(request, usable)
         if usable and not candidates and self.local_prefill:
             return None, f"no prefill worker serves adapter {request.adapter!r}"
         for name, decider in self.deciders if self.local_prefill else ():
