@@ -52,9 +52,14 @@ REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often fo
 # `buffer_steps`); what does not come in time stays missed, as without a replay socket.
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAYED = 10_000
+REPLAY_ROUNDS = 16  # asks for what vLLM's replay socket dropped (it sends 1,000 unread at most)
 MAX_REPLAY_BYTES = 64 << 20  # what one replay may make the router hold
 REPLAY_BACKOFF_S = 30.0  # after a replay that failed, gaps are only logged for this long
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
+
+
+class ReplayTooLarge(Exception):
+    """A replay past MAX_REPLAYED batches or MAX_REPLAY_BYTES: read no further."""
 
 
 def batch_number(frame: bytes) -> int:
@@ -276,50 +281,38 @@ class KvEventSubscriber:
     async def replay_missed(self, until: int) -> None:
         """Ask the engine's replay socket for the batches after the last one applied and before
         `until`, and apply those that come, in order. vLLM sends its whole buffer from there at
-        once, with no flow control: the reply is read to its end (or past REPLAY_TIMEOUT_S,
-        MAX_REPLAYED batches or MAX_REPLAY_BYTES, whichever comes first) before any is applied,
-        and the event loop gets a turn every few batches either way. Never raises: what does not
-        come stays missed (handle() logs the gap), and a replay that fails is not tried again
-        for REPLAY_BACKOFF_S (each would hold the live batches back for up to the timeout)."""
+        once, with no flow control, and its ROUTER socket drops what overflows its send queue
+        (1,000 messages) while the router reads slower than it sends: batches missing after the
+        first one that came are asked for again from the first hole, up to REPLAY_ROUNDS times.
+        Everything is read (within REPLAY_TIMEOUT_S in all, MAX_REPLAYED batches and
+        MAX_REPLAY_BYTES) before any is applied, and the event loop gets a turn every few
+        batches either way. Never raises: what does not come stays missed (handle() logs the
+        gap), and a replay that fails is not tried again for REPLAY_BACKOFF_S (each would hold
+        the live batches back for up to the timeout)."""
         loop = asyncio.get_running_loop()
         if loop.time() < self._replay_after:
             return
-        start = self.last_seq + 1
-        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + (64 << 10))  # larger: skipped anyway
-        sock.setsockopt(zmq.RCVHWM, MAX_REPLAYED + 2)  # vLLM's ROUTER drops what does not fit
         batches: dict[int, list[bytes]] = {}
-        size, received, problem = 0, 0, None
-        deadline = loop.time() + REPLAY_TIMEOUT_S
+        start, size, problem = self.last_seq + 1, 0, None
         try:
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                sock.connect(self.replay)
-                await sock.send_multipart([b"", start.to_bytes(8, "big")])
-                while True:
-                    frames = await sock.recv_multipart()  # b"", topic, seq, payload
-                    if len(frames) != 4 or frames[2] == END_SEQ:
+                for _ in range(REPLAY_ROUNDS):
+                    size += await self._receive_replay(start, until, batches, size)
+                    # older than the first that came: gone from the engine's buffer, not dropped
+                    first = min(batches, default=until)
+                    start = next((seq for seq in range(first, until) if seq not in batches), until)
+                    if start == until:
                         break
-                    received += 1
-                    seq = batch_number(frames[2])
-                    if start <= seq < until:
-                        batches[seq] = frames[1:]
-                        size += len(frames[3])
-                    if len(batches) > MAX_REPLAYED or size > MAX_REPLAY_BYTES:
-                        problem = f"more than {MAX_REPLAYED} batches or {MAX_REPLAY_BYTES} bytes"
-                        break
-                    if received % 64 == 0:  # a queued reply resolves without yielding
-                        await asyncio.sleep(0)
-                        if loop.time() > deadline:
-                            raise TimeoutError
+                else:
+                    problem = f"batches still missing after {REPLAY_ROUNDS} rounds"
         except (TimeoutError, zmq.ZMQError) as exc:
             problem = f"{exc!r}" if str(exc) else "no end within the timeout"
-        finally:
-            sock.close(linger=0)
+        except ReplayTooLarge as exc:
+            problem = str(exc)
         if problem is not None:
             self._replay_after = loop.time() + REPLAY_BACKOFF_S
-            self._log_rejection(f"replay from {self.replay} after batch {start - 1} ended early: "
-                                f"{problem} ({len(batches)} batches kept)")
+            self._log_rejection(f"replay from {self.replay} after batch {self.last_seq} ended "
+                                f"early: {problem} ({len(batches)} batches kept)")
         for n, seq in enumerate(sorted(batches)):
             if seq > self.last_seq:  # (a batch numbered at or below the last is never replayed)
                 try:
@@ -331,6 +324,39 @@ class KvEventSubscriber:
                 self.batches_replayed += 1
             if n % 64 == 63:
                 await asyncio.sleep(0)
+
+    async def _receive_replay(self, start: int, until: int, batches: dict[int, list[bytes]],
+                              size: int) -> int:
+        """One replay request: the batches numbered `start` to `until - 1` that come, into
+        `batches` (holding `size` payload bytes), until the engine's end marker or the last one
+        needed (later ones, and an end marker dropped with them, are not waited for). Returns
+        the payload bytes added."""
+        sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + (64 << 10))  # larger: skipped anyway
+        sock.setsockopt(zmq.RCVHWM, MAX_REPLAYED + 2)
+        try:
+            sock.connect(self.replay)
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            received = added = 0
+            while True:
+                frames = await sock.recv_multipart()  # b"", topic, seq, payload
+                if len(frames) != 4 or frames[2] == END_SEQ:
+                    return added
+                received += 1
+                seq = batch_number(frames[2])
+                if start <= seq < until and seq not in batches:
+                    batches[seq] = frames[1:]
+                    added += len(frames[3])
+                    if len(batches) > MAX_REPLAYED or size + added > MAX_REPLAY_BYTES:
+                        raise ReplayTooLarge(f"more than {MAX_REPLAYED} batches or "
+                                             f"{MAX_REPLAY_BYTES} bytes")
+                if seq >= until - 1:
+                    return added
+                if received % 64 == 0:  # a queued reply resolves without yielding
+                    await asyncio.sleep(0)
+        finally:
+            sock.close(linger=0)
 
     def handle(self, frames: list[bytes]) -> None:
         """One multipart message from the PUB socket: [topic, seq, msgpack batch]. Anything

@@ -2,6 +2,7 @@
 real ZMQ socket; malformed events and hostile bind addresses are refused."""
 
 import asyncio
+import threading
 import time
 
 import msgspec
@@ -275,7 +276,7 @@ def test_missed_batches_are_replayed_from_vllms_own_publisher():
         index = PrefixIndex()
         sub = KvEventSubscriber(index, W, f"tcp://127.0.0.1:{pub_port}", replay=replay)
         task = asyncio.create_task(sub.run())
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # (a replay under way is not cut short)
         while index.matched_blocks(W, block_keys(late, 4)) < 4 and time.monotonic() < deadline:
             publish([21, 22, 23, 24], late)  # until the subscriber has connected and heard one
             await asyncio.sleep(0.1)
@@ -302,6 +303,44 @@ def test_missed_batches_are_replayed_from_vllms_own_publisher():
     assert replayed.matched_blocks(W, block_keys(list(range(last, last + 4)), 4)) == 1
     assert sub.batches_replayed >= 1 + EARLY_BATCHES
     assert sub.sequence_gaps == 0  # every batch applied in order
+
+
+def test_batches_a_replay_dropped_are_asked_for_again_from_the_first_hole():
+    """vLLM's replay ROUTER drops what overflows its send queue while the router reads slower
+    than it sends (a loaded host): the router asks again from the first batch missing after the
+    first one that came. Batches older than that are gone from the engine's buffer and are not
+    asked for. Here a scripted ROUTER socket plays vLLM's part (its wire format, as above)."""
+    port, asked = free_port(), []
+    encoder = msgspec.msgpack.Encoder()
+
+    def engine(buffered=range(5, 45), dropped_first_time=range(20, 30)):
+        sock = zmq.Context.instance().socket(zmq.ROUTER)  # this thread's alone
+        sock.setsockopt(zmq.RCVTIMEO, 5_000)
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        try:
+            for answer in range(2):
+                client, _, start = sock.recv_multipart()
+                asked.append(int.from_bytes(start, "big"))
+                for seq in buffered:
+                    if seq >= asked[-1] and not (answer == 0 and seq in dropped_first_time):
+                        batch = kv_events.KVEventBatch(ts=time.time(),
+                                                       events=[stored([seq], None, [seq] * 4)])
+                        sock.send_multipart([client, b"", b"", seq.to_bytes(8, "big"),
+                                             encoder.encode(batch)])
+                sock.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+        except zmq.Again:  # not asked again
+            pass
+        finally:
+            sock.close(linger=0)
+
+    thread = threading.Thread(target=engine, daemon=True)
+    thread.start()
+    sub = KvEventSubscriber(PrefixIndex(), W, "tcp://127.0.0.1:1", replay=f"tcp://127.0.0.1:{port}")
+    asyncio.run(sub.replay_missed(until=40))  # the live batch 40 showed the gap
+    thread.join(timeout=10)
+    assert asked == [0, 20]
+    assert (sub.batches_replayed, sub.last_seq, sub.events_applied) == (35, 39, 35)
+    assert sub.sequence_gaps == 0
 
 
 def test_an_engine_restart_forgets_what_the_worker_held_and_missed_batches_do_not():
