@@ -7,9 +7,11 @@ exactly the process group it started, by PID, even when a test fails.
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,9 +104,15 @@ class VllmServer(ManagedProcess):
             "TRANSFORMERS_OFFLINE": "1",
             "PYTHONHASHSEED": "0",
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
-            # its engine core's IPC sockets: a killed server would leave them in /tmp for good
-            "VLLM_RPC_BASE_PATH": str(self.scratch_dir()),
         })
+        # Its engine core's IPC sockets (VLLM_RPC_BASE_PATH) and its torch rendezvous file
+        # (vllm_dist_*, in the temporary directory): a killed server would leave both in /tmp for
+        # good. Both go in a directory of its own, removed when it stops.
+        # torch's compile cache stays where torch puts it by default (shared, hundreds of MB).
+        scratch = str(self.scratch_dir())
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+        env.update({"VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch})
         extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
         if extra.get("expert_signatures"):  # the capture hooks the V1 model runner (on a GPU
             env["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # with Triton, vLLM's default is V2)

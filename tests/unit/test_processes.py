@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -137,3 +139,30 @@ def test_what_a_killed_server_leaves_in_its_scratch_directory_goes_with_it():
     finally:
         server.stop(grace=0.5)  # SIGTERM ends it at once; SIGKILL would leave the same
     assert not scratch.exists()
+
+
+def test_a_vllm_servers_rendezvous_file_and_sockets_go_in_its_scratch_directory(tmp_path):
+    """vLLM names its torch rendezvous file in the temporary directory (vllm_dist_*) and its
+    engine core's IPC sockets under VLLM_RPC_BASE_PATH; a killed server left the files in /tmp.
+    vLLM's own functions, in a process with the server's environment, name paths in its scratch
+    directory, which stop() removes; torch's compile cache stays where torch keeps it."""
+    pytest.importorskip("vllm")
+    from pd_plugins.testing.engine_harness import VllmServer
+
+    server = VllmServer("vllm-env", model=tmp_path, cpu="0", log_dir=tmp_path)
+    env = server.environment()
+    scratch = server._scratch[0]
+    script = ("from vllm.utils.network_utils import get_file_store_init_method\n"
+              "import vllm.envs as envs\n"
+              "import torch._inductor.runtime.cache_dir_utils as inductor\n"
+              "print(get_file_store_init_method()); print(envs.VLLM_RPC_BASE_PATH)\n"
+              "print(inductor.cache_dir())\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=120, check=True).stdout.split()
+    finally:
+        shutil.rmtree(scratch)
+    assert out[0].startswith(f"file://{scratch}/vllm_dist_")
+    assert out[1] == str(scratch)
+    # torch's compile cache is not the server's: it stays shared (hundreds of MB, built once)
+    assert not out[2].startswith(str(scratch)), out[2]
