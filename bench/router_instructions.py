@@ -4,6 +4,8 @@
     .venv/bin/python -m bench.router_instructions      # this checkout and the floor proxy, ~4 min
     .venv/bin/python -m bench.router_instructions --tree before=/tmp/old
                             # an A/B: another checkout's router beside this one's (a git worktree)
+    .venv/bin/python -m bench.router_instructions --bytecodes
+                            # where the Python runs: bytecodes per request by file and function
 
 Why: CPU time per request on this shared 2-core VM swings by 10-30% from one 4 s window to the
 next (docs/benchmarks.md, "Router overhead"), so a change worth a few percent cannot be told from
@@ -20,6 +22,10 @@ requests. `bench/floor_proxy.py` (the least a Python PD proxy can run, vLLM flow
 the same way as a reference row. A count is not a time (the router runs cold between requests
 at one connection, on caches the VM shares), so compare counts across checkouts, and time
 against the Rust routers with bench.router_overhead.
+
+`--bytecodes` runs the same cases under bench/bytecode_trace.py instead: the Python bytecodes the
+router's event loop executes per request, by file and by function, counted exactly (callgrind sees
+the interpreter's C functions only: Python 3.11 has no perf map of Python frames).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,28 +67,46 @@ def under_callgrind(cmd: list[str], out: str) -> list[str]:
             *cmd[at:]]
 
 
-class CallgrindRouter(RouterProcess):
-    """pd-router under valgrind --tool=callgrind, its code from `tree` (a checkout's root)."""
+def under_bytecode_trace(cmd: list[str]) -> list[str]:
+    """`python -m MODULE ARGS` as `python bench/bytecode_trace.py MODULE ARGS` (this checkout's
+    tracer; the module comes from PYTHONPATH)."""
+    at = cmd.index(sys.executable)
+    assert cmd[at + 1] == "-m", cmd
+    return [*cmd[:at + 1], str(common.ROOT / "bench" / "bytecode_trace.py"), *cmd[at + 2:]]
+
+
+class CountedRouter(RouterProcess):
+    """pd-router under callgrind (`lens` "callgrind") or the bytecode tracer ("bytecodes"), its
+    code from `tree` (a checkout's root)."""
 
     tree: str = ""
     out: str = ""
+    lens: str = "callgrind"
 
     def command(self) -> list[str]:
-        return under_callgrind(super().command(), self.out)
+        cmd = super().command()
+        return under_callgrind(cmd, self.out) if self.lens == "callgrind" else under_bytecode_trace(cmd)
 
     def environment(self) -> dict[str, str]:
         # PYTHONSAFEPATH: `python -m` would put the current directory (this checkout) on sys.path
         # ahead of PYTHONPATH, and every tree would run this checkout's code
-        return {**super().environment(), "PYTHONPATH": self.tree, "PYTHONSAFEPATH": "1"}
+        return {**super().environment(), "PYTHONPATH": self.tree, "PYTHONSAFEPATH": "1",
+                "PD_BYTECODES_OUT": self.out}
 
 
-class CallgrindFloor(ReferenceProxyProcess):
-    """bench/floor_proxy.py under valgrind --tool=callgrind (this checkout's)."""
+class CountedFloor(ReferenceProxyProcess):
+    """bench/floor_proxy.py under callgrind or the bytecode tracer (this checkout's)."""
 
     out: str = ""
+    lens: str = "callgrind"
 
     def command(self) -> list[str]:
-        return under_callgrind(super().command(), self.out)
+        cmd = super().command()
+        return under_callgrind(cmd, self.out) if self.lens == "callgrind" else under_bytecode_trace(cmd)
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), "PYTHONPATH": str(common.ROOT), "PYTHONSAFEPATH": "1",
+                "PD_BYTECODES_OUT": self.out}
 
 
 def dump(proc: ManagedProcess, out: str) -> dict[str, int]:
@@ -100,23 +125,38 @@ def dump(proc: ManagedProcess, out: str) -> dict[str, int]:
     raise TimeoutError("callgrind wrote no dump")
 
 
-def measure(tree: str, case: str, workdir: Path) -> dict:
+def bytecodes_written(proc: ManagedProcess, out: str) -> dict[str, list[int]]:
+    """The tracer's counts since its last zeroing (SIGUSR2 writes them)."""
+    Path(out).unlink(missing_ok=True)
+    os.kill(proc.proc.pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            return json.loads(Path(out).read_text())
+        except (OSError, ValueError):  # not written yet, or half
+            time.sleep(0.2)
+    raise TimeoutError("the bytecode tracer wrote no counts")
+
+
+def measure(tree: str, case: str, workdir: Path, lens: str = "callgrind") -> dict:
+    """One case's counts per request: callgrind's events ("callgrind") or, per function, the
+    bytecodes and calls ("bytecodes": {"FILE:LINE:NAME": [bytecodes, calls]})."""
     engine, stream = CASES[case]
     mocks = [MockEngineProcess(f"{case}-{role}", role=role, engine=engine, cpu="1",
                                args=("--ttft-ms", "0", "--tpot-ms", "0"), log_dir=workdir)
              for role in ("prefill", "decode")]
     flags = ("--engine", engine, *(("--transfer", "pull") if engine == "vllm" else ()),
              "--policy", "round_robin", "--log-level", "warning")
-    out = str(workdir / f"{case}.callgrind")
+    out = str(workdir / f"{case}.{lens}")
     if tree == FLOOR:
-        router = CallgrindFloor("floor", module="bench.floor_proxy", prefill=mocks[0],
-                                decode=mocks[1], cpu="0", log_dir=workdir)
-        router.out = out
+        router = CountedFloor("floor", module="bench.floor_proxy", prefill=mocks[0],
+                              decode=mocks[1], cpu="0", log_dir=workdir)
     else:
-        router = CallgrindRouter(f"{case}-router", prefill=[mocks[0].worker_arg()],
-                                 decode=[mocks[1].worker_arg()], args=flags,
-                                 config=PD_ROUTER_CONFIG, cpu="0", log_dir=workdir)
-        router.tree, router.out = tree, out
+        router = CountedRouter(f"{case}-router", prefill=[mocks[0].worker_arg()],
+                               decode=[mocks[1].worker_arg()], args=flags,
+                               config=PD_ROUTER_CONFIG, cpu="0", log_dir=workdir)
+        router.tree = tree
+    router.out, router.lens = out, lens
     lua = workdir / "post.lua"
     lua.write_text(WRK_LUA)
     processes = [*mocks, router]
@@ -127,20 +167,28 @@ def measure(tree: str, case: str, workdir: Path) -> dict:
             p.wait_healthy(600)
         target = Target(case, case, router.url, router, stream=stream)
         measure_wrk(target, 1, 0, WARM_S, lua)
-        subprocess.run(["callgrind_control", "-z", str(router.proc.pid)], capture_output=True,
-                       check=True)
-        began = time.monotonic()
-        run = measure_wrk(target, 1, 0, WINDOW_S, lua)
-        busy, busy_s = dump(router, out), time.monotonic() - began
-        began = time.monotonic()
-        time.sleep(WINDOW_S / 2)
-        idle, idle_s = dump(router, out), time.monotonic() - began
+        if lens == "bytecodes":
+            os.kill(router.proc.pid, signal.SIGUSR1)
+            time.sleep(0.5)  # (a signal's handler runs at the loop's next bytecode)
+            run = measure_wrk(target, 1, 0, WINDOW_S, lua)
+            counts = bytecodes_written(router, out)
+        else:
+            subprocess.run(["callgrind_control", "-z", str(router.proc.pid)], capture_output=True,
+                           check=True)
+            began = time.monotonic()
+            run = measure_wrk(target, 1, 0, WINDOW_S, lua)
+            busy, busy_s = dump(router, out), time.monotonic() - began
+            began = time.monotonic()
+            time.sleep(WINDOW_S / 2)
+            idle, idle_s = dump(router, out), time.monotonic() - began
     finally:
         for p in reversed(processes):
             p.stop()
     n = run["n"]
     if not n or run["errors"]:
         raise RuntimeError(f"{case}: {n} requests, errors {run['error_samples']}")
+    if lens == "bytecodes":  # (the idle process runs a few health and timer callbacks: kept)
+        return {name: [ops / n, called / n] for name, (ops, called) in counts.items()}
     per = {ev: (busy[ev] - idle.get(ev, 0) / idle_s * busy_s) / n for ev in busy}
     l1 = per["I1mr"] + per["D1mr"] + per["D1mw"]
     ll = per["ILmr"] + per["DLmr"] + per["DLmw"]
@@ -151,6 +199,7 @@ def measure(tree: str, case: str, workdir: Path) -> dict:
 
 COLUMNS = ("Ir", "I1 misses", "D1 misses", "LL misses", "est. cycles")
 SECTION = "router-instructions"  # its markers in docs/benchmarks.md (common.write_section)
+BYTECODE_SECTION = "router-bytecodes"  # --bytecodes' section
 
 
 def table(results: dict[str, dict[str, dict]]) -> list[str]:
@@ -207,14 +256,87 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
     ])
 
 
+def where(name: str) -> str:
+    """A counted function's file, short: a path inside a checkout or a package, else as it is."""
+    path = name.split(":", 1)[0]
+    for marker in ("/site-packages/", "/pd_plugins/", "/bench/"):
+        if marker in path:
+            return (marker.strip("/") + "/" if marker != "/site-packages/" else "") \
+                + path.split(marker, 1)[1]
+    return path
+
+
+def bytecode_tables(results: dict[str, dict[str, dict]], top_files: int = 10,
+                    top_functions: int = 25) -> list[str]:
+    """Per case: bytecodes per request by file for each tree, then this checkout's functions."""
+    names = list(results)
+    lines = []
+    for case in CASES:
+        rows = {name: results[name][case] for name in names if case in results[name]}
+        if not rows:
+            continue
+        totals = {name: sum(ops for ops, _ in row.values()) for name, row in rows.items()}
+        lines += ["", f"**{case}**: bytecodes per request " + ", ".join(
+            f"{name} {total:,.0f}" for name, total in totals.items()) + ".", "",
+            "| file | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]
+        by_file = {name: {} for name in rows}
+        for name, row in rows.items():
+            for function, (ops, _) in row.items():
+                by_file[name][where(function)] = by_file[name].get(where(function), 0) + ops
+        first = by_file[names[0]] if names[0] in by_file else next(iter(by_file.values()))
+        for path in sorted(first, key=first.get, reverse=True)[:top_files]:
+            lines.append(f"| {path} | " + " | ".join(
+                f"{files.get(path, 0):,.0f} ({files.get(path, 0) / totals[name]:.0%})"
+                for name, files in by_file.items()) + " |")
+        own = rows.get(names[0], {})
+        lines += ["", f"{names[0]}'s functions with the most bytecodes per request ({case}):", "",
+                  "| function | bytecodes | calls | per call |", "|---|---:|---:|---:|"]
+        for function, (ops, called) in sorted(own.items(), key=lambda kv: -kv[1][0])[:top_functions]:
+            _, line, qualname = function.rsplit(":", 2)
+            lines.append(f"| `{qualname}` ({where(function)}:{line}) | {ops:,.0f} | {called:.2f} "
+                         f"| {ops / called if called else 0:,.0f} |")
+    return lines
+
+
+def bytecode_markdown(results: dict[str, dict[str, dict]], trees: dict[str, str],
+                      took_s: float) -> str:
+    now = dt.datetime.now(dt.timezone.utc)
+    return "\n".join([
+        f"<!-- {BYTECODE_SECTION}:start -->",
+        "## Router bytecodes per request",
+        "",
+        "The Python bytecodes pd-router's event loop executes per PD request, by file and by "
+        "function, counted exactly by a tracer (`bench/bytecode_trace.py`: `sys.settrace` with "
+        "opcode events). Same harness as the callgrind counts above (one connection, every "
+        "request disaggregated, zero-delay mocks); the counts do not depend on the machine's "
+        "load at all. What C code does for a call (httptools, msgspec, uvloop, the kernel) is not "
+        "in them, and bytecodes differ in cost (a call costs more than a store), so they say "
+        "where the Python runs, not what it costs: that is the callgrind section's. "
+        "Calls count a coroutine's resumptions.",
+        "",
+        f"Rerun: `.venv/bin/python -m bench.router_instructions --bytecodes` (about 2 min; "
+        f"`--tree NAME=DIR` as above). This run: {now:%Y-%m-%d %H:%M} UTC, {took_s / 60:.1f} min; "
+        f"this checkout: git {common.git_rev()}"
+        + "".join(f"; {name}: {named(tree)}" for name, tree in trees.items()
+                  if name not in ("this checkout", FLOOR))
+        + f"; Python {platform.python_version()} (from {sys.base_prefix}).",
+        *bytecode_tables(results),
+        f"<!-- {BYTECODE_SECTION}:end -->",
+    ])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="another checkout whose router is measured beside this one's (an A/B)")
     ap.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    ap.add_argument("--bytecodes", action="store_true",
+                    help="count Python bytecodes per function (bench/bytecode_trace.py) instead "
+                         "of instructions under callgrind")
     ap.add_argument("--no-docs", action="store_true", help="print the table, leave docs/ alone")
     args = ap.parse_args()
-    if not shutil.which("valgrind") or not shutil.which("wrk"):
+    lens = "bytecodes" if args.bytecodes else "callgrind"
+    if not shutil.which("wrk") or (lens == "callgrind" and not shutil.which("valgrind")):
         sys.exit("router_instructions needs valgrind and wrk (apt-get install valgrind wrk)")
     os.sched_setaffinity(0, {1})
     trees = {"this checkout": str(common.ROOT)}
@@ -224,20 +346,26 @@ def main() -> int:
     trees[FLOOR] = FLOOR
     results: dict[str, dict[str, dict]] = {name: {} for name in trees}
     began = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pd-callgrind-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pd-router-counts-") as tmp:
         for case in args.cases:
             for name, tree in trees.items():
                 if tree == FLOOR and CASES[case][0] != "vllm":
                     continue  # the floor proxy runs vLLM's flow only
-                row = results[name][case] = measure(tree, case, Path(tmp))
-                print(f"{case:17s} {name:20s} " + ", ".join(f"{c} {row[c]:,.0f}" for c in COLUMNS),
-                      flush=True)
-    text = markdown(results, trees, time.monotonic() - began)
+                row = results[name][case] = measure(tree, case, Path(tmp), lens)
+                if lens == "bytecodes":
+                    print(f"{case:17s} {name:20s} bytecodes "
+                          f"{sum(ops for ops, _ in row.values()):,.0f}", flush=True)
+                else:
+                    print(f"{case:17s} {name:20s} "
+                          + ", ".join(f"{c} {row[c]:,.0f}" for c in COLUMNS), flush=True)
+    took = time.monotonic() - began
+    text = (bytecode_markdown(results, trees, took) if lens == "bytecodes"
+            else markdown(results, trees, took))
     print(text)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "results.json").write_text(json.dumps(results, indent=1))
+    (RESULTS / f"{lens}.json").write_text(json.dumps(results, indent=1))
     if not args.no_docs:
-        common.write_section(SECTION, text)
+        common.write_section(BYTECODE_SECTION if lens == "bytecodes" else SECTION, text)
     return 0
 
 
