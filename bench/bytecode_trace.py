@@ -4,9 +4,9 @@
 
 SIGUSR1 zeroes the counts, SIGUSR2 writes them to $PD_BYTECODES_OUT as JSON:
 {"FILE:LINE:QUALNAME": [bytecodes, calls]} (a coroutine's resumptions count as calls). Used by
-bench/router_instructions.py --bytecodes. Counts are exact: the same code and requests give the same
-numbers on a busy machine (the tracer makes the process about 30 times slower, so time nothing
-under it). Only the main thread is traced (the router's event loop), and only Python: what C
+bench/router_instructions.py --bytecodes. The count of what ran is exact, and load changes little of
+what runs (how the bytes arrive in reads, timers: runs agree within about 2%); the tracer makes
+the process about 30 times slower, so time nothing under it. Only the main thread is traced (the router's event loop), and only Python: what C
 code (httptools, msgspec, uvloop, the kernel) does for a call is not in these counts.
 
 Run as a file, not with -m: with PYTHONSAFEPATH set, PYTHONPATH alone decides which checkout's

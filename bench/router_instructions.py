@@ -266,8 +266,8 @@ def where(name: str) -> str:
     return path
 
 
-def bytecode_tables(results: dict[str, dict[str, dict]], top_files: int = 10,
-                    top_functions: int = 25) -> list[str]:
+def bytecode_tables(results: dict[str, dict[str, dict]], top_files: int = 8,
+                    top_functions: int = 15) -> list[str]:
     """Per case: bytecodes per request by file for each tree, then this checkout's functions."""
     names = list(results)
     lines = []
@@ -308,11 +308,12 @@ def bytecode_markdown(results: dict[str, dict[str, dict]], trees: dict[str, str]
         "The Python bytecodes pd-router's event loop executes per PD request, by file and by "
         "function, counted exactly by a tracer (`bench/bytecode_trace.py`: `sys.settrace` with "
         "opcode events). Same harness as the callgrind counts above (one connection, every "
-        "request disaggregated, zero-delay mocks); the counts do not depend on the machine's "
-        "load at all. What C code does for a call (httptools, msgspec, uvloop, the kernel) is not "
-        "in them, and bytecodes differ in cost (a call costs more than a store), so they say "
-        "where the Python runs, not what it costs: that is the callgrind section's. "
-        "Calls count a coroutine's resumptions.",
+        "request disaggregated, zero-delay mocks). The count of what ran is exact; what runs "
+        "varies a little with timing (how the bytes arrive in reads, timers): two runs of the "
+        "same tree agree within about 2%. What C code does for a call (httptools, msgspec, "
+        "uvloop, the kernel) is not in them, and bytecodes differ in cost (a call costs more "
+        "than a store), so they say where the Python runs, not what it costs (the callgrind "
+        "counts above; CPU time in \"Router overhead\"). Calls count a coroutine's resumptions.",
         "",
         f"Rerun: `.venv/bin/python -m bench.router_instructions --bytecodes` (about 2 min; "
         f"`--tree NAME=DIR` as above). This run: {now:%Y-%m-%d %H:%M} UTC, {took_s / 60:.1f} min; "
