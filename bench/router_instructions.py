@@ -259,6 +259,8 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
 def where(name: str) -> str:
     """A counted function's file, short: a path inside a checkout or a package, else as it is."""
     path = name.split(":", 1)[0]
+    if path == "<string>":  # code compiled at run time: dataclasses' generated __init__ here
+        return "<string> (generated: dataclass __init__)"
     for marker in ("/site-packages/", "/pd_plugins/", "/bench/"):
         if marker in path:
             return (marker.strip("/") + "/" if marker != "/site-packages/" else "") \
