@@ -226,6 +226,14 @@ def named(tree: str) -> str:
     return tree if rev == "?" else f"git {rev}"
 
 
+def checkouts(trees: dict[str, str]) -> str:
+    """Which code ran: this checkout's commit, the other trees', and the interpreter."""
+    others = "".join(f"; {name}: {named(tree)}" for name, tree in trees.items()
+                     if name not in ("this checkout", FLOOR))
+    return (f"this checkout: git {common.git_rev()}{others}; Python {platform.python_version()} "
+            f"(from {sys.base_prefix})")
+
+
 def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s: float) -> str:
     now = dt.datetime.now(dt.timezone.utc)
     valgrind = subprocess.run(["valgrind", "--version"], capture_output=True, text=True).stdout
@@ -246,10 +254,7 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
         "",
         f"Rerun: `.venv/bin/python -m bench.router_instructions` (an A/B: `--tree NAME=DIR` with "
         f"another checkout, e.g. a `git worktree`). This run: {now:%Y-%m-%d %H:%M} UTC, "
-        f"{took_s / 60:.1f} min; this checkout: git {common.git_rev()}"
-        + "".join(f"; {name}: {named(tree)}" for name, tree in trees.items()
-                  if name not in ("this checkout", FLOOR))
-        + f"; Python {platform.python_version()} (from {sys.base_prefix}), {valgrind.strip()}.",
+        f"{took_s / 60:.1f} min; {checkouts(trees)}, {valgrind.strip()}.",
         "",
         *table(results),
         f"<!-- {SECTION}:end -->",
@@ -319,10 +324,7 @@ def bytecode_markdown(results: dict[str, dict[str, dict]], trees: dict[str, str]
         "",
         f"Rerun: `.venv/bin/python -m bench.router_instructions --bytecodes` (about 2 min; "
         f"`--tree NAME=DIR` as above). This run: {now:%Y-%m-%d %H:%M} UTC, {took_s / 60:.1f} min; "
-        f"this checkout: git {common.git_rev()}"
-        + "".join(f"; {name}: {named(tree)}" for name, tree in trees.items()
-                  if name not in ("this checkout", FLOOR))
-        + f"; Python {platform.python_version()} (from {sys.base_prefix}).",
+        f"{checkouts(trees)}.",
         *bytecode_tables(results),
         f"<!-- {BYTECODE_SECTION}:end -->",
     ])
