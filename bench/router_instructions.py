@@ -45,10 +45,10 @@ import time
 from pathlib import Path
 
 from bench import common
-from bench.router_overhead import (PD_ROUTER_CONFIG, WRK_LUA, ReferenceProxyProcess, Target,
-                                   measure_wrk)
+from bench.router_overhead import (PD_ROUTER_CONFIG, WRK_LUA, CheckoutRouter,
+                                   ReferenceProxyProcess, Target, measure_wrk)
 from pd_plugins.testing.processes import ManagedProcess
-from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
+from pd_plugins.testing.router_harness import MockEngineProcess
 
 CASES = {  # name: (engine, streaming)
     "vllm_pull": ("vllm", False),
@@ -75,11 +75,10 @@ def under_bytecode_trace(cmd: list[str]) -> list[str]:
     return [*cmd[:at + 1], str(common.ROOT / "bench" / "bytecode_trace.py"), *cmd[at + 2:]]
 
 
-class CountedRouter(RouterProcess):
+class CountedRouter(CheckoutRouter):
     """pd-router under callgrind (`lens` "callgrind") or the bytecode tracer ("bytecodes"), its
     code from `tree` (a checkout's root)."""
 
-    tree: str = ""
     out: str = ""
     lens: str = "callgrind"
 
@@ -88,10 +87,7 @@ class CountedRouter(RouterProcess):
         return under_callgrind(cmd, self.out) if self.lens == "callgrind" else under_bytecode_trace(cmd)
 
     def environment(self) -> dict[str, str]:
-        # PYTHONSAFEPATH: `python -m` would put the current directory (this checkout) on sys.path
-        # ahead of PYTHONPATH, and every tree would run this checkout's code
-        return {**super().environment(), "PYTHONPATH": self.tree, "PYTHONSAFEPATH": "1",
-                "PD_BYTECODES_OUT": self.out}
+        return {**super().environment(), "PD_BYTECODES_OUT": self.out}
 
 
 class CountedFloor(ReferenceProxyProcess):

@@ -4,6 +4,9 @@
     .venv/bin/python -m bench.router_overhead            # full run, about 11 minutes
     .venv/bin/python -m bench.router_overhead --quick    # smoke run, about 2.5 minutes
     .venv/bin/python -m bench.router_overhead --quick --no-docs   # results under bench/results only
+    .venv/bin/python -m bench.router_overhead --targets pd-vllm vllm-router --streaming off \
+        --repeats 5 --tree before=/tmp/before   # an A/B in CPU time: another checkout's pd-router
+                                                # (e.g. a git worktree) interleaved with this one's
 
 Mock prefill and decode engines (pd-mock-engine, zero delays) and the load generator share core 1;
 each router runs alone on core 0. For every target and concurrency the closed-loop load generator
@@ -140,6 +143,17 @@ class PeerRouterProcess(ManagedProcess):
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+
+class CheckoutRouter(RouterProcess):
+    """pd-router from another checkout (`tree`: its root), run beside this one's: an A/B."""
+
+    tree: str = ""
+
+    def environment(self) -> dict[str, str]:
+        # PYTHONSAFEPATH: `python -m` would put the current directory (this checkout) on sys.path
+        # ahead of PYTHONPATH, and every tree would run this checkout's code
+        return {**super().environment(), "PYTHONPATH": self.tree, "PYTHONSAFEPATH": "1"}
 
 
 @dataclass
@@ -836,6 +850,9 @@ def main() -> int:
                     help="only these rows (and the direct baseline): pd-vllm, pd-vllm-default, "
                          "vllm-router, pd-sglang, sglang-router, naive, floor; a partial run "
                          "writes its own results but never docs/ (implies --no-docs)")
+    ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
+                    help="another checkout's pd-router (vLLM pull) as a row of its own beside this "
+                         "one's, e.g. a git worktree: an A/B in CPU time (implies --no-docs)")
     ap.add_argument("--no-docs", action="store_true",
                     help="do not touch docs/: the section (section.md) and plots go beside results.json")
     ap.add_argument("--render", type=Path, metavar="RESULTS_JSON",
@@ -843,7 +860,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.render:
         return render(args.render)
-    if args.targets or args.max_tokens != MAX_TOKENS or args.tpot_ms:
+    if args.targets or args.tree or args.max_tokens != MAX_TOKENS or args.tpot_ms:
         args.no_docs = True  # the published section is the whole comparison, never a part of it
     BODIES.update(request_bodies(args.max_tokens))
     engine_args = ("--ttft-ms", "0", "--tpot-ms", f"{args.tpot_ms:g}")
@@ -915,6 +932,16 @@ def main() -> int:
             sys.exit(f"router_overhead: no target {sorted(unknown)}; "
                      f"targets: {', '.join(key for key, *_ in rows)}")
         rows = [row for row in rows if row[0] in args.targets or row[0] == "direct"]
+    for spec in args.tree:
+        name, _, path = spec.rpartition("=")
+        name = name or Path(path).name
+        other = CheckoutRouter(f"pd-router-vllm-{name}", prefill=[vp.worker_arg()],
+                               decode=[vd.worker_arg()],
+                               args=("--engine", "vllm", "--transfer", "pull", *router_flags),
+                               config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
+        other.tree = str(Path(path).resolve())
+        rows.append((f"pd-vllm@{name}", f"pd-router (vLLM pull), {name}: git "
+                     f"{common.git_rev(other.tree)}", other.url, other))
     # Mode-major, so that the table reads non-streaming first; the naive proxy does not stream.
     targets = [Target(mode_key(key, stream), label, url, proc, stream=stream)
                for stream in STREAMING[args.streaming] for key, label, url, proc in rows

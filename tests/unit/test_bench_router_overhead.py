@@ -1,5 +1,6 @@
 """bench/router_overhead.py's pure parts: the pairing with the direct run of the same mode, the
-ratios to both Rust routers, issue 30's "Done when" checks and the wrk output parser."""
+ratios to both Rust routers, issue 30's "Done when" checks, the wrk output parser and --tree's
+router."""
 
 from __future__ import annotations
 
@@ -154,3 +155,13 @@ def test_the_window_at_64_connections_is_twice_as_long_and_the_method_says_so():
     assert ro.window_at(1, 4.0) == ro.window_at(16, 4.0) == 4.0
     assert ro.window_at(64, 4.0) == 8.0
     assert "then a 2 s window (4 s at concurrency 64" in section(window_s=2)
+
+
+def test_another_checkouts_router_runs_that_checkouts_code(tmp_path):
+    """--tree: the other checkout's pd-router imports its own pd_plugins, never this checkout's
+    (which `python -m` would put first on sys.path from the current directory)."""
+    other = ro.CheckoutRouter("pd-router-vllm-before", log_dir=tmp_path)
+    other.tree = "/tmp/before"
+    env = other.environment()
+    assert env["PYTHONPATH"] == "/tmp/before" and env["PYTHONSAFEPATH"] == "1"
+    assert "pd_plugins.routers" in other.command()
