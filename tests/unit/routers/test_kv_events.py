@@ -256,7 +256,7 @@ def test_batch_number_gaps_are_counted_and_logged_at_most_once_a_while(caplog):
     assert len([r for r in caplog.records if "batches missed" in r.getMessage()]) == 1
 
 
-EARLY_BATCHES = 2500  # (vLLM in another process sends faster: RCVHWM in replay_missed)
+EARLY_BATCHES = 2500  # more than vLLM's replay socket queues (1,000): some may be dropped
 
 
 def test_missed_batches_are_replayed_from_vllms_own_publisher():
@@ -286,7 +286,7 @@ def test_missed_batches_are_replayed_from_vllms_own_publisher():
 
     try:
         publish([1, 2, 3, 4], early)  # before any subscriber: no SUB hears it
-        for i in range(EARLY_BATCHES):  # more than ZMQ queues by default (1,000): none dropped
+        for i in range(EARLY_BATCHES):  # more than ZMQ queues by default (1,000): none lost
             publish([1000 + i], list(range(1000 + 4 * i, 1004 + 4 * i)))
         deadline = time.monotonic() + 10
         while publisher._event_queue.qsize() and time.monotonic() < deadline:
@@ -305,29 +305,35 @@ def test_missed_batches_are_replayed_from_vllms_own_publisher():
     assert sub.sequence_gaps == 0  # every batch applied in order
 
 
-def test_batches_a_replay_dropped_are_asked_for_again_from_the_first_hole():
-    """vLLM's replay ROUTER drops what overflows its send queue while the router reads slower
-    than it sends (a loaded host): the router asks again from the first batch missing after the
-    first one that came. Batches older than that are gone from the engine's buffer and are not
-    asked for. Here a scripted ROUTER socket plays vLLM's part (its wire format, as above)."""
-    port, asked = free_port(), []
+END = (-1).to_bytes(8, "big", signed=True)  # vLLM's end of a replay
+
+
+def scripted_replay(port: int, answers: list, asked: list) -> threading.Thread:
+    """A ROUTER socket playing vLLM's replay socket (its wire format, as above), with batches
+    5 to 44 in its buffer: answers[i] = (dropped, end): answer i sends the batches from the one
+    asked for but those in `dropped`, then the end marker if `end`; a request past the last
+    answer is counted, not answered."""
     encoder = msgspec.msgpack.Encoder()
 
-    def engine(buffered=range(5, 45), dropped_first_time=range(20, 30)):
+    def engine():
         sock = zmq.Context.instance().socket(zmq.ROUTER)  # this thread's alone
-        sock.setsockopt(zmq.RCVTIMEO, 5_000)
+        sock.setsockopt(zmq.RCVTIMEO, 3_000)
         sock.bind(f"tcp://127.0.0.1:{port}")
         try:
-            for answer in range(2):
+            for dropped, end in answers:
                 client, _, start = sock.recv_multipart()
                 asked.append(int.from_bytes(start, "big"))
-                for seq in buffered:
-                    if seq >= asked[-1] and not (answer == 0 and seq in dropped_first_time):
+                for seq in range(max(5, asked[-1]), 45):
+                    if seq not in dropped:
                         batch = kv_events.KVEventBatch(ts=time.time(),
                                                        events=[stored([seq], None, [seq] * 4)])
                         sock.send_multipart([client, b"", b"", seq.to_bytes(8, "big"),
                                              encoder.encode(batch)])
-                sock.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+                if end:
+                    sock.send_multipart([client, b"", b"", END, b""])
+            sock.setsockopt(zmq.RCVTIMEO, 500)  # (a retry comes at once)
+            client, _, start = sock.recv_multipart()  # one more: counted, not answered
+            asked.append(int.from_bytes(start, "big"))
         except zmq.Again:  # not asked again
             pass
         finally:
@@ -335,12 +341,34 @@ def test_batches_a_replay_dropped_are_asked_for_again_from_the_first_hole():
 
     thread = threading.Thread(target=engine, daemon=True)
     thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("answers, asked_for, replayed, gaps", [
+    # a hole in the middle: asked for again from its first batch
+    ([(range(20, 30), True), ((), True)], [0, 20], 35, 0),
+    # the tail dropped with the end marker: the reply goes quiet, and the rest is asked for
+    ([(range(38, 45), False), ((), True)], [0, 38], 35, 0),
+    # a batch the engine no longer sends: a round brings nothing new, and the replay ends
+    ([({25}, True), ({25}, True)], [0, 25], 34, 1),
+], ids=["hole", "dropped-tail", "gone"])
+def test_batches_a_replay_dropped_are_asked_for_again_from_the_first_missing(
+        answers, asked_for, replayed, gaps):
+    """vLLM's replay ROUTER drops what overflows its send queue when its I/O falls behind (a
+    loaded host): the router asks again from the first batch missing after the first one that
+    came (those before it are gone from the engine's buffer: not asked for), as long as each
+    round brings batches it lacked, and within the replay's timeout."""
+    port, asked = free_port(), []
+    thread = scripted_replay(port, answers, asked)
     sub = KvEventSubscriber(PrefixIndex(), W, "tcp://127.0.0.1:1", replay=f"tcp://127.0.0.1:{port}")
+    began = time.monotonic()
     asyncio.run(sub.replay_missed(until=40))  # the live batch 40 showed the gap
+    took = time.monotonic() - began
     thread.join(timeout=10)
-    assert asked == [0, 20]
-    assert (sub.batches_replayed, sub.last_seq, sub.events_applied) == (35, 39, 35)
-    assert sub.sequence_gaps == 0
+    assert asked == asked_for
+    assert (sub.batches_replayed, sub.last_seq, sub.events_applied) == (replayed, 39, replayed)
+    assert sub.sequence_gaps == gaps
+    assert took < 1.5  # well within the replay's 2 s: nothing waited for its timeout
 
 
 def test_an_engine_restart_forgets_what_the_worker_held_and_missed_batches_do_not():
