@@ -4,10 +4,11 @@
 
 SIGUSR1 zeroes the counts, SIGUSR2 writes them to $PD_BYTECODES_OUT as JSON:
 {"FILE:LINE:QUALNAME": [bytecodes, calls]} (a coroutine's resumptions count as calls). Used by
-bench/router_instructions.py --bytecodes. The count of what ran is exact, and load changes little of
-what runs (how the bytes arrive in reads, timers: runs agree within about 2%); the tracer makes
-the process about 30 times slower, so time nothing under it. Only the main thread is traced (the router's event loop), and only Python: what C
-code (httptools, msgspec, uvloop, the kernel) does for a call is not in these counts.
+bench/router_instructions.py --bytecodes. The count of what ran is exact, and load changes
+little of what runs (how the bytes arrive in reads, timers: runs agree within about 2%); the
+tracer makes the process about 30 times slower, so time nothing under it. Only the main thread
+is traced (the router's event loop), and only Python: what C code (httptools, msgspec, uvloop,
+the kernel) does for a call is not in these counts.
 
 Run as a file, not with -m: with PYTHONSAFEPATH set, PYTHONPATH alone decides which checkout's
 MODULE runs (bench/router_instructions.py --tree).
@@ -50,8 +51,10 @@ def _write(*_: object) -> None:
         key = f"{code.co_filename}:{code.co_firstlineno}:{code.co_qualname}"
         ops, called = out.get(key, (0, 0))  # (several code objects may share a name: lambdas)
         out[key] = [ops + n, called + calls.get(code, 0)]
-    with open(os.environ["PD_BYTECODES_OUT"], "w") as f:
+    path = os.environ["PD_BYTECODES_OUT"]
+    with open(f"{path}.part", "w") as f:  # whole or not at all for the reader
         json.dump(out, f)
+    os.replace(f"{path}.part", path)
 
 
 def main() -> None:

@@ -75,6 +75,11 @@ def under_bytecode_trace(cmd: list[str]) -> list[str]:
     return [*cmd[:at + 1], str(common.ROOT / "bench" / "bytecode_trace.py"), *cmd[at + 2:]]
 
 
+def counted(cmd: list[str], lens: str, out: str) -> list[str]:
+    """A router's command under the lens that counts it ("callgrind" or "bytecodes")."""
+    return under_callgrind(cmd, out) if lens == "callgrind" else under_bytecode_trace(cmd)
+
+
 class CountedRouter(CheckoutRouter):
     """pd-router under callgrind (`lens` "callgrind") or the bytecode tracer ("bytecodes"), its
     code from `tree` (a checkout's root)."""
@@ -83,8 +88,7 @@ class CountedRouter(CheckoutRouter):
     lens: str = "callgrind"
 
     def command(self) -> list[str]:
-        cmd = super().command()
-        return under_callgrind(cmd, self.out) if self.lens == "callgrind" else under_bytecode_trace(cmd)
+        return counted(super().command(), self.lens, self.out)
 
     def environment(self) -> dict[str, str]:
         return {**super().environment(), "PD_BYTECODES_OUT": self.out}
@@ -97,8 +101,7 @@ class CountedFloor(ReferenceProxyProcess):
     lens: str = "callgrind"
 
     def command(self) -> list[str]:
-        cmd = super().command()
-        return under_callgrind(cmd, self.out) if self.lens == "callgrind" else under_bytecode_trace(cmd)
+        return counted(super().command(), self.lens, self.out)
 
     def environment(self) -> dict[str, str]:
         return {**super().environment(), "PYTHONPATH": str(common.ROOT), "PYTHONSAFEPATH": "1",
@@ -260,8 +263,8 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
 def where(name: str) -> str:
     """A counted function's file, short: a path inside a checkout or a package, else as it is."""
     path = name.split(":", 1)[0]
-    if path == "<string>":  # code compiled at run time: dataclasses' generated __init__ here
-        return "<string> (generated: dataclass __init__)"
+    if path == "<string>":  # code compiled at run time: here, dataclasses' generated __init__
+        return "<string> (generated code)"
     for marker in ("/site-packages/", "/pd_plugins/", "/bench/"):
         if marker in path:
             return (marker.strip("/") + "/" if marker != "/site-packages/" else "") \
@@ -337,8 +340,10 @@ def main() -> int:
     ap.add_argument("--no-docs", action="store_true", help="print the table, leave docs/ alone")
     args = ap.parse_args()
     lens = "bytecodes" if args.bytecodes else "callgrind"
-    if not shutil.which("wrk") or (lens == "callgrind" and not shutil.which("valgrind")):
-        sys.exit("router_instructions needs valgrind and wrk (apt-get install valgrind wrk)")
+    needs = ["wrk"] + (["valgrind"] if lens == "callgrind" else [])
+    if not all(map(shutil.which, needs)):
+        sys.exit(f"router_instructions {'--bytecodes ' if lens == 'bytecodes' else ''}needs "
+                 f"{' and '.join(needs)} (apt-get install {' '.join(needs)})")
     os.sched_setaffinity(0, {1})
     trees = {"this checkout": str(common.ROOT)}
     for spec in args.tree:

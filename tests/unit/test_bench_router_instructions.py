@@ -31,8 +31,8 @@ def test_rows_carry_their_ratio_to_this_checkout_and_skip_cases_a_router_did_not
 @pytest.mark.processes
 def test_the_tracer_counts_each_functions_bytecodes_and_calls_exactly(tmp_path):
     """bench/bytecode_trace.py over a module of known work: a function called 3 times after the
-    counts were zeroed is counted 3 times, with the same bytecodes each time, and the work before
-    the zeroing is not in the counts."""
+    counts were zeroed is counted 3 times, its bytecodes a whole number per call and as many as
+    its loop needs, and the work before the zeroing is not in the counts."""
     import json
     import os
     import subprocess
