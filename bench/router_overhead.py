@@ -935,10 +935,10 @@ def main() -> int:
     for spec in args.tree:
         name, _, path = spec.rpartition("=")
         name = name or Path(path).name
-        other = CheckoutRouter(f"pd-router-vllm-{name}", prefill=[vp.worker_arg()],
-                               decode=[vd.worker_arg()],
-                               args=("--engine", "vllm", "--transfer", "pull", *router_flags),
-                               config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
+        # the pd-vllm row's router, flags and all: only the code differs
+        other = CheckoutRouter(f"pd-router-vllm-{name}", prefill=pd_vllm.prefill,
+                               decode=pd_vllm.decode, args=pd_vllm.args, config=pd_vllm.config,
+                               cpu=pd_vllm.cpu, log_dir=run_dir)
         other.tree = str(Path(path).resolve())
         rows.append((f"pd-vllm@{name}", f"pd-router (vLLM pull), {name}: git "
                      f"{common.git_rev(other.tree)}", other.url, other))
