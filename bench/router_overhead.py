@@ -16,10 +16,11 @@ time (utime + stime from /proc/PID/stat) over the same window gives CPU per requ
 (no router: the latency baseline), pd-router (vLLM pull flow), vllm-router, pd-router --engine
 sglang, sglang-router, bench/naive_proxy.py (the least an aiohttp PD proxy can do) and
 bench/floor_proxy.py (the least any Python PD proxy can do: protocol callbacks, no task per
-request). Every request is disaggregated (round_robin everywhere), except
+request); named in --targets, also bench/lean_router.py (pd-router's own per-request work on the
+floor's I/O). Every request is disaggregated (round_robin everywhere), except
 in one more row: pd-router's default policy, which prefills a short prompt on the decode itself.
-Each target runs non-streaming and streaming (`--streaming`; the naive proxy non-streaming only;
-`--targets` for some of them),
+Each target runs non-streaming and streaming (`--streaming`; the naive proxy and the lean router
+non-streaming only; `--targets` for some of them),
 and the end of the run checks issue 30's goals against the Rust routers of the same run.
 
 The peer routers are installed on demand into bench/.venv-peers (matplotlib too, for the plots),
@@ -83,6 +84,7 @@ PD_ROUTER_CONFIG = {"health": {"interval_s": 3600, "canary": False, "metrics_int
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 STREAM_SUFFIX = ":stream"
 STREAMING = {"both": (False, True), "off": (False,), "only": (True,)}
+NON_STREAMING_ONLY = ("naive", "lean")  # reference rows that do not stream
 # Issue 30's goals, checked for these pd-router rows (both flows, every request disaggregated).
 CHECKED = (("pd-vllm", "pd-router (vLLM pull)"), ("pd-sglang", "pd-router --engine sglang"))
 CPU_GOAL = 0.8  # CPU per request at most this times vllm-router's
@@ -154,6 +156,15 @@ class CheckoutRouter(RouterProcess):
         # PYTHONSAFEPATH: `python -m` would put the current directory (this checkout) on sys.path
         # ahead of PYTHONPATH, and every tree would run this checkout's code
         return {**super().environment(), "PYTHONPATH": self.tree, "PYTHONSAFEPATH": "1"}
+
+
+class LeanRouterProcess(RouterProcess):
+    """bench/lean_router.py with pd-router's flags: its per-request work on the floor's I/O."""
+
+    def command(self) -> list[str]:
+        cmd = super().command()
+        cmd[cmd.index("pd_plugins.routers")] = "bench.lean_router"
+        return cmd
 
 
 @dataclass
@@ -848,8 +859,10 @@ def main() -> int:
                     help="the mock decode's time per output token (default 0: the answer at once)")
     ap.add_argument("--targets", nargs="+", metavar="KEY",
                     help="only these rows (and the direct baseline): pd-vllm, pd-vllm-default, "
-                         "vllm-router, pd-sglang, sglang-router, naive, floor; a partial run "
-                         "writes its own results but never docs/ (implies --no-docs)")
+                         "vllm-router, pd-sglang, sglang-router, naive, floor, and lean (only when "
+                         "named: pd-router's per-request work on the floor's I/O, "
+                         "bench/lean_router.py); a partial run writes its own results but never "
+                         "docs/ (implies --no-docs)")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=DIR",
                     help="another checkout's pd-router (vLLM pull) as a row of its own beside this "
                          "one's, e.g. a git worktree: an A/B in CPU time (implies --no-docs)")
@@ -926,6 +939,11 @@ def main() -> int:
             ("sglang-router", "sglang-router", sglang_router.url, sglang_router),
             ("naive", "naive aiohttp proxy (reference)", naive.url, naive),
             ("floor", "Python floor proxy (reference)", floor.url, floor)]
+    if args.targets and "lean" in args.targets:  # a study, not part of the published comparison
+        lean = LeanRouterProcess("lean-router", prefill=pd_vllm.prefill, decode=pd_vllm.decode,
+                                 args=pd_vllm.args, config=pd_vllm.config, cpu=pd_vllm.cpu,
+                                 log_dir=run_dir)
+        rows.append(("lean", "pd-router's work on the floor's I/O (reference)", lean.url, lean))
     if args.targets:
         unknown = set(args.targets) - {key for key, *_ in rows}
         if unknown:
@@ -945,7 +963,7 @@ def main() -> int:
     # Mode-major, so that the table reads non-streaming first; the naive proxy does not stream.
     targets = [Target(mode_key(key, stream), label, url, proc, stream=stream)
                for stream in STREAMING[args.streaming] for key, label, url, proc in rows
-               if not (stream and key == "naive")]
+               if not (stream and key in NON_STREAMING_ONLY)]
     routers: list[ManagedProcess] = [proc for key, _, _, proc in rows
                                      if proc is not None and key not in PEER_PINS
                                      and any(t.proc is proc for t in targets)]

@@ -1,0 +1,202 @@
+"""pd-router's own per-request work on the floor proxy's I/O: a reference row for
+bench/router_overhead.py (`--targets ... lean`), non-streaming only.
+
+    .venv/bin/python -m bench.lean_router PD-ROUTER-FLAGS...   # e.g. --prefill URL --decode URL
+
+It answers where pd-router's CPU above the floor proxy (bench/floor_proxy.py) goes (issue 30): to
+its I/O framework (the front server's aiohttp-shaped request and response, a task and a chain of
+coroutines per request, a future per leg, the legs' client) or to the work it does per request.
+This runs that work as pd-router runs it, through pd-router's own objects built from the same flags
+(`Router`: its model group, proxy, scheduler, accounting and metrics): the request checks
+(`parse_request`), the policy (`schedule`, `admit`), the prefill leg's accounting and answer
+(`kv_transfer_params`, its `pd` section), the decode leg's accounting, the route header, the KV
+verdict and the request's end (`Proxy._finish`: metrics, accounting); each leg under a
+per-connection timeout (`Deadline`), as pd-router's legs. The I/O is the floor proxy's: protocol
+callbacks from the client's bytes to the answer's last byte, keep-alive connections from a free
+list. vLLM's pull flow, whatever the flags say.
+
+It is not a router: it has no failover, no client-gone or slow-client handling, no bounds on a
+request's head or body, no streaming, no traffic record or sessions, and answers every GET with
+200 "ok" (health). What a router needs beyond this is the difference between its row and
+pd-router's upper bound on what a rewrite of the I/O framework alone could save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import sys
+import time
+
+import httptools
+import msgspec
+from aiohttp import web
+
+from bench.floor_proxy import Pool, Upstream
+from pd_plugins.routers import accounting, cli
+from pd_plugins.routers.deadline import Deadline
+from pd_plugins.routers.flows.base import Attempt
+from pd_plugins.routers.flows.vllm import vllm_prefill_body
+from pd_plugins.routers.http_server import RequestHeaders, header_map
+from pd_plugins.routers.request import BadRequest, parse_request
+from pd_plugins.routers.server import ENDPOINTS, Router
+from pd_plugins.routers.upstream import answer_params
+from pd_plugins.vocab.transfer_params import pd_section_of, stored_tokens_of
+
+_encode = msgspec.json.Encoder().encode
+OK_JSON = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-pd-route: %b\r\n"
+           b"Content-Length: %d\r\n\r\n")
+HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+BAD = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
+KEEPALIVE_S, READ_S = 75.0, 60.0  # the front server's (routers/http_server.py)
+
+
+class TimedUpstream(Upstream):
+    """The floor's connection with a leg's timeout, as pd-router's legs have (one per connection,
+    re-armed per request: routers/deadline.py)."""
+
+    def __init__(self, pool: Pool) -> None:
+        super().__init__(pool)
+        self.deadline = Deadline(asyncio.get_running_loop(), self._timed_out)
+
+    def _timed_out(self) -> None:
+        self.transport.abort()
+
+    def on_message_complete(self) -> None:
+        self.deadline.disarm()
+        super().on_message_complete()
+
+
+class LegPool(Pool):
+    """The floor's pool with pd-router's leg head (X-Request-Id) and the leg's timeout."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.head = self.head.replace(b"\r\n\r\n", b"\r\nX-Request-Id: %s\r\n\r\n")
+
+    def leg(self, path: bytes, body: bytes, request_id: bytes, timeout_s: float,
+            on_body, on_done) -> None:
+        data = self.head % (path, len(body), request_id) + body
+
+        def go(conn: TimedUpstream) -> None:
+            conn.sink, conn.on_done = on_body, on_done
+            conn.deadline.arm(timeout_s)
+            conn.transport.write(data)
+
+        if self.free:
+            go(self.free.pop())
+            return
+        loop = asyncio.get_running_loop()
+        made = loop.create_task(loop.create_connection(lambda: TimedUpstream(self), self.host,
+                                                       self.port))
+        made.add_done_callback(lambda t: go(t.result()[1]))
+
+
+class Front(asyncio.Protocol):
+    def __init__(self, router: Router, pools: dict[str, LegPool]) -> None:
+        self.router, self.pools = router, pools
+        self.parser = httptools.HttpRequestParser(self)
+        self.deadline = Deadline(asyncio.get_running_loop(), self._timed_out)
+        self.transport = None
+
+    def _timed_out(self) -> None:
+        self.transport.close()
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.url, self.headers, self.body = b"", [], []
+        self.deadline.arm(KEEPALIVE_S)
+
+    def data_received(self, data: bytes) -> None:
+        self.deadline.arm(READ_S)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        url, raw, headers = self.url, b"".join(self.body), self.headers
+        self.url, self.headers, self.body = b"", [], []
+        self.deadline.arm(KEEPALIVE_S)
+        path = url.decode("latin-1")
+        if self.parser.get_method() != b"POST" or path not in ENDPOINTS:
+            self.transport.write(HEALTH)
+            return
+        self.serve(path, raw, RequestHeaders(header_map(headers)))
+
+    def serve(self, path: str, raw: bytes, headers: RequestHeaders) -> None:
+        router, transport, started = self.router, self.transport, time.monotonic()
+        try:
+            request = parse_request(raw, ENDPOINTS[path], headers, select_model=router.select_model,
+                                    strip_transfer_fields=False)
+        except BadRequest:
+            transport.write(BAD)
+            return
+        proxy, info = request.target.proxy, request.info
+        decision = proxy.scheduler.schedule(info)
+        proxy.scheduler.admit(info, decision)
+        attempt = Attempt(request, decision, f"{proxy._id_prefix}-{next(proxy._ids)}-0", path)
+        prefill, decode, ctx, timeouts = decision.prefill, decision.decode, proxy.ctx, proxy.timeouts
+        request_id, route = attempt.request_id.encode(), path.encode("latin-1")
+        charge = accounting.prefill_started(ctx, prefill, info)
+        answer: list[bytes] = []
+
+        def prefill_done() -> None:
+            accounting.prefill_ended(prefill, info, charge)
+            elapsed = time.monotonic() - started
+            proxy.metrics.prefill_leg.observe(elapsed)
+            params = answer_params(b"".join(answer), prefill, "prefill")
+            section = pd_section_of(params)
+            stored_tokens_of(params)
+            accounting.prefill_succeeded(ctx, prefill, info, charge, elapsed,
+                                         section.cached_tokens if section is not None else None,
+                                         proxy.record_prefixes)
+            decode_charge = accounting.decode_started(decode, info)
+            decode_started = time.monotonic()
+            out: list[bytes] = []
+
+            def decode_done() -> None:
+                accounting.decode_ended(decode, info, decode_charge)
+                decode.record_success()
+                payload = b"".join(out)
+                header = proxy._route_header(decision, [], info, proxy._kv_verdict(payload, decision))
+                proxy._finish(attempt, started, decode_started)
+                if not transport.is_closing():
+                    transport.write(OK_JSON % (header.encode(), len(payload)) + payload)
+
+            self.pools[decode.url].leg(route, _encode({**request.body, "kv_transfer_params": params}),
+                                       request_id, timeouts.decode_total_s, out.append, decode_done)
+
+        self.pools[prefill.url].leg(route, _encode(vllm_prefill_body(request.body)), request_id,
+                                    timeouts.prefill_s, answer.append, prefill_done)
+
+
+def main() -> None:
+    config = cli.config_from_args(cli.build_parser().parse_args(sys.argv[1:]))
+    router = Router(config)
+    import uvloop
+
+    async def serve() -> None:
+        runner = web.AppRunner(router.app(), access_log=None)
+        await runner.setup()  # pd-router's startup: workers probed, policy and metrics ready
+        gc.collect()  # as pd-router does (server.py): what startup built is frozen
+        gc.freeze()
+        pools = {w.url: LegPool(w.url) for w in router.workers}
+        await asyncio.get_running_loop().create_server(lambda: Front(router, pools), config.host,
+                                                       config.port)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
+
+
+if __name__ == "__main__":
+    main()
