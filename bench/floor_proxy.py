@@ -82,9 +82,10 @@ class Pool:
         made.add_done_callback(lambda t: go(t.result()[1]))
 
 
-class Front(asyncio.Protocol):
-    def __init__(self, prefill: Pool, decode: Pool) -> None:
-        self.prefill, self.decode = prefill, decode
+class RequestReader(asyncio.Protocol):
+    """A client connection's requests, read with httptools; each whole POST goes to serve()."""
+
+    def __init__(self) -> None:
         self.parser = httptools.HttpRequestParser(self)
         self.transport = None
 
@@ -110,6 +111,18 @@ class Front(asyncio.Protocol):
         if self.parser.get_method() != b"POST":
             self.transport.write(HEALTH)
             return
+        self.serve(path, raw)
+
+    def serve(self, path: bytes, raw: bytes) -> None:
+        raise NotImplementedError
+
+
+class Front(RequestReader):
+    def __init__(self, prefill: Pool, decode: Pool) -> None:
+        super().__init__()
+        self.prefill, self.decode = prefill, decode
+
+    def serve(self, path: bytes, raw: bytes) -> None:
         request = _decode(raw)
         stream = bool(request.get("stream"))
         leg = dict(request, max_tokens=1, stream=False, kv_transfer_params=PREFILL_FLAGS)

@@ -28,11 +28,10 @@ import gc
 import sys
 import time
 
-import httptools
 import msgspec
 from aiohttp import web
 
-from bench.floor_proxy import Pool, Upstream
+from bench.floor_proxy import Pool, RequestReader, Upstream
 from pd_plugins.routers import accounting, cli
 from pd_plugins.routers.deadline import Deadline
 from pd_plugins.routers.flows.base import Attempt
@@ -46,7 +45,6 @@ from pd_plugins.vocab.transfer_params import pd_section_of, stored_tokens_of
 _encode = msgspec.json.Encoder().encode
 OK_JSON = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-pd-route: %b\r\n"
            b"Content-Length: %d\r\n\r\n")
-HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 BAD = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
 KEEPALIVE_S, READ_S = 75.0, 60.0  # the front server's (routers/http_server.py)
 
@@ -92,48 +90,41 @@ class LegPool(Pool):
         made.add_done_callback(lambda t: go(t.result()[1]))
 
 
-class Front(asyncio.Protocol):
+class Front(RequestReader):
+    """The floor's request reader, with the front server's keep-alive and read timeouts and the
+    request's headers (pd-router's checks read some)."""
+
     def __init__(self, router: Router, pools: dict[str, LegPool]) -> None:
+        super().__init__()
         self.router, self.pools = router, pools
-        self.parser = httptools.HttpRequestParser(self)
         self.deadline = Deadline(asyncio.get_running_loop(), self._timed_out)
-        self.transport = None
 
     def _timed_out(self) -> None:
         self.transport.close()
 
     def connection_made(self, transport) -> None:
-        self.transport = transport
-        self.url, self.headers, self.body = b"", [], []
+        super().connection_made(transport)
+        self.headers: list[tuple[bytes, bytes]] = []
         self.deadline.arm(KEEPALIVE_S)
 
     def data_received(self, data: bytes) -> None:
         self.deadline.arm(READ_S)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self.transport.close()
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
+        super().data_received(data)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
     def on_message_complete(self) -> None:
-        url, raw, headers = self.url, b"".join(self.body), self.headers
-        self.url, self.headers, self.body = b"", [], []
         self.deadline.arm(KEEPALIVE_S)
-        path = url.decode("latin-1")
-        if self.parser.get_method() != b"POST" or path not in ENDPOINTS:
-            self.transport.write(HEALTH)
-            return
-        self.serve(path, raw, RequestHeaders(header_map(headers)))
+        self.request_headers, self.headers = self.headers, []
+        super().on_message_complete()
 
-    def serve(self, path: str, raw: bytes, headers: RequestHeaders) -> None:
+    def serve(self, url: bytes, raw: bytes) -> None:
+        headers = RequestHeaders(header_map(self.request_headers))
+        path = url.decode("latin-1")
+        if path not in ENDPOINTS:
+            self.transport.write(BAD)
+            return
         router, transport, started = self.router, self.transport, time.monotonic()
         try:
             request = parse_request(raw, ENDPOINTS[path], headers, select_model=router.select_model,
@@ -146,7 +137,7 @@ class Front(asyncio.Protocol):
         proxy.scheduler.admit(info, decision)
         attempt = Attempt(request, decision, f"{proxy._id_prefix}-{next(proxy._ids)}-0", path)
         prefill, decode, ctx, timeouts = decision.prefill, decision.decode, proxy.ctx, proxy.timeouts
-        request_id, route = attempt.request_id.encode(), path.encode("latin-1")
+        request_id = attempt.request_id.encode()
         charge = accounting.prefill_started(ctx, prefill, info)
         answer: list[bytes] = []
 
@@ -173,10 +164,10 @@ class Front(asyncio.Protocol):
                 if not transport.is_closing():
                     transport.write(OK_JSON % (header.encode(), len(payload)) + payload)
 
-            self.pools[decode.url].leg(route, _encode({**request.body, "kv_transfer_params": params}),
+            self.pools[decode.url].leg(url, _encode({**request.body, "kv_transfer_params": params}),
                                        request_id, timeouts.decode_total_s, out.append, decode_done)
 
-        self.pools[prefill.url].leg(route, _encode(vllm_prefill_body(request.body)), request_id,
+        self.pools[prefill.url].leg(url, _encode(vllm_prefill_body(request.body)), request_id,
                                     timeouts.prefill_s, answer.append, prefill_done)
 
 
