@@ -624,6 +624,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
     lines += [f"- [{'x' if ok else ' '}] {verdict_word(ok)}: {text}" for ok, text in checks(summary)]
     lines.append("")
     lines += comparison(summary)
+    lines += paired_lines(targets, summary)
     if meta.get("plots"):
         lines += ["", "![Router CPU per request](img/router_cpu_per_request.png)", "",
                   "![Added latency vs direct](img/router_added_latency.png)"]
@@ -753,6 +754,33 @@ def comparison(summary: dict) -> list[str]:
                        "request beyond moving bytes (coroutines and their task, request checks, "
                        "policy, accounting, metrics, timeouts, failover); \"Router hot path "
                        "profile\" below shows where.")
+    return out
+
+
+def paired_ratio(a: dict | None, b: dict | None) -> str:
+    """a's CPU per request over b's within each repeat (the two were measured minutes apart in it):
+    median (min–max). Steadier than the ratio of medians when the machine drifts between repeats,
+    so an A/B (--tree, lean) reads it."""
+    if not a or not b or len(a["values"]) != len(b["values"]):
+        return "—"
+    r = sorted(x / y for x, y in zip(a["values"], b["values"]))
+    return f"{statistics.median(r):.2f}× ({r[0]:.2f}–{r[-1]:.2f})"
+
+
+def paired_lines(targets: list[dict], summary: dict) -> list[str]:
+    """The A/B rows (another checkout's pd-router, the lean router) against this checkout's
+    pd-router (vLLM pull), repeat by repeat."""
+    out = []
+    for t in targets:
+        base = base_key(t["key"])
+        if not (base == "lean" or base.startswith("pd-vllm@")) or t["key"] not in summary:
+            continue
+        ours = mode_key("pd-vllm", t.get("stream", False))
+        parts = [f"{c}: {paired_ratio(cell(summary, t['key'], c, 'cpu_us'), cell(summary, ours, c, 'cpu_us'))}"
+                 for c in CONCURRENCY]
+        out.append(f"- {t['label']}, {mode_name(t.get('stream', False))}: CPU per request over this "
+                   "checkout's pd-router (vLLM pull) of the same repeat, median (min–max) by "
+                   "concurrency: " + "; ".join(parts) + ".")
     return out
 
 
