@@ -106,14 +106,18 @@ class RequestReader(asyncio.Protocol):
         self.body.append(body)
 
     def on_message_complete(self) -> None:
-        path, raw = self.url, b"".join(self.body)
+        url, raw = self.url, b"".join(self.body)
         self.url, self.body = b"", []
         if self.parser.get_method() != b"POST":
-            self.transport.write(HEALTH)
+            self.transport.write(self.on_get(url))
             return
-        self.serve(path, raw)
+        self.serve(url, raw)
 
-    def serve(self, path: bytes, raw: bytes) -> None:
+    def on_get(self, url: bytes) -> bytes:
+        """The whole answer to a GET: health."""
+        return HEALTH
+
+    def serve(self, url: bytes, raw: bytes) -> None:
         raise NotImplementedError
 
 
@@ -122,7 +126,7 @@ class Front(RequestReader):
         super().__init__()
         self.prefill, self.decode = prefill, decode
 
-    def serve(self, path: bytes, raw: bytes) -> None:
+    def serve(self, url: bytes, raw: bytes) -> None:
         request = _decode(raw)
         stream = bool(request.get("stream"))
         leg = dict(request, max_tokens=1, stream=False, kv_transfer_params=PREFILL_FLAGS)
@@ -137,7 +141,7 @@ class Front(RequestReader):
             leg2 = dict(request, kv_transfer_params=_decode(b"".join(answer))["kv_transfer_params"])
             if stream:
                 write(OK_STREAM)
-                self.decode.send(path, _encode(leg2),
+                self.decode.send(url, _encode(leg2),
                                  lambda chunk: write(b"%x\r\n%b\r\n" % (len(chunk), chunk)),
                                  lambda: write(b"0\r\n\r\n"))
             else:
@@ -147,9 +151,9 @@ class Front(RequestReader):
                     body = b"".join(out)
                     write(OK_JSON % len(body) + body)
 
-                self.decode.send(path, _encode(leg2), out.append, relay)
+                self.decode.send(url, _encode(leg2), out.append, relay)
 
-        self.prefill.send(path, _encode(leg), answer.append, decode_leg)
+        self.prefill.send(url, _encode(leg), answer.append, decode_leg)
 
 
 def main() -> None:

@@ -13,12 +13,14 @@ This runs that work as pd-router runs it, through pd-router's own objects built 
 verdict and the request's end (`Proxy._finish`: metrics, accounting); each leg under a
 per-connection timeout (`Deadline`), as pd-router's legs. The I/O is the floor proxy's: protocol
 callbacks from the client's bytes to the answer's last byte, keep-alive connections from a free
-list. vLLM's pull flow, whatever the flags say.
+list. vLLM's pull flow only: at startup it refuses the flags it does not mirror (another engine or
+transfer mode, a tokenizer, sessions, a traffic record), and a request pd-router would not send
+disaggregated (no route, refused by admission, prefilled on its decode) is answered 503.
 
 It is not a router: it has no failover, no client-gone or slow-client handling, no bounds on a
-request's head or body, no streaming, no traffic record or sessions, and answers every GET with
-200 "ok" (health). What a router needs beyond this is the difference between its row and
-pd-router's upper bound on what a rewrite of the I/O framework alone could save.
+request's head or body or on an answer, and no streaming; GET /metrics is pd-router's exposition
+and any other GET is answered 200 "ok" (health). So the difference between its row and pd-router's
+is an upper bound on what rewriting the I/O alone saves.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ _encode = msgspec.json.Encoder().encode
 OK_JSON = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-pd-route: %b\r\n"
            b"Content-Length: %d\r\n\r\n")
 BAD = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
+NOT_DISAGGREGATED = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
+METRICS = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n"
 KEEPALIVE_S, READ_S = 75.0, 60.0  # the front server's (routers/http_server.py)
 
 
@@ -115,9 +119,16 @@ class Front(RequestReader):
         self.headers.append((name, value))
 
     def on_message_complete(self) -> None:
-        self.deadline.arm(KEEPALIVE_S)
+        self.deadline.disarm()  # armed again when the answer is written (keep-alive)
         self.request_headers, self.headers = self.headers, []
         super().on_message_complete()
+
+    def on_get(self, url: bytes) -> bytes:
+        self.deadline.arm(KEEPALIVE_S)
+        if url == b"/metrics":  # pd-router's own counters: the bench's "served" column, the test
+            body = self.router.metrics.exposition()
+            return METRICS % len(body) + body
+        return super().on_get(url)
 
     def serve(self, url: bytes, raw: bytes) -> None:
         headers = RequestHeaders(header_map(self.request_headers))
@@ -128,22 +139,28 @@ class Front(RequestReader):
         router, transport, started = self.router, self.transport, time.monotonic()
         try:
             request = parse_request(raw, ENDPOINTS[path], headers, select_model=router.select_model,
-                                    strip_transfer_fields=False)
+                                    strip_transfer_fields=router.config.client_transfer_fields == "strip")
         except BadRequest:
             transport.write(BAD)
+            self.deadline.arm(KEEPALIVE_S)
             return
         proxy, info = request.target.proxy, request.info
         decision = proxy.scheduler.schedule(info)
-        proxy.scheduler.admit(info, decision)
+        if (decision is None or decision.prefill is None
+                or proxy.scheduler.admit(info, decision) is not None):
+            transport.write(NOT_DISAGGREGATED)
+            self.deadline.arm(KEEPALIVE_S)
+            return
         attempt = Attempt(request, decision, f"{proxy._id_prefix}-{next(proxy._ids)}-0", path)
         prefill, decode, ctx, timeouts = decision.prefill, decision.decode, proxy.ctx, proxy.timeouts
         request_id = attempt.request_id.encode()
         charge = accounting.prefill_started(ctx, prefill, info)
         answer: list[bytes] = []
+        prefill_started = time.monotonic()
 
         def prefill_done() -> None:
             accounting.prefill_ended(prefill, info, charge)
-            elapsed = time.monotonic() - started
+            elapsed = time.monotonic() - prefill_started
             proxy.metrics.prefill_leg.observe(elapsed)
             params = answer_params(b"".join(answer), prefill, "prefill")
             section = pd_section_of(params)
@@ -163,6 +180,7 @@ class Front(RequestReader):
                 proxy._finish(attempt, started, decode_started)
                 if not transport.is_closing():
                     transport.write(OK_JSON % (header.encode(), len(payload)) + payload)
+                    self.deadline.arm(KEEPALIVE_S)
 
             self.pools[decode.url].leg(url, _encode({**request.body, "kv_transfer_params": params}),
                                        request_id, timeouts.decode_total_s, out.append, decode_done)
@@ -171,8 +189,20 @@ class Front(RequestReader):
                                     timeouts.prefill_s, answer.append, prefill_done)
 
 
+def unmirrored(config) -> list[str]:
+    """The flags whose per-request work this does not run as pd-router would."""
+    return [what for what, set_ in (
+        (f"--engine {config.engine}", config.engine != "vllm"),
+        (f"--transfer {config.transfer}", config.transfer != "pull"),
+        ("a tokenizer", bool(config.tokenizer) or any(m.tokenizer for m in config.models)),
+        ("sessions in Redis", config.sessions.redis_url is not None),
+        ("a traffic record", config.traffic_record is not None)) if set_]
+
+
 def main() -> None:
     config = cli.config_from_args(cli.build_parser().parse_args(sys.argv[1:]))
+    if unmirrored(config):
+        sys.exit(f"lean_router: runs pd-router's vLLM pull flow only; not with {', '.join(unmirrored(config))}")
     router = Router(config)
     import uvloop
 

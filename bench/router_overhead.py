@@ -467,6 +467,7 @@ def summarize(targets: list[Target], runs: dict[tuple[str, int], list[dict]]) ->
                 "p99_ms": spread([r["p99_ms"] for r in reps]),
                 "added_p50_ms": spread(added50), "added_p99_ms": spread(added99),
                 "cpu_us": spread([r["cpu_us"] for r in reps]),
+                "cpu_us_by_repeat": [r["cpu_us"] for r in reps],  # None where not measured
                 "errors": sum(r["errors"] for r in reps), "requests": sum(r["n"] for r in reps),
                 "routes": {k: sum(r.get("routes", {}).get(k, 0) for r in reps)
                            for k in sorted({k for r in reps for k in r.get("routes", {})})},
@@ -758,12 +759,16 @@ def comparison(summary: dict) -> list[str]:
 
 
 def paired_ratio(a: dict | None, b: dict | None) -> str:
-    """a's CPU per request over b's within each repeat (the two were measured minutes apart in it):
-    median (min–max). Steadier than the ratio of medians when the machine drifts between repeats,
-    so an A/B (--tree, lean) reads it."""
-    if not a or not b or len(a["values"]) != len(b["values"]):
+    """Two rows' CPU per request, one over the other within each repeat (where both have one), of
+    cells (`cell(...)`, whole): median (min–max). The rows of a repeat run back to back, seconds
+    apart, so this is steadier than the ratio of medians when the machine drifts between repeats;
+    an A/B (--tree, lean) reads it."""
+    if not a or not b:
         return "—"
-    r = sorted(x / y for x, y in zip(a["values"], b["values"]))
+    r = sorted(x / y for x, y in zip(a.get("cpu_us_by_repeat", []), b.get("cpu_us_by_repeat", []))
+               if x is not None and y)
+    if not r:
+        return "—"
     return f"{statistics.median(r):.2f}× ({r[0]:.2f}–{r[-1]:.2f})"
 
 
@@ -776,7 +781,7 @@ def paired_lines(targets: list[dict], summary: dict) -> list[str]:
         if not (base == "lean" or base.startswith("pd-vllm@")) or t["key"] not in summary:
             continue
         ours = mode_key("pd-vllm", t.get("stream", False))
-        parts = [f"{c}: {paired_ratio(cell(summary, t['key'], c, 'cpu_us'), cell(summary, ours, c, 'cpu_us'))}"
+        parts = [f"{c}: {paired_ratio(summary[t['key']].get(str(c)), summary.get(ours, {}).get(str(c)))}"
                  for c in CONCURRENCY]
         out.append(f"- {t['label']}, {mode_name(t.get('stream', False))}: CPU per request over this "
                    "checkout's pd-router (vLLM pull) of the same repeat, median (min–max) by "
@@ -988,7 +993,8 @@ def main() -> int:
         other.tree = str(Path(path).resolve())
         rows.append((f"pd-vllm@{name}", f"pd-router (vLLM pull), {name}: git "
                      f"{common.git_rev(other.tree)}", other.url, other))
-    # Mode-major, so that the table reads non-streaming first; the naive proxy does not stream.
+    # Mode-major, so that the table reads non-streaming first; the naive proxy and the lean router
+    # do not stream.
     targets = [Target(mode_key(key, stream), label, url, proc, stream=stream)
                for stream in STREAMING[args.streaming] for key, label, url, proc in rows
                if not (stream and key in NON_STREAMING_ONLY)]

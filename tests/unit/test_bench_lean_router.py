@@ -4,6 +4,8 @@ bench's row measuring something else or nothing)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import requests
 
@@ -11,6 +13,7 @@ from bench import router_overhead as ro
 from pd_plugins.testing.router_harness import MockEngineProcess
 
 pytestmark = pytest.mark.processes
+IN_FLIGHT = re.compile(r'^pd_router_worker_in_flight\{[^}]*\} (\S+)$', re.M)
 
 
 def test_the_lean_router_runs_the_pull_flow_with_pd_routers_accounting_and_route_header(tmp_path):
@@ -44,6 +47,12 @@ def test_the_lean_router_runs_the_pull_flow_with_pd_routers_accounting_and_route
                    for leg in prefill_legs)
         assert all(leg["kv_transfer_params"]["remote_engine_id"] and leg["max_tokens"] == ro.MAX_TOKENS
                    for leg in decode_legs)
+        # the request's end as pd-router's (Proxy._finish, the accounting): counted, nothing held
+        metrics = lean.metrics()
+        served = ro.pd_router_decisions(ro.Target("lean", "lean", lean.url, lean))
+        assert (served["disaggregated"], served.get("local", 0)) == (3, 0)
+        held = [float(v) for v in IN_FLIGHT.findall(metrics)]
+        assert len(held) == 2 and not any(held), metrics
         bad = requests.post(lean.url + "/v1/completions", data=b"{not json", headers=ro.HEADERS,
                             timeout=10)
         assert bad.status_code == 400  # pd-router's request checks ran

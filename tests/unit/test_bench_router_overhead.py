@@ -169,15 +169,19 @@ def test_another_checkouts_router_runs_that_checkouts_code(tmp_path):
 
 def test_ab_rows_are_read_repeat_by_repeat_against_this_checkouts_router():
     """--tree and the lean router: each repeat's CPU over pd-router's of the same repeat, so a
-    drift of the machine between repeats (both rows move together) does not show as a difference."""
+    drift of the machine between repeats (both rows move together) does not show as a difference;
+    a repeat either row did not measure is left out, not paired with another."""
+    def cpu(*values):
+        return {"cpu_us": ro.spread(list(values)), "cpu_us_by_repeat": list(values)}
+
     summary = {"pd-vllm": {}, "lean": {}, "pd-vllm@before": {}}
     for c in ro.CONCURRENCY:
-        summary["pd-vllm"][str(c)] = {"cpu_us": ro.spread([100.0, 200.0, 150.0])}
-        summary["lean"][str(c)] = {"cpu_us": ro.spread([70.0, 150.0, 120.0])}
-        summary["pd-vllm@before"][str(c)] = {"cpu_us": ro.spread([110.0, 200.0])}  # a repeat lost
+        summary["pd-vllm"][str(c)] = cpu(100.0, 200.0, 150.0, None)
+        summary["lean"][str(c)] = cpu(70.0, 150.0, 120.0, 90.0)
+        summary["pd-vllm@before"][str(c)] = cpu(None, None, None, 80.0)  # only where pd-vllm has none
     targets = [{"key": "pd-vllm", "label": "pd-router (vLLM pull)"},
                {"key": "lean", "label": "lean"}, {"key": "pd-vllm@before", "label": "before"}]
     lines = ro.paired_lines(targets, summary)
     assert len(lines) == 2  # pd-router itself is the base, not a row
-    assert "0.75× (0.70–0.80)" in lines[0]  # 0.70, 0.75, 0.80: not 135/150 = 0.90 of the medians
-    assert "—" in lines[1]  # repeats that do not pair are not paired
+    assert "0.75× (0.70–0.80)" in lines[0]  # 0.70, 0.75, 0.80: not 120/150 of the medians
+    assert "—" in lines[1] and "×" not in lines[1]  # no repeat with both: nothing paired
