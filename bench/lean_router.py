@@ -38,7 +38,8 @@ from pd_plugins.routers import accounting, cli
 from pd_plugins.routers.deadline import Deadline
 from pd_plugins.routers.flows.base import Attempt
 from pd_plugins.routers.flows.vllm import vllm_prefill_body
-from pd_plugins.routers.http_server import RequestHeaders, header_map
+from pd_plugins.routers.http_server import (KEEPALIVE_TIMEOUT_S as KEEPALIVE_S,
+                                            READ_TIMEOUT_S as READ_S, RequestHeaders, header_map)
 from pd_plugins.routers.request import BadRequest, parse_request
 from pd_plugins.routers.server import ENDPOINTS, Router
 from pd_plugins.routers.upstream import answer_params
@@ -50,7 +51,6 @@ OK_JSON = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-pd-route: %b
 BAD = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
 NOT_DISAGGREGATED = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n"
 METRICS = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: %d\r\n\r\n"
-KEEPALIVE_S, READ_S = 75.0, 60.0  # the front server's (routers/http_server.py)
 
 
 class TimedUpstream(Upstream):
