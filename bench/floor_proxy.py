@@ -61,6 +61,8 @@ class Upstream(asyncio.Protocol):
 
 
 class Pool:
+    connection = Upstream  # what a new connection to the engine is
+
     def __init__(self, url: str) -> None:
         parts = urlsplit(url)
         self.host, self.port = parts.hostname, parts.port
@@ -74,11 +76,16 @@ class Pool:
             conn.sink, conn.on_done = on_body, on_done
             conn.transport.write(self.head % (path, len(body)) + body)
 
+        self.acquire(go)
+
+    def acquire(self, go: Callable[[Upstream], None]) -> None:
+        """go(a free keep-alive connection), or go(a new one) once it is open."""
         if self.free:
             go(self.free.pop())
             return
         loop = asyncio.get_running_loop()
-        made = loop.create_task(loop.create_connection(lambda: Upstream(self), self.host, self.port))
+        made = loop.create_task(loop.create_connection(lambda: self.connection(self), self.host,
+                                                       self.port))
         made.add_done_callback(lambda t: go(t.result()[1]))
 
 

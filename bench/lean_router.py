@@ -72,6 +72,8 @@ class TimedUpstream(Upstream):
 class LegPool(Pool):
     """The floor's pool with pd-router's leg head (X-Request-Id) and the leg's timeout."""
 
+    connection = TimedUpstream
+
     def __init__(self, url: str) -> None:
         super().__init__(url)
         self.head = self.head.replace(b"\r\n\r\n", b"\r\nX-Request-Id: %s\r\n\r\n")
@@ -85,13 +87,7 @@ class LegPool(Pool):
             conn.deadline.arm(timeout_s)
             conn.transport.write(data)
 
-        if self.free:
-            go(self.free.pop())
-            return
-        loop = asyncio.get_running_loop()
-        made = loop.create_task(loop.create_connection(lambda: TimedUpstream(self), self.host,
-                                                       self.port))
-        made.add_done_callback(lambda t: go(t.result()[1]))
+        self.acquire(go)
 
 
 class Front(RequestReader):
@@ -130,26 +126,30 @@ class Front(RequestReader):
             return METRICS % len(body) + body
         return super().on_get(url)
 
+    def reply(self, data: bytes) -> None:
+        """A whole answer; the connection then idles under its keep-alive timeout."""
+        if not self.transport.is_closing():
+            self.transport.write(data)
+            self.deadline.arm(KEEPALIVE_S)
+
     def serve(self, url: bytes, raw: bytes) -> None:
         headers = RequestHeaders(header_map(self.request_headers))
         path = url.decode("latin-1")
         if path not in ENDPOINTS:
-            self.transport.write(BAD)
+            self.reply(BAD)
             return
-        router, transport, started = self.router, self.transport, time.monotonic()
+        router, started = self.router, time.monotonic()
         try:
             request = parse_request(raw, ENDPOINTS[path], headers, select_model=router.select_model,
                                     strip_transfer_fields=router.config.client_transfer_fields == "strip")
         except BadRequest:
-            transport.write(BAD)
-            self.deadline.arm(KEEPALIVE_S)
+            self.reply(BAD)
             return
         proxy, info = request.target.proxy, request.info
         decision = proxy.scheduler.schedule(info)
         if (decision is None or decision.prefill is None
                 or proxy.scheduler.admit(info, decision) is not None):
-            transport.write(NOT_DISAGGREGATED)
-            self.deadline.arm(KEEPALIVE_S)
+            self.reply(NOT_DISAGGREGATED)
             return
         attempt = Attempt(request, decision, f"{proxy._id_prefix}-{next(proxy._ids)}-0", path)
         prefill, decode, ctx, timeouts = decision.prefill, decision.decode, proxy.ctx, proxy.timeouts
@@ -164,7 +164,7 @@ class Front(RequestReader):
             proxy.metrics.prefill_leg.observe(elapsed)
             params = answer_params(b"".join(answer), prefill, "prefill")
             section = pd_section_of(params)
-            stored_tokens_of(params)
+            stored_tokens_of(params)  # (what a pool stored: pd-router records it; none here)
             accounting.prefill_succeeded(ctx, prefill, info, charge, elapsed,
                                          section.cached_tokens if section is not None else None,
                                          proxy.record_prefixes)
@@ -178,9 +178,7 @@ class Front(RequestReader):
                 payload = b"".join(out)
                 header = proxy._route_header(decision, [], info, proxy._kv_verdict(payload, decision))
                 proxy._finish(attempt, started, decode_started)
-                if not transport.is_closing():
-                    transport.write(OK_JSON % (header.encode(), len(payload)) + payload)
-                    self.deadline.arm(KEEPALIVE_S)
+                self.reply(OK_JSON % (header.encode(), len(payload)) + payload)
 
             self.pools[decode.url].leg(url, _encode({**request.body, "kv_transfer_params": params}),
                                        request_id, timeouts.decode_total_s, out.append, decode_done)
@@ -201,8 +199,9 @@ def unmirrored(config) -> list[str]:
 
 def main() -> None:
     config = cli.config_from_args(cli.build_parser().parse_args(sys.argv[1:]))
-    if unmirrored(config):
-        sys.exit(f"lean_router: runs pd-router's vLLM pull flow only; not with {', '.join(unmirrored(config))}")
+    refused = unmirrored(config)
+    if refused:
+        sys.exit(f"lean_router: runs pd-router's vLLM pull flow only; not with {', '.join(refused)}")
     router = Router(config)
     import uvloop
 

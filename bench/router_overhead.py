@@ -167,6 +167,13 @@ class LeanRouterProcess(RouterProcess):
         return cmd
 
 
+def like(router: RouterProcess, kind: type[RouterProcess], name: str) -> RouterProcess:
+    """Another router process (`kind`: another checkout's, the lean router) with `router`'s
+    workers, flags, config, core and log directory."""
+    return kind(name, prefill=router.prefill, decode=router.decode, args=router.args,
+                config=router.config, cpu=router.cpu, log_dir=router.log_dir)
+
+
 @dataclass
 class ReferenceProxyProcess(ManagedProcess):
     """A reference proxy of bench/ (`module PREFILL_URL DECODE_URL PORT`): bench/naive_proxy.py,
@@ -759,10 +766,10 @@ def comparison(summary: dict) -> list[str]:
 
 
 def paired_ratio(a: dict | None, b: dict | None) -> str:
-    """Two rows' CPU per request, one over the other within each repeat (where both have one), of
-    cells (`cell(...)`, whole): median (min–max). The rows of a repeat run back to back, seconds
-    apart, so this is steadier than the ratio of medians when the machine drifts between repeats;
-    an A/B (--tree, lean) reads it."""
+    """CPU per request of cell `a` over cell `b` (two rows' summaries at one concurrency), repeat
+    by repeat where both measured it: median (min–max). The rows of a repeat run back to back,
+    seconds apart, so this is steadier than the ratio of medians when the machine drifts between
+    repeats; an A/B (--tree, lean) reads it."""
     if not a or not b:
         return "—"
     r = sorted(x / y for x, y in zip(a.get("cpu_us_by_repeat", []), b.get("cpu_us_by_repeat", []))
@@ -973,9 +980,7 @@ def main() -> int:
             ("naive", "naive aiohttp proxy (reference)", naive.url, naive),
             ("floor", "Python floor proxy (reference)", floor.url, floor)]
     if args.targets and "lean" in args.targets:  # a study, not part of the published comparison
-        lean = LeanRouterProcess("lean-router", prefill=pd_vllm.prefill, decode=pd_vllm.decode,
-                                 args=pd_vllm.args, config=pd_vllm.config, cpu=pd_vllm.cpu,
-                                 log_dir=run_dir)
+        lean = like(pd_vllm, LeanRouterProcess, "lean-router")
         rows.append(("lean", "pd-router's work on the floor's I/O (reference)", lean.url, lean))
     if args.targets:
         unknown = set(args.targets) - {key for key, *_ in rows}
@@ -986,10 +991,7 @@ def main() -> int:
     for spec in args.tree:
         name, _, path = spec.rpartition("=")
         name = name or Path(path).name
-        # the pd-vllm row's router, flags and all: only the code differs
-        other = CheckoutRouter(f"pd-router-vllm-{name}", prefill=pd_vllm.prefill,
-                               decode=pd_vllm.decode, args=pd_vllm.args, config=pd_vllm.config,
-                               cpu=pd_vllm.cpu, log_dir=run_dir)
+        other = like(pd_vllm, CheckoutRouter, f"pd-router-vllm-{name}")  # only the code differs
         other.tree = str(Path(path).resolve())
         rows.append((f"pd-vllm@{name}", f"pd-router (vLLM pull), {name}: git "
                      f"{common.git_rev(other.tree)}", other.url, other))
