@@ -177,7 +177,7 @@ class Front(RequestReader):
                 decode.record_success()
                 payload = b"".join(out)
                 header = proxy._route_header(decision, [], info, proxy._kv_verdict(payload, decision))
-                proxy._finish(attempt, started, decode_started)
+                proxy.finish(attempt, started, decode_started)
                 self.reply(OK_JSON % (header.encode(), len(payload)) + payload)
 
             self.pools[decode.url].leg(url, _encode({**request.body, "kv_transfer_params": params}),

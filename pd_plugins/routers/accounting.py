@@ -6,6 +6,7 @@ calls the same functions around simulated legs, so the policies see the same sta
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,3 +102,34 @@ def request_succeeded(ctx: PolicyContext, decode: Worker, info: RequestInfo,
     """The decode worker now caches the prompt too (approximate prefix index)."""
     if record_prefixes and not decode.removed:
         ctx.prefix_index.record_routed(decode.url, info.block_keys)
+
+
+class DecodeCharges:
+    """What one decode leg holds in the books while it runs: its decode charge and, if its decode
+    worker prefills it, the prompt's uncached tokens there until the first token. `pulled`: the
+    prompt tokens a pull decode reads from its prefill (the proxy learns the transfer's time
+    over them), None when it pulls none or the first token is not timed."""
+
+    __slots__ = ("decode", "info", "charge", "local_uncached", "pulled", "started")
+
+    def __init__(self, ctx: PolicyContext, decision: Any, info: RequestInfo,
+                 pulled: int | None) -> None:
+        self.decode, self.info, self.pulled = decision.decode, info, pulled
+        self.charge: DecodeCharge | None = decode_started(self.decode, info)
+        # A local prefill queues on the decode worker until its first token: policies see it there.
+        self.local_uncached = (local_prefill_started(ctx, self.decode, info)
+                               if decision.prefill is None else 0)
+        self.started = time.monotonic()  # the decode leg goes out now
+
+    def first_token(self) -> None:
+        """The first token (or whole answer) is in, or the leg ended without one."""
+        if self.local_uncached:
+            local_prefill_ended(self.decode, self.local_uncached)
+            self.local_uncached = 0
+
+    def ended(self) -> None:
+        """The leg is over, however it ended (once; later calls do nothing)."""
+        self.first_token()
+        if self.charge is not None:
+            decode_ended(self.decode, self.info, self.charge)
+            self.charge = None

@@ -50,7 +50,7 @@ import httptools
 
 from pd_plugins.routers.deadline import Deadline
 
-__all__ = ["Upstream", "Response", "UpstreamError", "UpstreamTimeout", "header_value"]
+__all__ = ["Upstream", "Leg", "Response", "UpstreamError", "UpstreamTimeout", "header_value"]
 
 Orphan = Callable[[int, bytes], None]  # (status, whole body) of an answer its reader left
 
@@ -127,6 +127,10 @@ class _Conn(asyncio.Protocol):
         # read re-arms the timeout: the next within idle_s, and none after `until` (loop time).
         self.sink: Callable[[bytes], bool] | None = None
         self.idle_s = self.until = 0.0
+        # Leg and Response.notify: progress is reported by calling this where a waiting reader
+        # would be woken (after the read that made it, never inside the parser's callbacks)
+        self.notify: Callable[[], None] | None = None
+        self.in_read = self.notify_due = False
         self._reset()
 
     def _reset(self) -> None:
@@ -140,7 +144,7 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = self.headers_done = self.done = self.interim = False
         self.exc: BaseException | None = None
         self.waiter: asyncio.Future | None = None
-        self.sink = None
+        self.sink = self.notify = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -150,6 +154,17 @@ class _Conn(asyncio.Protocol):
         if self.idle:  # bytes nobody asked for would prefix the next answer: drop the connection
             self.abort()
             return
+        self.in_read = True
+        try:
+            self._read(data)
+        finally:
+            self.in_read = False
+        if self.notify_due:  # last: the callee may reuse this connection for its next request
+            self.notify_due = False
+            if self.notify is not None:
+                self.notify()
+
+    def _read(self, data: bytes) -> None:
         self.got_bytes = True
         self.received += len(data)
         try:
@@ -278,6 +293,12 @@ class _Conn(asyncio.Protocol):
         return chunks
 
     def _wake(self) -> None:
+        if self.notify is not None:
+            if self.in_read:
+                self.notify_due = True
+            else:
+                self.notify()
+            return
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -290,6 +311,16 @@ class _Conn(asyncio.Protocol):
         if w is not None and not w.done():
             w.set_exception(exc)
         self.abort()
+        if self.notify is not None:
+            self._wake()
+
+    def ready(self) -> bool:
+        """The answer is in as far as its reader asked: whole (`whole`), or its status and
+        headers and, for a 200 answer read from `first_body`, its first piece of body or its end."""
+        if self.whole:
+            return self.done
+        return self.headers_done and (not self.first_body or self.status != 200
+                                      or bool(self.chunks) or self.done)
 
     def abort(self) -> None:
         self.closed = True
@@ -374,6 +405,11 @@ class Response:
         chunks = conn.take()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def arrived(self) -> bytes:
+        """Everything of the body that has arrived, now (b"" if nothing has)."""
+        chunks = self._conn.take()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
     def pipe(self, sink: Callable[[bytes], bool], idle_s: float, until: float) -> None:
         """From now on hand each piece of the body to `sink` as it arrives, in the connection's
         callback: a stream relayed piece by piece wakes no task per piece. The pieces that
@@ -397,6 +433,22 @@ class Response:
             conn._feed_sink()
         if conn.exc is not None and not conn.done:  # a whole answer is one, whatever came after
             raise conn.exc
+
+    def notify(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` (in the connection's callback) where piped() would wake, instead of
+        waking a waiter: the piped body ended, the sink paused, or the answer failed."""
+        self._conn.notify = callback
+
+    @property
+    def exception(self) -> BaseException | None:
+        """What failed the answer, if it failed before its end."""
+        conn = self._conn
+        return conn.exc if conn.exc is not None and not conn.done else None
+
+    @property
+    def paused(self) -> bool:
+        """The sink paused reading (pipe): resume() reads on."""
+        return self._conn.paused
 
     @property
     def done(self) -> bool:
@@ -458,6 +510,102 @@ class Response:
         self.release()
 
 
+class Leg:
+    """A request sent from a callback: `on_answer(leg)` is called, in the connection's callback,
+    once its answer is in as exchange() or open() would return it (`conn`), or it failed
+    (`error`: an UpstreamError). No task and no future: pd-router's request path serves its legs
+    this way (exchange.py). Only opening a new connection runs as a task. The keep-alive race is
+    retried once on a fresh connection, as _sent() does; cancel() closes the leg."""
+
+    # (no __slots__: what most legs never change stays a class default, not set per leg)
+    conn: _Conn | None = None
+    connecting: asyncio.Task | None = None
+    error: BaseException | None = None
+    retried = False
+    sent = False  # the request is on its way: the worker may act on it
+    cancelled = False
+
+    def __init__(self, pool: Upstream, data: bytes, timeout: float,
+                 on_answer: Callable[[Leg], None], body_timeout: float | None, whole: bool,
+                 first_body: bool) -> None:
+        self.pool, self.data, self.timeout, self.on_answer = pool, data, timeout, on_answer
+        self.body_timeout, self.whole, self.first_body = body_timeout, whole, first_body
+
+    def connect(self) -> None:
+        self.connecting = asyncio.ensure_future(self.pool._connect())
+        self.connecting.add_done_callback(self._connected)
+
+    def _connected(self, task: asyncio.Task) -> None:
+        self.connecting = None
+        if task.cancelled():  # cancel(): nobody waits for this leg
+            return
+        error = task.exception()
+        if self.cancelled:  # cancelled as the connection opened: kept for another leg
+            if error is None:
+                self.pool._put(task.result())
+            return
+        if error is not None:
+            self.error = error
+            self.on_answer(self)
+        else:
+            self.send(task.result())
+
+    def send(self, conn: _Conn) -> None:
+        self.conn = conn
+        self.pool._prepared(conn, self.timeout, self.body_timeout, self.whole, self.first_body)
+        conn.notify = self._progress
+        conn.transport.write(self.data)
+        self.sent = True
+
+    def _progress(self) -> None:
+        conn = self.conn
+        error = conn.exc
+        if error is None:
+            if not conn.ready():
+                return
+            if conn.status != 200 and not conn.done:  # an error answer: its reason comes whole
+                conn.whole = True  # (bounded: MAX_ERROR_BYTES)
+                return
+        conn.notify = None  # this leg's answer is its caller's from now on
+        if isinstance(error, _Stale):
+            conn.abort()
+            if not self.retried:
+                self.retried, self.sent, self.conn = True, False, None
+                self.connect()
+                return
+            error = UpstreamError("upstream closed the connection twice")
+        elif (error is not None and conn.whole and conn.headers_done and conn.status != 200
+              and isinstance(error, UpstreamError)):
+            conn.chunks, error = [], None  # an error answer whose body failed: its status says
+        self.error = error
+        self.on_answer(self)
+
+    def body(self) -> bytes:
+        """The answer's body as it is in (whole: all of it); the connection goes back to its
+        pool (or is closed, if its answer is not complete)."""
+        conn, self.conn = self.conn, None
+        chunks = conn.chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self.pool._release(conn)
+        return body
+
+    def response(self) -> Response:
+        """The answer opened (first_body), to be read on: the caller releases it."""
+        conn, self.conn = self.conn, None
+        return Response(conn, self.pool)
+
+    def cancel(self) -> None:
+        """Nobody wants this leg any more: close its connection (the worker aborts it)."""
+        self.cancelled = True
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.notify = None
+            self.pool._release(conn)
+
+
 class Upstream:
     """A keep-alive pool of connections to one host:port."""
 
@@ -487,9 +635,13 @@ class Upstream:
     def _release(self, conn: _Conn) -> None:
         """Back to the pool if its answer was read to the end and it may be reused; else closed."""
         conn.deadline.disarm()
-        conn.sink = None  # (holds the reader's sink, and what it references, until reused)
-        if conn.done and not conn.closed and conn.exc is None and not conn.paused:
-            self._put(conn)
+        # (the reader's sink and callback, and what they reference, are not held until reused)
+        conn.sink = conn.notify = None
+        if (conn.done and not (conn.closed or conn.paused) and conn.exc is None
+                and len(self._idle) < self.max_idle and not self.closed):
+            conn.reused = conn.idle = True  # (as _put)
+            conn.idle_since = conn.loop.time()
+            self._idle.append(conn)
         else:
             conn.abort()
 
@@ -557,6 +709,30 @@ class Upstream:
         conn = await self._sent(data, timeout, on_sent, on_orphan, first_body=first_body)
         return Response(conn, self, on_orphan)
 
+    def leg(self, data: bytes, timeout: float, on_answer: Callable[[Leg], None], *,
+            body_timeout: float | None = None, whole: bool = False,
+            first_body: bool = False) -> Leg:
+        """Send a whole request (`data`) now, from a callback: exchange()'s or open()'s, with no
+        task and no wait (see Leg)."""
+        leg = Leg(self, data, timeout, on_answer, body_timeout, whole, first_body)
+        conn = self._idle_conn()
+        if conn is None:
+            leg.connect()
+        else:
+            leg.send(conn)
+        return leg
+
+    def _prepared(self, conn: _Conn, timeout: float | None, body_timeout: float | None,
+                  whole: bool, first_body: bool) -> None:
+        """A connection made ready for a request's answer, its timeout armed."""
+        conn._reset()
+        conn.whole, conn.body_timeout, conn.first_body = whole, body_timeout, first_body
+        if timeout is not None:
+            conn.arm(timeout, answered=False)
+        else:
+            conn.deadline.disarm()
+        conn.sent_at = conn.loop.time()
+
     async def _sent(self, data: bytes, timeout: float | None,
                     on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
                     body_timeout: float | None = None, whole: bool = False,
@@ -565,19 +741,12 @@ class Upstream:
         answer) are in. A reused connection that the server had closed is replaced once."""
         for attempt in (0, 1):
             conn = self._idle_conn() or await self._connect()
-            conn._reset()
-            conn.whole, conn.body_timeout, conn.first_body = whole, body_timeout, first_body
-            if timeout is not None:
-                conn.arm(timeout, answered=False)
-            else:
-                conn.deadline.disarm()
+            self._prepared(conn, timeout, body_timeout, whole, first_body)
             try:
-                conn.sent_at = conn.loop.time()
                 conn.transport.write(data)
                 if on_sent is not None:
                     on_sent()
-                while not (conn.done if whole else conn.headers_done and (
-                        not first_body or conn.chunks or conn.done or conn.status != 200)):
+                while not conn.ready():
                     await conn.wait()
                 return conn
             except _Stale:
@@ -588,7 +757,7 @@ class Upstream:
                 conn.abort()
                 if isinstance(exc, asyncio.CancelledError):
                     conn.orphan(on_orphan)
-                elif (whole and conn.headers_done and conn.status != 200
+                elif (conn.whole and conn.headers_done and conn.status != 200
                       and isinstance(exc, UpstreamError)):
                     conn.chunks = []  # an error answer whose body failed: its status still says which
                     return conn

@@ -44,7 +44,7 @@ from pd_plugins.routers.errors import error_body, error_response
 
 log = logging.getLogger("pd_router.http")
 
-__all__ = ["FrontServer", "FastRequest", "FastStreamResponse", "body_too_slow", "header_map",
+__all__ = ["CallbackAnswer", "FrontServer", "FastRequest", "FastStreamResponse", "answered", "body_too_slow", "header_map",
            "read_body", "stream_response"]
 
 # The request lines served here (the path may carry a query string, as aiohttp's routes allow).
@@ -71,6 +71,7 @@ KEEPALIVE_TIMEOUT_S = 75.0
 # max_connections); one more is answered 503 and closed at once
 MAX_CONNECTIONS = 10_000
 REASONS = {s.value: s.phrase.encode() for s in http.HTTPStatus}
+STATUS_LINES = {status: b"HTTP/1.1 %d %b\r\n" % (status, reason) for status, reason in REASONS.items()}
 
 
 class RequestHeaders:
@@ -119,7 +120,7 @@ class FastRequest:
     web.Request it uses: path, headers, read(), remote, transport, and per-request state)."""
 
     __slots__ = ("method", "path", "query_string", "headers", "version", "keep_alive", "remote",
-                 "transport", "_body", "_too_large", "_state", "_conn")
+                 "transport", "_body", "_too_large", "_state", "conn")
 
     def __init__(self, conn: _FrontConnection, method: str, path: str, query_string: str,
                  headers: RequestHeaders, version: str, keep_alive: bool, body: bytes,
@@ -127,7 +128,7 @@ class FastRequest:
         self.method, self.path, self.query_string = method, path, query_string
         self.headers, self.version, self.keep_alive = headers, version, keep_alive
         self.remote, self.transport = conn.remote, conn.transport
-        self._body, self._too_large, self._state, self._conn = body, too_large, {}, conn
+        self._body, self._too_large, self._state, self.conn = body, too_large, {}, conn
 
     async def read(self) -> bytes:
         return self.body()
@@ -135,7 +136,7 @@ class FastRequest:
     def body(self) -> bytes:
         """The body, read already (read() without a wait)."""
         if self._too_large:  # what aiohttp raises past client_max_size: the handler answers 413
-            raise web.HTTPRequestEntityTooLarge(max_size=self._conn.server.max_body,
+            raise web.HTTPRequestEntityTooLarge(max_size=self.conn.server.max_body,
                                                 actual_size=self._too_large)
         return self._body
 
@@ -230,14 +231,33 @@ def body_too_slow() -> web.Response:
     return response
 
 
+async def answered(response: Any) -> Any:
+    """An answer made already, as the awaitable a handler hands back."""
+    return response
+
+
 def stream_response(request: Any, headers: dict[str, str]) -> FastStreamResponse | web.StreamResponse:
     """A streamed answer for `request`, whichever server read it."""
     if isinstance(request, FastRequest):
-        return FastStreamResponse(request._conn, headers)
+        return FastStreamResponse(request.conn, headers)
     return web.StreamResponse(headers=headers)
 
 
-Handler = Callable[[FastRequest], Awaitable[Any]]  # returns a web.Response or FastStreamResponse
+class CallbackAnswer:
+    """A request answered from callbacks, not by a task (the proxy's exchange.py): the handler
+    returns it and it writes the answer through the connection (FastStreamResponse, respond()),
+    then calls the connection's answer_ended(), or hands the rest to a task with run()."""
+
+    __slots__ = ()
+
+    def client_gone(self) -> None:
+        """The client's connection closed before the answer ended."""
+        raise NotImplementedError
+
+
+# returns an awaitable of a web.Response or FastStreamResponse (run in the request's task), or a
+# CallbackAnswer
+Handler = Callable[[FastRequest], "Awaitable[Any] | CallbackAnswer"]
 Authorize = Callable[[str, str], "web.Response | None"]  # (path, Authorization) -> a refusal
 
 
@@ -268,11 +288,11 @@ class FrontServer:
         """Close idle connections now; let requests in progress finish, up to `timeout_s`."""
         self.closing = True
         for conn in list(self.connections):
-            if conn.task is None:
+            if not conn.answering:
                 conn.close()
-        tasks = [c.task for c in self.connections if c.task is not None]
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
+        until = asyncio.get_running_loop().time() + timeout_s
+        while any(c.answering for c in self.connections) and asyncio.get_running_loop().time() < until:
+            await asyncio.sleep(0.05)  # (answers end in tasks and in callbacks alike)
         for conn in list(self.connections):
             conn.close()
 
@@ -287,7 +307,8 @@ class _FrontConnection(asyncio.Protocol):
         self.undecided = b""  # bytes of a request line not yet long enough to decide on
         self.held: list[bytes] = []  # data that arrived while a request was being answered
         self.queue: list[FastRequest | str] = []  # parsed requests (a str: a refusal to send)
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # the task answering the request, if one does
+        self.callbacks: CallbackAnswer | None = None  # or what answers it from callbacks
         self.deadline = Deadline(self.loop, self._timed_out)  # the read or keep-alive timeout
         self.in_message = False
         self.keep_alive = True
@@ -326,12 +347,22 @@ class _FrontConnection(asyncio.Protocol):
         self.server.connections.add(self)
         self._arm(self.server.keepalive_timeout_s)
 
+    @property
+    def answering(self) -> bool:
+        return self.task is not None or self.callbacks is not None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
         self.deadline.cancel()
         if self.task is not None and not self.task.done():
             self.task.cancel()  # the client left: the handler closes both legs
+        callbacks, self.callbacks = self.callbacks, None
+        if callbacks is not None:
+            try:
+                callbacks.client_gone()
+            except Exception:  # noqa: BLE001 - the connection is gone either way
+                log.exception("ending a request whose client left failed")
         waiter = self.drain_waiter
         if waiter is not None and not waiter.done():
             waiter.set_exception(ConnectionResetError("the client closed the connection"))
@@ -346,7 +377,7 @@ class _FrontConnection(asyncio.Protocol):
             waiter.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self.task is not None or self.queue:  # answering: the next request waits its turn
+        if self.task is not None or self.callbacks is not None or self.queue:  # answering: the next request waits its turn
             self.held.append(data)
             if self.transport is not None:
                 self.transport.pause_reading()
@@ -493,7 +524,7 @@ class _FrontConnection(asyncio.Protocol):
 
     def _next(self) -> None:
         """Start answering the next queued request, or go back to reading."""
-        if self.task is not None or self.closed:
+        if self.task is not None or self.callbacks is not None or self.closed:
             return
         if self.queue:
             item = self.queue.pop(0)
@@ -506,7 +537,15 @@ class _FrontConnection(asyncio.Protocol):
                 return
             self.keep_alive = item.keep_alive and not item._too_large
             self.http11 = item.version == "1.1"
-            self.task = self.loop.create_task(self._answer(item))
+            self.ended = False
+            try:
+                answer = self.server.handler(item)  # (authorized at its headers)
+            except Exception as exc:  # noqa: BLE001 - _answer logs it and answers 500
+                answer = _raise(exc)
+            if isinstance(answer, CallbackAnswer):
+                self.callbacks = answer
+            else:
+                self.run(answer, item)
             return
         if self.held:  # what the client sent meanwhile: read at a request boundary
             held, self.held = b"".join(self.held), []
@@ -520,14 +559,58 @@ class _FrontConnection(asyncio.Protocol):
             self._arm(self.server.read_timeout_s)  # stopped the timer): its read timeout from now
 
     # -- answering -------------------------------------------------------------------------
-    async def _answer(self, request: FastRequest) -> None:
-        self.ended = False
+    def run(self, answer: Awaitable[Any], request: FastRequest) -> None:
+        """Answer the request in a task: `answer` gives the response (a CallbackAnswer hands the
+        rest of its answer over this way when it must wait on something)."""
+        self.callbacks = None
+        self.task = self.loop.create_task(self._answer(request, answer))
+
+    def answer_ended(self) -> None:
+        """A CallbackAnswer has handed its answer's last byte to the socket: the connection
+        reads on (or closes)."""
+        self.callbacks = None
+        if not self.keep_alive or self.server.closing:
+            self.close()
+            return
+        self._next()
+
+    def respond(self, response: web.Response, request: FastRequest) -> None:
+        """A CallbackAnswer's whole answer, made: written now (a full socket drains in a task)."""
         try:
-            response = await self.server.handler(request)  # (authorized at its headers)
+            self.write(self._whole(response))
+        except ConnectionResetError:
+            self.drop()
+            return
+        self.response_ended()
+        if self.write_paused:
+            self.run(self.drain(), request)
+        else:
+            self.answer_ended()
+
+    def drop(self) -> None:
+        """A CallbackAnswer that cannot write its answer (the client is leaving): the connection
+        closes, and the answer is over."""
+        self.callbacks = None
+        self.close()
+
+    def answer_failed(self, request: FastRequest) -> None:
+        """A CallbackAnswer failed on a bug: as _answer's handler that raised, a 500 if nothing
+        of the answer was sent yet (the connection then closes), else the connection closes."""
+        log.exception("error answering %s %s", request.method, request.path)
+        self.keep_alive = False
+        if self.ended or self._started:
+            self.drop()
+            return
+        self.respond(web.Response(status=500, content_type="application/json",
+                                  body=error_body(500, "internal server error")), request)
+
+    async def _answer(self, request: FastRequest, answer: Awaitable[Any]) -> None:
+        try:
+            response = await answer
             if isinstance(response, FastStreamResponse):
                 if not response._ended:  # a handler that returned mid-answer: end it cleanly
                     await response.write_eof()
-            elif not self.ended:
+            elif not self.ended and response is not None:
                 await self._send(response)
         except asyncio.CancelledError:
             self.task = None
@@ -570,17 +653,21 @@ class _FrontConnection(asyncio.Protocol):
 
     def head(self, status: int, headers: Any, framing: bytes | None) -> bytes:
         self._started = True
-        lines = [b"HTTP/1.1 %d %b\r\n" % (status, REASONS.get(status, b"Unknown"))]
-        for name, value in headers.items():
-            lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
-        if framing:
-            lines.append(framing)
+        status_line = STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
+        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
         if not self.keep_alive or self.server.closing:
-            lines.append(b"Connection: close\r\n")
-        elif not self.http11:
-            lines.append(b"Connection: keep-alive\r\n")
-        lines.append(b"\r\n")
-        return b"".join(lines)
+            connection = b"Connection: close\r\n"
+        else:
+            connection = b"" if self.http11 else b"Connection: keep-alive\r\n"
+        return b"%b%b%b%b\r\n" % (status_line, fields.encode("latin-1", "replace"), framing or b"",
+                                   connection)
+
+    def send_whole(self, status: int, headers: dict[str, str], body: bytes) -> bool:
+        """A CallbackAnswer's whole answer of a known length, written now; True if the socket
+        is full (run() a wait for it to drain before answer_ended())."""
+        self.write(self.head(status, headers, b"Content-Length: %d\r\n" % len(body)) + body)
+        self.response_ended()
+        return self.write_paused
 
     def write(self, data: bytes) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():
@@ -597,6 +684,8 @@ class _FrontConnection(asyncio.Protocol):
             await self.drain_waiter
         finally:
             self.drain_waiter = None
+
+    drained = drain  # (as FastStreamResponse's: what Proxy.drained waits on)
 
     def response_ended(self) -> None:
         self.ended = True
@@ -638,8 +727,12 @@ class _FrontConnection(asyncio.Protocol):
     def _timed_out(self) -> None:
         if self.in_message:  # a request begun and not finished in time (slow loris)
             self._refuse_now(408, f"the request was not received within {self.server.read_timeout_s:g} s")
-        elif self.task is None:  # idle keep-alive
+        elif not self.answering:  # idle keep-alive
             self.close()
+
+
+async def _raise(exc: Exception) -> Any:
+    raise exc
 
 
 _REFUSALS = {

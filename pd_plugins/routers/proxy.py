@@ -1,10 +1,9 @@
 """Serve one client request: admit, schedule, run the engine flow, relay the answer, fail over.
 
-Failover rules: a failed prefill leg is retried on another prefill worker (`prefill_retries`), then
-the decode worker prefills locally if `local_prefill_fallback`; a decode failure before the first
-byte reaches the client is retried (`decode_retries`) on another decode worker, or on the same one
-when it is the only one left, always with a fresh prefill (the old one's KV may be gone); after streaming has begun the stream ends with an error event. Every leg has a timeout.
-"""
+The attempts and their failover rules are failover.py's; every leg has a timeout. A request the
+front server read, on a flow whose legs follow one another (vLLM pull, the pools), is served from
+the connections' callbacks (exchange.py) until something must wait; the rest runs here, in the
+request's task"""
 
 from __future__ import annotations
 
@@ -20,7 +19,9 @@ import msgspec
 from aiohttp import web
 
 from pd_plugins.routers import accounting
+from pd_plugins.routers.accounting import DecodeCharges
 from pd_plugins.routers.config import RouterConfig
+from pd_plugins.routers.failover import Tries
 from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.flows.base import one_token_body
 from pd_plugins.routers.metrics import RouterMetrics
@@ -34,9 +35,10 @@ from pd_plugins.routers.stream_relay import SseRelay
 from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.errors import error_body, error_response
-from pd_plugins.routers.http_server import FastStreamResponse, stream_response
-from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, answer_params, open_leg,
-                                        whole_leg)
+from pd_plugins.routers.exchange import Exchange
+from pd_plugins.routers.http_server import FastRequest, FastStreamResponse, answered, stream_response
+from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, answer_params,
+                                        json_answer, open_leg, stream_begun, whole_leg)
 from pd_plugins.vocab.expert_signature import ExpertSignature
 from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of, stored_tokens_of
 
@@ -79,13 +81,15 @@ class Proxy:
         self._releases: set[asyncio.Task] = set()  # KV releases for clients that left (_release)
 
     # -- the request ----------------------------------------------------------------------
-    def serve(self, http: web.Request, request: ClientRequest, path: str
-              ) -> Awaitable[web.StreamResponse]:
-        """The answer, to be awaited. Not a coroutine itself: most requests (no traffic record, a
-        prompt tokenized already) go straight to _serve's, and every wake-up of the request's
-        task resumes one coroutine fewer (a wake-up is about 4% of a PD request's instructions,
-        bench/router_instructions.py)."""
+    def serve(self, http: web.Request | FastRequest, request: ClientRequest, path: str
+              ) -> Awaitable[web.StreamResponse] | Exchange:
+        """The answer, to be awaited; or, for a request the front server read on a flow whose
+        legs follow one another, an Exchange that answers it from the connections' callbacks
+        (exchange.py). Not a coroutine itself: most requests (no traffic record, a prompt
+        tokenized already) start right away."""
         if request.deferred is None and self.recorder is None:
+            if self.flow.sequential and type(http) is FastRequest:
+                return Exchange.begin(self, http, request, path)
             return self._serve(http, request, path)
         return self._serve_prepared(http, request, path)
 
@@ -115,8 +119,17 @@ class Proxy:
             self.recorder.record(model, request.info, self.ctx.block_size, measured, status,
                                  request.info.turn if self.sessions is not None else None)
 
-    async def _serve(self, http: web.Request, request: ClientRequest, path: str) -> web.StreamResponse:
+    def _serve(self, http: web.Request, request: ClientRequest, path: str
+               ) -> Awaitable[web.StreamResponse]:
+        """The request's attempts (a coroutine), or its answer made already, awaitable."""
         started = time.monotonic()
+        tries = self.begin(http, request, path)
+        if not isinstance(tries, Tries):
+            return answered(tries)
+        return self.attempts(http, tries, started)
+
+    def begin(self, http: Any, request: ClientRequest, path: str) -> Tries | web.Response:
+        """Admission and the first attempt's route: its Tries, or the answer if it is refused."""
         if self.sessions is not None:
             self.sessions.resolve(request.info)  # its session, turn and pinned decode worker
         # Admission judges the route chosen (a prompt its decode worker prefills never waits in
@@ -130,15 +143,9 @@ class Proxy:
             self.metrics.requests.labels("rejected", "rejected").inc()
             headers = {"Retry-After": str(int(rejection.retry_after_s))} if rejection.retry_after_s else None
             return error_response(rejection.status, rejection.message, headers=headers)
-
-        failover = self.config.failover
-        prefill_tries, decode_tries = failover.prefill_retries, failover.decode_retries
-        excluded_prefill: set = set()
-        excluded_decode: set = set()
-        force_local: str | None = None  # why every attempt prefills on its decode worker
-        history: list[str] = []
+        force_local = None
         if request.fan_out:  # its samples would share one KV transfer (docs/router.md)
-            if not (self.scheduler.local_prefill and failover.local_prefill_fallback):
+            if not (self.scheduler.local_prefill and self.config.failover.local_prefill_fallback):
                 self.metrics.rejections.labels("bad_request").inc()
                 why = ("this engine's decode cannot prefill a request itself"
                        if not self.scheduler.local_prefill else
@@ -150,63 +157,34 @@ class Proxy:
         # A client's own X-Request-Id is kept for tracing, made unique so it cannot collide.
         client_id = request.client_id
         base_id = f"{self._id_prefix}-{next(self._ids)}" + (f"-{client_id[:64]}" if client_id else "")
-        for attempt_no in range(1 + failover.prefill_retries + failover.decode_retries + 1):
-            if attempt_no:  # the first attempt: the decision admission judged
-                decision = self.scheduler.schedule(request.info, excluded_prefill, excluded_decode)
-            if decision is None:
-                if not self.scheduler.local_prefill and self.ctx.pool.usable("decode"):
-                    return self._fail("none", 503, "no usable prefill worker (an SGLang decode "
-                                      "cannot prefill a request itself)", history)
-                break
-            if force_local is not None and decision.prefill is not None:
-                decision = Decision(decision.decode, None, decision.reasons[:1] + [force_local])
-            elif (decision.prefill is None and not failover.local_prefill_fallback
-                  and self.ctx.pool.by_role("prefill") and "no usable prefill" in decision.reasons[-1]):
-                return self._fail("none", 503, "no usable prefill worker", history)
-            attempt = Attempt(request, decision, f"{base_id}-{attempt_no}", path,
-                              frozenset(excluded_decode))
+        return Tries(self, request, path, decision, force_local, base_id)
+
+    async def attempts(self, http: web.Request, tries: Tries, started: float) -> web.StreamResponse:
+        """Run attempts until one answers or the failover rules give up (failover.py)."""
+        while True:
+            attempt = tries.next_attempt()
+            if not isinstance(attempt, Attempt):
+                return attempt
             try:
-                return await self._run(http, attempt, started, history)
+                return await self._run(http, attempt, started, tries.history)
             except asyncio.CancelledError:
                 # The client disconnected (aiohttp cancels the handler): _run closed the legs.
                 self.metrics.client_gone.labels(http.get(STAGE_KEY, "prefill"), "disconnect").inc()
-                self.metrics.requests.labels(_decision_label(decision), "client_gone").inc()
+                self.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
                 raise
             except RequestRefused as refused:
-                self.metrics.requests.labels(_decision_label(decision), "refused").inc()
-                return web.Response(status=refused.status, body=refused.body,
-                                    headers={"Content-Type": refused.content_type or "application/json"})
+                return self.refused(attempt, refused)
             except WorkerFailed as failed:
-                history.append(f"{failed.leg} {failed.worker.url}: {failed.message}")
-                if failed.worker.record_failure(self.config.health.failure_threshold):
-                    log.warning("worker %s marked unhealthy after %d failures", failed.worker.url,
-                                failed.worker.consecutive_failures)
-                log.warning("request %s: %s", base_id, history[-1])
-                if failed.leg == "prefill":
-                    excluded_prefill.add(failed.worker)
-                    prefill_tries -= 1
-                    if prefill_tries < 0:
-                        if not (failover.local_prefill_fallback and self.scheduler.local_prefill):
-                            break
-                        force_local = "local prefill: prefill workers failed"
-                    self.metrics.retries.labels("prefill").inc()
-                else:
-                    # Another decode worker if there is one; else the same one again (with a
-                    # fresh prefill), as a transient stall is more likely than a dead worker that
-                    # still passes its health checks.
-                    others = [w for w in self.ctx.pool.usable("decode")
-                              if w is not failed.worker and w not in excluded_decode]
-                    if others:
-                        excluded_decode.add(failed.worker)
-                    decode_tries -= 1
-                    if decode_tries < 0:
-                        break
-                    self.metrics.retries.labels("decode").inc()
-        if not history:
-            return self._fail("none", 503, "no healthy decode worker", history)
-        return self._fail("failed", 502, "the request failed on every worker tried", history)
+                if not tries.failed(failed):
+                    return tries.given_up()
 
-    def _fail(self, decision: str, status: int, message: str,
+    def refused(self, attempt: Attempt, refused: RequestRefused) -> web.Response:
+        """A worker's 4xx, passed to the client as it is (another worker would refuse it too)."""
+        self.metrics.requests.labels(attempt.decision.label, "refused").inc()
+        return web.Response(status=refused.status, body=refused.body,
+                            headers={"Content-Type": refused.content_type or "application/json"})
+
+    def fail(self, decision: str, status: int, message: str,
               history: list[str]) -> web.Response:
         self.metrics.requests.labels(decision, "error").inc()
         if not history:
@@ -233,18 +211,8 @@ class Proxy:
         http[STAGE_KEY] = "decode"
         if measured is not None and decision.prefill is not None and prefill_task is None:
             measured.phase = "decode"  # its prompt prefilled (not so in push, nor a local prefill)
-        if prefill_task is None and info.expert_histogram is not None:
-            # ELDR: the prefill reported the prompt's experts; the decode leg has not started
-            attempt.decision = decision = self.scheduler.rebind_decode(
-                info, decision, set(attempt.excluded_decode))
-        decode = decision.decode
-        decode_charge = accounting.decode_started(decode, info)
-        # A local prefill queues on the decode worker until its first token: policies see it there.
-        local_uncached = (accounting.local_prefill_started(self.ctx, decode, info)
-                          if decision.prefill is None else 0)
-        sequential = decision.prefill is not None and prefill_task is None and info.stream
-        pulled = uncached_tokens(self.ctx, decode, info) if sequential else 0
-        decode_started = time.monotonic()
+        charges = self.decode_starts(attempt, prefill_task is None)
+        decision = attempt.decision
         decode_sent = False  # True once the decode leg's request is on its way
 
         def on_decode_sent() -> None:
@@ -281,35 +249,56 @@ class Proxy:
                     await asyncio.gather(prefill_task, return_exceptions=True)
                 elif decision.prefill is not None:  # pull: the prefill holds the prompt's KV
                     if isinstance(exc, asyncio.CancelledError) and not decode_sent:
-                        self._release_later(attempt, decode_body)
+                        self.release_later(attempt, decode_body)
                     elif isinstance(exc, RequestRefused):  # the decode refused it unread
-                        self._release_later(attempt, decode_body, "the decode refused the request")
+                        self.release_later(attempt, decode_body, "the decode refused the request")
                 raise
             finally:
-                accounting.local_prefill_ended(decode, local_uncached)
-                local_uncached = 0
+                charges.first_token()
             if prefill_task is not None:  # finishes on its own; nothing waits for it now
                 prefill_task.add_done_callback(_consume)
-            if sequential:
-                self.decode_first.observe(pulled, time.monotonic() - decode_started)
-            decode.record_success()
-            kv = None if info.stream else self._kv_verdict(payload, decision)
-            header = self._route_header(decision, history, info, kv)
+            kv, header = self.decode_answered(attempt, history, charges, payload)
             http[STAGE_KEY] = "answer"
             if measured is not None:
-                measured.decision, measured.decode = _decision_label(decision), decision.decode.url
+                measured.decision, measured.decode = decision.label, decision.decode.url
                 measured.phase = "answer"
             if not info.stream:
-                self._finish(attempt, started, decode_started)
+                self.finish(attempt, started, charges.started)
                 if measured is not None:
                     measured.e2e_s, measured.answer = time.monotonic() - started, payload
                     measured.kv = kv
                 return await self._send_whole(http, payload, {"Content-Type": "application/json",
                                                               "x-pd-route": header})
-            return await self._relay_stream(http, attempt, resp, payload, header, started, decode_started)
+            out, relay, deadline = self.relay_start(http, resp, payload, header, charges.started)
+            return await self.relay_rest(http, attempt, resp, out, relay, deadline, started,
+                                          charges.started)
         finally:
-            accounting.local_prefill_ended(decode, local_uncached)  # when never reached
-            accounting.decode_ended(decode, info, decode_charge)
+            charges.ended()
+
+    def decode_starts(self, attempt: Attempt, prefilled_first: bool) -> DecodeCharges:
+        """The decode leg is about to go out (its prompt prefilled first, unless push or SGLang
+        prefill alongside): the policy's books charge it from now."""
+        info = attempt.request.info
+        if prefilled_first and info.expert_histogram is not None:
+            # ELDR: the prefill reported the prompt's experts; the decode leg has not started
+            attempt.decision = self.scheduler.rebind_decode(info, attempt.decision,
+                                                            set(attempt.excluded_decode))
+        decision = attempt.decision
+        # the pull flow, streamed: decode leg sent -> first token, over the prompt tokens the
+        # decode lacks (decode_first)
+        pulled = (uncached_tokens(self.ctx, decision.decode, info)
+                  if decision.prefill is not None and prefilled_first and info.stream else None)
+        return DecodeCharges(self.ctx, decision, info, pulled)
+
+    def decode_answered(self, attempt: Attempt, history: list[str], charges: DecodeCharges,
+                         payload: bytes) -> tuple[str | None, str]:
+        """The decode's first byte (or whole answer) is in: its (KV verdict, route header)."""
+        decision, info = attempt.decision, attempt.request.info
+        if charges.pulled is not None:
+            self.decode_first.observe(charges.pulled, time.monotonic() - charges.started)
+        decision.decode.record_success()
+        kv = None if info.stream else self._kv_verdict(payload, decision)
+        return kv, self._route_header(decision, history, info, kv)
 
     async def _prepare(self, attempt: Attempt) -> tuple[dict[str, Any], asyncio.Task | None]:
         """The flow's prepare (the pull prefill leg). A client that leaves while the prefill
@@ -324,11 +313,11 @@ class Proxy:
                 raise asyncio.CancelledError from None
             raise
         if attempt.client_left:  # set only by a pull prefill leg, which ran in this task
-            self._release_later(attempt, decode_body)
+            self.release_later(attempt, decode_body)
             raise asyncio.CancelledError
         return decode_body, prefill_task
 
-    def _release_later(self, attempt: Attempt, decode_body: dict[str, Any],
+    def release_later(self, attempt: Attempt, decode_body: dict[str, Any],
                        why: str = "the client left") -> None:
         """The client left after the prefill answered but before the decode leg went out, or the
         decode refused the request (a 4xx: a check the prefill's one-token leg passed): the
@@ -370,9 +359,8 @@ class Proxy:
                 orphans.append(payload)
 
         try:
-            params = answer_params(await whole_leg(self.pools, worker, "prefill", attempt.path, body,
-                                                   attempt.request_id, self.timeouts.prefill_s,
-                                                   on_orphan=orphaned), worker, "prefill")
+            payload = await whole_leg(self.pools, worker, "prefill", attempt.path, body,
+                                      attempt.request_id, self.timeouts.prefill_s, on_orphan=orphaned)
         except asyncio.CancelledError:
             if not orphans:
                 raise
@@ -380,9 +368,16 @@ class Proxy:
             # _prepare releases before the cancellation goes on (or, for an answer that is not
             # one, just goes on with the cancellation).
             attempt.client_left = True
-            params = answer_params(orphans[0], worker, "prefill")
+            payload = orphans[0]
         finally:
             accounting.prefill_ended(worker, info, charge)
+        return self.prefill_answered(attempt, payload, charge, started)
+
+    def prefill_answered(self, attempt: Attempt, payload: bytes, charge: Any, started: float) -> Any:
+        """A prefill leg's 200 answer, in the books: its kv_transfer_params (WorkerFailed if it is
+        not a JSON object)."""
+        worker, info = attempt.decision.prefill, attempt.request.info
+        params = answer_params(payload, worker, "prefill")
         elapsed = time.monotonic() - started
         self.metrics.prefill_leg.observe(elapsed)
         try:
@@ -414,30 +409,10 @@ class Proxy:
             # ends: its first byte is its last, so the whole leg runs under decode_total_s
             payload = await whole_leg(self.pools, worker, "decode", attempt.path, body,
                                       attempt.request_id, timeouts.decode_total_s, None, on_sent)
-            if not payload.lstrip().startswith(b"{"):
-                raise WorkerFailed(worker, "decode", f"answer is not a JSON object: {payload[:80]!r}")
-            return None, payload
+            return None, json_answer(payload, worker)
         resp = await open_leg(self.pools, worker, "decode", attempt.path, body,
                               attempt.request_id, timeouts.decode_first_byte_s, on_sent)
-        try:
-            chunk = await resp.next_chunk()  # still under the first-byte timeout
-        except UpstreamError as exc:
-            resp.release()
-            raise WorkerFailed(worker, "decode", "no first token within "
-                               f"{timeouts.decode_first_byte_s:g} s" if isinstance(exc, UpstreamTimeout)
-                               else str(exc)) from None
-        except BaseException:
-            resp.release()
-            raise
-        if not chunk:
-            resp.release()
-            raise WorkerFailed(worker, "decode", "stream ended before any data")
-        content_type = (resp.header(b"content-type") or b"").lower()
-        if not content_type.startswith(b"text/event-stream"):  # relayed, it would look complete
-            resp.release()
-            raise WorkerFailed(worker, "decode", f"answer is not an event stream "
-                                                 f"({content_type[:60]!r}): {chunk[:80]!r}")
-        return resp, chunk
+        return resp, stream_begun(resp, worker)
 
     async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: Response,
                             first_chunk: bytes, header: str, started: float,
@@ -445,13 +420,27 @@ class Proxy:
         """The stream's pieces go to the client from the leg's connection callback (SseRelay);
         this task wakes when the relay needs it (a slow client, aiohttp's response) and at the
         end."""
+        out, relay, deadline = self.relay_start(http, resp, first_chunk, header, decode_started)
+        return await self.relay_rest(http, attempt, resp, out, relay, deadline, started,
+                                      decode_started)
+
+    def relay_start(self, http: Any, resp: Response, first_chunk: bytes, header: str,
+                     decode_started: float) -> tuple[Any, SseRelay, float]:
+        """The stream's head and first piece to the client, the rest piped to it: (the client's
+        response, the relay, the decode's deadline)."""
         out = stream_response(http, {**SSE_HEADERS, "x-pd-route": header})
-        measured = http.get(MEASURED_KEY)
-        relay = SseRelay(out, measured)
+        relay = SseRelay(out, http.get(MEASURED_KEY))
         deadline = decode_started + self.timeouts.decode_total_s
+        relay(first_chunk)
+        resp.pipe(relay, self.timeouts.decode_idle_s, deadline)
+        return out, relay, deadline
+
+    async def relay_rest(self, http: Any, attempt: Attempt, resp: Response, out: Any,
+                          relay: SseRelay, deadline: float, started: float,
+                          decode_started: float) -> web.StreamResponse:
+        """A piped stream until its end: what the relay holds written (a slow client), a failure
+        mid-stream answered with an error event."""
         try:
-            relay(first_chunk)
-            resp.pipe(relay, self.timeouts.decode_idle_s, deadline)
             while True:
                 if relay.held:
                     resp.disarm()  # the decode's timeouts do not run while the client is written to
@@ -466,7 +455,7 @@ class Proxy:
             if relay.tail:  # the stream ended cleanly: its last bytes are the engine's to send
                 await self._to_client(http, out, relay.tail)
         except ClientTooSlow:
-            _measured_end(http, _decision_label(attempt.decision), 499)
+            _measured_end(http, attempt.decision.label, 499)
             self._client_too_slow(http, attempt)
             return out  # releasing resp closes the leg and aborts the decode
         except UpstreamError as exc:
@@ -475,7 +464,7 @@ class Proxy:
             worker = attempt.decision.decode
             worker.record_failure(self.config.health.failure_threshold)
             log.warning("request %s: decode %s failed mid-stream: %s", attempt.request_id, worker.url, message)
-            self.metrics.requests.labels(_decision_label(attempt.decision), "error").inc()
+            self.metrics.requests.labels(attempt.decision.label, "error").inc()
             _measured_end(http, "failed", 502)
             shown = f": {message}" if self.config.route_header == "full" else ""
             # the whole events that came before the failure, then an error event of its own
@@ -485,12 +474,19 @@ class Proxy:
             return out
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             # the client left; releasing resp closes the leg and aborts the decode
-            _measured_end(http, _decision_label(attempt.decision), 499)
+            _measured_end(http, attempt.decision.label, 499)
             self.metrics.client_gone.labels("answer", "disconnect").inc()
-            self.metrics.requests.labels(_decision_label(attempt.decision), "client_gone").inc()
+            self.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
             return out
         finally:
             resp.release()
+        self.stream_done(http, attempt, relay, started, decode_started)
+        await _write_quietly(out, None, self.timeouts.client_write_s)
+        return out
+
+    def stream_done(self, http: Any, attempt: Attempt, relay: SseRelay, started: float,
+                    decode_started: float) -> None:
+        """A stream relayed to its end: its timings measured, the request finished."""
         first_at, last_at = relay.first_at, relay.last_at
         tokens = max(1, relay.events - 1)  # the last event is [DONE]
         self.metrics.ttft.observe(first_at - started)
@@ -498,13 +494,11 @@ class Proxy:
             tpot = (last_at - first_at) / (tokens - 1)
             self.metrics.tpot.observe(tpot)
             accounting.decode_observed(self.ctx, attempt.decision.decode, tpot)
-        self._finish(attempt, started, decode_started)
-        if measured is not None:
+        self.finish(attempt, started, decode_started)
+        if (measured := http.get(MEASURED_KEY)) is not None:
             measured.ttft_s, measured.e2e_s = first_at - started, last_at - started
             measured.tpot_s = (last_at - first_at) / (tokens - 1) if tokens > 1 else None
             measured.output_tokens = tokens
-        await _write_quietly(out, None, self.timeouts.client_write_s)
-        return out
 
     async def _write_held(self, http: web.Request, out: web.StreamResponse, relay: SseRelay) -> None:
         """What the relay could not write: once the client's socket has drained, the events
@@ -553,21 +547,35 @@ class Proxy:
             self.metrics.client_gone.labels("answer", "disconnect").inc()
         return out
 
+    async def drained(self, http: Any, out: Any, quietly: bool = False) -> None:
+        """An answer's last bytes handed to a full socket (exchange.py; `out`: what has them,
+        its drained() waits): they drain within client_write_s, or the client is dropped as
+        _send_whole drops it (`quietly`: as a stream's end, _write_quietly)."""
+        try:
+            async with asyncio.timeout(self.timeouts.client_write_s):
+                await out.drained()
+        except TimeoutError:
+            if not quietly:
+                self._client_too_slow(http, None)
+        except ConnectionResetError:
+            if not quietly:
+                self.metrics.client_gone.labels("answer", "disconnect").inc()
+
     def _client_too_slow(self, http: web.Request, attempt: Attempt | None) -> None:
         """Drop a client that does not read its answer: the client's fault, not the worker's."""
         self.metrics.client_gone.labels("answer", "write_timeout").inc()
         if attempt is not None:
-            self.metrics.requests.labels(_decision_label(attempt.decision), "client_gone").inc()
+            self.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
         log.warning("client %s did not read its answer within %g s: connection closed",
                     http.remote, self.timeouts.client_write_s)
         if http.transport is not None:
             http.transport.abort()
 
-    def _finish(self, attempt: Attempt, started: float, decode_started: float) -> None:
+    def finish(self, attempt: Attempt, started: float, decode_started: float) -> None:
         now = time.monotonic()
         self.metrics.e2e.observe(now - started)
         self.metrics.decode_leg.observe(now - decode_started)
-        self._ok[_decision_label(attempt.decision)].inc()
+        self._ok[attempt.decision.label].inc()
         accounting.request_succeeded(self.ctx, attempt.decision.decode, attempt.request.info,
                                      self.record_prefixes)
         session_id = ""
@@ -601,7 +609,7 @@ class Proxy:
         URLs, scores or session ids, which map the deployment for anyone who can send one)."""
         if self.config.route_header != "full":
             retried = f", retried={len(history)}" if history else ""
-            return f"{self._model_tag}route={_decision_label(decision)}{retried}"
+            return f"{self._model_tag}route={decision.label}{retried}"
         prefill = decision.prefill.url if decision.prefill else "local"
         session = (f", session={info.session_id}, turn={info.turn + 1}"
                    if info.session_id and self.sessions is not None else "")
@@ -616,10 +624,6 @@ def _measured_end(http: web.Request, decision: str, status: int) -> None:
     """A request whose answer began but did not end well: what its record says."""
     if (measured := http.get(MEASURED_KEY)) is not None:
         measured.decision, measured.status = decision, status
-
-
-def _decision_label(decision: Decision) -> str:
-    return "disaggregated" if decision.prefill is not None else "local"
 
 
 def _ascii(text: str) -> str:

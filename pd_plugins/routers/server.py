@@ -19,7 +19,8 @@ from pd_plugins.routers.discovery import kubernetes_watcher, plan_kubernetes
 from pd_plugins.routers.flows import profile_for
 from pd_plugins.routers.health import PoolUpkeep
 from pd_plugins.routers import http_server
-from pd_plugins.routers.http_server import FastRequest, FrontServer, body_too_slow, read_body
+from pd_plugins.routers.http_server import (FastRequest, FrontServer, answered, body_too_slow,
+                                            read_body)
 from pd_plugins.routers.kv_sources.pools import PoolView
 from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.replica_channels import LoadChannel
@@ -314,7 +315,7 @@ class Router:
         try:
             raw = http.body()
         except web.HTTPRequestEntityTooLarge:
-            return _ready(self._too_large())
+            return answered(self._too_large())
         return self._serve(http, raw)
 
     def _serve(self, http: web.Request | FastRequest, raw: bytes) -> Awaitable[web.StreamResponse]:
@@ -325,7 +326,7 @@ class Router:
                 strip_transfer_fields=self.config.client_transfer_fields == "strip")
         except BadRequest as bad:
             self.metrics.rejections.labels("bad_request").inc()
-            return _ready(error_response(bad.status, bad.message, bad.param))
+            return answered(error_response(bad.status, bad.message, bad.param))
         return request.target.proxy.serve(http, request, path)
 
     def _too_large(self) -> web.Response:
@@ -426,8 +427,3 @@ class FrontCollector:
                                 value=len(self.front.connections) + len(self.front.fallback.connections))
         yield CounterMetricFamily("pd_router_refused_connections", "Client connections refused "
                                   "(503) past max_connections", value=self.front.refused_connections)
-
-
-async def _ready(response: web.StreamResponse) -> web.StreamResponse:
-    """An answer already made, as the awaitable Router.answer hands back."""
-    return response

@@ -8,14 +8,15 @@ worker would refuse it too. Legs go through `http_client` (one keep-alive pool p
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, NoReturn
 from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
 
-from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Orphan, Response, Upstream, UpstreamError,
-                                            UpstreamTimeout, header_value)
+from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Leg, Orphan, Response, Upstream,
+                                            UpstreamError, UpstreamTimeout, header_value)
 
 _encode = msgspec.json.Encoder().encode
 
@@ -129,6 +130,64 @@ async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[s
     if status == 200:
         return payload
     _refused_or_failed(worker, leg, status, payload, header_value(headers, b"content-type"))
+
+
+def send_leg(pools: Pools, worker: Any, path: str, body: dict[str, Any], request_id: str,
+             timeout_s: float, on_answer: Callable[[Leg], None], opened: bool = False) -> Leg:
+    """whole_leg (or open_leg, `opened`) from a callback: the leg goes out now, and
+    `on_answer(leg)` is called in its connection's callback once the answer is in; read it with
+    leg_answer (or opened_answer). The timeout as whole_leg's (open_leg's)."""
+    upstream = pools.of(worker)
+    return upstream.leg(upstream.json_request(path, _encode(body), request_id), timeout_s,
+                        on_answer, whole=not opened, first_body=opened)
+
+
+def leg_answer(leg: Leg, worker: Any, name: str) -> bytes:
+    """A sent leg's whole 200 answer; other answers classified and raised as whole_leg's."""
+    if leg.error is not None:
+        raise _failure(worker, name, leg.error)
+    conn = leg.conn
+    status, headers = conn.status, conn.headers
+    payload = leg.body()
+    if status == 200:
+        return payload
+    _refused_or_failed(worker, name, status, payload, header_value(headers, b"content-type"))
+
+
+def opened_answer(leg: Leg, worker: Any, name: str) -> Response:
+    """A sent leg's 200 answer opened at its first piece of body, as open_leg returns it; other
+    answers (read whole) classified and raised as open_leg's."""
+    if leg.error is not None:
+        raise _failure(worker, name, leg.error)
+    if leg.conn.status == 200:
+        return leg.response()
+    leg_answer(leg, worker, name)
+    raise AssertionError("unreachable")  # (leg_answer raised: the status is not 200)
+
+
+def stream_begun(resp: Response, worker: Any) -> bytes:
+    """The first piece of a decode's event stream opened at its first piece of body (open_leg,
+    opened_answer); WorkerFailed, the leg released, if it is not one."""
+    chunk = resp.arrived()
+    if not chunk:
+        resp.release()
+        raise WorkerFailed(worker, "decode", "stream ended before any data")
+    content_type = (resp.header(b"content-type") or b"").lower()
+    if not content_type.startswith(b"text/event-stream"):  # relayed, it would look complete
+        resp.release()
+        raise WorkerFailed(worker, "decode", f"answer is not an event stream "
+                                             f"({content_type[:60]!r}): {chunk[:80]!r}")
+    return chunk
+
+
+_json_object = re.compile(rb"\s*\{").match  # (as lstrip().startswith(b"{"), with no copy)
+
+
+def json_answer(payload: bytes, worker: Any) -> bytes:
+    """A whole decode answer that is a JSON object (by its first byte); WorkerFailed if not."""
+    if _json_object(payload) is None:
+        raise WorkerFailed(worker, "decode", f"answer is not a JSON object: {payload[:80]!r}")
+    return payload
 
 
 def _refused_or_failed(worker: Any, leg: str, status: int, payload: bytes,

@@ -29,6 +29,11 @@ PrefillLeg = Callable[[Attempt, dict[str, Any]], Awaitable[Any]]
 
 
 class PdFlow(Protocol):
+    # True: the prefill leg answers before the decode leg goes out, and the flow also has
+    # prefill_body(client body) and decode_body(attempt, the prefill's kv_transfer_params), which
+    # raises WorkerFailed (the proxy's callbacks run the legs themselves: exchange.py)
+    sequential: bool
+
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg
                       ) -> tuple[dict[str, Any], asyncio.Task | None]: ...
 

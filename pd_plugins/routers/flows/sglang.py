@@ -29,6 +29,8 @@ def bootstrap_room(dp_size: int, session_id: str | None, rng: random.Random = ra
 
 
 class SglangFlow:
+    sequential = False
+
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
         body = attempt.request.body
         prefill = attempt.decision.prefill

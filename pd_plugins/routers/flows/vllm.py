@@ -28,19 +28,28 @@ def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class VllmPullFlow:
+    sequential = True  # the decode leg goes out once the prefill leg has answered
+
+    def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        return vllm_prefill_body(body)
+
+    def decode_body(self, attempt: Attempt, params: Any) -> dict[str, Any]:
+        """The decode leg's body: the client's, with the prefill answer's kv_transfer_params."""
+        if not isinstance(params, dict) or not params.get("remote_engine_id"):
+            raise WorkerFailed(attempt.decision.prefill, "prefill", "answer has no kv_transfer_params "
+                               "(is the prefill started with a kv_producer connector?)")
+        return {**attempt.request.body, "kv_transfer_params": params}
+
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
         body = attempt.request.body
-        prefill = attempt.decision.prefill
-        if prefill is None:
+        if attempt.decision.prefill is None:
             return body, None
-        params = await prefill_leg(attempt, vllm_prefill_body(body))
-        if not isinstance(params, dict) or not params.get("remote_engine_id"):
-            raise WorkerFailed(prefill, "prefill", "answer has no kv_transfer_params "
-                                                   "(is the prefill started with a kv_producer connector?)")
-        return {**body, "kv_transfer_params": params}, None
+        return self.decode_body(attempt, await prefill_leg(attempt, self.prefill_body(body))), None
 
 
 class VllmPushFlow:
+    sequential = False
+
     def __init__(self, head_start_s: float) -> None:
         self.head_start_s = head_start_s
 

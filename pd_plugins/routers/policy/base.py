@@ -180,3 +180,8 @@ class Decision:
     decode: Worker
     prefill: Worker | None          # None: the decode worker prefills locally
     reasons: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        """How the request is served, as metrics and the route header say it."""
+        return "disaggregated" if self.prefill is not None else "local"

@@ -1,6 +1,7 @@
 """The router's lean HTTP client against a real aiohttp server on loopback."""
 
 import asyncio
+import socket
 import time
 
 import pytest
@@ -721,3 +722,86 @@ def test_first_body_returns_a_200_answer_with_its_first_piece_and_any_other_at_i
                     assert await resp.next_chunk() == b"first"
             assert await resp.read() in (b"", b"first")
     run(scenario)
+
+
+# -- Leg: a request sent from a callback, its answer reported to a callback -------------------
+
+async def leg_answer(up: Upstream, timeout: float = 5.0, **kwargs):
+    """Send one leg; the Leg once its on_answer was called."""
+    done = asyncio.get_running_loop().create_future()
+    up.leg(up.json_request("/a", b"{}", "r"), timeout, done.set_result, **kwargs)
+    return await asyncio.wait_for(done, 5)
+
+
+def test_a_leg_reports_its_whole_answer_and_its_connection_is_reused():
+    async def main():
+        server = RawServer(lambda n: ok(b"ONE" if n == 0 else b"TWO"))
+        async with server as up:
+            leg = await leg_answer(up, whole=True)
+            assert leg.error is None and leg.conn.status == 200 and leg.body() == b"ONE"
+            leg = await leg_answer(up, whole=True)
+            assert leg.body() == b"TWO" and server.connections == 1 and len(up._idle) == 1
+    asyncio.run(main())
+
+
+def test_a_leg_retries_the_keep_alive_race_once_on_a_fresh_connection():
+    # the pooled connection is closed by the server as the request goes out (no byte back):
+    # sent again on a new connection, as exchange() does
+    async def main():
+        server = RawServer(lambda n: None if n == 1 else ok(b"x%d" % n))
+        async with server as up:
+            assert (await leg_answer(up, whole=True)).body() == b"x0"
+            leg = await leg_answer(up, whole=True)
+            assert leg.error is None and leg.body() == b"x2"
+            assert server.requests == 3 and server.connections == 2
+    asyncio.run(main())
+
+
+def test_a_leg_that_cannot_connect_or_times_out_reports_its_error():
+    async def main():
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+        free.close()  # nothing listens there
+        leg = await leg_answer(Upstream("127.0.0.1", port), whole=True)
+        assert isinstance(leg.error, UpstreamError) and "cannot connect" in str(leg.error)
+        async with RawServer(lambda n: None, close_after_s=2.0) as up:  # never answers
+            leg = await leg_answer(up, timeout=0.2, whole=True)
+            assert isinstance(leg.error, UpstreamTimeout) and leg.error.timeout_s == 0.2
+    asyncio.run(main())
+
+
+def test_an_opened_leg_reports_a_200_at_its_first_piece_and_an_error_answer_whole():
+    async def main():
+        async with RawServer(lambda n: ok(b"first")) as up:
+            leg = await leg_answer(up, first_body=True)
+            assert leg.conn.status == 200 and leg.response().arrived() == b"first"
+        error = (b"HTTP/1.1 500 X\r\nContent-Length: 10\r\n\r\n12345", b"67890")
+
+        async def serve(reader, writer):  # an error answer whose body comes in two pieces
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(error[0])
+            await asyncio.sleep(0.2)
+            writer.write(error[1])
+            await asyncio.sleep(1)
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        up = Upstream("127.0.0.1", server.sockets[0].getsockname()[1])
+        leg = await leg_answer(up, first_body=True)
+        assert leg.conn.status == 500 and leg.body() == b"1234567890"  # its reason, whole
+        server.close()
+    asyncio.run(main())
+
+
+def test_a_leg_cancelled_while_its_connection_opens_sends_nothing():
+    async def main():
+        server = RawServer(lambda n: ok(b"x"))
+        async with server as up:
+            called = []
+            leg = up.leg(up.json_request("/a", b"{}", "r"), 5, called.append, whole=True)
+            assert leg.connecting is not None  # no idle connection: one is being opened
+            leg.cancel()
+            await asyncio.sleep(0.2)
+            assert called == [] and server.requests == 0 and not leg.sent
+    asyncio.run(main())

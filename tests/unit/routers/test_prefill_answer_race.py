@@ -29,7 +29,7 @@ async def _prepare_with_race(monkeypatch, answer: bytes) -> list:
     await group.start(router.metrics, Pools(1.0), {}, None)
     proxy = group.proxy
     released = []
-    monkeypatch.setattr(proxy, "_release_later", lambda attempt, body: released.append(body))
+    monkeypatch.setattr(proxy, "release_later", lambda attempt, body: released.append(body))
     legs = []
 
     async def raced_leg(pools, worker, leg, path, body, request_id, timeout_s, on_orphan=None):

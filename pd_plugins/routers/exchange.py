@@ -1,0 +1,248 @@
+"""A front-server request on a flow whose legs follow one another (vLLM pull, the pools), served
+from the connections' callbacks: no task, coroutine or future per request.
+
+Why: a task, a chain of coroutines and a future per leg cost about as much CPU per request as
+the router's own work (issue 30; docs/benchmarks.md, "The I/O framework against the work").
+
+The front connection hands the parsed request to Proxy.serve, which makes an Exchange. It sends
+the prefill leg (http_client.Leg); the leg's connection calls it back with the answer; it sends
+the decode leg with the prefill's kv_transfer_params; the decode's connection calls it back with
+the whole answer, written to the client at once, or with the stream's first piece: the head
+goes out and the rest is relayed from the decode's connection (stream_relay.SseRelay) to its
+end. The request's accounting, metrics and route header are the proxy's own methods, as in its
+coroutine path.
+
+Whatever must wait on something else goes on in the request's task, in the proxy's code, from
+where the exchange stands:
+- a failed leg: the next attempt (failover.py) in Proxy.attempts;
+- a client whose socket is full: the answer's end drains in a task (Proxy.drained), a stream's
+  relay goes on in Proxy.relay_rest (which also ends a stream whose decode failed mid-way with
+  an error event).
+A client that leaves closes the open leg (the engine aborts it), or, when the prefill has
+answered and the decode leg is not yet out, sends the one-token leg that releases the prefill's
+KV (Proxy.release_later).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Callable
+
+from pd_plugins.routers import accounting
+from pd_plugins.routers.failover import Tries
+from pd_plugins.routers.flows import Attempt
+from pd_plugins.routers.http_client import Leg, Response
+from pd_plugins.routers.http_server import CallbackAnswer, FastRequest, answered
+from pd_plugins.routers.request import ClientRequest
+from pd_plugins.routers.upstream import (RequestRefused, WorkerFailed, json_answer, leg_answer,
+                                        opened_answer, send_leg, stream_begun)
+
+
+class Exchange(CallbackAnswer):
+    __slots__ = ("proxy", "http", "tries", "attempt", "started", "stage", "leg", "prefill_charge",
+                 "prefill_started", "decode_body", "charges", "stream", "out", "relay", "deadline")
+
+    @classmethod
+    def begin(cls, proxy: Any, http: FastRequest, request: ClientRequest, path: str) -> Any:
+        """The request's Exchange, its first leg sent; or its answer made already (refused by
+        admission, no route), awaitable."""
+        started = time.monotonic()
+        tries = proxy.begin(http, request, path)
+        if not isinstance(tries, Tries):
+            return answered(tries)
+        attempt = tries.next_attempt()
+        if not isinstance(attempt, Attempt):
+            return answered(attempt)
+        exchange = cls(proxy, http, tries, attempt, started)
+        exchange._start()
+        return exchange
+
+    def __init__(self, proxy: Any, http: FastRequest, tries: Tries, attempt: Attempt,
+                 started: float) -> None:
+        self.proxy, self.http, self.tries, self.attempt = proxy, http, tries, attempt
+        self.started = started
+        self.stage = "prefill"  # then decode, then answer (client_gone's label)
+        self.leg: Leg | None = None  # the leg in flight
+        self.prefill_charge: Any = None
+        self.prefill_started = 0.0
+        self.decode_body: dict | None = None
+        self.charges: accounting.DecodeCharges | None = None
+        self.stream: Response | None = None  # a streamed answer being relayed
+        self.out: Any = None
+        self.relay: Any = None
+        self.deadline = 0.0
+
+    # -- the legs ----------------------------------------------------------------------------
+    def _start(self) -> None:
+        proxy, attempt = self.proxy, self.attempt
+        prefill, body = attempt.decision.prefill, attempt.request.body
+        if prefill is None:  # its decode worker prefills it
+            self._send_decode(body)
+            return
+        self.prefill_charge = accounting.prefill_started(proxy.ctx, prefill, attempt.request.info)
+        self.prefill_started = time.monotonic()
+        self.leg = send_leg(proxy.pools, prefill, attempt.path, proxy.flow.prefill_body(body),
+                            attempt.request_id, proxy.timeouts.prefill_s, self._prefilled)
+
+    def _prefilled(self, leg: Leg) -> None:
+        self.leg = None
+        proxy, attempt = self.proxy, self.attempt
+        prefill = attempt.decision.prefill
+        try:
+            try:
+                payload = leg_answer(leg, prefill, "prefill")
+            finally:
+                accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
+            params = proxy.prefill_answered(attempt, payload, self.prefill_charge,
+                                            self.prefill_started)
+            self.decode_body = proxy.flow.decode_body(attempt, params)
+        except (RequestRefused, WorkerFailed) as exc:
+            self._leg_failed(exc)
+            return
+        except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
+            self._failed_on_bug()
+            return
+        try:
+            self._send_decode(self.decode_body)
+        except Exception:  # noqa: BLE001
+            self._failed_on_bug()
+
+    def _send_decode(self, body: dict) -> None:
+        proxy, attempt = self.proxy, self.attempt
+        self.stage = "decode"
+        self.charges = proxy.decode_starts(attempt, True)
+        stream, timeouts = attempt.request.info.stream, proxy.timeouts
+        # a whole answer's first byte is its last: the leg runs under decode_total_s
+        self.leg = send_leg(proxy.pools, attempt.decision.decode, attempt.path, body,
+                            attempt.request_id,
+                            timeouts.decode_first_byte_s if stream else timeouts.decode_total_s,
+                            self._decoded, opened=stream)
+
+    def _decoded(self, leg: Leg) -> None:
+        self.leg = None
+        try:
+            self._answer(leg)
+        except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
+            self._failed_on_bug()
+
+    def _answer(self, leg: Leg) -> None:
+        proxy, attempt, charges = self.proxy, self.attempt, self.charges
+        decode, info = attempt.decision.decode, attempt.request.info
+        try:
+            try:
+                if info.stream:
+                    resp = opened_answer(leg, decode, "decode")
+                    payload = stream_begun(resp, decode)
+                else:
+                    payload = json_answer(leg_answer(leg, decode, "decode"), decode)
+            finally:
+                charges.first_token()
+        except (RequestRefused, WorkerFailed) as exc:
+            charges.ended()
+            if isinstance(exc, RequestRefused) and attempt.decision.prefill is not None:
+                # the decode refused it unread: the prefill still holds the prompt's KV
+                proxy.release_later(attempt, self.decode_body, "the decode refused the request")
+            self._leg_failed(exc)
+            return
+        kv, header = proxy.decode_answered(attempt, self.tries.history, charges, payload)
+        self.stage = "answer"
+        if not info.stream:
+            proxy.finish(attempt, self.started, charges.started)
+            charges.ended()
+            conn = self.http.conn
+            self._send_last(conn, lambda: conn.send_whole(200, {"Content-Type": "application/json",
+                                                                "x-pd-route": header}, payload))
+            return
+        self.stream = resp
+        self.out, self.relay, self.deadline = proxy.relay_start(self.http, resp, payload, header,
+                                                                 charges.started)
+        resp.notify(self._streamed)
+        self._streamed()  # (the first pieces may have ended it, or filled the client's socket)
+
+    def _streamed(self) -> None:
+        """The relayed stream ended, paused (the client's socket is full) or failed."""
+        resp, relay = self.stream, self.relay
+        try:
+            if resp.done and not (relay.held or relay.tail):
+                self.stream = None
+                resp.release()
+                self.proxy.stream_done(self.http, self.attempt, relay, self.started,
+                                       self.charges.started)
+                self.charges.ended()
+                out = self.out
+                self._send_last(out, lambda: out.send(b"", eof=True), quietly=True)
+            elif resp.done or resp.paused or relay.held or resp.exception is not None:
+                resp.notify(None)  # the task waits on it from now on
+                self.http.conn.run(self._rest_of_stream(), self.http)
+        except Exception:  # noqa: BLE001 - a bug: the connection is closed, never left hanging
+            self._failed_on_bug()
+
+    async def _rest_of_stream(self) -> Any:
+        proxy, attempt = self.proxy, self.attempt
+        try:
+            return await proxy.relay_rest(self.http, attempt, self.stream, self.out, self.relay,
+                                           self.deadline, self.started, self.charges.started)
+        except asyncio.CancelledError:  # the client left while the task wrote to it
+            proxy.metrics.client_gone.labels("answer", "disconnect").inc()
+            proxy.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
+            raise
+        finally:
+            self.stream = None
+            self.charges.ended()
+
+    # -- endings -----------------------------------------------------------------------------
+    def _send_last(self, out: Any, send: Callable[[], bool], quietly: bool = False) -> None:
+        """The answer's last bytes (`send()`, True if the socket is full): the connection reads
+        on, or they drain in a task first (`out.drained()`)."""
+        conn = self.http.conn
+        try:
+            full = send()
+        except ConnectionResetError:  # the client is leaving: its connection_lost follows
+            if not quietly:
+                self.proxy.metrics.client_gone.labels("answer", "disconnect").inc()
+            conn.drop()
+            return
+        if full:
+            conn.run(self.proxy.drained(self.http, out, quietly), self.http)
+        else:
+            conn.answer_ended()
+
+    def _leg_failed(self, exc: RequestRefused | WorkerFailed) -> None:
+        proxy, conn = self.proxy, self.http.conn
+        if isinstance(exc, RequestRefused):
+            conn.respond(proxy.refused(self.attempt, exc), self.http)
+        elif self.tries.failed(exc):  # the next attempt, in a task (failover is rare)
+            conn.run(proxy.attempts(self.http, self.tries, self.started), self.http)
+        else:
+            conn.respond(self.tries.given_up(), self.http)
+
+    def _close_legs(self) -> None:
+        """Close what this request holds: the leg in flight, a stream, the books' charges."""
+        attempt = self.attempt
+        leg, self.leg = self.leg, None
+        if leg is not None:
+            leg.cancel()  # its connection closes: the engine aborts the request
+            if self.stage == "prefill":
+                accounting.prefill_ended(attempt.decision.prefill, attempt.request.info,
+                                         self.prefill_charge)
+            elif not leg.sent and attempt.decision.prefill is not None:
+                # the prefill answered, the decode leg never went out: its KV is released
+                self.proxy.release_later(attempt, self.decode_body)
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            stream.release()  # not at its end: closed, and the decode aborts
+        if self.charges is not None:
+            self.charges.ended()
+
+    def client_gone(self) -> None:
+        self._close_legs()
+        metrics = self.proxy.metrics
+        metrics.client_gone.labels(self.stage, "disconnect").inc()
+        metrics.requests.labels(self.attempt.decision.label, "client_gone").inc()
+
+    def _failed_on_bug(self) -> None:
+        try:
+            self._close_legs()
+        finally:
+            self.http.conn.answer_failed(self.http)

@@ -1,0 +1,233 @@
+"""A PD request served from the connections' callbacks (routers/exchange.py), in process: pd-router's
+own Router and front server on loopback, with scripted prefill and decode servers (raw HTTP, so
+that a test can delay, fail or break one leg)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from pd_plugins.routers.cli import build_parser, config_from_args
+from pd_plugins.routers.http_client import Upstream
+from pd_plugins.routers.http_server import FrontServer
+from pd_plugins.routers.server import Router
+from pd_plugins.routers.upstream import Pools
+from pd_plugins.testing.raw_client import sample
+
+PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [1, 2],
+          "remote_host": "127.0.0.1", "remote_port": 5600}
+ANSWER = b'{"choices": [{"text": " world"}]}'
+
+
+def http_answer(body: bytes, status: int = 200) -> bytes:
+    return (b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+            % (status, len(body), body))
+
+
+class Scripted:
+    """A worker that answers each request (keep-alive) with `answer(n, body)`'s bytes, n from 0;
+    it keeps every request's JSON body."""
+
+    def __init__(self, answer) -> None:
+        self.answer, self.bodies = answer, []
+
+    async def start(self) -> str:
+        async def serve(reader, writer):
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    body = json.loads(await reader.readexactly(length))
+                    n = len(self.bodies)
+                    self.bodies.append(body)
+                    writer.write(self.answer(n, body))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+def prefill_answers(n, body):
+    return http_answer(json.dumps({"choices": [], "kv_transfer_params": PARAMS}).encode())
+
+
+@contextlib.asynccontextmanager
+async def pd_router(decode_answer, *args):
+    """A Router (vLLM pull) in front of a scripted prefill and decode: (port, router, prefill,
+    decode)."""
+    prefill, decode = Scripted(prefill_answers), Scripted(decode_answer)
+    router = Router(config_from_args(build_parser().parse_args(
+        ["--prefill", await prefill.start(), "--decode", await decode.start(),
+         "--policy", "round_robin", *args])))
+    group = router._only_group()
+    pools = Pools(1.0)
+    await group.start(router.metrics, pools, {}, None)
+    for worker in group.pool:
+        worker.healthy = True
+    front = FrontServer(router.answer, lambda: None, max_body=1 << 20)
+    front.fallback.connections = []  # (no aiohttp side here)
+    listener = await asyncio.get_running_loop().create_server(front, "127.0.0.1", 0)
+    try:
+        yield listener.sockets[0].getsockname()[1], router, prefill, decode
+    finally:
+        listener.close()
+        await front.shutdown(1.0)
+        await group.proxy.aclose()
+        await pools.close()
+        prefill.server.close()
+        decode.server.close()
+
+
+def request_bytes(body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(data), data))
+
+
+async def read_answer(reader) -> tuple[int, bytes, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    return int(head.split(b" ")[1]), head, await reader.readexactly(length)
+
+
+def test_pd_requests_on_a_keep_alive_connection_start_no_task():
+    # The callback path is the point: a request served with a task per request would count here.
+    async def main():
+        async with pd_router(lambda n, body: http_answer(ANSWER)) as (port, router, prefill, decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = {"model": "m", "prompt": "hello there", "max_tokens": 4}
+            writer.write(request_bytes(body))  # the first opens the legs' connections (tasks)
+            assert (await read_answer(reader))[0] == 200
+            loop, tasks = asyncio.get_running_loop(), []
+            loop.set_task_factory(lambda loop, coro, **kw: tasks.append(coro) or asyncio.Task(
+                coro, loop=loop, **kw))
+            for _ in range(5):
+                writer.write(request_bytes(body))
+                status, head, answer = await read_answer(reader)
+                assert (status, answer) == (200, ANSWER)
+                assert b"x-pd-route: route=disaggregated" in head
+            loop.set_task_factory(None)
+            assert tasks == []  # none: the router made no task for them
+            assert prefill.bodies[-1]["max_tokens"] == 1 and prefill.bodies[-1]["stream"] is False
+            assert decode.bodies[-1]["kv_transfer_params"] == PARAMS
+            assert len(prefill.bodies) == len(decode.bodies) == 6
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
+                          outcome="ok") == 6
+            writer.close()
+    asyncio.run(main())
+
+
+def test_a_client_leaving_while_the_decode_connection_opens_releases_the_prefills_kv(monkeypatch):
+    # The prefill has answered (it holds the prompt's KV for the decode to read); the decode
+    # leg's connection is still being opened when the client leaves: no decode leg is sent for
+    # the client, and a one-token leg reads (and so frees) the KV.
+    async def main():
+        async with pd_router(lambda n, body: http_answer(ANSWER)) as (port, router, prefill, decode):
+            decode_port = int(router._only_group().pool.by_role("decode")[0].url.rsplit(":", 1)[1])
+            opening = asyncio.Event()
+            real_connect = Upstream._connect
+
+            async def slow_connect(self):
+                if self.port == decode_port:
+                    opening.set()
+                    await asyncio.sleep(0.3)
+                return await real_connect(self)
+
+            monkeypatch.setattr(Upstream, "_connect", slow_connect)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 9,
+                                        "stream": True}))
+            await asyncio.wait_for(opening.wait(), 5)
+            writer.close()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if decode.bodies:
+                    break
+            [release] = decode.bodies
+            assert release["max_tokens"] == 1 and release["stream"] is False
+            assert release["kv_transfer_params"] == PARAMS and release["prompt"] == "hello"
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_client_gone_total", stage="decode",
+                          how="disconnect") == 1
+            assert sample(metrics, "pd_router_worker_in_flight") == 0
+    asyncio.run(main())
+
+
+def test_a_failed_decode_leg_is_retried_with_a_fresh_prefill():
+    # the first decode answer is a 500: the attempt fails over (in a task), the request is
+    # prefilled again and answered
+    async def main():
+        answers = lambda n, body: http_answer(b'{"error": "x"}', 500) if n == 0 else http_answer(ANSWER)
+        async with pd_router(answers) as (port, router, prefill, decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            status, head, answer = await read_answer(reader)
+            assert (status, answer) == (200, ANSWER)
+            assert b"retried=1" in head
+            assert len(prefill.bodies) == len(decode.bodies) == 2
+            writer.close()
+    asyncio.run(main())
+
+
+def test_a_bug_in_the_callbacks_is_a_500_and_the_router_serves_on(monkeypatch):
+    async def main():
+        async with pd_router(lambda n, body: http_answer(ANSWER)) as (port, router, prefill, decode):
+            proxy = router._only_group().proxy
+            real = proxy.prefill_answered
+            calls = []
+
+            def buggy(*args):
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("a bug")
+                return real(*args)
+
+            monkeypatch.setattr(proxy, "prefill_answered", buggy)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            status, head, answer = await read_answer(reader)
+            assert status == 500 and b"Connection: close" in head
+            assert await reader.read() == b""  # and the connection closed
+            writer.close()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            assert (await read_answer(reader))[0] == 200
+            assert sample(router.metrics.exposition().decode(), "pd_router_worker_in_flight") == 0
+            writer.close()
+    asyncio.run(main())
+
+
+def test_a_streamed_answer_is_relayed_to_its_end_with_no_task():
+    events = [b"data: {\"n\": %d}\n\n" % i for i in range(5)] + [b"data: [DONE]\n\n"]
+    stream = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+              b"Transfer-Encoding: chunked\r\n\r\n"
+              + b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+
+    async def main():
+        async with pd_router(lambda n, body: stream) as (port, router, prefill, decode):
+            loop, tasks = asyncio.get_running_loop(), []
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = {"model": "m", "prompt": "hello", "max_tokens": 5, "stream": True}
+            for i in range(3):
+                if i == 1:  # the first opened the legs' connections
+                    loop.set_task_factory(lambda loop, coro, **kw: tasks.append(coro)
+                                          or asyncio.Task(coro, loop=loop, **kw))
+                writer.write(request_bytes(body))
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert b"text/event-stream" in head and b"chunked" in head.lower()
+                got = b""
+                while not got.endswith(b"0\r\n\r\n"):
+                    got += await reader.read(65536)
+                assert all(e in got for e in events)
+            loop.set_task_factory(None)
+            assert tasks == []
+            assert decode.bodies[-1]["stream"] is True and prefill.bodies[-1]["stream"] is False
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
+                          outcome="ok") == 3
+            writer.close()
+    asyncio.run(main())
