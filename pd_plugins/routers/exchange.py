@@ -40,8 +40,17 @@ from pd_plugins.routers.upstream import (RequestRefused, WorkerFailed, json_answ
 
 
 class Exchange(CallbackAnswer):
-    __slots__ = ("proxy", "http", "tries", "attempt", "started", "stage", "leg", "prefill_charge",
-                 "prefill_started", "decode_body", "charges", "stream", "out", "relay", "deadline")
+    # (no __slots__: what a request sets only at some stage is a class default until then)
+    stage = "prefill"  # then decode, then answer (client_gone's label)
+    leg: Leg | None = None  # the leg in flight
+    prefill_charge: Any = None
+    prefill_started = 0.0
+    decode_body: dict | None = None
+    charges: accounting.DecodeCharges | None = None
+    stream: Response | None = None  # a streamed answer being relayed: its response, relay, the
+    out: Any = None  # client's response and the decode's deadline (Proxy.relay_start)
+    relay: Any = None
+    deadline = 0.0
 
     @classmethod
     def begin(cls, proxy: Any, http: FastRequest, request: ClientRequest, path: str) -> Any:
@@ -62,16 +71,6 @@ class Exchange(CallbackAnswer):
                  started: float) -> None:
         self.proxy, self.http, self.tries, self.attempt = proxy, http, tries, attempt
         self.started = started
-        self.stage = "prefill"  # then decode, then answer (client_gone's label)
-        self.leg: Leg | None = None  # the leg in flight
-        self.prefill_charge: Any = None
-        self.prefill_started = 0.0
-        self.decode_body: dict | None = None
-        self.charges: accounting.DecodeCharges | None = None
-        self.stream: Response | None = None  # a streamed answer being relayed
-        self.out: Any = None
-        self.relay: Any = None
-        self.deadline = 0.0
 
     # -- the legs ----------------------------------------------------------------------------
     def _start(self) -> None:

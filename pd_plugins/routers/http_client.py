@@ -88,6 +88,29 @@ def header_value(headers: list[tuple[bytes, bytes]], name: bytes,
     return default
 
 
+def head_fields(head: bytes, start: int, end: int) -> list[tuple[bytes, bytes]]:
+    """The (name, value) pairs of the head in head[start:end] (its status line first), values
+    without the whitespace around them, as llhttp hands them over."""
+    fields = []
+    for line in head[start:end].split(b"\n")[1:]:
+        name, colon, value = line.partition(b":")
+        if colon:
+            fields.append((name, value.strip()))
+    return fields
+
+
+def head_field(head: bytes, start: int, end: int, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case) in head[start:end], without parsing the
+    rest: one search (a regex over the head cost more than the rest of a leg's parsing)."""
+    lowered = head[start:end].lower()
+    at = lowered.find(b"\n%b:" % name)
+    if at < 0:
+        return None
+    at += len(name) + 2
+    stop = lowered.find(b"\n", at)
+    return head[start + at:start + stop if stop >= 0 else end].strip()
+
+
 class UpstreamError(ConnectionError):
     """The upstream connection failed, closed early, or sent a malformed response."""
 
@@ -131,20 +154,25 @@ class _Conn(asyncio.Protocol):
         # would be woken (after the read that made it, never inside the parser's callbacks)
         self.notify: Callable[[], None] | None = None
         self.in_read = self.notify_due = False
+        # what an answer leaves as it found it, or only on a connection never reused (a failed
+        # one is closed; a reused one was read to its end, resumed, its reader's hooks dropped)
+        self.paused = self.interim = False
+        self.exc: BaseException | None = None
+        self.waiter: asyncio.Future | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self.status, self.headers, self.chunks = 0, [], []
+        """Ready for the next answer (see __init__ for what needs no reset)."""
+        self.status, self.chunks = 0, []
+        # the answer's head as it came (its reads until the head ended, interim answers first):
+        # headers are parsed from it only when asked for (`headers`), not one callback each
+        self.head, self.head_start, self.head_end, self._headers = b"", 0, 0, None
         self.buffered = 0  # bytes in chunks, not yet taken by the reader
         # every byte of this answer received, and of its body: the rest (head, chunk framing,
         # trailers) is bounded (data_received)
         self.received = self.body_bytes = 0
         self.limit = MAX_ANSWER_BYTES  # exchange(): what the answer's body may reach
-        self.paused = False
-        self.got_bytes = self.headers_done = self.done = self.interim = False
-        self.exc: BaseException | None = None
-        self.waiter: asyncio.Future | None = None
-        self.sink = self.notify = None
+        self.got_bytes = self.headers_done = self.done = False
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -167,6 +195,8 @@ class _Conn(asyncio.Protocol):
     def _read(self, data: bytes) -> None:
         self.got_bytes = True
         self.received += len(data)
+        if not self.headers_done:
+            self.head += data  # (bounded below with the head: MAX_HEAD_BYTES)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -181,7 +211,9 @@ class _Conn(asyncio.Protocol):
             return
         # all but the body: the head until it ends, then chunk framing and trailers, which a body
         # of real pieces keeps well under half its size
-        if self.received - self.body_bytes > MAX_HEAD_BYTES + (self.body_bytes >> 1) \
+        if not self.headers_done and self.head.count(b"\n", self.head_start) > MAX_HEADERS + 1:
+            self.fail(UpstreamError(f"answer with more than {MAX_HEADERS} headers"))
+        elif self.received - self.body_bytes > MAX_HEAD_BYTES + (self.body_bytes >> 1) \
                 and self.exc is None:
             self.fail(UpstreamError(f"answer's head, chunk framing or trailers larger than "
                                     f"{MAX_HEAD_BYTES} bytes" if not self.headers_done else
@@ -208,19 +240,28 @@ class _Conn(asyncio.Protocol):
             else:
                 self.fail(UpstreamError(f"connection closed mid-response: {exc or 'EOF'}"))
 
-    # -- httptools callbacks ---------------------------------------------------------------
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if len(self.headers) >= MAX_HEADERS:  # (trailers too: appended to the same list)
-            raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
-        self.headers.append((name, value))
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The answer's raw (name, value) pairs, parsed from its head on first use."""
+        if self._headers is None:
+            self._headers = head_fields(self.head, self.head_start, self.head_end)
+        return self._headers
 
+    # -- httptools callbacks (no on_header: see `headers`) -----------------------------------
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
+        head, start = self.head, self.head_start
+        end, blank = head.find(b"\r\n\r\n", start), 4
+        if end < 0:  # (a head whose lines end in LF alone)
+            end, blank = head.find(b"\n\n", start), 2
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
-            self.headers, self.interim = [], True
+            self.head_start, self.interim = end + blank, True
             return
         if self.done:  # a second answer where one was asked for: it must not reach the next
             raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
+        if head.count(b"\n", start, end) > MAX_HEADERS:  # its lines but the status line
+            raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
+        self.head_end = end
         self.status = status
         self.headers_done = True
         if status != 200:
@@ -358,16 +399,25 @@ class _Conn(asyncio.Protocol):
 class Response:
     """Status and headers of an upstream answer; the body via read() or `async for`."""
 
-    __slots__ = ("status", "headers", "_conn", "_pool", "_on_orphan")
+    __slots__ = ("status", "_head", "_headers", "_conn", "_pool", "_on_orphan")
 
     def __init__(self, conn: _Conn, pool: Upstream, on_orphan: Orphan | None = None) -> None:
         self.status: int = conn.status
-        self.headers: list[tuple[bytes, bytes]] = conn.headers  # raw (name, value) pairs
+        # the head's bytes (the connection's are the next answer's once it is reused)
+        self._head, self._headers = (conn.head, conn.head_start, conn.head_end), conn._headers
         self._conn, self._pool, self._on_orphan = conn, pool, on_orphan
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Raw (name, value) pairs, parsed from the head on first use."""
+        if self._headers is None:
+            self._headers = head_fields(*self._head)
+        return self._headers
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of a header, matched case-insensitively."""
-        return header_value(self.headers, name, default)
+        value = head_field(*self._head, name.lower())
+        return default if value is None else value
 
     async def read(self, limit: int | None = None) -> bytes:
         """The whole body; the connection then goes back to the pool. A body past `limit` bytes
@@ -552,7 +602,11 @@ class Leg:
 
     def send(self, conn: _Conn) -> None:
         self.conn = conn
-        self.pool._prepared(conn, self.timeout, self.body_timeout, self.whole, self.first_body)
+        conn._reset()  # (as Upstream._prepared, inline: once per leg)
+        conn.whole, conn.body_timeout, conn.first_body = self.whole, self.body_timeout, self.first_body
+        conn.timeout_s, conn.answered = self.timeout, False
+        conn.deadline.arm(self.timeout)
+        conn.sent_at = conn.loop.time()
         conn.notify = self._progress
         conn.transport.write(self.data)
         self.sent = True

@@ -345,7 +345,7 @@ class _FrontConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.remote = peer[0] if isinstance(peer, (tuple, list)) and peer else None
         self.server.connections.add(self)
-        self._arm(self.server.keepalive_timeout_s)
+        self.deadline.arm(self.server.keepalive_timeout_s)
 
     @property
     def answering(self) -> bool:
@@ -397,7 +397,7 @@ class _FrontConnection(asyncio.Protocol):
                     return
                 self._hand_off(data)
                 return
-            self._arm(self.server.read_timeout_s)
+            self.deadline.arm(self.server.read_timeout_s)
         message_before = self.in_message
         try:
             self.parser.feed_data(data)
@@ -528,7 +528,7 @@ class _FrontConnection(asyncio.Protocol):
             return
         if self.queue:
             item = self.queue.pop(0)
-            self._disarm()
+            self.deadline.disarm()
             if type(item) is not FastRequest:  # refused before the handler: answered, closed
                 if isinstance(item, str):
                     self._refuse_now(*_REFUSALS[item])
@@ -554,9 +554,9 @@ class _FrontConnection(asyncio.Protocol):
             self._consume(held)
             return
         if not self.in_message:
-            self._arm(self.server.keepalive_timeout_s)
+            self.deadline.arm(self.server.keepalive_timeout_s)
         elif not self.deadline.armed:  # a request begun behind the one answered (whose answer
-            self._arm(self.server.read_timeout_s)  # stopped the timer): its read timeout from now
+            self.deadline.arm(self.server.read_timeout_s)  # stopped the timer): its read timeout from now
 
     # -- answering -------------------------------------------------------------------------
     def run(self, answer: Awaitable[Any], request: FastRequest) -> None:
@@ -718,12 +718,6 @@ class _FrontConnection(asyncio.Protocol):
             self.transport.close()
 
     # -- timers ----------------------------------------------------------------------------
-    def _arm(self, seconds: float) -> None:
-        self.deadline.arm(seconds)
-
-    def _disarm(self) -> None:
-        self.deadline.disarm()
-
     def _timed_out(self) -> None:
         if self.in_message:  # a request begun and not finished in time (slow loris)
             self._refuse_now(408, f"the request was not received within {self.server.read_timeout_s:g} s")

@@ -147,11 +147,11 @@ def leg_answer(leg: Leg, worker: Any, name: str) -> bytes:
     if leg.error is not None:
         raise _failure(worker, name, leg.error)
     conn = leg.conn
-    status, headers = conn.status, conn.headers
+    status = conn.status
     payload = leg.body()
     if status == 200:
         return payload
-    _refused_or_failed(worker, name, status, payload, header_value(headers, b"content-type"))
+    _refused_or_failed(worker, name, status, payload, header_value(conn.headers, b"content-type"))
 
 
 def opened_answer(leg: Leg, worker: Any, name: str) -> Response:
