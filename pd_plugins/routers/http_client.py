@@ -88,20 +88,31 @@ def header_value(headers: list[tuple[bytes, bytes]], name: bytes,
     return default
 
 
-def head_fields(head: bytes, start: int, end: int) -> list[tuple[bytes, bytes]]:
-    """The (name, value) pairs of the head in head[start:end] (its status line first), values
-    without the whitespace around them, as llhttp hands them over."""
+def head_end(head: bytes, start: int) -> tuple[int, int]:
+    """(where the head that begins at `start` ends, the length of its blank line)."""
+    end = head.find(b"\r\n\r\n", start)
+    if end >= 0:
+        return end, 4
+    end = head.find(b"\n\n", start)  # (a head whose lines end in LF alone)
+    return (end, 2) if end >= 0 else (len(head), 0)
+
+
+def head_fields(head: bytes, start: int) -> list[tuple[bytes, bytes]]:
+    """The (name, value) pairs of the head that begins at head[start] (its status line first),
+    values without the whitespace around them, as llhttp hands them over."""
     fields = []
-    for line in head[start:end].split(b"\n")[1:]:
+    for line in head[start:head_end(head, start)[0]].split(b"\n")[1:]:
         name, colon, value = line.partition(b":")
         if colon:
             fields.append((name, value.strip()))
     return fields
 
 
-def head_field(head: bytes, start: int, end: int, name: bytes) -> bytes | None:
-    """The first value of header `name` (lower case) in head[start:end], without parsing the
-    rest: one search (a regex over the head cost more than the rest of a leg's parsing)."""
+def head_field(head: bytes, start: int, name: bytes) -> bytes | None:
+    """The first value of header `name` (lower case) in the head that begins at head[start],
+    without parsing the rest: one search (a regex over the head cost more than the rest of a
+    leg's parsing)."""
+    end = head_end(head, start)[0]
     lowered = head[start:end].lower()
     at = lowered.find(b"\n%b:" % name)
     if at < 0:
@@ -166,7 +177,7 @@ class _Conn(asyncio.Protocol):
         self.status, self.chunks = 0, []
         # the answer's head as it came (its reads until the head ended, interim answers first):
         # headers are parsed from it only when asked for (`headers`), not one callback each
-        self.head, self.head_start, self.head_end, self._headers = b"", 0, 0, None
+        self.head, self.head_start, self._headers = b"", 0, None
         self.buffered = 0  # bytes in chunks, not yet taken by the reader
         # every byte of this answer received, and of its body: the rest (head, chunk framing,
         # trailers) is bounded (data_received)
@@ -244,24 +255,23 @@ class _Conn(asyncio.Protocol):
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The answer's raw (name, value) pairs, parsed from its head on first use."""
         if self._headers is None:
-            self._headers = head_fields(self.head, self.head_start, self.head_end)
+            self._headers = head_fields(self.head, self.head_start)
         return self._headers
 
     # -- httptools callbacks (no on_header: see `headers`) -----------------------------------
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
-        head, start = self.head, self.head_start
-        end, blank = head.find(b"\r\n\r\n", start), 4
-        if end < 0:  # (a head whose lines end in LF alone)
-            end, blank = head.find(b"\n\n", start), 2
         if status < 200:  # an interim answer (100 Continue, 103 Early Hints): the real one follows
+            end, blank = head_end(self.head, self.head_start)
             self.head_start, self.interim = end + blank, True
             return
         if self.done:  # a second answer where one was asked for: it must not reach the next
             raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
-        if head.count(b"\n", start, end) > MAX_HEADERS:  # its lines but the status line
+        head, start = self.head, self.head_start
+        # more than MAX_HEADERS lines take more bytes than most whole answers: counted only then
+        if len(head) - start > 4 * MAX_HEADERS and head.count(
+                b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:  # (the status line's not)
             raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
-        self.head_end = end
         self.status = status
         self.headers_done = True
         if status != 200:
@@ -404,7 +414,7 @@ class Response:
     def __init__(self, conn: _Conn, pool: Upstream, on_orphan: Orphan | None = None) -> None:
         self.status: int = conn.status
         # the head's bytes (the connection's are the next answer's once it is reused)
-        self._head, self._headers = (conn.head, conn.head_start, conn.head_end), conn._headers
+        self._head, self._headers = (conn.head, conn.head_start), conn._headers
         self._conn, self._pool, self._on_orphan = conn, pool, on_orphan
 
     @property

@@ -429,7 +429,7 @@ class Proxy:
         """The stream's head and first piece to the client, the rest piped to it: (the client's
         response, the relay, the decode's deadline)."""
         out = stream_response(http, {**SSE_HEADERS, "x-pd-route": header})
-        relay = SseRelay(out, http.get(MEASURED_KEY))
+        relay = SseRelay(out, http.get(MEASURED_KEY), resp)
         deadline = decode_started + self.timeouts.decode_total_s
         relay(first_chunk)
         resp.pipe(relay, self.timeouts.decode_idle_s, deadline)

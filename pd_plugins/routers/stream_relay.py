@@ -10,7 +10,9 @@ gone, or the answer is aiohttp's (its writes are coroutines). The task then writ
 (`pending`) under the client write timeout and resumes the leg.
 
 Whole events only go to the client: the rest of a piece (TCP cuts anywhere) waits for its end,
-so that an error event after a broken leg starts an event of its own.
+so that an error event after a broken leg starts an event of its own. The piece that ends the
+stream goes out with the answer's end (the chunked body's last chunk) in one write: a write to
+the client is a system call, and a short answer that arrives whole is then written once.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ MAX_HELD_EVENT = 1 << 20  # the unfinished end of a streamed piece held for the 
 class SseRelay:
     """The sink of a piped decode leg (see the module's docstring)."""
 
-    __slots__ = ("out", "measured", "fast", "events", "first_at", "last_at", "tail", "pending",
-                 "held", "gone")
+    __slots__ = ("out", "measured", "source", "fast", "events", "first_at", "last_at", "tail",
+                 "pending", "held", "gone")
 
-    def __init__(self, out: Any, measured: Any) -> None:
+    def __init__(self, out: Any, measured: Any, source: Any = None) -> None:
         self.out, self.measured = out, measured
+        # the decode leg's Response: a piece that ends it (done) goes out with the answer's end,
+        # in one write
+        self.source = source
         self.fast = isinstance(out, FastStreamResponse)  # written here; aiohttp's by the task
         self.events = 0  # whole `data:` events relayed: the tokens, and [DONE]
         self.first_at = self.last_at = time.monotonic()
@@ -55,7 +60,9 @@ class SseRelay:
             self.pending.append(piece)
             return True
         try:
-            self.held = self.out.send(piece)  # True: the client's socket is full
+            # True: the client's socket is full
+            self.held = self.out.send(piece, self.source is not None and self.source.done
+                                      and not self.tail)
         except ConnectionResetError:
             self.held = self.gone = True
         except Exception:  # noqa: BLE001 - raised here, it would be blamed on the decode worker
