@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Coroutine
 
 from pd_plugins.routers import accounting
 from pd_plugins.routers.failover import Tries
@@ -51,6 +51,7 @@ class Exchange(CallbackAnswer):
     out: Any = None  # client's response and the decode's deadline (Proxy.relay_start)
     relay: Any = None
     deadline = 0.0
+    in_task = False  # what must wait runs in the request's task (_hand_over), and has begun
 
     @classmethod
     def begin(cls, proxy: Any, http: FastRequest, request: ClientRequest, path: str) -> Any:
@@ -69,6 +70,7 @@ class Exchange(CallbackAnswer):
 
     def __init__(self, proxy: Any, http: FastRequest, tries: Tries, attempt: Attempt,
                  started: float) -> None:
+        super().__init__(http.conn)  # the connection's request is this exchange's from now on
         self.proxy, self.http, self.tries, self.attempt = proxy, http, tries, attempt
         self.started = started
 
@@ -81,8 +83,12 @@ class Exchange(CallbackAnswer):
             return
         self.prefill_charge = accounting.prefill_started(proxy.ctx, prefill, attempt.request.info)
         self.prefill_started = time.monotonic()
-        self.leg = send_leg(proxy.pools, prefill, attempt.path, proxy.flow.prefill_body(body),
-                            attempt.request_id, proxy.timeouts.prefill_s, self._prefilled)
+        try:
+            self.leg = send_leg(proxy.pools, prefill, attempt.path, proxy.flow.prefill_body(body),
+                                attempt.request_id, proxy.timeouts.prefill_s, self._prefilled)
+        except BaseException:
+            accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
+            raise
 
     def _prefilled(self, leg: Leg) -> None:
         self.leg = None
@@ -121,103 +127,133 @@ class Exchange(CallbackAnswer):
     def _decoded(self, leg: Leg) -> None:
         self.leg = None
         try:
-            self._answer(leg)
+            last = self._answer(leg)
         except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
             self._failed_on_bug()
+            return
+        if last is not None:  # (outside the guard: answer_ended() may start the next request)
+            self._send_last(*last)
 
-    def _answer(self, leg: Leg) -> None:
+    def _answer(self, leg: Leg) -> tuple | None:
+        """The decode's answer: written whole (returned: what _send_last writes), or the
+        stream's relay begun, or the attempt failed."""
         proxy, attempt, charges = self.proxy, self.attempt, self.charges
         decode, info = attempt.decision.decode, attempt.request.info
         try:
             try:
                 if info.stream:
-                    resp = opened_answer(leg, decode, "decode")
-                    payload = stream_begun(resp, decode)
+                    self.stream = opened_answer(leg, decode, "decode")  # (ours to release)
+                    payload = stream_begun(self.stream, decode)
                 else:
                     payload = json_answer(leg_answer(leg, decode, "decode"), decode)
             finally:
                 charges.first_token()
         except (RequestRefused, WorkerFailed) as exc:
+            self.stream = None  # (stream_begun released it)
             charges.ended()
             if isinstance(exc, RequestRefused) and attempt.decision.prefill is not None:
                 # the decode refused it unread: the prefill still holds the prompt's KV
                 proxy.release_later(attempt, self.decode_body, "the decode refused the request")
             self._leg_failed(exc)
-            return
-        kv, header = proxy.decode_answered(attempt, self.tries.history, charges, payload)
+            return None
+        header = proxy.decode_answered(attempt, self.tries.history, charges, payload)[1]
         self.stage = "answer"
         if not info.stream:
             proxy.finish(attempt, self.started, charges.started)
             charges.ended()
             conn = self.http.conn
-            self._send_last(conn, lambda: conn.send_whole(200, {"Content-Type": "application/json",
-                                                                "x-pd-route": header}, payload))
-            return
-        self.stream = resp
+            headers = {"Content-Type": "application/json", "x-pd-route": header}
+            return conn.drain, lambda: conn.send_whole(200, headers, payload), False
+        resp = self.stream
         self.out, self.relay, self.deadline = proxy.relay_start(self.http, resp, payload, header,
-                                                                 charges.started)
+                                                                charges.started)
         resp.notify(self._streamed)
-        self._streamed()  # (the first pieces may have ended it, or filled the client's socket)
+        return self._stream_progress()  # (the first pieces may have ended it, or filled the socket)
 
     def _streamed(self) -> None:
         """The relayed stream ended, paused (the client's socket is full) or failed."""
-        resp, relay = self.stream, self.relay
         try:
-            if resp.done and not (relay.held or relay.tail):
-                self.stream = None
-                resp.release()
-                self.proxy.stream_done(self.http, self.attempt, relay, self.started,
-                                       self.charges.started)
-                self.charges.ended()
-                out = self.out
-                self._send_last(out, lambda: out.send(b"", eof=True), quietly=True)
-            elif resp.done or resp.paused or relay.held or resp.exception is not None:
-                resp.notify(None)  # the task waits on it from now on
-                self.http.conn.run(self._rest_of_stream(), self.http)
+            last = self._stream_progress()
         except Exception:  # noqa: BLE001 - a bug: the connection is closed, never left hanging
             self._failed_on_bug()
+            return
+        if last is not None:
+            self._send_last(*last)
 
-    async def _rest_of_stream(self) -> Any:
-        proxy, attempt = self.proxy, self.attempt
-        try:
-            return await proxy.relay_rest(self.http, attempt, self.stream, self.out, self.relay,
-                                           self.deadline, self.started, self.charges.started)
-        except asyncio.CancelledError:  # the client left while the task wrote to it
-            proxy.metrics.client_gone.labels("answer", "disconnect").inc()
-            proxy.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
-            raise
-        finally:
+    def _stream_progress(self) -> tuple | None:
+        resp, relay, out = self.stream, self.relay, self.out
+        if resp.done and not (relay.held or relay.tail):
             self.stream = None
+            resp.release()
+            self.proxy.stream_done(self.http, self.attempt, relay, self.started,
+                                   self.charges.started)
             self.charges.ended()
+            return out.drained, lambda: out.send(b"", eof=True), True
+        if resp.done or resp.paused or relay.held or resp.exception is not None:
+            resp.notify(None)  # the task waits on it from now on
+            self._hand_over(self.proxy.relay_rest(self.http, self.attempt, resp, out, relay,
+                                                  self.deadline, self.started,
+                                                  self.charges.started))
+        return None
 
     # -- endings -----------------------------------------------------------------------------
-    def _send_last(self, out: Any, send: Callable[[], bool], quietly: bool = False) -> None:
+    def _send_last(self, drained: Callable[[], Awaitable[None]], send: Callable[[], bool],
+                   quietly: bool) -> None:
         """The answer's last bytes (`send()`, True if the socket is full): the connection reads
-        on, or they drain in a task first (`out.drained()`)."""
-        conn = self.http.conn
+        on, or they drain in a task first (`drained()`; `quietly`: a stream's end, as
+        Proxy.relay_rest ends one)."""
         try:
             full = send()
         except ConnectionResetError:  # the client is leaving: its connection_lost follows
             if not quietly:
                 self.proxy.metrics.client_gone.labels("answer", "disconnect").inc()
-            conn.drop()
+            self.http.conn.drop()
             return
         if full:
-            conn.run(self.proxy.drained(self.http, out, quietly), self.http)
+            self._hand_over(self.proxy.drained(self.http, drained, quietly))
         else:
-            conn.answer_ended()
+            self.http.conn.answer_ended()
 
     def _leg_failed(self, exc: RequestRefused | WorkerFailed) -> None:
         proxy, conn = self.proxy, self.http.conn
         if isinstance(exc, RequestRefused):
             conn.respond(proxy.refused(self.attempt, exc), self.http)
         elif self.tries.failed(exc):  # the next attempt, in a task (failover is rare)
-            conn.run(proxy.attempts(self.http, self.tries, self.started), self.http)
+            self.stage = "prefill"  # (what a client that leaves before it begins is counted at)
+            self._hand_over(proxy.attempts(self.http, self.tries, self.started),
+                            counts_itself=True)
         else:
             conn.respond(self.tries.given_up(), self.http)
 
+    def _hand_over(self, rest: Coroutine, counts_itself: bool = False) -> None:
+        """The rest of the request in its task (`rest`; `counts_itself`: it counts a client
+        that leaves, as Proxy.attempts does). What the exchange still holds is released when the
+        task ends, however it ends, even cancelled before it began (the client left first)."""
+        inner = self._in_task(rest, counts_itself)
+        task = self.http.conn.run(inner, self.http)
+        task.add_done_callback(lambda task: self._task_ended(inner, rest))
+
+    async def _in_task(self, rest: Coroutine, counts_itself: bool) -> Any:
+        self.in_task = True
+        try:
+            return await rest
+        except asyncio.CancelledError:  # the client left while the task waited
+            if not counts_itself:
+                self.proxy.client_left(self.attempt.decision, self.stage)
+            raise
+        finally:
+            self._close_legs()
+
+    def _task_ended(self, inner: Coroutine, rest: Coroutine) -> None:
+        if not self.in_task:  # cancelled before its first step: the client left meanwhile
+            inner.close()  # (neither ever ran)
+            rest.close()
+            self._close_legs()
+            self.proxy.client_left(self.attempt.decision, self.stage)
+
     def _close_legs(self) -> None:
-        """Close what this request holds: the leg in flight, a stream, the books' charges."""
+        """Close what this request holds: the leg in flight, a stream, the books' charges
+        (each once: a second call finds nothing)."""
         attempt = self.attempt
         leg, self.leg = self.leg, None
         if leg is not None:
@@ -236,9 +272,7 @@ class Exchange(CallbackAnswer):
 
     def client_gone(self) -> None:
         self._close_legs()
-        metrics = self.proxy.metrics
-        metrics.client_gone.labels(self.stage, "disconnect").inc()
-        metrics.requests.labels(self.attempt.decision.label, "client_gone").inc()
+        self.proxy.client_left(self.attempt.decision, self.stage)
 
     def _failed_on_bug(self) -> None:
         try:

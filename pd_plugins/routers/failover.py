@@ -8,7 +8,7 @@ it is the only one left, always with a fresh prefill (the old one's KV may be go
 streaming has begun there is no retry: the stream ends with an error event (proxy.py).
 
 One `Tries` per request, kept by whoever runs its attempts: the proxy's coroutine
-(`Proxy._attempts`) or the callbacks that serve the first attempt (exchange.py), which hand it
+(`Proxy.attempts`) or the callbacks that serve the first attempt (exchange.py), which hand it
 over to the coroutine when an attempt fails.
 """
 

@@ -90,11 +90,10 @@ def header_value(headers: list[tuple[bytes, bytes]], name: bytes,
 
 def head_end(head: bytes, start: int) -> tuple[int, int]:
     """(where the head that begins at `start` ends, the length of its blank line)."""
-    end = head.find(b"\r\n\r\n", start)
-    if end >= 0:
-        return end, 4
-    end = head.find(b"\n\n", start)  # (a head whose lines end in LF alone)
-    return (end, 2) if end >= 0 else (len(head), 0)
+    crlf, lf = head.find(b"\r\n\r\n", start), head.find(b"\n\n", start)  # (LF alone: allowed)
+    if lf >= 0 and (crlf < 0 or lf < crlf):  # the first blank line (the body may hold others)
+        return lf, 2
+    return (crlf, 4) if crlf >= 0 else (len(head), 0)
 
 
 def head_fields(head: bytes, start: int) -> list[tuple[bytes, bytes]]:
@@ -268,8 +267,9 @@ class _Conn(asyncio.Protocol):
         if self.done:  # a second answer where one was asked for: it must not reach the next
             raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
         head, start = self.head, self.head_start
-        # more than MAX_HEADERS lines take more bytes than most whole answers: counted only then
-        if len(head) - start > 4 * MAX_HEADERS and head.count(
+        # more than MAX_HEADERS lines (3 bytes at least each) take more bytes than most whole
+        # answers: counted only then
+        if len(head) - start > 3 * MAX_HEADERS and head.count(
                 b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:  # (the status line's not)
             raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
         self.status = status
@@ -612,11 +612,7 @@ class Leg:
 
     def send(self, conn: _Conn) -> None:
         self.conn = conn
-        conn._reset()  # (as Upstream._prepared, inline: once per leg)
-        conn.whole, conn.body_timeout, conn.first_body = self.whole, self.body_timeout, self.first_body
-        conn.timeout_s, conn.answered = self.timeout, False
-        conn.deadline.arm(self.timeout)
-        conn.sent_at = conn.loop.time()
+        self.pool._prepared(conn, self.timeout, self.body_timeout, self.whole, self.first_body)
         conn.notify = self._progress
         conn.transport.write(self.data)
         self.sent = True
@@ -624,23 +620,27 @@ class Leg:
     def _progress(self) -> None:
         conn = self.conn
         error = conn.exc
-        if error is None:
-            if not conn.ready():
-                return
-            if conn.status != 200 and not conn.done:  # an error answer: its reason comes whole
-                conn.whole = True  # (bounded: MAX_ERROR_BYTES)
-                return
-        conn.notify = None  # this leg's answer is its caller's from now on
-        if isinstance(error, _Stale):
+        if conn.ready():
+            # in as far as asked for: an answer, whatever failed after it (as _sent() returns it)
+            if conn.status != 200 and not conn.done:
+                if error is None:  # an error answer: its reason comes whole (MAX_ERROR_BYTES)
+                    conn.whole = True
+                    return
+                conn.chunks = []  # its body failed: its status says which
+            error = None
+        elif error is None:
+            return
+        elif isinstance(error, _Stale):
+            conn.notify = None
             conn.abort()
             if not self.retried:
                 self.retried, self.sent, self.conn = True, False, None
                 self.connect()
                 return
             error = UpstreamError("upstream closed the connection twice")
-        elif (error is not None and conn.whole and conn.headers_done and conn.status != 200
-              and isinstance(error, UpstreamError)):
-            conn.chunks, error = [], None  # an error answer whose body failed: its status says
+        elif conn.headers_done and conn.status != 200:  # an error answer whose body failed
+            conn.chunks, error = [], None
+        conn.notify = None  # this leg's answer is its caller's from now on
         self.error = error
         self.on_answer(self)
 
@@ -701,11 +701,8 @@ class Upstream:
         conn.deadline.disarm()
         # (the reader's sink and callback, and what they reference, are not held until reused)
         conn.sink = conn.notify = None
-        if (conn.done and not (conn.closed or conn.paused) and conn.exc is None
-                and len(self._idle) < self.max_idle and not self.closed):
-            conn.reused = conn.idle = True  # (as _put)
-            conn.idle_since = conn.loop.time()
-            self._idle.append(conn)
+        if conn.done and not (conn.closed or conn.paused) and conn.exc is None:
+            self._put(conn)
         else:
             conn.abort()
 

@@ -26,6 +26,11 @@ to its AppRunner), and `max_connections` client connections open at once, those 
 aiohttp included (one more is answered 503 and closed at once). A client that
 disconnects cancels its handler (the proxy closes both legs); writes wait for the socket to drain
 (flow control), so a client that does not read holds back its own answer, never the router.
+
+The handler is called as soon as a request is read. It returns an awaitable, run in the request's
+task, or a CallbackAnswer (the proxy's exchange.py), which answers from callbacks: it writes
+through the connection, ends with answer_ended(), or hands what must wait to a task with run();
+a client that disconnects meanwhile is its client_gone().
 """
 
 from __future__ import annotations
@@ -185,8 +190,8 @@ class FastStreamResponse:
     def send(self, data: bytes, eof: bool = False) -> bool:
         """Hand `data` (and the end, if `eof`) to the socket without waiting; True if the socket
         is full and the caller should await drained() before writing more."""
-        if self._ended:
-            return False
+        if self._ended:  # (whether what was written still waits for the client)
+            return self._conn.write_paused
         self._prepare()
         if data and self._chunked:
             data = b"%x\r\n%b\r\n" % (len(data), data)
@@ -244,11 +249,18 @@ def stream_response(request: Any, headers: dict[str, str]) -> FastStreamResponse
 
 
 class CallbackAnswer:
-    """A request answered from callbacks, not by a task (the proxy's exchange.py): the handler
-    returns it and it writes the answer through the connection (FastStreamResponse, respond()),
-    then calls the connection's answer_ended(), or hands the rest to a task with run()."""
+    """A request answered from callbacks, not by a task (the proxy's exchange.py). Made by the
+    handler, which returns it, it takes the connection's request at once (before anything of it
+    can end) and owns it until it gives it back: it writes the answer through the connection
+    (a FastStreamResponse, or send_whole() or respond() for a whole answer) and then calls
+    answer_ended(); or it hands what must wait to a task with run(), which owns the rest
+    (client_gone is no longer called: the task is cancelled instead); or it gives up with drop()
+    (the client is leaving) or answer_failed() (a bug: 500, or the connection closed)."""
 
     __slots__ = ()
+
+    def __init__(self, conn: _FrontConnection) -> None:
+        conn.callbacks = self
 
     def client_gone(self) -> None:
         """The client's connection closed before the answer ended."""
@@ -542,9 +554,7 @@ class _FrontConnection(asyncio.Protocol):
                 answer = self.server.handler(item)  # (authorized at its headers)
             except Exception as exc:  # noqa: BLE001 - _answer logs it and answers 500
                 answer = _raise(exc)
-            if isinstance(answer, CallbackAnswer):
-                self.callbacks = answer
-            else:
+            if not isinstance(answer, CallbackAnswer):  # (one took the request itself)
                 self.run(answer, item)
             return
         if self.held:  # what the client sent meanwhile: read at a request boundary
@@ -559,11 +569,12 @@ class _FrontConnection(asyncio.Protocol):
             self.deadline.arm(self.server.read_timeout_s)  # stopped the timer): its read timeout from now
 
     # -- answering -------------------------------------------------------------------------
-    def run(self, answer: Awaitable[Any], request: FastRequest) -> None:
+    def run(self, answer: Awaitable[Any], request: FastRequest) -> asyncio.Task:
         """Answer the request in a task: `answer` gives the response (a CallbackAnswer hands the
         rest of its answer over this way when it must wait on something)."""
         self.callbacks = None
         self.task = self.loop.create_task(self._answer(request, answer))
+        return self.task
 
     def answer_ended(self) -> None:
         """A CallbackAnswer has handed its answer's last byte to the socket: the connection
@@ -583,7 +594,7 @@ class _FrontConnection(asyncio.Protocol):
             return
         self.response_ended()
         if self.write_paused:
-            self.run(self.drain(), request)
+            self.run(self.drain(), request)  # (as _send: the socket's flow control)
         else:
             self.answer_ended()
 
@@ -684,8 +695,6 @@ class _FrontConnection(asyncio.Protocol):
             await self.drain_waiter
         finally:
             self.drain_waiter = None
-
-    drained = drain  # (as FastStreamResponse's: what Proxy.drained waits on)
 
     def response_ended(self) -> None:
         self.ended = True

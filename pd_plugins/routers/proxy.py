@@ -3,7 +3,7 @@
 The attempts and their failover rules are failover.py's; every leg has a timeout. A request the
 front server read, on a flow whose legs follow one another (vLLM pull, the pools), is served from
 the connections' callbacks (exchange.py) until something must wait; the rest runs here, in the
-request's task"""
+request's task."""
 
 from __future__ import annotations
 
@@ -169,8 +169,7 @@ class Proxy:
                 return await self._run(http, attempt, started, tries.history)
             except asyncio.CancelledError:
                 # The client disconnected (aiohttp cancels the handler): _run closed the legs.
-                self.metrics.client_gone.labels(http.get(STAGE_KEY, "prefill"), "disconnect").inc()
-                self.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
+                self.client_left(attempt.decision, http.get(STAGE_KEY, "prefill"))
                 raise
             except RequestRefused as refused:
                 return self.refused(attempt, refused)
@@ -475,8 +474,7 @@ class Proxy:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             # the client left; releasing resp closes the leg and aborts the decode
             _measured_end(http, attempt.decision.label, 499)
-            self.metrics.client_gone.labels("answer", "disconnect").inc()
-            self.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
+            self.client_left(attempt.decision, "answer")
             return out
         finally:
             resp.release()
@@ -547,13 +545,14 @@ class Proxy:
             self.metrics.client_gone.labels("answer", "disconnect").inc()
         return out
 
-    async def drained(self, http: Any, out: Any, quietly: bool = False) -> None:
-        """An answer's last bytes handed to a full socket (exchange.py; `out`: what has them,
-        its drained() waits): they drain within client_write_s, or the client is dropped as
-        _send_whole drops it (`quietly`: as a stream's end, _write_quietly)."""
+    async def drained(self, http: Any, drained: Callable[[], Awaitable[None]],
+                      quietly: bool = False) -> None:
+        """An answer's last bytes handed to a full socket (exchange.py; `drained()` waits for
+        it): they drain within client_write_s, or the client is dropped as _send_whole drops it
+        (`quietly`: as a stream's end, _write_quietly)."""
         try:
             async with asyncio.timeout(self.timeouts.client_write_s):
-                await out.drained()
+                await drained()
         except TimeoutError:
             if not quietly:
                 self._client_too_slow(http, None)
@@ -563,13 +562,19 @@ class Proxy:
 
     def _client_too_slow(self, http: web.Request, attempt: Attempt | None) -> None:
         """Drop a client that does not read its answer: the client's fault, not the worker's."""
-        self.metrics.client_gone.labels("answer", "write_timeout").inc()
         if attempt is not None:
-            self.metrics.requests.labels(attempt.decision.label, "client_gone").inc()
+            self.client_left(attempt.decision, "answer", "write_timeout")
+        else:  # (its answer was whole, and counted)
+            self.metrics.client_gone.labels("answer", "write_timeout").inc()
         log.warning("client %s did not read its answer within %g s: connection closed",
                     http.remote, self.timeouts.client_write_s)
         if http.transport is not None:
             http.transport.abort()
+
+    def client_left(self, decision: Decision, stage: str, how: str = "disconnect") -> None:
+        """A client that left (or was dropped) before its answer ended, counted at its stage."""
+        self.metrics.client_gone.labels(stage, how).inc()
+        self.metrics.requests.labels(decision.label, "client_gone").inc()
 
     def finish(self, attempt: Attempt, started: float, decode_started: float) -> None:
         now = time.monotonic()

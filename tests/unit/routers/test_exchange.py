@@ -231,3 +231,128 @@ def test_a_streamed_answer_is_relayed_to_its_end_with_no_task():
                           outcome="ok") == 3
             writer.close()
     asyncio.run(main())
+
+
+class HeldStream(Scripted):
+    """A decode that sends its stream's head and first event, then holds the rest until
+    `release` is set; `closed` is set when the router closes the leg's connection."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.release, self.closed = asyncio.Event(), asyncio.Event()
+
+    async def start(self) -> str:
+        async def serve(reader, writer):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            self.bodies.append(json.loads(await reader.readexactly(length)))
+            event = b"data: {\"n\": 0}\n\n"
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n" % (len(event), event))
+            await asyncio.wait([asyncio.ensure_future(self.release.wait()),
+                                asyncio.ensure_future(reader.read())],
+                               return_when=asyncio.FIRST_COMPLETED)
+            if await_closed(reader):
+                self.closed.set()
+            writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+def await_closed(reader) -> bool:
+    return reader.at_eof()
+
+
+@contextlib.asynccontextmanager
+async def held_stream_router():
+    """pd_router with a HeldStream decode: (port, router, decode)."""
+    decode = HeldStream()
+    prefill = Scripted(prefill_answers)
+    router = Router(config_from_args(build_parser().parse_args(
+        ["--prefill", await prefill.start(), "--decode", await decode.start(),
+         "--policy", "round_robin"])))
+    group = router._only_group()
+    pools = Pools(1.0)
+    await group.start(router.metrics, pools, {}, None)
+    for worker in group.pool:
+        worker.healthy = True
+    front = FrontServer(router.answer, lambda: None, max_body=1 << 20)
+    front.fallback.connections = []
+    listener = await asyncio.get_running_loop().create_server(front, "127.0.0.1", 0)
+    try:
+        yield listener.sockets[0].getsockname()[1], router, decode, front
+    finally:
+        decode.release.set()
+        listener.close()
+        await front.shutdown(1.0)
+        await group.proxy.aclose()
+        await pools.close()
+        prefill.server.close()
+        decode.server.close()
+
+
+def test_a_client_leaving_mid_stream_closes_the_decode_leg_and_is_counted():
+    async def main():
+        async with held_stream_router() as (port, router, decode, front):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 9,
+                                        "stream": True}))
+            got = b""
+            while b"data:" not in got:
+                got += await reader.read(65536)
+            writer.close()  # mid-stream
+            await asyncio.wait_for(decode.closed.wait(), 5)  # the leg closed: the engine aborts
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_client_gone_total", stage="answer",
+                          how="disconnect") == 1
+            assert sample(metrics, "pd_router_requests_total", outcome="client_gone") == 1
+            assert sample(metrics, "pd_router_worker_in_flight") == 0
+    asyncio.run(main())
+
+
+def test_a_client_gone_before_a_handed_over_task_began_releases_what_the_exchange_held():
+    # the race of a relay that must hand over to a task (the client's socket full) just as the
+    # client's connection is lost: the task is cancelled before its first step, so none of its
+    # own cleanup runs; the exchange's must (the decode leg closed, the charges ended, counted)
+    async def main():
+        async with held_stream_router() as (port, router, decode, front):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 9,
+                                        "stream": True}))
+            got = b""
+            while b"data:" not in got:
+                got += await reader.read(65536)
+            [conn] = front.connections
+            exchange = conn.callbacks
+            exchange.relay.held = True  # as if the client's socket had filled
+            exchange._streamed()  # hands the relay over to a task ...
+            assert conn.task is not None and conn.callbacks is None
+            conn.connection_lost(None)  # ... which the client's leaving cancels before it began
+            await asyncio.wait_for(decode.closed.wait(), 5)
+            await asyncio.sleep(0)
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_client_gone_total", stage="answer") == 1
+            assert sample(metrics, "pd_router_worker_in_flight") == 0
+            writer.close()
+    asyncio.run(main())
+
+
+def test_a_decode_refusing_the_request_is_passed_on_and_the_prefills_kv_released():
+    async def main():
+        answers = (lambda n, body: http_answer(b'{"error": "too long"}', 400) if n == 0
+                   else http_answer(ANSWER))
+        async with pd_router(answers) as (port, router, prefill, decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            status, head, answer = await read_answer(reader)
+            assert (status, answer) == (400, b'{"error": "too long"}')
+            for _ in range(100):  # the one-token leg that reads (and frees) the prefill's KV
+                await asyncio.sleep(0.02)
+                if len(decode.bodies) == 2:
+                    break
+            release = decode.bodies[1]
+            assert release["max_tokens"] == 1 and release["kv_transfer_params"] == PARAMS
+            assert len(prefill.bodies) == 1  # no retry: another worker would refuse it too
+            writer.close()
+    asyncio.run(main())

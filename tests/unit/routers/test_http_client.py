@@ -805,3 +805,14 @@ def test_a_leg_cancelled_while_its_connection_opens_sends_nothing():
             await asyncio.sleep(0.2)
             assert called == [] and server.requests == 0 and not leg.sent
     asyncio.run(main())
+
+
+def test_a_leg_answer_complete_before_bytes_past_its_end_is_the_answer():
+    # as exchange() returns it: the answer is whole; the connection is dropped, not pooled
+    async def main():
+        server = RawServer(lambda n: ok(b"ONE") + b"garbage after the end")
+        async with server as up:
+            leg = await leg_answer(up, whole=True)
+            assert leg.error is None and leg.conn.status == 200 and leg.body() == b"ONE"
+            assert not up._idle
+    asyncio.run(main())

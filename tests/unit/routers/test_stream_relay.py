@@ -188,3 +188,28 @@ def test_a_stream_that_stalls_ends_with_an_error_event_after_its_whole_events(mo
     sent = unchunked(client.sent)
     assert sent.startswith(b"data: 0\n\ndata: 1\n\ndata: {") and b"mid-stream" in sent
     assert worker.consecutive_failures == 1 and kept == 0 and 0.25 < took < 2
+
+
+class Done:
+    """A decode leg's Response as the relay reads it: whether the stream has ended."""
+
+    done = False
+
+
+def test_the_piece_that_ends_a_stream_goes_out_with_its_end_in_one_write():
+    conn, source = ClientConnection(), Done()
+    relay = SseRelay(FastStreamResponse(conn, {}), measured=None, source=source)
+    relay(b"data: 1\n\n")
+    source.done = True
+    relay(b"data: [DONE]\n\n")
+    assert conn.sent[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n") and len(conn.sent) == 2
+
+
+def test_an_ended_answer_still_says_whether_its_bytes_wait_for_the_client():
+    # a stream's last write filled the socket: the caller's wait for it to drain (under
+    # client_write_s) must still see it, not an answer that looks written
+    conn = ClientConnection()
+    out = FastStreamResponse(conn, {})
+    assert out.send(b"data: [DONE]\n\n", eof=True) is False
+    conn.write_paused = True
+    assert out.send(b"") is True and out.send(b"", eof=True) is True
