@@ -55,10 +55,11 @@ def prefill_answers(n, body):
 
 
 @contextlib.asynccontextmanager
-async def pd_router(decode_answer, *args):
-    """A Router (vLLM pull) in front of a scripted prefill and decode: (port, router, prefill,
-    decode)."""
-    prefill, decode = Scripted(prefill_answers), Scripted(decode_answer)
+async def pd_router(decode_answer, *args, decode: Scripted | None = None, front_of=None):
+    """A Router (vLLM pull) in front of a scripted prefill and decode (`decode_answer`'s, or
+    `decode` itself): (port, router, prefill, decode); `front_of`: a list given the front
+    server."""
+    prefill, decode = Scripted(prefill_answers), decode or Scripted(decode_answer)
     router = Router(config_from_args(build_parser().parse_args(
         ["--prefill", await prefill.start(), "--decode", await decode.start(),
          "--policy", "round_robin", *args])))
@@ -69,10 +70,14 @@ async def pd_router(decode_answer, *args):
         worker.healthy = True
     front = FrontServer(router.answer, lambda: None, max_body=1 << 20)
     front.fallback.connections = []  # (no aiohttp side here)
+    if front_of is not None:
+        front_of.append(front)
     listener = await asyncio.get_running_loop().create_server(front, "127.0.0.1", 0)
     try:
         yield listener.sockets[0].getsockname()[1], router, prefill, decode
     finally:
+        if isinstance(decode, HeldStream):
+            decode.release.set()
         listener.close()
         await front.shutdown(1.0)
         await group.proxy.aclose()
@@ -264,43 +269,20 @@ def await_closed(reader) -> bool:
     return reader.at_eof()
 
 
-@contextlib.asynccontextmanager
-async def held_stream_router():
-    """pd_router with a HeldStream decode: (port, router, decode)."""
-    decode = HeldStream()
-    prefill = Scripted(prefill_answers)
-    router = Router(config_from_args(build_parser().parse_args(
-        ["--prefill", await prefill.start(), "--decode", await decode.start(),
-         "--policy", "round_robin"])))
-    group = router._only_group()
-    pools = Pools(1.0)
-    await group.start(router.metrics, pools, {}, None)
-    for worker in group.pool:
-        worker.healthy = True
-    front = FrontServer(router.answer, lambda: None, max_body=1 << 20)
-    front.fallback.connections = []
-    listener = await asyncio.get_running_loop().create_server(front, "127.0.0.1", 0)
-    try:
-        yield listener.sockets[0].getsockname()[1], router, decode, front
-    finally:
-        decode.release.set()
-        listener.close()
-        await front.shutdown(1.0)
-        await group.proxy.aclose()
-        await pools.close()
-        prefill.server.close()
-        decode.server.close()
+async def streaming(port: int):
+    """A streamed request on a new connection, read up to its first event: (reader, writer)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 9, "stream": True}))
+    got = b""
+    while b"data:" not in got:
+        got += await reader.read(65536)
+    return reader, writer
 
 
 def test_a_client_leaving_mid_stream_closes_the_decode_leg_and_is_counted():
     async def main():
-        async with held_stream_router() as (port, router, decode, front):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 9,
-                                        "stream": True}))
-            got = b""
-            while b"data:" not in got:
-                got += await reader.read(65536)
+        async with pd_router(None, decode=HeldStream()) as (port, router, prefill, decode):
+            reader, writer = await streaming(port)
             writer.close()  # mid-stream
             await asyncio.wait_for(decode.closed.wait(), 5)  # the leg closed: the engine aborts
             metrics = router.metrics.exposition().decode()
@@ -316,14 +298,11 @@ def test_a_client_gone_before_a_handed_over_task_began_releases_what_the_exchang
     # client's connection is lost: the task is cancelled before its first step, so none of its
     # own cleanup runs; the exchange's must (the decode leg closed, the charges ended, counted)
     async def main():
-        async with held_stream_router() as (port, router, decode, front):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 9,
-                                        "stream": True}))
-            got = b""
-            while b"data:" not in got:
-                got += await reader.read(65536)
-            [conn] = front.connections
+        fronts = []
+        async with pd_router(None, decode=HeldStream(), front_of=fronts) as (port, router, prefill,
+                                                                              decode):
+            reader, writer = await streaming(port)
+            [conn] = fronts[0].connections
             exchange = conn.callbacks
             exchange.relay.held = True  # as if the client's socket had filled
             exchange._streamed()  # hands the relay over to a task ...
