@@ -462,8 +462,7 @@ class Response:
             if conn.done:
                 return b""
             await conn.wait()
-        chunks = conn.take()
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return self.arrived()
 
     def arrived(self) -> bytes:
         """Everything of the body that has arrived, now (b"" if nothing has)."""

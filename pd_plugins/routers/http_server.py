@@ -49,8 +49,8 @@ from pd_plugins.routers.errors import error_body, error_response
 
 log = logging.getLogger("pd_router.http")
 
-__all__ = ["CallbackAnswer", "FrontServer", "FastRequest", "FastStreamResponse", "answered", "body_too_slow", "header_map",
-           "read_body", "stream_response"]
+__all__ = ["CallbackAnswer", "FrontServer", "FastRequest", "FastStreamResponse", "answered",
+           "body_too_slow", "header_map", "read_body", "stream_response"]
 
 # The request lines served here (the path may carry a query string, as aiohttp's routes allow).
 HOT_REQUEST_LINE = re.compile(rb"POST /v1/(?:chat/)?completions[ ?]")
@@ -361,6 +361,7 @@ class _FrontConnection(asyncio.Protocol):
 
     @property
     def answering(self) -> bool:
+        """A request is being answered, by a task or from callbacks."""
         return self.task is not None or self.callbacks is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -389,7 +390,7 @@ class _FrontConnection(asyncio.Protocol):
             waiter.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self.task is not None or self.callbacks is not None or self.queue:  # answering: the next request waits its turn
+        if self.answering or self.queue:  # answering: the next request waits its turn
             self.held.append(data)
             if self.transport is not None:
                 self.transport.pause_reading()
@@ -536,7 +537,7 @@ class _FrontConnection(asyncio.Protocol):
 
     def _next(self) -> None:
         """Start answering the next queued request, or go back to reading."""
-        if self.task is not None or self.callbacks is not None or self.closed:
+        if self.answering or self.closed:
             return
         if self.queue:
             item = self.queue.pop(0)

@@ -268,9 +268,8 @@ class Proxy:
                     measured.kv = kv
                 return await self._send_whole(http, payload, {"Content-Type": "application/json",
                                                               "x-pd-route": header})
-            out, relay, deadline = self.relay_start(http, resp, payload, header, charges.started)
-            return await self.relay_rest(http, attempt, resp, out, relay, deadline, started,
-                                          charges.started)
+            return await self._relay_stream(http, attempt, resp, payload, header, started,
+                                            charges.started)
         finally:
             charges.ended()
 
