@@ -104,7 +104,7 @@ class Front(RequestReader):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers: dict[bytes, bytes] = {}
         self.deadline.arm(KEEPALIVE_S)
 
     def data_received(self, data: bytes) -> None:
@@ -112,11 +112,11 @@ class Front(RequestReader):
         super().data_received(data)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
+        self.headers.setdefault(name, value)
 
     def on_message_complete(self) -> None:
         self.deadline.disarm()  # armed again when the answer is written (keep-alive)
-        self.request_headers, self.headers = self.headers, []
+        self.request_headers, self.headers = self.headers, {}
         super().on_message_complete()
 
     def on_get(self, url: bytes) -> bytes:

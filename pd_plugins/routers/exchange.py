@@ -39,6 +39,10 @@ from pd_plugins.routers.upstream import (RequestRefused, WorkerFailed, json_answ
                                         opened_answer, send_leg, stream_begun)
 
 
+# a whole answer's headers (http_server.header_lines of Content-Type and the route header)
+JSON_HEAD = b"Content-Type: application/json\r\nx-pd-route: %b\r\n"
+
+
 class Exchange(CallbackAnswer):
     # (no __slots__: what a request sets only at some stage is a class default until then)
     stage = "prefill"  # then decode, then answer (client_gone's label)
@@ -162,7 +166,7 @@ class Exchange(CallbackAnswer):
             proxy.finish(attempt, self.started, charges.started)
             charges.ended()
             conn = self.http.conn
-            headers = {"Content-Type": "application/json", "x-pd-route": header}
+            headers = JSON_HEAD % header.encode("latin-1", "replace")
             return conn.drain, lambda: conn.send_whole(200, headers, payload), False
         resp = self.stream
         self.out, self.relay, self.deadline = proxy.relay_start(self.http, resp, payload, header,

@@ -169,10 +169,12 @@ class _Conn(asyncio.Protocol):
         self.paused = self.interim = False
         self.exc: BaseException | None = None
         self.waiter: asyncio.Future | None = None
-        self._reset()
+        self.start(None, None, False, False)
 
-    def _reset(self) -> None:
-        """Ready for the next answer (see __init__ for what needs no reset)."""
+    def start(self, timeout: float | None, body_timeout: float | None, whole: bool,
+              first_body: bool) -> None:
+        """Ready for a request's answer (see __init__ for what needs no reset), its timeout
+        armed (None: none). One call per leg, so it does what helpers would do in several."""
         self.status, self.chunks = 0, []
         # the answer's head as it came (its reads until the head ended, interim answers first):
         # headers are parsed from it only when asked for (`headers`), not one callback each
@@ -183,6 +185,13 @@ class _Conn(asyncio.Protocol):
         self.received = self.body_bytes = 0
         self.limit = MAX_ANSWER_BYTES  # exchange(): what the answer's body may reach
         self.got_bytes = self.headers_done = self.done = False
+        self.whole, self.body_timeout, self.first_body = whole, body_timeout, first_body
+        if timeout is not None:
+            self.timeout_s, self.answered = timeout, False
+            self.deadline.arm(timeout)
+        else:
+            self.deadline.disarm()
+        self.sent_at = self.loop.time()
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -192,45 +201,40 @@ class _Conn(asyncio.Protocol):
         if self.idle:  # bytes nobody asked for would prefix the next answer: drop the connection
             self.abort()
             return
-        self.in_read = True
+        self.in_read = self.got_bytes = True
+        self.received += len(data)
         try:
-            self._read(data)
+            if not self.headers_done:
+                self.head += data  # (bounded below with the head: MAX_HEAD_BYTES)
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError as exc:
+                if self.sink is not None and self.chunks:  # the body before the error goes on
+                    self._feed_sink()
+                cause = exc.__context__  # what a callback raised (past a limit)
+                self.fail(cause if isinstance(cause, UpstreamError) else
+                          UpstreamError(f"bad HTTP response: {exc}"))
+            except httptools.HttpParserUpgrade:
+                self.fail(UpstreamError("the worker switched protocols (HTTP 101)"))
+            else:
+                # all but the body: the head until it ends, then chunk framing and trailers,
+                # which a body of real pieces keeps well under half its size
+                if not self.headers_done and self.head.count(b"\n", self.head_start) > MAX_HEADERS + 1:
+                    self.fail(UpstreamError(f"answer with more than {MAX_HEADERS} headers"))
+                elif self.received - self.body_bytes > MAX_HEAD_BYTES + (self.body_bytes >> 1) \
+                        and self.exc is None:
+                    self.fail(UpstreamError(f"answer's head, chunk framing or trailers larger than "
+                                            f"{MAX_HEAD_BYTES} bytes" if not self.headers_done else
+                                            "answer's chunk framing or trailers out of proportion "
+                                            "to its body"))
+                elif self.sink is not None and self.chunks:
+                    self._feed_sink()
         finally:
             self.in_read = False
         if self.notify_due:  # last: the callee may reuse this connection for its next request
             self.notify_due = False
             if self.notify is not None:
                 self.notify()
-
-    def _read(self, data: bytes) -> None:
-        self.got_bytes = True
-        self.received += len(data)
-        if not self.headers_done:
-            self.head += data  # (bounded below with the head: MAX_HEAD_BYTES)
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            if self.sink is not None and self.chunks:  # the body before the error goes on
-                self._feed_sink()
-            cause = exc.__context__  # what a callback raised (past a limit)
-            self.fail(cause if isinstance(cause, UpstreamError) else
-                      UpstreamError(f"bad HTTP response: {exc}"))
-            return
-        except httptools.HttpParserUpgrade:
-            self.fail(UpstreamError("the worker switched protocols (HTTP 101)"))
-            return
-        # all but the body: the head until it ends, then chunk framing and trailers, which a body
-        # of real pieces keeps well under half its size
-        if not self.headers_done and self.head.count(b"\n", self.head_start) > MAX_HEADERS + 1:
-            self.fail(UpstreamError(f"answer with more than {MAX_HEADERS} headers"))
-        elif self.received - self.body_bytes > MAX_HEAD_BYTES + (self.body_bytes >> 1) \
-                and self.exc is None:
-            self.fail(UpstreamError(f"answer's head, chunk framing or trailers larger than "
-                                    f"{MAX_HEAD_BYTES} bytes" if not self.headers_done else
-                                    "answer's chunk framing or trailers out of proportion "
-                                    "to its body"))
-        elif self.sink is not None and self.chunks:
-            self._feed_sink()
 
     def eof_received(self) -> None:
         # httptools has no feed_eof: a body with neither Content-Length nor chunked framing
@@ -267,10 +271,10 @@ class _Conn(asyncio.Protocol):
         if self.done:  # a second answer where one was asked for: it must not reach the next
             raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
         head, start = self.head, self.head_start
-        # more than MAX_HEADERS lines (3 bytes at least each) take more bytes than most whole
-        # answers: counted only then
-        if len(head) - start > 3 * MAX_HEADERS and head.count(
-                b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:  # (the status line's not)
+        # the head's lines counted only if what was read holds that many (a body's JSON has
+        # next to none): the status line's is counted, the last header's is the blank line's
+        if head.count(b"\n", start) > MAX_HEADERS and head.count(
+                b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:
             raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
         self.status = status
         self.headers_done = True
@@ -611,7 +615,7 @@ class Leg:
 
     def send(self, conn: _Conn) -> None:
         self.conn = conn
-        self.pool._prepared(conn, self.timeout, self.body_timeout, self.whole, self.first_body)
+        conn.start(self.timeout, self.body_timeout, self.whole, self.first_body)
         conn.notify = self._progress
         conn.transport.write(self.data)
         self.sent = True
@@ -700,10 +704,10 @@ class Upstream:
         conn.deadline.disarm()
         # (the reader's sink and callback, and what they reference, are not held until reused)
         conn.sink = conn.notify = None
-        if conn.done and not (conn.closed or conn.paused) and conn.exc is None:
-            self._put(conn)
-        else:
+        if not conn.done or conn.closed or conn.paused or conn.exc is not None:
             conn.abort()
+        else:
+            self._put(conn)
 
     def _put(self, conn: _Conn) -> None:
         if len(self._idle) < self.max_idle and not self.closed:
@@ -782,17 +786,6 @@ class Upstream:
             leg.send(conn)
         return leg
 
-    def _prepared(self, conn: _Conn, timeout: float | None, body_timeout: float | None,
-                  whole: bool, first_body: bool) -> None:
-        """A connection made ready for a request's answer, its timeout armed."""
-        conn._reset()
-        conn.whole, conn.body_timeout, conn.first_body = whole, body_timeout, first_body
-        if timeout is not None:
-            conn.arm(timeout, answered=False)
-        else:
-            conn.deadline.disarm()
-        conn.sent_at = conn.loop.time()
-
     async def _sent(self, data: bytes, timeout: float | None,
                     on_sent: Callable[[], None] | None, on_orphan: Orphan | None,
                     body_timeout: float | None = None, whole: bool = False,
@@ -801,7 +794,7 @@ class Upstream:
         answer) are in. A reused connection that the server had closed is replaced once."""
         for attempt in (0, 1):
             conn = self._idle_conn() or await self._connect()
-            self._prepared(conn, timeout, body_timeout, whole, first_body)
+            conn.start(timeout, body_timeout, whole, first_body)
             try:
                 conn.transport.write(data)
                 if on_sent is not None:

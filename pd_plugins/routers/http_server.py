@@ -115,25 +115,40 @@ class RequestHeaders:
 _KEYS: dict[str, bytes] = {}  # a header name as the code spells it -> its lower-cased bytes
 
 
-def header_map(raw: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
-    """Lower-cased header names to their first value."""
-    return {name.lower(): value for name, value in reversed(raw)}  # (the first one stays)
+def header_map(fields: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """Lower-cased header names to their first value, from a head's fields as read (names as
+    sent, the first value of each: _FrontConnection.fields). In C: no Python per header."""
+    return dict(zip(map(bytes.lower, reversed(fields)), reversed(fields.values())))
+
+
+def header_lines(headers: Any) -> bytes:
+    """A name -> value mapping as a response head's lines (latin-1, as HTTP's header bytes)."""
+    return "".join([f"{name}: {value}\r\n" for name, value in headers.items()]).encode(
+        "latin-1", "replace")
 
 
 class FastRequest:
     """What pd-router's inference handler reads of a request (the subset of aiohttp's
     web.Request it uses: path, headers, read(), remote, transport, and per-request state)."""
 
-    __slots__ = ("method", "path", "query_string", "headers", "version", "keep_alive", "remote",
-                 "transport", "_body", "_too_large", "_state", "conn")
+    __slots__ = ("path", "query_string", "headers", "version", "keep_alive", "_body",
+                 "_too_large", "_state", "conn")
+    method = "POST"  # (the only method served here)
 
-    def __init__(self, conn: _FrontConnection, method: str, path: str, query_string: str,
+    def __init__(self, conn: _FrontConnection, path: str, query_string: str,
                  headers: RequestHeaders, version: str, keep_alive: bool, body: bytes,
                  too_large: int) -> None:
-        self.method, self.path, self.query_string = method, path, query_string
-        self.headers, self.version, self.keep_alive = headers, version, keep_alive
-        self.remote, self.transport = conn.remote, conn.transport
-        self._body, self._too_large, self._state, self.conn = body, too_large, {}, conn
+        self.path, self.query_string, self.headers = path, query_string, headers
+        self.version, self.keep_alive, self.conn = version, keep_alive, conn
+        self._body, self._too_large, self._state = body, too_large, None
+
+    @property
+    def remote(self) -> str | None:
+        return self.conn.remote
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.conn.transport
 
     async def read(self) -> bytes:
         return self.body()
@@ -145,14 +160,19 @@ class FastRequest:
                                                 actual_size=self._too_large)
         return self._body
 
+    # per-request state (aiohttp's request[key]): a dict made only when something is stored
     def __getitem__(self, key: str) -> Any:
+        if self._state is None:
+            raise KeyError(key)
         return self._state[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
+        if self._state is None:
+            self._state = {}
         self._state[key] = value
 
     def get(self, key: str, default: Any = None) -> Any:
-        return self._state.get(key, default)
+        return default if self._state is None else self._state.get(key, default)
 
 
 class FastStreamResponse:
@@ -315,6 +335,11 @@ class _FrontConnection(asyncio.Protocol):
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.remote: str | None = None
+        # A request's header fields as httptools reports them (names as sent, the first value of
+        # each): its on_header callback is this dict's setdefault, so a header costs no Python
+        # (bounded in _consume and on_headers_complete, not per header)
+        self.fields: dict[bytes, bytes] = {}
+        self.on_header = self.fields.setdefault
         self.parser = httptools.HttpRequestParser(self)
         self.undecided = b""  # bytes of a request line not yet long enough to decide on
         self.held: list[bytes] = []  # data that arrived while a request was being answered
@@ -329,22 +354,15 @@ class _FrontConnection(asyncio.Protocol):
         self.handed_off = False
         self.write_paused = False
         self.drain_waiter: asyncio.Future | None = None
-        self._reset_message()
+        self.on_message_begin()
+        self.in_message = self.in_head = False
 
-    def _reset_message(self) -> None:
-        self.url = b""
-        self.in_head = False  # between the request's first byte and the end of its headers
-        self.path = self.query = ""
-        self.header_bytes = 0
-        self.raw_headers: list[tuple[bytes, bytes]] = []
-        self.by_name: dict[bytes, bytes] = {}  # at the end of the head: header_map(raw_headers)
-        self.body: list[bytes] = []
-        self.body_bytes = 0
-        self.message_bytes = 0  # bytes of reads begun while this request was in progress
-        self.chunks = 0  # chunked bodies: chunks begun
-        self.too_large = 0
-        self.unread = False  # answered at its headers (refused, too large): the body is dropped
-        self.refusal: str | None = None
+    # A request's state, set at its first byte (on_message_begin) and its head's end
+    # (on_headers_complete). What only a refused request sets needs no reset: a refusal closes
+    # the connection once it is answered.
+    too_large = 0
+    unread = False  # answered at its headers (refused, too large): the body is dropped
+    refusal: str | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -390,7 +408,8 @@ class _FrontConnection(asyncio.Protocol):
             waiter.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        if self.answering or self.queue:  # answering: the next request waits its turn
+        if self.task is not None or self.callbacks is not None or self.queue:  # (answering,
+            # or a request ahead of this data): the next request waits its turn
             self.held.append(data)
             if self.transport is not None:
                 self.transport.pause_reading()
@@ -399,7 +418,8 @@ class _FrontConnection(asyncio.Protocol):
 
     # -- reading ---------------------------------------------------------------------------
     def _consume(self, data: bytes) -> None:
-        if not self.in_message:  # between requests: this one's request line decides
+        began = not self.in_message
+        if began:  # between requests: this one's request line decides
             if self.undecided:
                 data, self.undecided = self.undecided + data, b""
             if not HOT_REQUEST_LINE.match(data):
@@ -410,8 +430,6 @@ class _FrontConnection(asyncio.Protocol):
                     return
                 self._hand_off(data)
                 return
-            self.deadline.arm(self.server.read_timeout_s)
-        message_before = self.in_message
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -424,10 +442,14 @@ class _FrontConnection(asyncio.Protocol):
         if self.in_message and not self.queue:  # a request in progress (and none ahead of it
             # to answer first) is refused as soon as its head, or its framing and trailers, are
             # too long; a read that began in an earlier request is not counted (one read at most)
-            if message_before:
+            if began:  # its read timeout runs from its first byte (a request read whole in
+                self.deadline.arm(self.server.read_timeout_s)  # one read needs none)
+            else:
                 self.message_bytes += len(data)
             if self.refusal is None:
-                if self.in_head:
+                if len(self.fields) > MAX_HEADERS:  # (trailers count with the headers)
+                    self.refusal = "431"
+                elif self.in_head:
                     if self.message_bytes > MAX_HEAD_BYTES:
                         self.refusal = "431"
                 elif (self.message_bytes - self.body_bytes
@@ -455,8 +477,13 @@ class _FrontConnection(asyncio.Protocol):
     # httptools callbacks
     def on_message_begin(self) -> None:
         self.in_message = True
-        self._reset_message()
-        self.in_head = True
+        self.in_head = True  # between the request's first byte and the end of its headers
+        self.url = b""
+        self.fields.clear()
+        self.body: list[bytes] = []
+        self.body_bytes = 0
+        self.message_bytes = 0  # bytes of reads begun while this request was in progress
+        self.chunks = 0  # chunked bodies: chunks begun
 
     def on_url(self, url: bytes) -> None:
         if len(self.url) + len(url) > MAX_URL_BYTES:
@@ -464,24 +491,18 @@ class _FrontConnection(asyncio.Protocol):
             return
         self.url += url
 
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_bytes += len(name) + len(value)
-        if self.header_bytes > MAX_HEADER_BYTES or len(self.raw_headers) >= MAX_HEADERS:
-            self.refusal = self.refusal or "431"
-            return
-        self.raw_headers.append((name, value))
-
     def on_headers_complete(self) -> None:
         """A request refused by its head (414, 431, not authorized: 401, too large: 413) is
         answered now, its body never read (nor asked for with 100 Continue)."""
         self.in_head = False
-        by_name = self.by_name = header_map(self.raw_headers)
-        declared = by_name.get(b"content-length", b"")
-        length = int(declared) if declared.strip().isdigit() else 0
-        expect = by_name.get(b"expect", b"").lower() == b"100-continue"
-        authorization = by_name.get(b"authorization")
+        fields = self.fields
+        if len(fields) > MAX_HEADERS or (sum(map(len, fields)) + sum(map(len, fields.values()))
+                                         > MAX_HEADER_BYTES):
+            self.refusal = self.refusal or "431"
+        by_name = self.by_name = header_map(fields)
         self.path, _, self.query = self.url.decode("latin-1").partition("?")
         if self.refusal is None and self.server.authorize is not None:
+            authorization = by_name.get(b"authorization")
             refusal = self.server.authorize(self.path, authorization.decode(
                 "utf-8", "surrogateescape") if authorization is not None else "")
             if refusal is not None:  # answered in its turn, and the connection closed
@@ -491,11 +512,13 @@ class _FrontConnection(asyncio.Protocol):
         if self.refusal is not None:
             self.unread = True
             self._complete()
-        elif length > self.server.max_body:
-            self.too_large = length
+            return
+        declared = by_name.get(b"content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.server.max_body:
+            self.too_large = int(declared)
             self.unread = True
             self._complete()
-        elif expect:
+        elif b"expect" in by_name and by_name[b"expect"].lower() == b"100-continue":
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_chunk_header(self) -> None:
@@ -525,19 +548,18 @@ class _FrontConnection(asyncio.Protocol):
         if self.refusal is not None:
             self.queue.append(self.refusal)
             return
-        path = self.path
-        method = self.parser.get_method().decode("latin-1")
-        if method != "POST" or path not in HOT_PATHS:  # pipelined behind an inference request
-            self.queue.append("400 pipelined")
+        path, parser = self.path, self.parser
+        if parser.get_method() != b"POST" or path not in HOT_PATHS:  # pipelined behind an
+            self.queue.append("400 pipelined")                        # inference request
             return
         body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
-        self.queue.append(FastRequest(self, method, path, self.query, RequestHeaders(self.by_name),
-                                      self.parser.get_http_version(),
-                                      self.parser.should_keep_alive(), body, self.too_large))
+        self.queue.append(FastRequest(self, path, self.query, RequestHeaders(self.by_name),
+                                      parser.get_http_version(), parser.should_keep_alive(), body,
+                                      self.too_large))
 
     def _next(self) -> None:
         """Start answering the next queued request, or go back to reading."""
-        if self.answering or self.closed:
+        if self.task is not None or self.callbacks is not None or self.closed:  # (answering)
             return
         if self.queue:
             item = self.queue.pop(0)
@@ -664,17 +686,19 @@ class _FrontConnection(asyncio.Protocol):
     _started = False
 
     def head(self, status: int, headers: Any, framing: bytes | None) -> bytes:
+        """The answer's status line and headers: `headers` a name -> value mapping, or its
+        lines as bytes already (header_lines)."""
         self._started = True
         status_line = STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status
-        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        if type(headers) is not bytes:
+            headers = header_lines(headers)
         if not self.keep_alive or self.server.closing:
             connection = b"Connection: close\r\n"
         else:
             connection = b"" if self.http11 else b"Connection: keep-alive\r\n"
-        return b"%b%b%b%b\r\n" % (status_line, fields.encode("latin-1", "replace"), framing or b"",
-                                   connection)
+        return b"%b%b%b%b\r\n" % (status_line, headers, framing or b"", connection)
 
-    def send_whole(self, status: int, headers: dict[str, str], body: bytes) -> bool:
+    def send_whole(self, status: int, headers: Any, body: bytes) -> bool:
         """A CallbackAnswer's whole answer of a known length, written now; True if the socket
         is full (run() a wait for it to drain before answer_ended())."""
         self.write(self.head(status, headers, b"Content-Length: %d\r\n" % len(body)) + body)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
+from collections import Counter as _Tally
+from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -64,9 +66,13 @@ class RouterMetrics:
         loop = asyncio.get_running_loop()
         holder: list[asyncio.TimerHandle] = []
 
+        histograms = [self.ttft, self.tpot, self.e2e, self.leg, self.loop_lag]
+
         def tick(due: float) -> None:
             now = loop.time()
             self.loop_lag.observe(max(0.0, now - due))
+            for histogram in histograms:  # what requests observed since the last tick
+                histogram.fold()
             holder[0] = loop.call_at(now + LOOP_LAG_PERIOD_S, tick, now + LOOP_LAG_PERIOD_S)
 
         start = loop.time() + LOOP_LAG_PERIOD_S
@@ -136,9 +142,12 @@ class _LoopSeries:
 
 
 class LoopHistogram:
-    """A Prometheus histogram for values observed on the event loop: observe() is a bisect and
-    two additions, where prometheus_client takes a lock and walks every bucket in Python. The
-    router observes from its loop only (the scrape runs there too), so nothing else writes."""
+    """A Prometheus histogram for values observed on the event loop: observe() appends the value
+    to a list (a C call, no Python per request), where prometheus_client takes a lock and walks
+    every bucket in Python; the values are folded into the buckets at each scrape and by fold(),
+    which the router's loop watcher calls every LOOP_LAG_PERIOD_S (so what waits stays a tenth of
+    a second's worth). The router observes from its loop only (the scrape runs there too), so
+    nothing else writes."""
 
     def __init__(self, registry: CollectorRegistry, name: str, documentation: str,
                  buckets: tuple[float, ...], labelnames: list[str] | None = None) -> None:
@@ -146,19 +155,26 @@ class LoopHistogram:
         self.bounds = list(buckets)
         self.labelnames = list(labelnames or [])
         self.children: dict[tuple[str, ...], LoopHistogram._Child] = {}
-        self._own = None if self.labelnames else self.labels()
+        if not self.labelnames:
+            self.observe = self.labels().observe  # (no wrapper call per value)
         registry.register(self)
 
     class _Child(_LoopSeries):
-        __slots__ = ("bounds",)
+        __slots__ = ("bounds", "pending", "observe")
 
         def __init__(self, bounds: list[float]) -> None:
             super().__init__(len(bounds) + 1)  # the last: above every bound (+Inf only)
             self.bounds = bounds
+            self.pending: list[float] = []  # observed, not yet in the buckets
+            self.observe = self.pending.append
 
-        def observe(self, value: float) -> None:
-            self.counts[bisect_left(self.bounds, value)] += 1
-            self.sum += value
+        def fold(self) -> None:
+            pending, counts = self.pending, self.counts
+            if pending:  # (bucketed and counted in C: a loop per bucket, not per value)
+                for bucket, n in _Tally(map(partial(bisect_left, self.bounds), pending)).items():
+                    counts[bucket] += n
+                self.sum += sum(pending)
+                pending.clear()  # (in place: `observe` is its append)
 
     def labels(self, *values: str) -> LoopHistogram._Child:
         child = self.children.get(values)
@@ -169,11 +185,16 @@ class LoopHistogram:
         return child
 
     def observe(self, value: float) -> None:
-        self._own.observe(value)
+        raise ValueError(f"{self.name}: labels {self.labelnames}: observe through labels()")
+
+    def fold(self) -> None:
+        for child in self.children.values():
+            child.fold()
 
     def collect(self):
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         for values, child in self.children.items():
+            child.fold()
             running, buckets = 0, []
             for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], child.counts):
                 running += count

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol
+from typing import Any, Callable, Literal, NoReturn, Protocol
 
 import msgspec
 
@@ -112,38 +112,44 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
         raise BadRequest(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
-    _check_depth(body, raw)
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # (only then can it nest that deep)
+        _check_depth(body)
     client_id = _request_id(headers)
-    _remove_transfer_fields(body, "", strip_transfer_fields)
-    xargs = body.get("vllm_xargs")
+    if not CLIENT_FIELDS.issuperset(body):  # nearly every request: no field looked at alone
+        _remove_transfer_fields(body, "", strip_transfer_fields)
+    get = body.get
+    xargs = get("vllm_xargs")
     if xargs is not None:
         if not isinstance(xargs, dict):
             raise BadRequest(400, "'vllm_xargs' must be an object", param="vllm_xargs")
         _remove_transfer_fields(xargs, "vllm_xargs.", strip_transfer_fields)
         _check_xargs(xargs)
 
-    model = body.get("model")
+    model = get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(400, "'model' must be a string", param="model")
     target = select_model(model)
     max_model_len, block_size, tokenize = target.max_model_len, target.key_block_size, target.tokenize
 
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = get("stream", False)
+    if stream is not False and stream is not True:
         raise BadRequest(400, "'stream' must be true or false", param="stream")
     # what an engine refuses on the decode leg after the prefill ran (the prefill's one-token leg
     # drops stream_options and min_tokens): vLLM's validators, checked here for nothing
-    if not stream and body.get("stream_options"):
+    if not stream and get("stream_options"):
         raise BadRequest(400, "'stream_options' can only be set with 'stream': true",
                          param="stream_options")
 
-    for key in ("max_tokens", "max_completion_tokens"):  # both checked: an engine may read either
-        value = body.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise BadRequest(400, f"'{key}' must be a positive integer (got {_short(value)})", param=key)
-    limit_key = ("max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None
-                 else "max_tokens")
-    max_tokens = body.get(limit_key)
+    # both checked: an engine may read either (a JSON integer is an int, never a subclass but
+    # bool, which `type(...) is int` leaves out)
+    max_tokens, max_completion = get("max_tokens"), get("max_completion_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        _not_positive("max_tokens", max_tokens)
+    if max_completion is not None and (type(max_completion) is not int or max_completion < 1):
+        _not_positive("max_completion_tokens", max_completion)
+    limit_key = "max_tokens"
+    if kind == "chat" and max_completion is not None:
+        limit_key, max_tokens = "max_completion_tokens", max_completion
     if max_tokens is not None:
         if max_model_len is not None and max_tokens >= max_model_len:
             raise BadRequest(400, f"'{limit_key}' = {max_tokens} does not fit the model's "
@@ -151,9 +157,9 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     # the engine's limit: a completion without one gets 16 (vLLM's CompletionRequest, OpenAI's)
     limit = (max_tokens if max_tokens is not None
              else COMPLETION_MAX_TOKENS if kind == "completion" else None)
-    min_tokens = body.get("min_tokens")
+    min_tokens = get("min_tokens")
     if min_tokens is not None:
-        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+        if type(min_tokens) is not int or min_tokens < 0:
             raise BadRequest(400, f"'min_tokens' must be an integer >= 0 (got {_short(min_tokens)})",
                              param="min_tokens")
         if limit is not None and min_tokens > limit:
@@ -165,7 +171,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     # a LoRA adapter's prompt blocks are keyed apart from the base model's and other adapters',
     # and a cache_salt's apart from every other salt's (vLLM's own block hashes do both)
     adapter = model if model in target.adapter_parents else None
-    salt = body.get("cache_salt")
+    salt = get("cache_salt")
     root = prompt_root(adapter, salt if isinstance(salt, str) else None)
     tokens, text = (_completion_prompt(body) if kind == "completion" else _chat_prompt(body))
     exact = tokens is not None or (tokenize is not None and kind == "completion")
@@ -195,9 +201,13 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
                        stream=stream, session_id=session, exact_tokens=exact, adapter=adapter,
                        prompt=tokens if tokens is not None else text,
                        block_width=(block_size or 0) * (1 if tokens is not None else CHARS_PER_TOKEN))
-    n = body.get("n")  # (vLLM 0.32's completions take no best_of: it is ignored there)
-    fan_out = (n is not None and n != 1) or bool(body.get("use_beam_search"))
+    n = get("n")  # (vLLM 0.32's completions take no best_of: it is ignored there)
+    fan_out = (n is not None and n != 1) or bool(get("use_beam_search"))
     return ClientRequest(kind, body, info, target, fan_out, deferred, client_id)
+
+
+def _not_positive(key: str, value: Any) -> NoReturn:
+    raise BadRequest(400, f"'{key}' must be a positive integer (got {_short(value)})", param=key)
 
 
 def _refuse_by_length(text: str, tokenize: Tokenize, need: int, max_model_len: int) -> None:
@@ -246,8 +256,6 @@ def _is_transfer_field(name: str) -> bool:
 
 
 def _remove_transfer_fields(fields: dict, where: str, strip: bool) -> None:
-    if CLIENT_FIELDS.issuperset(fields):  # nearly every request: no set built
-        return
     for name in [k for k in fields if k not in CLIENT_FIELDS and _is_transfer_field(k)]:
         if not strip:
             raise BadRequest(400, f"'{where}{name}' is set by the router and may not come from a "
@@ -268,11 +276,9 @@ def _check_xargs(xargs: dict) -> None:
                                       "range", param=f"vllm_xargs.{key}")
 
 
-def _check_depth(body: dict, raw: bytes) -> None:
-    # Only a body with that many brackets can nest that deep: counting them runs in C, so a
-    # normal request never pays for the walk.
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return
+def _check_depth(body: dict) -> None:
+    """Refuse a body nested deeper than MAX_JSON_DEPTH. Only one with that many brackets can:
+    parse_request counts them first, in C, so a normal request never pays for the walk."""
     level, depth = [body], 1
     while level:
         if depth > MAX_JSON_DEPTH:

@@ -57,11 +57,15 @@ class Pools:
         """The pool of a worker's legs. A removed worker's request in flight (its decode leg
         after its prefill, a retry) gets a pool nobody keeps, shut: each connection is closed
         after its answer, and no table grows with workers that came and went."""
-        if worker.removed and worker.url not in self._pools:
-            pool = self._new(worker.url)
-            pool.shut()
-            return pool
-        return self.get(worker.url)
+        url = worker.url
+        pool = self._pools.get(url)
+        if pool is None:
+            pool = self._new(url)
+            if worker.removed:
+                pool.shut()
+                return pool
+            self._pools[url] = pool
+        return pool
 
     def _new(self, url: str) -> Upstream:
         parts = urlsplit(url)

@@ -129,7 +129,9 @@ class WorkerPool:
         return [w for w in self._workers.values() if w.role == role]
 
     def usable(self, role: Role) -> list[Worker]:
-        return [w for w in self._workers.values() if w.role == role and w.usable]
+        # (Worker.usable inline: no property call per worker on every request)
+        return [w for w in self._workers.values()
+                if w.role == role and w.healthy and not w.draining]
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))

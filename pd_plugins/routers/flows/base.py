@@ -40,11 +40,10 @@ class PdFlow(Protocol):
 
 def one_token_body(body: dict[str, Any]) -> dict[str, Any]:
     """The prefill leg's body: the client's request cut to one token, not streamed."""
-    leg = dict(body)
-    leg["max_tokens"] = 1
+    leg = {**body, "max_tokens": 1, "stream": False}
     if "max_completion_tokens" in leg:
         leg["max_completion_tokens"] = 1
-    leg["stream"] = False
-    for key in ("stream_options", "min_tokens"):
-        leg.pop(key, None)
+    if "stream_options" in leg or "min_tokens" in leg:  # (few requests have either)
+        leg.pop("stream_options", None)
+        leg.pop("min_tokens", None)
     return leg

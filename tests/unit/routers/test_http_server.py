@@ -246,6 +246,33 @@ def test_a_request_line_or_header_that_never_ends_is_refused_as_it_crosses_its_l
     run(scenario)
 
 
+def test_header_bounds_hold_for_distinct_repeated_and_large_headers():
+    # the front server reads a head's fields in C (no Python per header): its bounds are
+    # checked per read and at the head's end instead, and must refuse the same heads
+    async def scenario(app, port):
+        # distinct headers past MAX_HEADERS, the head never ended: refused at once (far under
+        # MAX_HEAD_BYTES, and the read timeout is a minute away)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\n")
+        for i in range(0, MAX_HEADERS + 10, 10):
+            writer.write(b"".join(b"X-H%d: v\r\n" % j for j in range(i, i + 10)))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(2):
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 431")
+        writer.close()
+        # a whole head whose headers hold more than MAX_HEADER_BYTES (within MAX_HEAD_BYTES)
+        big = b"X-A: %b\r\nX-B: %b\r\n" % (b"a" * 33000, b"b" * 33000)
+        assert (await exchange(port, post(extra=big))).startswith(b"HTTP/1.1 431")
+        assert app.fast == []
+        # a repeated header: the first value is the request's (as aiohttp's CIMultiDict.get)
+        got = await exchange(port, post(extra=b"X-Request-Id: first\r\nx-request-id: 2nd\r\n"
+                                              b"X-Request-Id: third\r\n"))
+        assert got.startswith(b"HTTP/1.1 200")
+        assert app.fast[-1].headers.get("X-Request-Id") == "first"
+    run(scenario)
+
+
 def test_a_request_begun_behind_an_answered_one_has_its_read_timeout():
     async def scenario(app, port):
         # one read: a whole request, then the start of one whose body never completes
@@ -371,9 +398,9 @@ def test_shutdown_lets_a_request_in_progress_finish():
 
 
 def test_request_headers_are_looked_up_as_aiohttp_would():
-    headers = RequestHeaders(header_map([(b"X-Request-Id", b"first"),
-                                         (b"content-type", b"application/json"),
-                                         (b"x-request-id", b"second"), (b"X-Odd", b"caf\xc3\xa9\xff")]))
+    headers = RequestHeaders(header_map({b"X-Request-Id": b"first",
+                                         b"content-type": b"application/json",
+                                         b"x-request-id": b"second", b"X-Odd": b"caf\xc3\xa9\xff"}))
     assert headers.get("x-request-id") == headers.get("X-REQUEST-ID") == "first"  # the first wins
     assert headers.get("Content-Type") == "application/json"
     assert headers.get("X-Odd") == b"caf\xc3\xa9\xff".decode("utf-8", "surrogateescape")

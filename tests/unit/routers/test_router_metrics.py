@@ -46,3 +46,22 @@ def test_loop_series_export_as_prometheus_histograms_and_counters():
     requests = families["pd_router_requests"].samples
     assert [(s.name, s.labels, s.value) for s in requests] == [
         ("pd_router_requests_total", {"decision": "disaggregated", "outcome": "ok"}, 2.0)]
+
+
+def test_observed_values_wait_at_most_a_tick_of_the_loop_watcher():
+    # observe() only appends (no Python per value); the watcher folds what waits every tick, so
+    # a router nobody scrapes holds a tenth of a second's values, not every value since it began
+    async def main():
+        metrics = RouterMetrics([])
+        handle = metrics.watch_loop()
+        decode = metrics.leg.labels("decode")
+        for i in range(1000):
+            metrics.e2e.observe(0.001 * i)
+            decode.observe(0.02)
+        assert len(metrics.e2e.labels().pending) == 1000
+        await asyncio.sleep(0.25)
+        handle.cancel()
+        assert metrics.e2e.labels().pending == [] and decode.pending == []
+        assert sum(metrics.e2e.labels().counts) == 1000 and decode.counts[2] == 1000  # le=0.025
+        assert abs(metrics.e2e.labels().sum - 0.001 * sum(range(1000))) < 1e-6
+    asyncio.run(main())

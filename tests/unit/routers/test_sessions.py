@@ -40,7 +40,7 @@ def parse(body: dict, headers: dict | None = None):
 
 def front(headers: dict) -> RequestHeaders:
     """Headers as the front server hands them over (its fast path: no session header at all)."""
-    return RequestHeaders(header_map([(k.encode(), v.encode()) for k, v in headers.items()]))
+    return RequestHeaders(header_map({k.encode(): v.encode() for k, v in headers.items()}))
 
 
 def test_session_id_from_the_front_servers_headers():
