@@ -278,17 +278,17 @@ class _Conn(asyncio.Protocol):
             raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
         self.status = status
         self.headers_done = True
-        if status != 200:
-            self.limit = MAX_ERROR_BYTES
-        if self.whole:
-            # the body's own timeout for an answer that is one; an error answer's body comes
-            # under what is left of the first one
-            if self.body_timeout is not None and self.status == 200:
-                self.arm(self.body_timeout, answered=True)
+        if status == 200:
+            if self.whole:  # the body's own timeout, for an answer that is one
+                if self.body_timeout is not None:
+                    self.arm(self.body_timeout, answered=True)
+            elif not self.first_body:
+                self._wake()
             return
-        if self.first_body and status == 200:
-            return
-        self._wake()
+        # an error answer: its reason comes under what is left of the first timeout, bounded
+        self.limit = MAX_ERROR_BYTES
+        if not self.whole:
+            self._wake()
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
@@ -329,7 +329,10 @@ class _Conn(asyncio.Protocol):
             self.closed = True
         if self.sink is not None:  # piped: its reader finishes the answer without a timeout
             self.deadline.disarm()
-        self._wake()
+        if self.in_read and self.notify is not None:  # (_wake's common case, without the call)
+            self.notify_due = True
+        else:
+            self._wake()
 
     # -- helpers ---------------------------------------------------------------------------
     def orphan(self, on_orphan: Orphan | None, read: list[bytes] = ()) -> None:
@@ -623,7 +626,7 @@ class Leg:
     def _progress(self) -> None:
         conn = self.conn
         error = conn.exc
-        if conn.ready():
+        if conn.done if conn.whole else conn.ready():  # (ready()'s first case inline)
             # in as far as asked for: an answer, whatever failed after it (as _sent() returns it)
             if conn.status != 200 and not conn.done:
                 if error is None:  # an error answer: its reason comes whole (MAX_ERROR_BYTES)
@@ -706,8 +709,12 @@ class Upstream:
         conn.sink = conn.notify = None
         if not conn.done or conn.closed or conn.paused or conn.exc is not None:
             conn.abort()
+        elif len(self._idle) < self.max_idle and not self.closed:  # (_put's, without the call)
+            conn.reused = conn.idle = True
+            conn.idle_since = conn.loop.time()
+            self._idle.append(conn)
         else:
-            self._put(conn)
+            conn.abort()
 
     def _put(self, conn: _Conn) -> None:
         if len(self._idle) < self.max_idle and not self.closed:

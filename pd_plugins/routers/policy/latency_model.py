@@ -27,7 +27,9 @@ class OnlineLinearFit:
         self.prior = (prior_a, prior_b)
         self.decay, self.min_samples = decay, min_samples
         self.n = 0
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        # the weighted sums of 1, x, y, x*x and x*y: one tuple, so that a sample (on every leg)
+        # reads and writes one attribute, not five
+        self._sums = (0.0, 0.0, 0.0, 0.0, 0.0)
         self.on_sample: Callable[[float, float], None] | None = None  # told of each own sample
 
     def observe(self, x: float, y: float) -> None:
@@ -39,11 +41,8 @@ class OnlineLinearFit:
     def learn(self, x: float, y: float) -> None:
         """Fold a sample in (this router's, or another replica's)."""
         d = self.decay
-        self._w = self._w * d + 1.0
-        self._x = self._x * d + x
-        self._y = self._y * d + y
-        self._xx = self._xx * d + x * x
-        self._xy = self._xy * d + x * y
+        w, sx, sy, sxx, sxy = self._sums
+        self._sums = (w * d + 1.0, sx * d + x, sy * d + y, sxx * d + x * x, sxy * d + x * y)
         self.n += 1
 
     @property
@@ -59,20 +58,21 @@ class OnlineLinearFit:
         line off the samples (up to 10x at their own size)."""
         if not self.fitted:
             return self.prior
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var_x = self._xx / self._w - mean_x * mean_x
+        w, sx, sy, sxx, sxy = self._sums
+        mean_x, mean_y = sx / w, sy / w
+        var_x = sxx / w - mean_x * mean_x
         if var_x < (MIN_RELATIVE_SPREAD * mean_x) ** 2 or var_x <= 1e-12:
             # The samples sit at (nearly) one x: their jitter, not the machine, would set the
             # slope (a 1-token spread and 10 ms of jitter gave 250x the real one). Keep the prior.
             slope = self.prior[1]
         else:
-            slope = max(0.0, (self._xy / self._w - mean_x * mean_y) / var_x)
+            slope = max(0.0, (sxy / w - mean_x * mean_y) / var_x)
         intercept = mean_y - slope * mean_x
         if intercept >= 0.0:
             return intercept, slope
-        if self._xx <= 0.0:  # every sample at x = 0
+        if sxx <= 0.0:  # every sample at x = 0
             return max(0.0, mean_y), 0.0
-        return 0.0, max(0.0, self._xy / self._xx)  # least squares through the origin
+        return 0.0, max(0.0, sxy / sxx)  # least squares through the origin
 
     def predict(self, x: float) -> float:
         a, b = self.coefficients
