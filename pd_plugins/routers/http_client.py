@@ -111,14 +111,16 @@ def head_field(head: bytes, start: int, name: bytes) -> bytes | None:
     """The first value of header `name` (lower case) in the head that begins at head[start],
     without parsing the rest: one search (a regex over the head cost more than the rest of a
     leg's parsing)."""
-    end = head_end(head, start)[0]
-    lowered = head[start:end].lower()
-    at = lowered.find(b"\n%b:" % name)
+    lowered = head.lower()
+    at = lowered.find(b"\n%b:" % name, start)
     if at < 0:
         return None
+    end = head_end(head, start)[0]
+    if at >= end:  # (found in the body, past the head)
+        return None
     at += len(name) + 2
-    stop = lowered.find(b"\n", at)
-    return head[start + at:start + stop if stop >= 0 else end].strip()
+    stop = lowered.find(b"\n", at, end)
+    return head[at:stop if stop >= 0 else end].strip()
 
 
 class UpstreamError(ConnectionError):

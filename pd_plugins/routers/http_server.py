@@ -50,7 +50,7 @@ from pd_plugins.routers.errors import error_body, error_response
 log = logging.getLogger("pd_router.http")
 
 __all__ = ["CallbackAnswer", "FrontServer", "FastRequest", "FastStreamResponse", "answered",
-           "body_too_slow", "header_map", "read_body", "stream_response"]
+           "body_too_slow", "header_lines", "header_map", "read_body", "stream_response"]
 
 # The request lines served here (the path may carry a query string, as aiohttp's routes allow).
 HOT_REQUEST_LINE = re.compile(rb"POST /v1/(?:chat/)?completions[ ?]")
@@ -182,7 +182,8 @@ class FastStreamResponse:
     __slots__ = ("status", "headers", "content_length", "_conn", "_chunked", "_head", "prepared",
                  "_ended")
 
-    def __init__(self, conn: _FrontConnection, headers: dict[str, str], status: int = 200) -> None:
+    def __init__(self, conn: _FrontConnection, headers: Any, status: int = 200) -> None:
+        """`headers`: a name -> value mapping, or its lines as bytes already (header_lines)."""
         self.status, self.headers, self._conn = status, headers, conn
         self.content_length: int | None = None
         self.prepared = self._ended = self._chunked = False
@@ -261,8 +262,9 @@ async def answered(response: Any) -> Any:
     return response
 
 
-def stream_response(request: Any, headers: dict[str, str]) -> FastStreamResponse | web.StreamResponse:
-    """A streamed answer for `request`, whichever server read it."""
+def stream_response(request: Any, headers: Any) -> FastStreamResponse | web.StreamResponse:
+    """A streamed answer for `request`, whichever server read it (`headers` a mapping; for the
+    front server's, also its lines as bytes: header_lines)."""
     if isinstance(request, FastRequest):
         return FastStreamResponse(request.conn, headers)
     return web.StreamResponse(headers=headers)

@@ -36,7 +36,8 @@ from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.errors import error_body, error_response
 from pd_plugins.routers.exchange import Exchange
-from pd_plugins.routers.http_server import FastRequest, FastStreamResponse, answered, stream_response
+from pd_plugins.routers.http_server import (FastRequest, FastStreamResponse, answered, header_lines,
+                                            stream_response)
 from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, answer_params,
                                         json_answer, open_leg, stream_begun, whole_leg)
 from pd_plugins.vocab.expert_signature import ExpertSignature
@@ -45,6 +46,7 @@ from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+SSE_HEAD = header_lines(SSE_HEADERS) + b"x-pd-route: %b\r\n"  # the front server's, as bytes
 STAGE_KEY = "pd_stage"  # on the aiohttp request: prefill | decode | answer, for client_gone
 MEASURED_KEY = "pd_measured"  # on the aiohttp request: what the traffic record gets (Measured)
 
@@ -426,7 +428,8 @@ class Proxy:
                      decode_started: float) -> tuple[Any, SseRelay, float]:
         """The stream's head and first piece to the client, the rest piped to it: (the client's
         response, the relay, the decode's deadline)."""
-        out = stream_response(http, {**SSE_HEADERS, "x-pd-route": header})
+        out = stream_response(http, SSE_HEAD % header.encode("latin-1", "replace")
+                              if type(http) is FastRequest else {**SSE_HEADERS, "x-pd-route": header})
         relay = SseRelay(out, http.get(MEASURED_KEY), resp)
         deadline = decode_started + self.timeouts.decode_total_s
         relay(first_chunk)
