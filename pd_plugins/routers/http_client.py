@@ -69,6 +69,7 @@ MAX_ERROR_BYTES = 64 << 10
 # memory, so the bytes are counted as they arrive, not per header).
 MAX_HEADERS = 128
 MAX_HEAD_BYTES = 64 << 10
+SMALL_READ = 16 << 10  # a read this short is scanned whole, not to its head's end, for newlines
 # A pooled connection idle this long is closed, not reused: uvicorn (vLLM's and SGLang's server)
 # closes keep-alive connections after 5 s, and reusing one it is closing is the race below.
 MAX_IDLE_S = 4.0
@@ -111,16 +112,14 @@ def head_field(head: bytes, start: int, name: bytes) -> bytes | None:
     """The first value of header `name` (lower case) in the head that begins at head[start],
     without parsing the rest: one search (a regex over the head cost more than the rest of a
     leg's parsing)."""
-    lowered = head.lower()
-    at = lowered.find(b"\n%b:" % name, start)
+    end = head_end(head, start)[0]
+    lowered = head[start:end].lower()
+    at = lowered.find(b"\n%b:" % name)
     if at < 0:
         return None
-    end = head_end(head, start)[0]
-    if at >= end:  # (found in the body, past the head)
-        return None
     at += len(name) + 2
-    stop = lowered.find(b"\n", at, end)
-    return head[at:stop if stop >= 0 else end].strip()
+    stop = lowered.find(b"\n", at)
+    return head[start + at:start + stop if stop >= 0 else end].strip()
 
 
 class UpstreamError(ConnectionError):
@@ -176,7 +175,7 @@ class _Conn(asyncio.Protocol):
     def start(self, timeout: float | None, body_timeout: float | None, whole: bool,
               first_body: bool) -> None:
         """Ready for a request's answer (see __init__ for what needs no reset), its timeout
-        armed (None: none). One call per leg, so it does what helpers would do in several."""
+        armed (None: none). Called on every leg: it does what helpers did in several calls."""
         self.status, self.chunks = 0, []
         # the answer's head as it came (its reads until the head ended, interim answers first):
         # headers are parsed from it only when asked for (`headers`), not one callback each
@@ -273,10 +272,10 @@ class _Conn(asyncio.Protocol):
         if self.done:  # a second answer where one was asked for: it must not reach the next
             raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
         head, start = self.head, self.head_start
-        # the head's lines counted only if what was read holds that many (a body's JSON has
-        # next to none): the status line's is counted, the last header's is the blank line's
-        if head.count(b"\n", start) > MAX_HEADERS and head.count(
-                b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:
+        # the head's lines (the status line's counted, the last header's is the blank line's);
+        # in a small read, only if all it holds has that many (a body's JSON has next to none)
+        if (len(head) - start > SMALL_READ or head.count(b"\n", start) > MAX_HEADERS) and \
+                head.count(b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:
             raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
         self.status = status
         self.headers_done = True

@@ -15,8 +15,11 @@ pipelined behind an inference request in the same read are served here if they a
 requests too, and answered 400 otherwise (no mainstream client pipelines).
 
 Limits, as aiohttp's and tighter: the body (413 past `max_body`, answered at once and the
-connection closed), the request line (414) and the headers (431), both answered as soon as they
-are crossed (a head that never ends is never buffered past its limit), a chunked body's framing
+connection closed), the request line (414) and the headers (431: more than MAX_HEADERS names,
+counted at the end of each read and of the message, trailers included, or more than
+MAX_HEADER_BYTES at the head's end; a repeated name keeps its first value, the later ones are
+dropped as they are read and bounded with the head's bytes), both answered as soon as they are
+crossed (a head that never ends is never buffered past its limit), a chunked body's framing
 and trailers (400 once they pass MAX_HEAD_BYTES plus a little per chunk, and chunks that average
 under MAX_CHUNK_OVERHEAD body bytes: httptools builds a trailer's value in memory, and each
 chunk costs a callback), one timeout for reading a
@@ -59,7 +62,7 @@ DECIDE_BYTES = len(b"POST /v1/chat/completions ")  # enough of a request line to
 
 MAX_URL_BYTES = 8190  # aiohttp's max_line_size
 MAX_HEADER_BYTES = 64 * 1024
-MAX_HEADERS = 128
+MAX_HEADERS = 128  # names (a repeated one counts once: only its first value is kept)
 # A request's head (request line and headers) past this is refused as it arrives: httptools keeps
 # a header value until its line ends, so counting whole headers alone would not bound it.
 MAX_HEAD_BYTES = MAX_URL_BYTES + MAX_HEADER_BYTES + 4096
@@ -360,8 +363,8 @@ class _FrontConnection(asyncio.Protocol):
         self.in_message = self.in_head = False
 
     # A request's state, set at its first byte (on_message_begin) and its head's end
-    # (on_headers_complete). What only a refused request sets needs no reset: a refusal closes
-    # the connection once it is answered.
+    # (on_headers_complete). What only a refused request or one too large sets needs no reset:
+    # either answer closes the connection.
     too_large = 0
     unread = False  # answered at its headers (refused, too large): the body is dropped
     refusal: str | None = None
@@ -441,6 +444,10 @@ class _FrontConnection(asyncio.Protocol):
             self._refuse_now(400, "protocol upgrades (Upgrade, Connection: upgrade) are not "
                                   "supported")
             return
+        if len(self.fields) > MAX_HEADERS:  # whatever the state (a request queued ahead, one
+            # ended in this read): what the read added goes now, and its request is refused
+            self.fields.clear()
+            self.refusal = self.refusal or "431"
         if self.in_message and not self.queue:  # a request in progress (and none ahead of it
             # to answer first) is refused as soon as its head, or its framing and trailers, are
             # too long; a read that began in an earlier request is not counted (one read at most)
@@ -449,9 +456,7 @@ class _FrontConnection(asyncio.Protocol):
             else:
                 self.message_bytes += len(data)
             if self.refusal is None:
-                if len(self.fields) > MAX_HEADERS:  # (trailers count with the headers)
-                    self.refusal = "431"
-                elif self.in_head:
+                if self.in_head:
                     if self.message_bytes > MAX_HEAD_BYTES:
                         self.refusal = "431"
                 elif (self.message_bytes - self.body_bytes
@@ -501,9 +506,13 @@ class _FrontConnection(asyncio.Protocol):
         if len(fields) > MAX_HEADERS or (sum(map(len, fields)) + sum(map(len, fields.values()))
                                          > MAX_HEADER_BYTES):
             self.refusal = self.refusal or "431"
+        if self.refusal is not None:
+            self.unread = True
+            self._complete()
+            return
         by_name = self.by_name = header_map(fields)
         self.path, _, self.query = self.url.decode("latin-1").partition("?")
-        if self.refusal is None and self.server.authorize is not None:
+        if self.server.authorize is not None:
             authorization = by_name.get(b"authorization")
             refusal = self.server.authorize(self.path, authorization.decode(
                 "utf-8", "surrogateescape") if authorization is not None else "")
@@ -511,10 +520,6 @@ class _FrontConnection(asyncio.Protocol):
                 self.unread = True
                 self.queue.append(refusal)
                 return
-        if self.refusal is not None:
-            self.unread = True
-            self._complete()
-            return
         declared = by_name.get(b"content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.server.max_body:
             self.too_large = int(declared)
@@ -542,6 +547,8 @@ class _FrontConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         if not self.unread:
+            if len(self.fields) > MAX_HEADERS:  # its trailers took it past the count
+                self.refusal = self.refusal or "431"
             self._complete()
         self.in_message = False
 
@@ -751,6 +758,7 @@ class _FrontConnection(asyncio.Protocol):
 
     def close(self) -> None:
         self.deadline.cancel()
+        self.fields.clear()  # (the connection may outlive its close in a reference cycle)
         if self.transport is not None and not self.closed:
             self.closed = True
             self.transport.close()

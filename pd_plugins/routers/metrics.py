@@ -71,9 +71,9 @@ class RouterMetrics:
         def tick(due: float) -> None:
             now = loop.time()
             self.loop_lag.observe(max(0.0, now - due))
+            holder[0] = loop.call_at(now + LOOP_LAG_PERIOD_S, tick, now + LOOP_LAG_PERIOD_S)
             for histogram in histograms:  # what requests observed since the last tick
                 histogram.fold()
-            holder[0] = loop.call_at(now + LOOP_LAG_PERIOD_S, tick, now + LOOP_LAG_PERIOD_S)
 
         start = loop.time() + LOOP_LAG_PERIOD_S
         holder.append(loop.call_at(start, tick, start))
@@ -170,11 +170,14 @@ class LoopHistogram:
 
         def fold(self) -> None:
             pending, counts = self.pending, self.counts
-            if pending:  # (bucketed and counted in C: a loop per bucket, not per value)
-                for bucket, n in _Tally(map(partial(bisect_left, self.bounds), pending)).items():
+            if pending:
+                values = pending[:]
+                pending.clear()  # first, and in place (`observe` is its append): a value that is
+                # no number fails this fold alone, and nothing is left to pile up
+                # (bucketed and counted in C: a loop per bucket, not per value)
+                for bucket, n in _Tally(map(partial(bisect_left, self.bounds), values)).items():
                     counts[bucket] += n
-                self.sum += sum(pending)
-                pending.clear()  # (in place: `observe` is its append)
+                self.sum += sum(values)
 
     def labels(self, *values: str) -> LoopHistogram._Child:
         child = self.children.get(values)
