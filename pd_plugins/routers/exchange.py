@@ -1,5 +1,6 @@
-"""A front-server request on a flow whose legs follow one another (vLLM pull, the pools), served
-from the connections' callbacks: no task, coroutine or future per request.
+"""A front-server request on a flow whose legs follow one another (vLLM pull, the pools) or go
+out together (SGLang), served from the connections' callbacks: no task, coroutine or future per
+request.
 
 Why: a task, a chain of coroutines and a future per leg cost about as much CPU per request as
 the router's own work (issue 30; docs/benchmarks.md, "The I/O framework against the work").
@@ -9,8 +10,12 @@ the prefill leg (http_client.Leg); the leg's connection calls it back with the a
 the decode leg with the prefill's kv_transfer_params; the decode's connection calls it back with
 the whole answer, written to the client at once, or with the stream's first piece: the head
 goes out and the rest is relayed from the decode's connection (stream_relay.SseRelay) to its
-end. The request's accounting, metrics and route header are the proxy's own methods, as in its
-coroutine path.
+end. On a flow whose legs go out together (`alongside`: SGLang's bootstrap) both are sent at
+once, as the coroutine path's prefill task and decode leg: a prefill that fails before the
+decode's first byte fails the attempt (the decode leg is closed), a decode that fails closes a
+prefill still running, and one still running at the decode's first byte finishes on its own
+(its callback keeps the books). The request's accounting, metrics and route header are the
+proxy's own methods, as in its coroutine path.
 
 Whatever must wait on something else goes on in the request's task, in the proxy's code, from
 where the exchange stands:
@@ -26,6 +31,7 @@ KV (Proxy.release_later).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any, Awaitable, Callable, Coroutine
 
@@ -39,6 +45,8 @@ from pd_plugins.routers.upstream import (RequestRefused, WorkerFailed, json_answ
                                         opened_answer, send_leg, stream_begun)
 
 
+log = logging.getLogger("pd_router.exchange")
+
 # a whole answer's headers (http_server.header_lines of Content-Type and the route header)
 JSON_HEAD = b"Content-Type: application/json\r\nx-pd-route: %b\r\n"
 
@@ -47,6 +55,7 @@ class Exchange(CallbackAnswer):
     # (no __slots__: what a request sets only at some stage is a class default until then)
     stage = "prefill"  # then decode, then answer (client_gone's label)
     leg: Leg | None = None  # the leg in flight
+    alongside: Leg | None = None  # a prefill leg sent with the decode's (flow.alongside)
     prefill_charge: Any = None
     prefill_started = 0.0
     decode_body: dict | None = None
@@ -85,26 +94,30 @@ class Exchange(CallbackAnswer):
         if prefill is None:  # its decode worker prefills it
             self._send_decode(body)
             return
+        flow = proxy.flow
+        if flow.sequential:
+            prefill_body, decode_body, answered_to = flow.prefill_body(body), None, self._prefilled
+        else:
+            (prefill_body, decode_body), answered_to = flow.bodies(attempt), self._prefilled_alongside
         self.prefill_charge = accounting.prefill_started(proxy.ctx, prefill, attempt.request.info)
         self.prefill_started = time.monotonic()
         try:
-            self.leg = send_leg(proxy.pools, prefill, attempt.path, proxy.flow.prefill_body(body),
-                                attempt.request_id, proxy.timeouts.prefill_s, self._prefilled)
+            leg = send_leg(proxy.pools, prefill, attempt.path, prefill_body, attempt.request_id,
+                           proxy.timeouts.prefill_s, answered_to)
         except BaseException:
             accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
             raise
+        if decode_body is None:
+            self.leg = leg
+            return
+        self.alongside, self.decode_body = leg, decode_body
+        self._send_decode(decode_body, prefilled_first=False)
 
     def _prefilled(self, leg: Leg) -> None:
         self.leg = None
         proxy, attempt = self.proxy, self.attempt
-        prefill = attempt.decision.prefill
         try:
-            try:
-                payload = leg_answer(leg, prefill, "prefill")
-            finally:
-                accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
-            params = proxy.prefill_answered(attempt, payload, self.prefill_charge,
-                                            self.prefill_started)
+            params = self._prefill_answered(leg)
             self.decode_body = proxy.flow.decode_body(attempt, params)
         except (RequestRefused, WorkerFailed) as exc:
             self._leg_failed(exc)
@@ -117,10 +130,39 @@ class Exchange(CallbackAnswer):
         except Exception:  # noqa: BLE001
             self._failed_on_bug()
 
-    def _send_decode(self, body: dict) -> None:
+    def _prefilled_alongside(self, leg: Leg) -> None:
+        """The prefill leg sent with the decode's answered or failed: in the books; a failure
+        before the decode's first byte fails the attempt (after it, the answer stands)."""
+        self.alongside = None
+        try:
+            self._prefill_answered(leg)
+        except (RequestRefused, WorkerFailed) as exc:
+            if self.stage == "decode" and self.leg is not None:
+                decode, self.leg = self.leg, None
+                decode.cancel()  # its connection closes: the engine aborts it
+                self.charges.ended()
+                self._leg_failed(exc)
+        except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
+            if self.stage == "answer":  # (the answer is under way: only the books are left)
+                log.exception("a prefill leg's answer failed the router")
+            else:
+                self._failed_on_bug()
+
+    def _prefill_answered(self, leg: Leg) -> Any:
+        """A prefill leg's answer, in the books: its kv_transfer_params (RequestRefused,
+        WorkerFailed as leg_answer raises them)."""
+        proxy, attempt = self.proxy, self.attempt
+        prefill = attempt.decision.prefill
+        try:
+            payload = leg_answer(leg, prefill, "prefill")
+        finally:
+            accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
+        return proxy.prefill_answered(attempt, payload, self.prefill_charge, self.prefill_started)
+
+    def _send_decode(self, body: dict, prefilled_first: bool = True) -> None:
         proxy, attempt = self.proxy, self.attempt
         self.stage = "decode"
-        self.charges = proxy.decode_starts(attempt, True)
+        self.charges = proxy.decode_starts(attempt, prefilled_first)
         stream, timeouts = attempt.request.info.stream, proxy.timeouts
         # a whole answer's first byte is its last: the leg runs under decode_total_s
         self.leg = send_leg(proxy.pools, attempt.decision.decode, attempt.path, body,
@@ -155,7 +197,9 @@ class Exchange(CallbackAnswer):
         except (RequestRefused, WorkerFailed) as exc:
             self.stream = None  # (stream_begun released it)
             charges.ended()
-            if isinstance(exc, RequestRefused) and attempt.decision.prefill is not None:
+            self._close_alongside()  # a prefill still running: nobody waits for it now
+            if (isinstance(exc, RequestRefused) and attempt.decision.prefill is not None
+                    and proxy.flow.sequential):
                 # the decode refused it unread: the prefill still holds the prompt's KV
                 proxy.release_later(attempt, self.decode_body, "the decode refused the request")
             self._leg_failed(exc)
@@ -259,13 +303,15 @@ class Exchange(CallbackAnswer):
         """Close what this request holds: the leg in flight, a stream, the books' charges
         (each once: a second call finds nothing)."""
         attempt = self.attempt
+        if self.stage != "answer":  # (after the decode's first byte it finishes on its own)
+            self._close_alongside()
         leg, self.leg = self.leg, None
         if leg is not None:
             leg.cancel()  # its connection closes: the engine aborts the request
             if self.stage == "prefill":
                 accounting.prefill_ended(attempt.decision.prefill, attempt.request.info,
                                          self.prefill_charge)
-            elif not leg.sent and attempt.decision.prefill is not None:
+            elif not leg.sent and attempt.decision.prefill is not None and self.proxy.flow.sequential:
                 # the prefill answered, the decode leg never went out: its KV is released
                 self.proxy.release_later(attempt, self.decode_body)
         stream, self.stream = self.stream, None
@@ -273,6 +319,15 @@ class Exchange(CallbackAnswer):
             stream.release()  # not at its end: closed, and the decode aborts
         if self.charges is not None:
             self.charges.ended()
+
+    def _close_alongside(self) -> None:
+        """A prefill leg sent with the decode's and still running: closed, out of the books."""
+        leg, self.alongside = self.alongside, None
+        if leg is not None:
+            leg.cancel()
+            attempt = self.attempt
+            accounting.prefill_ended(attempt.decision.prefill, attempt.request.info,
+                                     self.prefill_charge)
 
     def client_gone(self) -> None:
         self._close_legs()

@@ -86,11 +86,11 @@ class Proxy:
     def serve(self, http: web.Request | FastRequest, request: ClientRequest, path: str
               ) -> Awaitable[web.StreamResponse] | Exchange:
         """The answer, to be awaited; or, for a request the front server read on a flow whose
-        legs follow one another, an Exchange that answers it from the connections' callbacks
+        legs follow one another or go out together, an Exchange that answers it from the connections' callbacks
         (exchange.py). Not a coroutine itself: most requests (no traffic record, a prompt
         tokenized already) start right away."""
         if request.deferred is None and self.recorder is None:
-            if self.flow.sequential and type(http) is FastRequest:
+            if (self.flow.sequential or self.flow.alongside) and type(http) is FastRequest:
                 return Exchange.begin(self, http, request, path)
             return self._serve(http, request, path)
         return self._serve_prepared(http, request, path)

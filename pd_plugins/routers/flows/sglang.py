@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import zlib
+from typing import Any
 
 from pd_plugins.routers.config import WorkerSpec
 from pd_plugins.routers.flows.base import Attempt, PdFlow, PrefillLeg
@@ -30,16 +31,22 @@ def bootstrap_room(dp_size: int, session_id: str | None, rng: random.Random = ra
 
 class SglangFlow:
     sequential = False
+    alongside = True  # the decode asks the prefill's bootstrap server for the KV: both legs at once
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
         body = attempt.request.body
-        prefill = attempt.decision.prefill
-        if prefill is None:
+        if attempt.decision.prefill is None:
             return body, None
-        spec = prefill.spec
-        tied = {**body, "bootstrap_host": spec.host, "bootstrap_port": spec.bootstrap_port,
+        prefill_body, tied = self.bodies(attempt)
+        return tied, asyncio.create_task(prefill_leg(attempt, prefill_body))
+
+    def bodies(self, attempt: Attempt) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the prefill leg's body, the decode leg's): the client's, tied by a bootstrap room."""
+        spec = attempt.decision.prefill.spec
+        tied = {**attempt.request.body, "bootstrap_host": spec.host,
+                "bootstrap_port": spec.bootstrap_port,
                 "bootstrap_room": bootstrap_room(spec.dp_size, attempt.request.info.session_id)}
-        return tied, asyncio.create_task(prefill_leg(attempt, {**tied, "stream": False}))
+        return {**tied, "stream": False}, tied
 
 
 def sglang_flow(transfer: TransferMode, push_head_start_s: float) -> PdFlow:

@@ -29,6 +29,7 @@ def vllm_prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 class VllmPullFlow:
     sequential = True  # the decode leg goes out once the prefill leg has answered
+    alongside = False
 
     def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
         return vllm_prefill_body(body)
@@ -49,6 +50,7 @@ class VllmPullFlow:
 
 class VllmPushFlow:
     sequential = False
+    alongside = False  # (the prefill leg waits out its head start: a task's sleep)
 
     def __init__(self, head_start_s: float) -> None:
         self.head_start_s = head_start_s

@@ -55,13 +55,14 @@ def prefill_answers(n, body):
 
 
 @contextlib.asynccontextmanager
-async def pd_router(decode_answer, *args, decode: Scripted | None = None, front_of=None):
-    """A Router (vLLM pull) in front of a scripted prefill and decode (`decode_answer`'s, or
-    `decode` itself): (port, router, prefill, decode); `front_of`: a list given the front
-    server."""
-    prefill, decode = Scripted(prefill_answers), decode or Scripted(decode_answer)
+async def pd_router(decode_answer, *args, decode: Scripted | None = None, front_of=None,
+                    prefill_answer=prefill_answers, prefill_args: tuple = ()):
+    """A Router (vLLM pull, or as `args` say) in front of a scripted prefill (`prefill_answer`'s;
+    `prefill_args` after its URL) and decode (`decode_answer`'s, or `decode` itself):
+    (port, router, prefill, decode); `front_of`: a list given the front server."""
+    prefill, decode = Scripted(prefill_answer), decode or Scripted(decode_answer)
     router = Router(config_from_args(build_parser().parse_args(
-        ["--prefill", await prefill.start(), "--decode", await decode.start(),
+        ["--prefill", await prefill.start(), *prefill_args, "--decode", await decode.start(),
          "--policy", "round_robin", *args])))
     group = router._only_group()
     pools = Pools(1.0)
@@ -334,4 +335,111 @@ def test_a_decode_refusing_the_request_is_passed_on_and_the_prefills_kv_released
             assert release["max_tokens"] == 1 and release["kv_transfer_params"] == PARAMS
             assert len(prefill.bodies) == 1  # no retry: another worker would refuse it too
             writer.close()
+    asyncio.run(main())
+
+
+# SGLang: both legs go out at once (the decode fetches the KV from the prefill's bootstrap
+# server), from the connections' callbacks as vLLM's pull flow
+SGLANG = ("--engine", "sglang")
+BOOTSTRAP = ("8998",)  # the prefill's bootstrap port (nothing listens: the mocks are scripted)
+
+
+async def settled(router, timeout_s: float = 2.0) -> None:
+    """Until no leg is in the books (a prefill leg sent alongside may end after the answer)."""
+    for _ in range(int(timeout_s / 0.02)):
+        if all(w.in_flight == 0 and w.in_flight_tokens == 0 for w in router._only_group().pool):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError([(w.url, w.in_flight) for w in router._only_group().pool])
+
+
+def test_sglang_requests_send_both_legs_at_once_and_start_no_task():
+    async def main():
+        async with pd_router(lambda n, body: http_answer(ANSWER), *SGLANG, prefill_args=BOOTSTRAP,
+                             prefill_answer=lambda n, body: http_answer(b'{"choices": []}')
+                             ) as (port, router, prefill, decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            body = {"model": "m", "prompt": "hello there", "max_tokens": 4}
+            writer.write(request_bytes(body))  # the first opens the legs' connections (tasks)
+            assert (await read_answer(reader))[0] == 200
+            loop, tasks = asyncio.get_running_loop(), []
+            loop.set_task_factory(lambda loop, coro, **kw: tasks.append(coro) or asyncio.Task(
+                coro, loop=loop, **kw))
+            for _ in range(5):
+                writer.write(request_bytes(body))
+                status, head, answer = await read_answer(reader)
+                assert (status, answer) == (200, ANSWER)
+                assert b"x-pd-route: route=disaggregated" in head
+            loop.set_task_factory(None)
+            assert tasks == []  # none: the router made no task for them
+            for sent_prefill, sent_decode in zip(prefill.bodies, decode.bodies):
+                assert sent_prefill["bootstrap_room"] == sent_decode["bootstrap_room"]
+                assert sent_prefill["bootstrap_port"] == sent_decode["bootstrap_port"] == 8998
+                assert sent_prefill["stream"] is False and sent_decode["max_tokens"] == 4
+            assert len({b["bootstrap_room"] for b in decode.bodies}) == 6
+            await settled(router)
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
+                          outcome="ok") == 6
+            writer.close()
+    asyncio.run(main())
+
+
+def test_an_sglang_prefill_failing_before_the_decodes_answer_fails_the_attempt():
+    # the prefill answers 500 while its decode holds its answer: the decode leg is closed (the
+    # engine aborts it) and the attempt fails over; with the one prefill worker excluded, an
+    # SGLang decode cannot prefill the prompt itself: 503, as the coroutine path answers it
+    async def main():
+        hold = lambda n, body: b""  # the decode never answers
+        refuse = lambda n, body: http_answer(b'{"error": "x"}', 500)
+        async with pd_router(hold, *SGLANG, prefill_args=BOOTSTRAP,
+                             prefill_answer=refuse) as (port, router, prefill, decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            async with asyncio.timeout(5):
+                status, head, answer = await read_answer(reader)
+            assert status == 503 and b"no usable prefill worker" in answer
+            assert len(prefill.bodies) == len(decode.bodies) == 1
+            await settled(router)  # the decode leg's charges ended with it
+            writer.close()
+    asyncio.run(main())
+
+
+def test_an_sglang_decode_failing_closes_a_prefill_still_running_and_keeps_the_books():
+    # the first decode answers 500 while its prefill has not answered: the prefill leg is
+    # closed and out of the books, the request tried again
+    async def main():
+        decode_answer = lambda n, body: (http_answer(b'{"error": "x"}', 500) if n == 0
+                                         else http_answer(ANSWER))
+        prefill_answer = lambda n, body: b"" if n == 0 else http_answer(b'{"choices": []}')
+        async with pd_router(decode_answer, *SGLANG, prefill_args=BOOTSTRAP,
+                             prefill_answer=prefill_answer) as (port, router, prefill, decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            async with asyncio.timeout(5):
+                status, head, answer = await read_answer(reader)
+            assert (status, answer) == (200, ANSWER) and b"retried=1" in head
+            await settled(router)  # (the second prefill may answer after its decode)
+            assert len(prefill.bodies) == len(decode.bodies) == 2
+            writer.close()
+    asyncio.run(main())
+
+
+def test_an_sglang_client_leaving_closes_both_legs():
+    async def main():
+        hold = lambda n, body: b""  # neither leg ever answers
+        async with pd_router(hold, *SGLANG, prefill_args=BOOTSTRAP,
+                             prefill_answer=hold) as (port, router, prefill, decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if prefill.bodies and decode.bodies:
+                    break
+            assert any(w.in_flight for w in router._only_group().pool)
+            writer.close()
+            await settled(router)
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_client_gone_total", stage="decode",
+                          how="disconnect") == 1
     asyncio.run(main())
