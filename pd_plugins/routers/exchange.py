@@ -23,9 +23,9 @@ where the exchange stands:
 - a client whose socket is full: the answer's end drains in a task (Proxy.drained), a stream's
   relay goes on in Proxy.relay_rest (which also ends a stream whose decode failed mid-way with
   an error event).
-A client that leaves closes the open leg (the engine aborts it), or, when the prefill has
-answered and the decode leg is not yet out, sends the one-token leg that releases the prefill's
-KV (Proxy.release_later).
+A client that leaves closes the open legs (the engine aborts them), or, on vLLM's pull flow, when
+the prefill has answered and the decode leg is not yet out, sends the one-token leg that
+releases the prefill's KV (Proxy.release_later).
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ class Exchange(CallbackAnswer):
         if not isinstance(attempt, Attempt):
             return answered(attempt)
         exchange = cls(proxy, http, tries, attempt, started)
-        exchange._start()
+        try:
+            exchange._start()
+        except Exception:  # noqa: BLE001 - a bug: what went out is closed and out of the books
+            exchange._failed_on_bug()
         return exchange
 
     def __init__(self, proxy: Any, http: FastRequest, tries: Tries, attempt: Attempt,
@@ -143,10 +146,10 @@ class Exchange(CallbackAnswer):
                 self.charges.ended()
                 self._leg_failed(exc)
         except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
-            if self.stage == "answer":  # (the answer is under way: only the books are left)
-                log.exception("a prefill leg's answer failed the router")
-            else:
+            if self.stage == "decode" and self.leg is not None:  # (the request is still ours)
                 self._failed_on_bug()
+            else:  # the answer is under way or over: only the books were left
+                log.exception("a prefill leg's answer failed the router")
 
     def _prefill_answered(self, leg: Leg) -> Any:
         """A prefill leg's answer, in the books: its kv_transfer_params (RequestRefused,

@@ -1,9 +1,9 @@
 """Serve one client request: admit, schedule, run the engine flow, relay the answer, fail over.
 
 The attempts and their failover rules are failover.py's; every leg has a timeout. A request the
-front server read, on a flow whose legs follow one another (vLLM pull, the pools), is served from
-the connections' callbacks (exchange.py) until something must wait; the rest runs here, in the
-request's task."""
+front server read, on a flow whose legs follow one another (vLLM pull, the pools) or go out
+together (SGLang), is served from the connections' callbacks (exchange.py) until something must
+wait; the rest runs here, in the request's task."""
 
 from __future__ import annotations
 

@@ -56,11 +56,12 @@ def prefill_answers(n, body):
 
 @contextlib.asynccontextmanager
 async def pd_router(decode_answer, *args, decode: Scripted | None = None, front_of=None,
-                    prefill_answer=prefill_answers, prefill_args: tuple = ()):
-    """A Router (vLLM pull, or as `args` say) in front of a scripted prefill (`prefill_answer`'s;
-    `prefill_args` after its URL) and decode (`decode_answer`'s, or `decode` itself):
-    (port, router, prefill, decode); `front_of`: a list given the front server."""
-    prefill, decode = Scripted(prefill_answer), decode or Scripted(decode_answer)
+                    prefill_answer=prefill_answers, prefill_args: tuple = (),
+                    prefill: Scripted | None = None):
+    """A Router (vLLM pull, or as `args` say) in front of a scripted prefill (`prefill_answer`'s,
+    or `prefill` itself; `prefill_args` after its URL) and decode (`decode_answer`'s, or `decode`
+    itself): (port, router, prefill, decode); `front_of`: a list given the front server."""
+    prefill, decode = prefill or Scripted(prefill_answer), decode or Scripted(decode_answer)
     router = Router(config_from_args(build_parser().parse_args(
         ["--prefill", await prefill.start(), *prefill_args, "--decode", await decode.start(),
          "--policy", "round_robin", *args])))
@@ -442,4 +443,54 @@ def test_an_sglang_client_leaving_closes_both_legs():
             metrics = router.metrics.exposition().decode()
             assert sample(metrics, "pd_router_client_gone_total", stage="decode",
                           how="disconnect") == 1
+    asyncio.run(main())
+
+
+class LateScripted(Scripted):
+    """A worker that answers each request `delay_s` after reading it (keep-alive)."""
+
+    def __init__(self, answer, delay_s: float) -> None:
+        super().__init__(answer)
+        self.delay_s = delay_s
+
+    async def start(self) -> str:
+        async def serve(reader, writer):
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                    body = json.loads(await reader.readexactly(length))
+                    n = len(self.bodies)
+                    self.bodies.append(body)
+                    await asyncio.sleep(self.delay_s)
+                    writer.write(self.answer(n, body))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+def test_an_sglang_prefill_ending_after_its_answer_only_keeps_the_books():
+    # the decode answers first; the client's next request on the same connection is under way
+    # when the first request's prefill answers (well, or with a 500): the answers stand, the
+    # next request is not disturbed, and the books balance
+    async def main():
+        for prefill_status in (200, 500):
+            late = LateScripted(lambda n, body: http_answer(b'{"choices": []}', prefill_status), 0.2)
+            async with pd_router(lambda n, body: http_answer(ANSWER), *SGLANG,
+                                 prefill_args=BOOTSTRAP, prefill=late) as (port, router, _, decode):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                for _ in range(2):
+                    writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+                    async with asyncio.timeout(2):
+                        status, head, answer = await read_answer(reader)
+                    assert (status, answer) == (200, ANSWER) and b"retried" not in head
+                await settled(router)  # both prefills answered (0.2 s after their requests)
+                assert len(late.bodies) == len(decode.bodies) == 2  # no attempt retried
+                metrics = router.metrics.exposition().decode()
+                assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
+                              outcome="ok") == 2
+                writer.close()
     asyncio.run(main())
