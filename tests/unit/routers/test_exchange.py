@@ -26,11 +26,11 @@ def http_answer(body: bytes, status: int = 200) -> bytes:
 
 
 class Scripted:
-    """A worker that answers each request (keep-alive) with `answer(n, body)`'s bytes, n from 0;
-    it keeps every request's JSON body."""
+    """A worker that answers each request (keep-alive) with `answer(n, body)`'s bytes, n from 0,
+    `delay_s` after reading it; it keeps every request's JSON body."""
 
-    def __init__(self, answer) -> None:
-        self.answer, self.bodies = answer, []
+    def __init__(self, answer, delay_s: float = 0.0) -> None:
+        self.answer, self.bodies, self.delay_s = answer, [], delay_s
 
     async def start(self) -> str:
         async def serve(reader, writer):
@@ -41,6 +41,8 @@ class Scripted:
                     body = json.loads(await reader.readexactly(length))
                     n = len(self.bodies)
                     self.bodies.append(body)
+                    if self.delay_s:
+                        await asyncio.sleep(self.delay_s)
                     writer.write(self.answer(n, body))
             except (asyncio.IncompleteReadError, ConnectionError):
                 pass
@@ -100,31 +102,37 @@ async def read_answer(reader) -> tuple[int, bytes, bytes]:
     return int(head.split(b" ")[1]), head, await reader.readexactly(length)
 
 
+async def served_with_no_task(port: int, requests: int = 6) -> None:
+    """`requests` PD requests on one keep-alive connection, answered 200 (ANSWER) and
+    disaggregated; all but the first (which opens the legs' connections: tasks) with no task.
+    The callback path is the point: a request served with a task per request would count here."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body = {"model": "m", "prompt": "hello there", "max_tokens": 4}
+    writer.write(request_bytes(body))
+    assert (await read_answer(reader))[0] == 200
+    loop, tasks = asyncio.get_running_loop(), []
+    loop.set_task_factory(lambda loop, coro, **kw: tasks.append(coro) or asyncio.Task(
+        coro, loop=loop, **kw))
+    for _ in range(requests - 1):
+        writer.write(request_bytes(body))
+        status, head, answer = await read_answer(reader)
+        assert (status, answer) == (200, ANSWER)
+        assert b"x-pd-route: route=disaggregated" in head
+    loop.set_task_factory(None)
+    assert tasks == []  # none: the router made no task for them
+    writer.close()
+
+
 def test_pd_requests_on_a_keep_alive_connection_start_no_task():
-    # The callback path is the point: a request served with a task per request would count here.
     async def main():
         async with pd_router(lambda n, body: http_answer(ANSWER)) as (port, router, prefill, decode):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            body = {"model": "m", "prompt": "hello there", "max_tokens": 4}
-            writer.write(request_bytes(body))  # the first opens the legs' connections (tasks)
-            assert (await read_answer(reader))[0] == 200
-            loop, tasks = asyncio.get_running_loop(), []
-            loop.set_task_factory(lambda loop, coro, **kw: tasks.append(coro) or asyncio.Task(
-                coro, loop=loop, **kw))
-            for _ in range(5):
-                writer.write(request_bytes(body))
-                status, head, answer = await read_answer(reader)
-                assert (status, answer) == (200, ANSWER)
-                assert b"x-pd-route: route=disaggregated" in head
-            loop.set_task_factory(None)
-            assert tasks == []  # none: the router made no task for them
+            await served_with_no_task(port)
             assert prefill.bodies[-1]["max_tokens"] == 1 and prefill.bodies[-1]["stream"] is False
             assert decode.bodies[-1]["kv_transfer_params"] == PARAMS
             assert len(prefill.bodies) == len(decode.bodies) == 6
             metrics = router.metrics.exposition().decode()
             assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
                           outcome="ok") == 6
-            writer.close()
     asyncio.run(main())
 
 
@@ -359,20 +367,7 @@ def test_sglang_requests_send_both_legs_at_once_and_start_no_task():
         async with pd_router(lambda n, body: http_answer(ANSWER), *SGLANG, prefill_args=BOOTSTRAP,
                              prefill_answer=lambda n, body: http_answer(b'{"choices": []}')
                              ) as (port, router, prefill, decode):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            body = {"model": "m", "prompt": "hello there", "max_tokens": 4}
-            writer.write(request_bytes(body))  # the first opens the legs' connections (tasks)
-            assert (await read_answer(reader))[0] == 200
-            loop, tasks = asyncio.get_running_loop(), []
-            loop.set_task_factory(lambda loop, coro, **kw: tasks.append(coro) or asyncio.Task(
-                coro, loop=loop, **kw))
-            for _ in range(5):
-                writer.write(request_bytes(body))
-                status, head, answer = await read_answer(reader)
-                assert (status, answer) == (200, ANSWER)
-                assert b"x-pd-route: route=disaggregated" in head
-            loop.set_task_factory(None)
-            assert tasks == []  # none: the router made no task for them
+            await served_with_no_task(port)
             for sent_prefill, sent_decode in zip(prefill.bodies, decode.bodies):
                 assert sent_prefill["bootstrap_room"] == sent_decode["bootstrap_room"]
                 assert sent_prefill["bootstrap_port"] == sent_decode["bootstrap_port"] == 8998
@@ -382,7 +377,6 @@ def test_sglang_requests_send_both_legs_at_once_and_start_no_task():
             metrics = router.metrics.exposition().decode()
             assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
                           outcome="ok") == 6
-            writer.close()
     asyncio.run(main())
 
 
@@ -446,39 +440,13 @@ def test_an_sglang_client_leaving_closes_both_legs():
     asyncio.run(main())
 
 
-class LateScripted(Scripted):
-    """A worker that answers each request `delay_s` after reading it (keep-alive)."""
-
-    def __init__(self, answer, delay_s: float) -> None:
-        super().__init__(answer)
-        self.delay_s = delay_s
-
-    async def start(self) -> str:
-        async def serve(reader, writer):
-            try:
-                while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-                    body = json.loads(await reader.readexactly(length))
-                    n = len(self.bodies)
-                    self.bodies.append(body)
-                    await asyncio.sleep(self.delay_s)
-                    writer.write(self.answer(n, body))
-            except (asyncio.IncompleteReadError, ConnectionError):
-                pass
-            writer.close()
-
-        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-
 def test_an_sglang_prefill_ending_after_its_answer_only_keeps_the_books():
     # the decode answers first; the client's next request on the same connection is under way
     # when the first request's prefill answers (well, or with a 500): the answers stand, the
     # next request is not disturbed, and the books balance
     async def main():
         for prefill_status in (200, 500):
-            late = LateScripted(lambda n, body: http_answer(b'{"choices": []}', prefill_status), 0.2)
+            late = Scripted(lambda n, body: http_answer(b'{"choices": []}', prefill_status), 0.2)
             async with pd_router(lambda n, body: http_answer(ANSWER), *SGLANG,
                                  prefill_args=BOOTSTRAP, prefill=late) as (port, router, _, decode):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -65,9 +65,12 @@ class App:
 
 
 @contextlib.asynccontextmanager
-async def front(app: App, **kwargs):
+async def front(app: App, front_of: list | None = None, **kwargs):
+    """The front server on loopback (its port); `front_of`: a list given the server."""
     fallback = web.Server(app.other)
     server = FrontServer(app.handle, fallback, max_body=kwargs.pop("max_body", 1 << 20), **kwargs)
+    if front_of is not None:
+        front_of.append(server)
     listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
     try:
         yield listener.sockets[0].getsockname()[1]
@@ -278,35 +281,28 @@ def test_header_names_past_the_count_are_dropped_at_each_reads_end_whatever_the_
     # httptools hands every header and trailer to a dict in C: a read may add thousands; what
     # is past MAX_HEADERS goes at the read's end, also for trailers that end their request in
     # that read and for a head pipelined behind a request being answered
-    async def main():
-        app = App()
-        fallback = web.Server(app.other)
-        server = FrontServer(app.handle, fallback, max_body=1 << 20)
-        listener = await asyncio.get_running_loop().create_server(server, "127.0.0.1", 0)
-        port = listener.sockets[0].getsockname()[1]
-        many = b"".join(b"X-%d: v\r\n" % i for i in range(5000))
-        try:
-            chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                       b"Transfer-Encoding: chunked\r\n\r\n")
-            got = await exchange(port, chunked + b"2\r\n{}\r\n0\r\n" + many + b"\r\n")
-            assert got.startswith(b"HTTP/1.1 431"), got[:80]
-            assert app.fast == []
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(post() + b"POST /v1/completions HTTP/1.1\r\n" + many)
-            async with asyncio.timeout(2):
-                assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
-            assert len(app.fast) == 1 and server.connections
-            assert all(len(conn.fields) <= MAX_HEADERS for conn in server.connections)
-            writer.write(b"\r\n")  # the pipelined head ends: refused, and the connection closed
-            async with asyncio.timeout(2):
-                rest = await reader.read()
-            assert b"HTTP/1.1 431" in rest and len(app.fast) == 1
-            writer.close()
-        finally:
-            listener.close()
-            await server.shutdown(1.0)
-            await fallback.shutdown(1.0)
-    asyncio.run(main())
+    servers: list[FrontServer] = []
+    many = b"".join(b"X-%d: v\r\n" % i for i in range(5000))
+
+    async def scenario(app, port):
+        chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n")
+        got = await exchange(port, chunked + b"2\r\n{}\r\n0\r\n" + many + b"\r\n")
+        assert got.startswith(b"HTTP/1.1 431"), got[:80]
+        assert app.fast == []
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(post() + b"POST /v1/completions HTTP/1.1\r\n" + many)
+        async with asyncio.timeout(2):
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
+        [server] = servers
+        assert len(app.fast) == 1 and server.connections
+        assert all(len(conn.fields) <= MAX_HEADERS for conn in server.connections)
+        writer.write(b"\r\n")  # the pipelined head ends: refused, and the connection closed
+        async with asyncio.timeout(2):
+            rest = await reader.read()
+        assert b"HTTP/1.1 431" in rest and len(app.fast) == 1
+        writer.close()
+    run(scenario, front_of=servers)
 
 
 def test_a_request_begun_behind_an_answered_one_has_its_read_timeout():
