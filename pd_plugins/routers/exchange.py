@@ -108,7 +108,7 @@ class Exchange(CallbackAnswer):
             leg = send_leg(proxy.pools, prefill, attempt.path, prefill_body, attempt.request_id,
                            proxy.timeouts.prefill_s, answered_to)
         except BaseException:
-            accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
+            self._prefill_ended()
             raise
         if decode_body is None:
             self.leg = leg
@@ -154,13 +154,17 @@ class Exchange(CallbackAnswer):
     def _prefill_answered(self, leg: Leg) -> Any:
         """A prefill leg's answer, in the books: its kv_transfer_params (RequestRefused,
         WorkerFailed as leg_answer raises them)."""
-        proxy, attempt = self.proxy, self.attempt
-        prefill = attempt.decision.prefill
         try:
-            payload = leg_answer(leg, prefill, "prefill")
+            payload = leg_answer(leg, self.attempt.decision.prefill, "prefill")
         finally:
-            accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
-        return proxy.prefill_answered(attempt, payload, self.prefill_charge, self.prefill_started)
+            self._prefill_ended()
+        return self.proxy.prefill_answered(self.attempt, payload, self.prefill_charge,
+                                           self.prefill_started)
+
+    def _prefill_ended(self) -> None:
+        """The prefill leg's charge out of the books (once per leg: its callers see to it)."""
+        attempt = self.attempt
+        accounting.prefill_ended(attempt.decision.prefill, attempt.request.info, self.prefill_charge)
 
     def _send_decode(self, body: dict, prefilled_first: bool = True) -> None:
         proxy, attempt = self.proxy, self.attempt
@@ -312,8 +316,7 @@ class Exchange(CallbackAnswer):
         if leg is not None:
             leg.cancel()  # its connection closes: the engine aborts the request
             if self.stage == "prefill":
-                accounting.prefill_ended(attempt.decision.prefill, attempt.request.info,
-                                         self.prefill_charge)
+                self._prefill_ended()
             elif not leg.sent and attempt.decision.prefill is not None and self.proxy.flow.sequential:
                 # the prefill answered, the decode leg never went out: its KV is released
                 self.proxy.release_later(attempt, self.decode_body)
@@ -328,9 +331,7 @@ class Exchange(CallbackAnswer):
         leg, self.alongside = self.alongside, None
         if leg is not None:
             leg.cancel()
-            attempt = self.attempt
-            accounting.prefill_ended(attempt.decision.prefill, attempt.request.info,
-                                     self.prefill_charge)
+            self._prefill_ended()
 
     def client_gone(self) -> None:
         self._close_legs()

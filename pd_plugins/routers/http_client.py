@@ -188,8 +188,7 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = self.headers_done = self.done = False
         self.whole, self.body_timeout, self.first_body = whole, body_timeout, first_body
         if timeout is not None:
-            self.timeout_s, self.answered = timeout, False
-            self.deadline.arm(timeout)
+            self.arm(timeout, answered=False)
         else:
             self.deadline.disarm()
         self.sent_at = self.loop.time()
@@ -330,10 +329,7 @@ class _Conn(asyncio.Protocol):
             self.closed = True
         if self.sink is not None:  # piped: its reader finishes the answer without a timeout
             self.deadline.disarm()
-        if self.in_read and self.notify is not None:  # (_wake's common case, without the call)
-            self.notify_due = True
-        else:
-            self._wake()
+        self._wake()
 
     # -- helpers ---------------------------------------------------------------------------
     def orphan(self, on_orphan: Orphan | None, read: list[bytes] = ()) -> None:
@@ -627,7 +623,7 @@ class Leg:
     def _progress(self) -> None:
         conn = self.conn
         error = conn.exc
-        if conn.done if conn.whole else conn.ready():  # (ready()'s first case inline)
+        if conn.ready():
             # in as far as asked for: an answer, whatever failed after it (as _sent() returns it)
             if conn.status != 200 and not conn.done:
                 if error is None:  # an error answer: its reason comes whole (MAX_ERROR_BYTES)
@@ -708,12 +704,8 @@ class Upstream:
         conn.deadline.disarm()
         # (the reader's sink and callback, and what they reference, are not held until reused)
         conn.sink = conn.notify = None
-        if not conn.done or conn.closed or conn.paused or conn.exc is not None:
-            conn.abort()
-        elif len(self._idle) < self.max_idle and not self.closed:  # (_put's, without the call)
-            conn.reused = conn.idle = True
-            conn.idle_since = conn.loop.time()
-            self._idle.append(conn)
+        if conn.done and not (conn.closed or conn.paused) and conn.exc is None:
+            self._put(conn)
         else:
             conn.abort()
 

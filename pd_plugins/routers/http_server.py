@@ -614,10 +614,8 @@ class _FrontConnection(asyncio.Protocol):
         self.callbacks = None
         if not self.keep_alive or self.server.closing:
             self.close()
-        elif self.queue or self.held or self.in_message or self.closed:
-            self._next()
-        else:  # (_next's common case: nothing more read yet, the connection idles)
-            self.deadline.arm(self.server.keepalive_timeout_s)
+            return
+        self._next()
 
     def respond(self, response: web.Response, request: FastRequest) -> None:
         """A CallbackAnswer's whole answer, made: written now (a full socket drains in a task)."""

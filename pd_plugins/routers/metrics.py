@@ -66,7 +66,7 @@ class RouterMetrics:
         loop = asyncio.get_running_loop()
         holder: list[asyncio.TimerHandle] = []
 
-        histograms = [self.ttft, self.tpot, self.e2e, self.leg, self.loop_lag]
+        histograms = [m for m in vars(self).values() if isinstance(m, LoopHistogram)]
 
         def tick(due: float) -> None:
             now = loop.time()

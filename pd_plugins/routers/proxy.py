@@ -86,9 +86,9 @@ class Proxy:
     def serve(self, http: web.Request | FastRequest, request: ClientRequest, path: str
               ) -> Awaitable[web.StreamResponse] | Exchange:
         """The answer, to be awaited; or, for a request the front server read on a flow whose
-        legs follow one another or go out together, an Exchange that answers it from the connections' callbacks
-        (exchange.py). Not a coroutine itself: most requests (no traffic record, a prompt
-        tokenized already) start right away."""
+        legs follow one another or go out together, an Exchange that answers it from the
+        connections' callbacks (exchange.py). Not a coroutine itself: most requests (no traffic
+        record, a prompt tokenized already) start right away."""
         if request.deferred is None and self.recorder is None:
             if (self.flow.sequential or self.flow.alongside) and type(http) is FastRequest:
                 return Exchange.begin(self, http, request, path)

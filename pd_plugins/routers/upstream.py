@@ -57,15 +57,14 @@ class Pools:
         """The pool of a worker's legs. A removed worker's request in flight (its decode leg
         after its prefill, a retry) gets a pool nobody keeps, shut: each connection is closed
         after its answer, and no table grows with workers that came and went."""
-        url = worker.url
-        pool = self._pools.get(url)
-        if pool is None:
-            pool = self._new(url)
-            if worker.removed:
-                pool.shut()
-                return pool
-            self._pools[url] = pool
-        return pool
+        pool = self._pools.get(worker.url)  # (nearly every leg: one lookup)
+        if pool is not None:
+            return pool
+        if worker.removed:
+            pool = self._new(worker.url)
+            pool.shut()
+            return pool
+        return self.get(worker.url)
 
     def _new(self, url: str) -> Upstream:
         parts = urlsplit(url)

@@ -129,9 +129,7 @@ class WorkerPool:
         return [w for w in self._workers.values() if w.role == role]
 
     def usable(self, role: Role) -> list[Worker]:
-        # (Worker.usable inline: no property call per worker on every request)
-        return [w for w in self._workers.values()
-                if w.role == role and w.healthy and not w.draining]
+        return [w for w in self._workers.values() if w.role == role and w.usable]
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._workers.values()))
