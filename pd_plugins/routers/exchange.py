@@ -40,7 +40,7 @@ from pd_plugins.routers.failover import Tries
 from pd_plugins.routers.flows import Attempt
 from pd_plugins.routers.http_client import Leg, Response
 from pd_plugins.routers.http_server import CallbackAnswer, FastRequest, answered
-from pd_plugins.routers.request import ClientRequest
+from pd_plugins.routers.request import ClientRequest, LegBody
 from pd_plugins.routers.upstream import (RequestRefused, WorkerFailed, json_answer, leg_answer,
                                         opened_answer, send_leg, stream_begun)
 
@@ -58,7 +58,7 @@ class Exchange(CallbackAnswer):
     alongside: Leg | None = None  # a prefill leg sent with the decode's (flow.alongside)
     prefill_charge: Any = None
     prefill_started = 0.0
-    decode_body: dict | None = None
+    decode_body: LegBody | None = None
     charges: accounting.DecodeCharges | None = None
     stream: Response | None = None  # a streamed answer being relayed: its response, relay, the
     out: Any = None  # client's response and the decode's deadline (Proxy.relay_start)
@@ -93,13 +93,14 @@ class Exchange(CallbackAnswer):
     # -- the legs ----------------------------------------------------------------------------
     def _start(self) -> None:
         proxy, attempt = self.proxy, self.attempt
-        prefill, body = attempt.decision.prefill, attempt.request.body
+        prefill = attempt.decision.prefill
         if prefill is None:  # its decode worker prefills it
-            self._send_decode(body)
+            self._send_decode(attempt.request.body_with())
             return
         flow = proxy.flow
         if flow.sequential:
-            prefill_body, decode_body, answered_to = flow.prefill_body(body), None, self._prefilled
+            prefill_body, decode_body, answered_to = (flow.prefill_body(attempt.request.body), None,
+                                                      self._prefilled)
         else:
             (prefill_body, decode_body), answered_to = flow.bodies(attempt), self._prefilled_alongside
         self.prefill_charge = accounting.prefill_started(proxy.ctx, prefill, attempt.request.info)
@@ -166,7 +167,7 @@ class Exchange(CallbackAnswer):
         attempt = self.attempt
         accounting.prefill_ended(attempt.decision.prefill, attempt.request.info, self.prefill_charge)
 
-    def _send_decode(self, body: dict, prefilled_first: bool = True) -> None:
+    def _send_decode(self, body: LegBody, prefilled_first: bool = True) -> None:
         proxy, attempt = self.proxy, self.attempt
         self.stage = "decode"
         self.charges = proxy.decode_starts(attempt, prefilled_first)

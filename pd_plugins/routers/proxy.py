@@ -28,7 +28,7 @@ from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
 from pd_plugins.routers.policy.base import uncached_tokens
 from pd_plugins.routers.policy.latency_model import OnlineLinearFit
-from pd_plugins.routers.request import BadRequest, ClientRequest, tokenize_deferred
+from pd_plugins.routers.request import BadRequest, ClientRequest, LegBody, tokenize_deferred
 from pd_plugins.routers.replica_channels import ReplicaShare
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.stream_relay import SseRelay
@@ -45,6 +45,7 @@ from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of
 
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
+_decoder = msgspec.json.Decoder()
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 SSE_HEAD = header_lines(SSE_HEADERS) + b"x-pd-route: %b\r\n"  # the front server's, as bytes
 STAGE_KEY = "pd_stage"  # on the aiohttp request: prefill | decode | answer, for client_gone
@@ -300,7 +301,7 @@ class Proxy:
         kv = None if info.stream else self._kv_verdict(payload, decision)
         return kv, self._route_header(decision, history, info, kv)
 
-    async def _prepare(self, attempt: Attempt) -> tuple[dict[str, Any], asyncio.Task | None]:
+    async def _prepare(self, attempt: Attempt) -> tuple[LegBody, asyncio.Task | None]:
         """The flow's prepare (the pull prefill leg). A client that leaves while the prefill
         runs cancels this: the leg's connection closes, and the engine aborts it and frees its
         KV. One that leaves just as the prefill answers loses no answer: `_prefill_leg` returns
@@ -317,7 +318,7 @@ class Proxy:
             raise asyncio.CancelledError
         return decode_body, prefill_task
 
-    def release_later(self, attempt: Attempt, decode_body: dict[str, Any],
+    def release_later(self, attempt: Attempt, decode_body: LegBody,
                        why: str = "the client left") -> None:
         """The client left after the prefill answered but before the decode leg went out, or the
         decode refused the request (a 4xx: a check the prefill's one-token leg passed): the
@@ -325,6 +326,8 @@ class Proxy:
         VLLM_NIXL_ABORT_REQUEST_TIMEOUT) for a read that will never come. A one-token decode leg
         reads it, which frees it on the prefill now; nobody waits for the answer. Its body is the
         one the prefill accepted (cut to one token, not streamed) with the prefill's params."""
+        if type(decode_body) is bytes:  # (made from the client's JSON: ClientRequest.body_with)
+            decode_body = _decoder.decode(decode_body)
         task = asyncio.create_task(self._release(attempt, one_token_body(decode_body), why))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
@@ -399,7 +402,7 @@ class Proxy:
                                      self.record_prefixes)
         return params
 
-    async def _decode_first(self, attempt: Attempt, body: dict[str, Any],
+    async def _decode_first(self, attempt: Attempt, body: LegBody,
                             on_sent: Callable[[], None] | None = None):
         """Open the decode leg; return it with its first chunk (streaming) or whole body."""
         worker = attempt.decision.decode

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, NoReturn, Protocol
+from typing import Any, Callable, Literal, NoReturn, Protocol, Union
 
 import msgspec
 
@@ -72,6 +72,10 @@ class ModelTarget(Protocol):
     adapter_parents: dict[str, str]  # LoRA adapter -> its base model, from the workers
 
 
+# A leg's body: a dict, encoded as the leg is sent, or JSON made already (ClientRequest.body_with).
+LegBody = Union[dict[str, Any], bytes]
+
+
 @dataclass
 class ClientRequest:
     kind: Kind
@@ -85,6 +89,23 @@ class ClientRequest:
     # (tokenize_deferred): (text, block-key root, tokens to generate at least, exact)
     deferred: tuple | None = None
     client_id: str | None = None  # the client's X-Request-Id (checked: short printable ASCII)
+    # the client's JSON as it came, where it holds client fields only (CLIENT_FIELDS, and no
+    # vllm_xargs, whose nested names are checked): what body_with builds legs' bodies from
+    raw: bytes | None = None
+
+    def body_with(self, fields: dict[str, Any] | None = None) -> LegBody:
+        """The client's body with the router's `fields` added (names no client may send: with
+        `raw` set the body has none of them). From `raw`, the client's own bytes with the fields
+        spliced in before its closing brace, so the prompt is not encoded again (a cost that grows
+        with the prompt); else a dict."""
+        raw = self.raw
+        if raw is None:
+            return {**self.body, **fields} if fields else self.body
+        if not fields:
+            return raw
+        # (a JSON object ends with its brace and maybe whitespace; a request has a prompt, so the
+        # object is not empty and the fields follow a comma)
+        return b"%b,%b" % (raw[:raw.rindex(b"}")], _encode(fields)[1:])
 
     @property
     def stream(self) -> bool:
@@ -96,6 +117,7 @@ class ClientRequest:
 
 
 _decoder = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder().encode
 
 
 def parse_request(raw: bytes, kind: Kind, headers: Any, *,
@@ -115,7 +137,8 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # (only then can it nest that deep)
         _check_depth(body)
     client_id = _request_id(headers)
-    if not CLIENT_FIELDS.issuperset(body):  # nearly every request: no field looked at alone
+    only_client_fields = CLIENT_FIELDS.issuperset(body)
+    if not only_client_fields:  # nearly every request has client fields only: none looked at alone
         _remove_transfer_fields(body, "", strip_transfer_fields)
     get = body.get
     xargs = get("vllm_xargs")
@@ -203,7 +226,8 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
                        block_width=(block_size or 0) * (1 if tokens is not None else CHARS_PER_TOKEN))
     n = get("n")  # (vLLM 0.32's completions take no best_of: it is ignored there)
     fan_out = (n is not None and n != 1) or bool(get("use_beam_search"))
-    return ClientRequest(kind, body, info, target, fan_out, deferred, client_id)
+    return ClientRequest(kind, body, info, target, fan_out, deferred, client_id,
+                         raw if only_client_fields and xargs is None else None)
 
 
 def _not_positive(key: str, value: Any) -> NoReturn:

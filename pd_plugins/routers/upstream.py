@@ -17,8 +17,13 @@ import msgspec
 
 from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Leg, Orphan, Response, Upstream,
                                             UpstreamError, UpstreamTimeout, header_value)
+from pd_plugins.routers.request import LegBody
 
 _encode = msgspec.json.Encoder().encode
+
+
+def _leg_json(body: LegBody) -> bytes:
+    return body if type(body) is bytes else _encode(body)
 
 
 class WorkerFailed(Exception):
@@ -89,7 +94,7 @@ def _failure(worker: Any, leg: str, exc: UpstreamError) -> WorkerFailed:
     return WorkerFailed(worker, leg, str(exc))
 
 
-async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
+async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: LegBody,
                    request_id: str, timeout_s: float,
                    on_sent: Callable[[], None] | None = None,
                    on_orphan: Orphan | None = None) -> Response:
@@ -101,7 +106,7 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
     whole answer if the caller is cancelled after it arrived (http_client.py)."""
     upstream = pools.of(worker)
     try:
-        resp = await upstream.open(upstream.json_request(path, _encode(body), request_id),
+        resp = await upstream.open(upstream.json_request(path, _leg_json(body), request_id),
                                    timeout_s, on_sent, on_orphan, first_body=True)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc) from None
@@ -116,7 +121,7 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[st
     _refused_or_failed(worker, leg, resp.status, payload, resp.header(b"content-type"))
 
 
-async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[str, Any],
+async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: LegBody,
                     request_id: str, timeout_s: float, body_timeout_s: float | None = None,
                     on_sent: Callable[[], None] | None = None,
                     on_orphan: Orphan | None = None) -> bytes:
@@ -126,7 +131,7 @@ async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[s
     upstream = pools.of(worker)
     try:
         status, headers, payload = await upstream.exchange(
-            upstream.json_request(path, _encode(body), request_id), timeout_s, body_timeout_s,
+            upstream.json_request(path, _leg_json(body), request_id), timeout_s, body_timeout_s,
             on_sent, on_orphan)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc) from None
@@ -135,13 +140,13 @@ async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: dict[s
     _refused_or_failed(worker, leg, status, payload, header_value(headers, b"content-type"))
 
 
-def send_leg(pools: Pools, worker: Any, path: str, body: dict[str, Any], request_id: str,
+def send_leg(pools: Pools, worker: Any, path: str, body: LegBody, request_id: str,
              timeout_s: float, on_answer: Callable[[Leg], None], opened: bool = False) -> Leg:
     """whole_leg (or open_leg, `opened`) from a callback: the leg goes out now, and
     `on_answer(leg)` is called in its connection's callback once the answer is in; read it with
     leg_answer (or opened_answer). The timeout as whole_leg's (open_leg's)."""
     upstream = pools.of(worker)
-    return upstream.leg(upstream.json_request(path, _encode(body), request_id), timeout_s,
+    return upstream.leg(upstream.json_request(path, _leg_json(body), request_id), timeout_s,
                         on_answer, whole=not opened, first_body=opened)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from pd_plugins.routers.config import WorkerSpec
 from pd_plugins.routers.flows.base import Attempt, PdFlow, PrefillLeg
 from pd_plugins.routers.flows.profile import EngineProfile
+from pd_plugins.routers.request import LegBody
 from pd_plugins.vocab.engines import LOAD_METRICS, TransferMode
 
 ROOM_BITS = 63
@@ -34,19 +35,24 @@ class SglangFlow:
     alongside = True  # the decode asks the prefill's bootstrap server for the KV: both legs at once
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
-        body = attempt.request.body
         if attempt.decision.prefill is None:
-            return body, None
+            return attempt.request.body_with(), None
         prefill_body, tied = self.bodies(attempt)
         return tied, asyncio.create_task(prefill_leg(attempt, prefill_body))
 
-    def bodies(self, attempt: Attempt) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(the prefill leg's body, the decode leg's): the client's, tied by a bootstrap room."""
-        spec = attempt.decision.prefill.spec
-        tied = {**attempt.request.body, "bootstrap_host": spec.host,
-                "bootstrap_port": spec.bootstrap_port,
-                "bootstrap_room": bootstrap_room(spec.dp_size, attempt.request.info.session_id)}
-        return {**tied, "stream": False}, tied
+    def bodies(self, attempt: Attempt) -> tuple[LegBody, LegBody]:
+        """(the prefill leg's body, the decode leg's): the client's, tied by a bootstrap room, and
+        the prefill's not streamed (its answer is read whole)."""
+        request, spec = attempt.request, attempt.decision.prefill.spec
+        room = {"bootstrap_host": spec.host, "bootstrap_port": spec.bootstrap_port,
+                "bootstrap_room": bootstrap_room(spec.dp_size, request.info.session_id)}
+        tied = request.body_with(room)
+        stream = request.body.get("stream")
+        if stream is False:  # (the client's own "stream": false)
+            return tied, tied
+        if stream is None:
+            return request.body_with({**room, "stream": False}), tied
+        return {**request.body, **room, "stream": False}, tied
 
 
 def sglang_flow(transfer: TransferMode, push_head_start_s: float) -> PdFlow:

@@ -16,6 +16,7 @@ from typing import Any
 from pd_plugins.routers.config import WorkerSpec
 from pd_plugins.routers.flows.base import Attempt, PdFlow, PrefillLeg, one_token_body
 from pd_plugins.routers.flows.profile import EngineProfile
+from pd_plugins.routers.request import LegBody
 from pd_plugins.routers.upstream import WorkerFailed
 from pd_plugins.vocab.engines import LOAD_METRICS, TransferMode
 from pd_plugins.vocab.transfer_params import prefill_flags
@@ -34,18 +35,18 @@ class VllmPullFlow:
     def prefill_body(self, body: dict[str, Any]) -> dict[str, Any]:
         return vllm_prefill_body(body)
 
-    def decode_body(self, attempt: Attempt, params: Any) -> dict[str, Any]:
+    def decode_body(self, attempt: Attempt, params: Any) -> LegBody:
         """The decode leg's body: the client's, with the prefill answer's kv_transfer_params."""
         if not isinstance(params, dict) or not params.get("remote_engine_id"):
             raise WorkerFailed(attempt.decision.prefill, "prefill", "answer has no kv_transfer_params "
                                "(is the prefill started with a kv_producer connector?)")
-        return {**attempt.request.body, "kv_transfer_params": params}
+        return attempt.request.body_with({"kv_transfer_params": params})
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
-        body = attempt.request.body
+        request = attempt.request
         if attempt.decision.prefill is None:
-            return body, None
-        return self.decode_body(attempt, await prefill_leg(attempt, self.prefill_body(body))), None
+            return request.body_with(), None
+        return self.decode_body(attempt, await prefill_leg(attempt, self.prefill_body(request.body))), None
 
 
 class VllmPushFlow:
@@ -56,10 +57,10 @@ class VllmPushFlow:
         self.head_start_s = head_start_s
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
-        body = attempt.request.body
+        request = attempt.request
         prefill = attempt.decision.prefill
         if prefill is None:
-            return body, None
+            return request.body_with(), None
         spec = prefill.spec
         params = {
             "do_remote_prefill": True, "do_remote_decode": False,
@@ -70,9 +71,10 @@ class VllmPushFlow:
 
         async def delayed_prefill() -> dict[str, Any]:
             await asyncio.sleep(self.head_start_s)
-            return await prefill_leg(attempt, vllm_prefill_body(body))
+            return await prefill_leg(attempt, vllm_prefill_body(request.body))
 
-        return {**body, "kv_transfer_params": params}, asyncio.create_task(delayed_prefill())
+        return (request.body_with({"kv_transfer_params": params}),
+                asyncio.create_task(delayed_prefill()))
 
 
 def vllm_flow(transfer: TransferMode, push_head_start_s: float) -> PdFlow:

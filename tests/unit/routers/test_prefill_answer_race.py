@@ -29,7 +29,8 @@ async def _prepare_with_race(monkeypatch, answer: bytes) -> list:
     await group.start(router.metrics, Pools(1.0), {}, None)
     proxy = group.proxy
     released = []
-    monkeypatch.setattr(proxy, "release_later", lambda attempt, body: released.append(body))
+    monkeypatch.setattr(proxy, "release_later", lambda attempt, body: released.append(
+        json.loads(body) if isinstance(body, bytes) else body))  # (bytes: ClientRequest.body_with)
     legs = []
 
     async def raced_leg(pools, worker, leg, path, body, request_id, timeout_s, on_orphan=None):

@@ -100,6 +100,34 @@ def test_transfer_keys_smuggled_through_vllm_xargs(key, value):
         assert stripped["vllm_xargs"] == {"my_extension": 3}
 
 
+def test_a_legs_body_is_the_clients_own_json_with_the_routers_fields_spliced_in():
+    # the client's bytes as sent (an escape, spacing, a trailing newline): kept, the prompt not
+    # encoded again
+    raw = b'{ "prompt" : "caf\\u00e9 \\"quoted\\"",\n "max_tokens": 4, "stream": false }\n'
+    request = parse(None, raw=raw)
+    assert request.raw == raw and request.body_with() == raw
+    params = {"remote_engine_id": "p0", "remote_block_ids": [1, 2]}
+    leg = request.body_with({"kv_transfer_params": params, "bootstrap_room": 7})
+    assert leg.startswith(raw[:raw.rindex(b"}")])  # the client's bytes, then the router's fields
+    assert msgspec.json.decode(leg) == {"prompt": 'caf\u00e9 "quoted"', "max_tokens": 4,
+                                        "stream": False, "kv_transfer_params": params,
+                                        "bootstrap_room": 7}
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "a", "kv_transfer_params": {"remote_block_ids": [1]}},  # stripped: the body changed
+    {"prompt": "a", "vllm_xargs": {"my_extension": 3}},  # nested names: encoded from what was checked
+    {"prompt": "a", "unknown_field": 1},  # not a client field the router knows
+])
+def test_a_body_not_exactly_the_clients_known_fields_is_encoded_from_what_was_checked(body):
+    request = parse(dict(body), strip=True)
+    assert request.raw is None
+    assert request.body_with() is request.body
+    assert request.body_with({"kv_transfer_params": {"x": 1}}) == {**request.body,
+                                                                 "kv_transfer_params": {"x": 1}}
+    assert "remote_block_ids" not in str(request.body_with({"bootstrap_room": 1}))
+
+
 @pytest.mark.parametrize("xargs", [[1], "x", 5, {"k": {"nested": 1}}, {"k": [1, [2]]}, {"k": None},
                                    {"k": [{"a": 1}]}, {"k": 2**64}, {"k": [-(2**63) - 1]}])
 def test_vllm_xargs_must_follow_vllms_schema(xargs):
