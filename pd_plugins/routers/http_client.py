@@ -141,6 +141,15 @@ class _Stale(UpstreamError):
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; carries one request/response at a time."""
 
+    # Slots: with more than 30 attributes, CPython 3.11 gives an instance a dict of its own, and
+    # then neither its attribute reads nor its method calls specialize (docs/benchmarks.md).
+    __slots__ = ("loop", "peer", "transport", "parser", "idle", "reused", "idle_since", "sent_at",
+                 "closed", "deadline", "timeout_s", "answered", "whole", "first_body",
+                 "body_timeout", "sink", "idle_s", "until", "notify", "in_read", "notify_due",
+                 "paused", "interim", "exc", "waiter", "status", "chunks", "head", "head_start",
+                 "_headers", "buffered", "received", "body_bytes", "limit", "got_bytes",
+                 "headers_done", "done")
+
     def __init__(self, loop: asyncio.AbstractEventLoop, peer: str = "") -> None:
         self.loop, self.peer = loop, peer  # peer: host:port, for the timeout's message
         self.transport: asyncio.Transport | None = None

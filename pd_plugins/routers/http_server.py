@@ -335,6 +335,14 @@ class FrontServer:
 
 
 class _FrontConnection(asyncio.Protocol):
+    # Slots: with more than 30 attributes, CPython 3.11 gives an instance a dict of its own, and
+    # then neither its attribute reads nor its method calls specialize (docs/benchmarks.md).
+    __slots__ = ("server", "loop", "transport", "remote", "fields", "on_header", "parser",
+                 "undecided", "held", "queue", "task", "callbacks", "deadline", "in_message",
+                 "keep_alive", "http11", "closed", "handed_off", "write_paused", "drain_waiter",
+                 "too_large", "unread", "refusal", "_started", "in_head", "url", "body",
+                 "body_bytes", "message_bytes", "chunks", "by_name", "path", "query", "ended")
+
     def __init__(self, server: FrontServer) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
@@ -359,15 +367,17 @@ class _FrontConnection(asyncio.Protocol):
         self.handed_off = False
         self.write_paused = False
         self.drain_waiter: asyncio.Future | None = None
+        # A request's state, set at its first byte (on_message_begin) and its head's end
+        # (on_headers_complete). What only a refused request or one too large sets is not reset
+        # there: either answer closes the connection.
+        self.too_large = 0
+        self.unread = False  # answered at its headers (refused, too large): the body is dropped
+        self.refusal: str | None = None
+        self._started = self.ended = False  # the answer's head, and all of it, written
+        self.by_name: dict[bytes, bytes] = {}
+        self.path = self.query = ""
         self.on_message_begin()
         self.in_message = self.in_head = False
-
-    # A request's state, set at its first byte (on_message_begin) and its head's end
-    # (on_headers_complete). What only a refused request or one too large sets needs no reset:
-    # either answer closes the connection.
-    too_large = 0
-    unread = False  # answered at its headers (refused, too large): the body is dropped
-    refusal: str | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -692,8 +702,6 @@ class _FrontConnection(asyncio.Protocol):
         return self.head(response.status, headers, b"Content-Length: %d\r\n" % len(body)) + body
 
     # -- writing ---------------------------------------------------------------------------
-    _started = False
-
     def head(self, status: int, headers: Any, framing: bytes | None) -> bytes:
         """The answer's status line and headers: `headers` a name -> value mapping, or its
         lines as bytes already (header_lines)."""

@@ -111,7 +111,7 @@ def test_chunked_stream_in_pieces():
     run(scenario)
 
 
-def test_a_piped_body_goes_to_its_sink_in_the_connection_callback_and_ends_once():
+def test_a_piped_body_goes_to_its_sink_in_the_connection_callback_and_ends_once(monkeypatch):
     async def scenario(up):
         resp = await up.request("GET", "/many_events", timeout=5)
         first = await resp.next_chunk()
@@ -124,14 +124,14 @@ def test_a_piped_body_goes_to_its_sink_in_the_connection_callback_and_ends_once(
             return False
 
         conn = resp._conn
-        wait = conn.wait
+        wait = type(conn).wait
 
-        async def counted_wait():  # each a wake-up of this task
+        async def counted_wait(self):  # each a wake-up of this task
             nonlocal wakes
-            wakes += 1
-            await wait()
+            wakes += self is conn
+            await wait(self)
 
-        conn.wait = counted_wait
+        monkeypatch.setattr(type(conn), "wait", counted_wait)  # (a connection has slots)
         resp.pipe(sink, idle_s=5, until=time.monotonic() + 30)
         await resp.piped()
         resp.release()
