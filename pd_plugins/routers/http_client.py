@@ -69,7 +69,6 @@ MAX_ERROR_BYTES = 64 << 10
 # memory, so the bytes are counted as they arrive, not per header).
 MAX_HEADERS = 128
 MAX_HEAD_BYTES = 64 << 10
-SMALL_READ = 16 << 10  # a read this short is scanned whole, not to its head's end, for newlines
 # A pooled connection idle this long is closed, not reused: uvicorn (vLLM's and SGLang's server)
 # closes keep-alive connections after 5 s, and reusing one it is closing is the race below.
 MAX_IDLE_S = 4.0
@@ -91,8 +90,11 @@ def header_value(headers: list[tuple[bytes, bytes]], name: bytes,
 
 def head_end(head: bytes, start: int) -> tuple[int, int]:
     """(where the head that begins at `start` ends, the length of its blank line)."""
-    crlf, lf = head.find(b"\r\n\r\n", start), head.find(b"\n\n", start)  # (LF alone: allowed)
-    if lf >= 0 and (crlf < 0 or lf < crlf):  # the first blank line (the body may hold others)
+    crlf = head.find(b"\r\n\r\n", start)
+    # the first blank line (the body may hold others); LF alone is allowed, and looked for only
+    # before the CRLF one, if there is one (not through the body)
+    lf = head.find(b"\n\n", start) if crlf < 0 else head.find(b"\n\n", start, crlf + 1)
+    if lf >= 0:
         return lf, 2
     return (crlf, 4) if crlf >= 0 else (len(head), 0)
 
@@ -280,10 +282,9 @@ class _Conn(asyncio.Protocol):
         if self.done:  # a second answer where one was asked for: it must not reach the next
             raise UpstreamError("bytes past the end of the answer")  # (fail() closes it)
         head, start = self.head, self.head_start
-        # the head's lines (the status line's counted, the last header's is the blank line's);
-        # in a small read, only if all it holds has that many (a body's JSON has next to none)
-        if (len(head) - start > SMALL_READ or head.count(b"\n", start) > MAX_HEADERS) and \
-                head.count(b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:
+        # the head's lines (the status line's counted, the last header's is the blank line's),
+        # not the body's: a byte-at-a-time count of a long answer's newlines cost microseconds
+        if head.count(b"\n", start, head_end(head, start)[0]) > MAX_HEADERS:
             raise UpstreamError(f"answer with more than {MAX_HEADERS} headers")
         self.status = status
         self.headers_done = True

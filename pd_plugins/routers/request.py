@@ -134,7 +134,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
         raise BadRequest(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not isinstance(body, dict):
         raise BadRequest(400, "request body must be a JSON object")
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH:  # (only then can it nest that deep)
+    if _brackets_past_depth(raw):  # (only then can it nest that deep)
         _check_depth(body)
     client_id = _request_id(headers)
     only_client_fields = CLIENT_FIELDS.issuperset(body)
@@ -300,9 +300,25 @@ def _check_xargs(xargs: dict) -> None:
                                       "range", param=f"vllm_xargs.{key}")
 
 
+def _brackets_past_depth(raw: bytes) -> bool:
+    """Whether `raw` has more than MAX_JSON_DEPTH opening brackets, the fewest a body nested
+    deeper has. Found with find(), which skips to each at memchr's speed, and counted only to the
+    limit: bytes.count() reads a byte at a time (about 30 µs for a 32 KB prompt)."""
+    seen, find = 0, raw.find
+    for bracket in (b"[", b"{"):
+        at = find(bracket)
+        while at >= 0:
+            seen += 1
+            if seen > MAX_JSON_DEPTH:
+                return True
+            at = find(bracket, at + 1)
+    return False
+
+
 def _check_depth(body: dict) -> None:
     """Refuse a body nested deeper than MAX_JSON_DEPTH. Only one with that many brackets can:
-    parse_request counts them first, in C, so a normal request never pays for the walk."""
+    parse_request looks for them first (_brackets_past_depth), so a normal request never pays for
+    the walk."""
     level, depth = [body], 1
     while level:
         if depth > MAX_JSON_DEPTH:

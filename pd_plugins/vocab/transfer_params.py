@@ -151,8 +151,8 @@ def kv_verdict_in_answer(payload: bytes) -> KvVerdict | None:
     """`kv_transfer_params.pd.kv` of a whole (non-streamed) answer body, decoding nothing else
     (every other field is skipped): None if absent or the body is not JSON, ValueError if the
     section is there but malformed. Cheap when absent: a byte search."""
-    if b'"kv_transfer_params"' not in payload:
-        return None
+    if payload.find(b'"kv_transfer_params"') < 0:  # (CPython 3.11's `bytes in bytes` raises and
+        return None                                  # clears a TypeError first: find() does not)
     try:
         answer = _answer_decoder.decode(payload)
     except msgspec.ValidationError as exc:

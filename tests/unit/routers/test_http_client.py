@@ -640,6 +640,27 @@ def test_a_head_or_trailers_past_their_bounds_fail_the_answer(start, filler, wor
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("headers, body_lines, words", [
+    (129, 0, "more than 128 headers"), (127, 0, None),
+    (127, 5000, None),  # the body's newlines are not the head's
+])
+def test_an_answer_read_whole_in_one_read_has_its_headers_counted_in_its_head(headers, body_lines,
+                                                                            words):
+    body = b"\n" * body_lines + b"{}"
+    answer = (b"HTTP/1.1 200 OK\r\n" + b"X-Many: v\r\n" * headers
+              + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+    async def main():
+        async with RawServer(lambda n: answer) as up:
+            if words is None:
+                status, _, got = await up.exchange(up.json_request("/a", b"{}", "r"), 5)
+                assert status == 200 and got == body
+            else:
+                with pytest.raises(UpstreamError, match=words):
+                    await up.exchange(up.json_request("/a", b"{}", "r"), 5)
+    asyncio.run(main())
+
+
 def test_an_error_answers_body_is_read_only_up_to_its_bound():
     # a 500 whose chunked body never ends: read() took it piece by piece (MAX_BUFFERED never held
     # it), and the router grew by gigabytes

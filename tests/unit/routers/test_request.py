@@ -151,6 +151,14 @@ def test_nesting_within_the_limit_passes_and_bracket_heavy_bodies_are_fine():
     parse({"prompt": "[" * 500 + "{" * 500})  # brackets inside a string nest nothing
 
 
+@pytest.mark.parametrize("square", range(0, 66, 5))
+def test_the_bracket_count_that_decides_on_the_walk_counts_both_kinds_to_the_limit(square):
+    from pd_plugins.routers.request import MAX_JSON_DEPTH, _brackets_past_depth
+    for curly in {0, 1, max(0, MAX_JSON_DEPTH - square), MAX_JSON_DEPTH - square + 1, 200}:
+        raw = b'"x"'.join([b"["] * square + [b"{"] * curly) + b" trailing"
+        assert _brackets_past_depth(raw) == (square + curly > MAX_JSON_DEPTH)
+
+
 def test_numbers_out_of_range_are_a_400():
     assert "not valid JSON" in refused(None, raw=b'{"prompt": "a", "temperature": 1e999}')
 
