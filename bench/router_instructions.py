@@ -45,15 +45,17 @@ import time
 from pathlib import Path
 
 from bench import common
-from bench.router_overhead import (PD_ROUTER_CONFIG, WRK_LUA, CheckoutRouter,
+from bench.router_overhead import (MAX_TOKENS, PD_ROUTER_CONFIG, PROMPT, WRK_LUA, CheckoutRouter,
                                    ReferenceProxyProcess, Target, measure_wrk)
 from pd_plugins.testing.processes import ManagedProcess
 from pd_plugins.testing.router_harness import MockEngineProcess
 
-CASES = {  # name: (engine, streaming)
-    "vllm_pull": ("vllm", False),
-    "vllm_pull_stream": ("vllm", True),
-    "sglang": ("sglang", False),
+CASES = {  # name: (engine, streaming, the prompt's characters: None for the overhead bench's)
+    "vllm_pull": ("vllm", False, None),
+    "vllm_pull_stream": ("vllm", True, None),
+    "sglang": ("sglang", False, None),
+    # a prompt of about 8k tokens (Mooncake's are 7.6k on average): what grows with its bytes
+    "vllm_pull_32k": ("vllm", False, 32_000),
 }
 CACHES = ("--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", "--LL=1048576,16,64")
 WARM_S, WINDOW_S = 4, 6
@@ -137,12 +139,20 @@ def bytecodes_written(proc: ManagedProcess, out: str) -> dict[str, list[int]]:
     raise TimeoutError("the bytecode tracer wrote no counts")
 
 
+def long_body(prompt_chars: int) -> bytes:
+    """The overhead bench's request with its prompt repeated to `prompt_chars` characters."""
+    prompt = (PROMPT * (prompt_chars // len(PROMPT) + 1))[:prompt_chars]
+    return json.dumps({"model": "mock", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                       "temperature": 0, "stream": False}).encode()
+
+
 def measure(tree: str, case: str, workdir: Path, lens: str = "callgrind") -> dict:
     """One case's counts per request: callgrind's events ("callgrind") or, per function, the
     bytecodes and calls ("bytecodes": {"FILE:LINE:NAME": [bytecodes, calls]})."""
-    engine, stream = CASES[case]
+    engine, stream, prompt_chars = CASES[case]
     mocks = [MockEngineProcess(f"{case}-{role}", role=role, engine=engine, cpu="1",
-                               args=("--ttft-ms", "0", "--tpot-ms", "0"), log_dir=workdir)
+                               args=("--ttft-ms", "0", "--tpot-ms", "0", "--max-model-len", "32768"),
+                               log_dir=workdir)
              for role in ("prefill", "decode")]
     flags = ("--engine", engine, *(("--transfer", "pull") if engine == "vllm" else ()),
              "--policy", "round_robin", "--log-level", "warning")
@@ -164,7 +174,8 @@ def measure(tree: str, case: str, workdir: Path, lens: str = "callgrind") -> dic
             p.start()
         for p in processes:
             p.wait_healthy(600)
-        target = Target(case, case, router.url, router, stream=stream)
+        target = Target(case, case, router.url, router, stream=stream,
+                        body=long_body(prompt_chars) if prompt_chars else None)
         measure_wrk(target, 1, 0, WARM_S, lua)
         if lens == "bytecodes":
             os.kill(router.proc.pid, signal.SIGUSR1)

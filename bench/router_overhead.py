@@ -262,6 +262,7 @@ class Target:
     proc: ManagedProcess | None  # whose CPU is counted (None: no router)
     broken: str | None = None
     stream: bool = False
+    body: bytes | None = None  # what each request POSTs (default: BODIES[stream])
 
     @property
     def base(self) -> str:
@@ -318,7 +319,7 @@ async def measure(target: Target, concurrency: int, warm_s: float, window_s: flo
     [warm_s, warm_s + window_s]."""
     url = target.url + "/v1/completions"
     win, stop = Window(), asyncio.Event()
-    body = BODIES[target.stream]
+    body = target.body or BODIES[target.stream]
     latencies: list[float] = []
     errors: Counter[str] = Counter()
     routes: dict[str, int] = {}  # pd-router's decisions in the window (x-pd-route)
@@ -405,7 +406,7 @@ def pd_router_decisions(target: Target) -> dict[str, float] | None:
 def run_wrk(target: Target, concurrency: int, seconds: int, lua: Path) -> subprocess.CompletedProcess:
     cmd = pinned(["wrk", "-t1", f"-c{concurrency}", f"-d{seconds}s", "--latency", "-s", str(lua),
                   target.url + "/v1/completions"], LOAD_CPU)
-    env = {**os.environ, "WRK_BODY": BODIES[target.stream].decode()}
+    env = {**os.environ, "WRK_BODY": (target.body or BODIES[target.stream]).decode()}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=seconds + 60)
 
 
