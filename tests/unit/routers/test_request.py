@@ -114,6 +114,14 @@ def test_a_legs_body_is_the_clients_own_json_with_the_routers_fields_spliced_in(
                                         "bootstrap_room": 7}
 
 
+def test_a_body_passed_on_as_sent_reads_as_the_router_checked_it_even_with_a_name_twice():
+    import json
+    raw = b'{"prompt": "a", "max_tokens": 100000, "max_tokens": 4, "prompt": "b"}'
+    request = parse(None, raw=raw)
+    assert request.body_with() == raw and request.body["max_tokens"] == 4
+    assert json.loads(request.body_with()) == request.body  # (the engines' reading: the last)
+
+
 @pytest.mark.parametrize("body", [
     {"prompt": "a", "kv_transfer_params": {"remote_block_ids": [1]}},  # stripped: the body changed
     {"prompt": "a", "vllm_xargs": {"my_extension": 3}},  # nested names: encoded from what was checked
