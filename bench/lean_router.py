@@ -30,7 +30,6 @@ import gc
 import sys
 import time
 
-import msgspec
 from aiohttp import web
 
 from bench.floor_proxy import Pool, RequestReader, Upstream
@@ -40,12 +39,11 @@ from pd_plugins.routers.flows.base import Attempt
 from pd_plugins.routers.flows.vllm import vllm_prefill_body
 from pd_plugins.routers.http_server import (KEEPALIVE_TIMEOUT_S as KEEPALIVE_S,
                                             READ_TIMEOUT_S as READ_S, RequestHeaders, header_map)
-from pd_plugins.routers.request import BadRequest, parse_request
+from pd_plugins.routers.request import BadRequest, leg_json, parse_request
 from pd_plugins.routers.server import ENDPOINTS, Router
 from pd_plugins.routers.upstream import answer_params
 from pd_plugins.vocab.transfer_params import pd_section_of, stored_tokens_of
 
-_encode = msgspec.json.Encoder().encode
 OK_JSON = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nx-pd-route: %b\r\n"
            b"Content-Length: %d\r\n\r\n")
 BAD = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n"
@@ -180,10 +178,10 @@ class Front(RequestReader):
                 proxy.finish(attempt, started, decode_started)
                 self.reply(OK_JSON % (header.encode(), len(payload)) + payload)
 
-            self.pools[decode.url].leg(url, _encode({**request.body, "kv_transfer_params": params}),
+            self.pools[decode.url].leg(url, leg_json(request.body_with({"kv_transfer_params": params})),
                                        request_id, timeouts.decode_total_s, out.append, decode_done)
 
-        self.pools[prefill.url].leg(url, _encode(vllm_prefill_body(request.body)), request_id,
+        self.pools[prefill.url].leg(url, leg_json(vllm_prefill_body(request.body)), request_id,
                                     timeouts.prefill_s, answer.append, prefill_done)
 
 

@@ -28,7 +28,8 @@ from pd_plugins.routers.metrics import RouterMetrics
 from pd_plugins.routers.policy import Decision, PolicyContext, RequestInfo, Scheduler
 from pd_plugins.routers.policy.base import uncached_tokens
 from pd_plugins.routers.policy.latency_model import OnlineLinearFit
-from pd_plugins.routers.request import BadRequest, ClientRequest, LegBody, tokenize_deferred
+from pd_plugins.routers.request import (BadRequest, ClientRequest, LegBody, leg_dict,
+                                        tokenize_deferred)
 from pd_plugins.routers.replica_channels import ReplicaShare
 from pd_plugins.routers.sessions import SessionTable
 from pd_plugins.routers.stream_relay import SseRelay
@@ -45,7 +46,6 @@ from pd_plugins.vocab.transfer_params import kv_verdict_in_answer, pd_section_of
 
 log = logging.getLogger("pd_router.proxy")
 _encode = msgspec.json.Encoder().encode
-_decoder = msgspec.json.Decoder()
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 SSE_HEAD = header_lines(SSE_HEADERS) + b"x-pd-route: %b\r\n"  # the front server's, as bytes
 STAGE_KEY = "pd_stage"  # on the aiohttp request: prefill | decode | answer, for client_gone
@@ -326,9 +326,7 @@ class Proxy:
         VLLM_NIXL_ABORT_REQUEST_TIMEOUT) for a read that will never come. A one-token decode leg
         reads it, which frees it on the prefill now; nobody waits for the answer. Its body is the
         one the prefill accepted (cut to one token, not streamed) with the prefill's params."""
-        if type(decode_body) is bytes:  # (made from the client's JSON: ClientRequest.body_with)
-            decode_body = _decoder.decode(decode_body)
-        task = asyncio.create_task(self._release(attempt, one_token_body(decode_body), why))
+        task = asyncio.create_task(self._release(attempt, one_token_body(leg_dict(decode_body)), why))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 
@@ -350,7 +348,7 @@ class Proxy:
             task.cancel()
         await asyncio.gather(*self._releases, return_exceptions=True)
 
-    async def _prefill_leg(self, attempt: Attempt, body: dict[str, Any]) -> Any:
+    async def _prefill_leg(self, attempt: Attempt, body: LegBody) -> Any:
         """The prefill leg with its accounting; returns its answer's kv_transfer_params."""
         worker, info = attempt.decision.prefill, attempt.request.info
         charge = accounting.prefill_started(self.ctx, worker, info)

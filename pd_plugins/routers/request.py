@@ -89,8 +89,10 @@ class ClientRequest:
     # (tokenize_deferred): (text, block-key root, tokens to generate at least, exact)
     deferred: tuple | None = None
     client_id: str | None = None  # the client's X-Request-Id (checked: short printable ASCII)
-    # the client's JSON as it came, where it holds client fields only (CLIENT_FIELDS, and no
-    # vllm_xargs, whose nested names are checked): what body_with builds legs' bodies from
+    # the client's JSON as it came, where the body checked is what it reads as: client fields
+    # only (CLIENT_FIELDS), no vllm_xargs (whose nested names are checked, and which a repeated
+    # key could hide), and a prompt as sent (not a batch of one, unwrapped). What body_with builds
+    # legs' bodies from.
     raw: bytes | None = None
 
     def body_with(self, fields: dict[str, Any] | None = None) -> LegBody:
@@ -118,6 +120,16 @@ class ClientRequest:
 
 _decoder = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
+
+
+def leg_json(body: LegBody) -> bytes:
+    """A leg's body as the bytes sent."""
+    return body if type(body) is bytes else _encode(body)
+
+
+def leg_dict(body: LegBody) -> dict[str, Any]:
+    """A leg's body as a dict (made by body_with as bytes: decoded)."""
+    return _decoder.decode(body) if type(body) is bytes else body
 
 
 def parse_request(raw: bytes, kind: Kind, headers: Any, *,
@@ -196,6 +208,7 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     adapter = model if model in target.adapter_parents else None
     salt = get("cache_salt")
     root = prompt_root(adapter, salt if isinstance(salt, str) else None)
+    sent_prompt = get("prompt")
     tokens, text = (_completion_prompt(body) if kind == "completion" else _chat_prompt(body))
     exact = tokens is not None or (tokenize is not None and kind == "completion")
     deferred = None
@@ -227,7 +240,8 @@ def parse_request(raw: bytes, kind: Kind, headers: Any, *,
     n = get("n")  # (vLLM 0.32's completions take no best_of: it is ignored there)
     fan_out = (n is not None and n != 1) or bool(get("use_beam_search"))
     return ClientRequest(kind, body, info, target, fan_out, deferred, client_id,
-                         raw if only_client_fields and xargs is None else None)
+                         raw if only_client_fields and "vllm_xargs" not in body
+                         and get("prompt") is sent_prompt else None)
 
 
 def _not_positive(key: str, value: Any) -> NoReturn:

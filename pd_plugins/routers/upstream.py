@@ -17,13 +17,9 @@ import msgspec
 
 from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Leg, Orphan, Response, Upstream,
                                             UpstreamError, UpstreamTimeout, header_value)
-from pd_plugins.routers.request import LegBody
+from pd_plugins.routers.request import LegBody, leg_json
 
 _encode = msgspec.json.Encoder().encode
-
-
-def _leg_json(body: LegBody) -> bytes:
-    return body if type(body) is bytes else _encode(body)
 
 
 class WorkerFailed(Exception):
@@ -106,7 +102,7 @@ async def open_leg(pools: Pools, worker: Any, leg: str, path: str, body: LegBody
     whole answer if the caller is cancelled after it arrived (http_client.py)."""
     upstream = pools.of(worker)
     try:
-        resp = await upstream.open(upstream.json_request(path, _leg_json(body), request_id),
+        resp = await upstream.open(upstream.json_request(path, leg_json(body), request_id),
                                    timeout_s, on_sent, on_orphan, first_body=True)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc) from None
@@ -131,7 +127,7 @@ async def whole_leg(pools: Pools, worker: Any, leg: str, path: str, body: LegBod
     upstream = pools.of(worker)
     try:
         status, headers, payload = await upstream.exchange(
-            upstream.json_request(path, _leg_json(body), request_id), timeout_s, body_timeout_s,
+            upstream.json_request(path, leg_json(body), request_id), timeout_s, body_timeout_s,
             on_sent, on_orphan)
     except UpstreamError as exc:
         raise _failure(worker, leg, exc) from None
@@ -146,7 +142,7 @@ def send_leg(pools: Pools, worker: Any, path: str, body: LegBody, request_id: st
     `on_answer(leg)` is called in its connection's callback once the answer is in; read it with
     leg_answer (or opened_answer). The timeout as whole_leg's (open_leg's)."""
     upstream = pools.of(worker)
-    return upstream.leg(upstream.json_request(path, _leg_json(body), request_id), timeout_s,
+    return upstream.leg(upstream.json_request(path, leg_json(body), request_id), timeout_s,
                         on_answer, whole=not opened, first_body=opened)
 
 

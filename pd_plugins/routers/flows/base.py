@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
 from pd_plugins.routers.policy.base import Decision
-from pd_plugins.routers.request import ClientRequest
+from pd_plugins.routers.request import ClientRequest, LegBody
 
 
 @dataclass
@@ -25,7 +25,7 @@ class Attempt:
 
 # Runs the prefill leg on attempt.decision.prefill with the router's accounting and timeout;
 # returns its answer's kv_transfer_params (None if absent) or raises WorkerFailed / RequestRefused.
-PrefillLeg = Callable[[Attempt, dict[str, Any]], Awaitable[Any]]
+PrefillLeg = Callable[[Attempt, LegBody], Awaitable[Any]]
 
 
 class PdFlow(Protocol):
@@ -38,7 +38,7 @@ class PdFlow(Protocol):
     alongside: bool
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg
-                      ) -> tuple[dict[str, Any], asyncio.Task | None]: ...
+                      ) -> tuple[LegBody, asyncio.Task | None]: ...
 
 
 def one_token_body(body: dict[str, Any]) -> dict[str, Any]:

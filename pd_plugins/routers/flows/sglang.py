@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import zlib
-from typing import Any
 
 from pd_plugins.routers.config import WorkerSpec
 from pd_plugins.routers.flows.base import Attempt, PdFlow, PrefillLeg

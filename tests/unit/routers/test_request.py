@@ -122,6 +122,27 @@ def test_a_body_passed_on_as_sent_reads_as_the_router_checked_it_even_with_a_nam
     assert json.loads(request.body_with()) == request.body  # (the engines' reading: the last)
 
 
+@pytest.mark.parametrize("raw, prompt", [
+    (b'{"prompt": ["hello"], "max_tokens": 4}', "hello"),  # a batch of one, unwrapped
+    (b'{"prompt": [[1, 2, 3]], "max_tokens": 4}', [1, 2, 3]),
+])
+def test_a_prompt_the_router_unwrapped_is_sent_as_checked_not_as_the_client_sent_it(raw, prompt):
+    request = parse(None, raw=raw)
+    assert request.raw is None and request.body["prompt"] == prompt
+    assert request.body_with({"kv_transfer_params": {"x": 1}})["prompt"] == prompt
+
+
+def test_transfer_fields_under_a_repeated_vllm_xargs_never_reach_a_leg():
+    # the router reads the last vllm_xargs (null); a parser that kept the first would find
+    # kv_transfer_params in it: such a body is encoded from what was checked, never sent as is
+    raw = (b'{"prompt": "hi", "vllm_xargs": {"kv_transfer_params": {"remote_block_ids": [1]}}, '
+           b'"vllm_xargs": null}')
+    for strip in (False, True):
+        request = parse(None, raw=raw, strip=strip)
+        assert request.raw is None
+        assert b"remote_block_ids" not in msgspec.json.encode(request.body_with({"bootstrap_room": 1}))
+
+
 @pytest.mark.parametrize("body", [
     {"prompt": "a", "kv_transfer_params": {"remote_block_ids": [1]}},  # stripped: the body changed
     {"prompt": "a", "vllm_xargs": {"my_extension": 3}},  # nested names: encoded from what was checked
