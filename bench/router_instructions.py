@@ -259,8 +259,10 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
         "that CPU time on this VM cannot (\"Router overhead\"); they are not times. Each case: "
         "one connection (wrk), every request disaggregated (`--policy round_robin`), zero-delay "
         "mock engines, the router alone on core 0 under valgrind; the counts over "
-        f"{WINDOW_S} s of requests less the idle process's per second. The ratios in brackets are "
-        f"to this checkout's row.",
+        f"{WINDOW_S} s of requests less the idle process's per second. The request is the "
+        "overhead bench's (a ~60-token prompt, 8 tokens out), except in `vllm_pull_32k`: its "
+        "prompt repeated to 32,000 characters (about 8k tokens, Mooncake's mean), for what grows "
+        "with a request's bytes. The ratios in brackets are to this checkout's row.",
         "",
         f"Rerun: `.venv/bin/python -m bench.router_instructions` (an A/B: `--tree NAME=DIR` with "
         f"another checkout, e.g. a `git worktree`). This run: {now:%Y-%m-%d %H:%M} UTC, "
