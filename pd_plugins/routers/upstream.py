@@ -19,8 +19,6 @@ from pd_plugins.routers.http_client import (MAX_ERROR_BYTES, Leg, Orphan, Respon
                                             UpstreamError, UpstreamTimeout, header_value)
 from pd_plugins.routers.request import LegBody, leg_json
 
-_encode = msgspec.json.Encoder().encode
-
 
 class WorkerFailed(Exception):
     def __init__(self, worker: Any, leg: str, message: str) -> None:
