@@ -4,9 +4,12 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 
 .PHONY: bootstrap demo test test-full test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm bench-kv-verify clean
 
+# The last step compiles the router's hot path (pd_plugins/routers/native.py): about 40 s, once
+# per change of its sources; PD_ROUTER_NATIVE=0 skips it (the router then runs interpreted).
 bootstrap:
 	@bash scripts/bootstrap.sh
 	@bash scripts/bootstrap_sglang.sh
+	@$(PY) -m pd_plugins.routers.native --quiet
 
 demo: bootstrap
 	$(PY) -m pd_plugins.demo

@@ -47,6 +47,7 @@ from pathlib import Path
 from bench import common
 from bench.router_overhead import (MAX_TOKENS, PD_ROUTER_CONFIG, PROMPT, WRK_LUA, CheckoutRouter,
                                    ReferenceProxyProcess, Target, measure_wrk)
+from pd_plugins.routers import native
 from pd_plugins.testing.processes import ManagedProcess
 from pd_plugins.testing.router_harness import MockEngineProcess
 
@@ -61,6 +62,7 @@ CACHES = ("--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", "--LL=1048576
 WARM_S, WINDOW_S = 4, 6
 RESULTS = common.RESULTS / "router_instructions"
 FLOOR = "Python floor proxy (reference)"
+INTERPRETED = "this checkout, interpreted"  # its router with PD_ROUTER_NATIVE=0 (native.py)
 
 
 def under_callgrind(cmd: list[str], out: str) -> list[str]:
@@ -88,12 +90,14 @@ class CountedRouter(CheckoutRouter):
 
     out: str = ""
     lens: str = "callgrind"
+    interpreted: bool = False  # PD_ROUTER_NATIVE=0: the hot path's modules as Python (native.py)
 
     def command(self) -> list[str]:
         return counted(super().command(), self.lens, self.out)
 
     def environment(self) -> dict[str, str]:
-        return {**super().environment(), "PD_BYTECODES_OUT": self.out}
+        return {**super().environment(), "PD_BYTECODES_OUT": self.out,
+                **({native.SWITCH: "0"} if self.interpreted else {})}
 
 
 class CountedFloor(ReferenceProxyProcess):
@@ -164,7 +168,8 @@ def measure(tree: str, case: str, workdir: Path, lens: str = "callgrind") -> dic
         router = CountedRouter(f"{case}-router", prefill=[mocks[0].worker_arg()],
                                decode=[mocks[1].worker_arg()], args=flags,
                                config=PD_ROUTER_CONFIG, cpu="0", log_dir=workdir)
-        router.tree = tree
+        router.tree = str(common.ROOT) if tree == INTERPRETED else tree
+        router.interpreted = tree == INTERPRETED
     router.out, router.lens = out, lens
     lua = workdir / "post.lua"
     lua.write_text(WRK_LUA)
@@ -197,6 +202,9 @@ def measure(tree: str, case: str, workdir: Path, lens: str = "callgrind") -> dic
     n = run["n"]
     if not n or run["errors"]:
         raise RuntimeError(f"{case}: {n} requests, errors {run['error_samples']}")
+    if run["routes"].get("local"):  # (a failing prefill leg falls back to the decode alone)
+        raise RuntimeError(f"{case}: {run['routes']['local']} of {n} requests were not "
+                           f"disaggregated (served local): the router log says why")
     if lens == "bytecodes":  # (the idle process runs a few health and timer callbacks: kept)
         return {name: [ops / n, called / n] for name, (ops, called) in counts.items()}
     per = {ev: (busy[ev] - idle.get(ev, 0) / idle_s * busy_s) / n for ev in busy}
@@ -239,7 +247,7 @@ def named(tree: str) -> str:
 def checkouts(trees: dict[str, str]) -> str:
     """Which code ran: this checkout's commit, the other trees', and the interpreter."""
     others = "".join(f"; {name}: {named(tree)}" for name, tree in trees.items()
-                     if name not in ("this checkout", FLOOR))
+                     if name not in ("this checkout", FLOOR, INTERPRETED))
     return (f"this checkout: git {common.git_rev()}{others}; Python {platform.python_version()} "
             f"(from {sys.base_prefix})")
 
@@ -358,7 +366,7 @@ def main() -> int:
         sys.exit(f"router_instructions {'--bytecodes ' if lens == 'bytecodes' else ''}needs "
                  f"{' and '.join(needs)} (apt-get install {' '.join(needs)})")
     os.sched_setaffinity(0, {1})
-    trees = {"this checkout": str(common.ROOT)}
+    trees = {"this checkout": str(common.ROOT), INTERPRETED: INTERPRETED}
     for spec in args.tree:
         name, _, path = spec.rpartition("=")
         trees[name or path] = str(Path(path).resolve())

@@ -55,6 +55,7 @@ import requests
 from bench import common
 from bench.common import DOC, IMG, PEERS_PY, PEERS_VENV, PLOT_REQ, ROOT
 from pd_plugins.perf.report import percentile
+from pd_plugins.routers import native
 from pd_plugins.testing.processes import ManagedProcess, free_port
 from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess, pinned
 
@@ -156,6 +157,21 @@ class CheckoutRouter(RouterProcess):
         # PYTHONSAFEPATH: `python -m` would put the current directory (this checkout) on sys.path
         # ahead of PYTHONPATH, and every tree would run this checkout's code
         return {**super().environment(), "PYTHONPATH": self.tree, "PYTHONSAFEPATH": "1"}
+
+
+class InterpretedRouterProcess(RouterProcess):
+    """pd-router with its hot path interpreted (PD_ROUTER_NATIVE=0): what the compile buys."""
+
+    def environment(self) -> dict[str, str]:
+        return {**super().environment(), native.SWITCH: "0"}
+
+
+def hot_path(router: RouterProcess) -> str:
+    """What the router says it runs (cli.main logs it at startup: native.activate())."""
+    for line in router.log_path.read_text(errors="replace").splitlines():
+        if "hot path: " in line:
+            return line.split("hot path: ", 1)[1].strip()
+    return "not logged"
 
 
 class LeanRouterProcess(RouterProcess):
@@ -585,6 +601,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "- Pinning: each router alone on core 0; the mock prefill and decode engines and the "
              f"load generator ({LOADGEN_DESC[loadgen]}) share core 1.",
              f"- Versions: {meta['versions']}.",
+             *hot_path_note(meta),
              f"- Method: closed loop with 1, 16 and 64 concurrent clients (connections); per "
              f"measurement {meta['warm_s']:g} s of {WARM_DESC[loadgen]} (not counted), then a "
              f"{meta['window_s']:g} s window ({window_at(64, meta['window_s']):g} s at concurrency "
@@ -805,6 +822,17 @@ def noise_note(meta: dict) -> str:
 
 
 # -- the run --------------------------------------------------------------------------------
+def hot_path_note(meta: dict) -> list[str]:
+    """What the pd-router rows ran: the hot path compiled (pd_plugins/routers/native.py) or not."""
+    ran = meta.get("hot_path") or {}
+    if not ran:
+        return []
+    return ["- pd-router's hot path: " + "; ".join(f"{key}: {said}" for key, said in ran.items())
+            + ". Compiled with mypyc where a build of its sources exists (`make bootstrap` "
+              "builds it; docs/router.md, \"Native hot path\"); the row \"interpreted\" is the "
+              "same code with `PD_ROUTER_NATIVE=0`."]
+
+
 def versions(peers: dict[str, str | None]) -> str:
     def v(dist: str) -> str:
         try:
@@ -961,6 +989,7 @@ def main() -> int:
                                decode=[vd.worker_arg()],
                                args=("--engine", "vllm", "--transfer", "pull", *log_flags),
                                config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
+    pd_interpreted = like(pd_vllm, InterpretedRouterProcess, "pd-router-vllm-interpreted")
     pd_sglang = RouterProcess("pd-router-sglang", prefill=[sp.worker_arg()], decode=[sd.worker_arg()],
                               args=("--engine", "sglang", *router_flags),
                               config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
@@ -975,6 +1004,8 @@ def main() -> int:
     rows = [("direct", "direct to decode (no router)", vd.url, None),
             ("pd-vllm", "pd-router (vLLM pull)", pd_vllm.url, pd_vllm),
             ("pd-vllm-default", "pd-router (vLLM pull, default policy)", pd_default.url, pd_default),
+            ("pd-vllm-interpreted", "pd-router (vLLM pull, interpreted)", pd_interpreted.url,
+             pd_interpreted),
             ("vllm-router", "vllm-router", vllm_router.url, vllm_router),
             ("pd-sglang", "pd-router --engine sglang", pd_sglang.url, pd_sglang),
             ("sglang-router", "sglang-router", sglang_router.url, sglang_router),
@@ -1077,6 +1108,8 @@ def main() -> int:
                         for e in res["error_samples"][:2]:
                             print(f"      error: {e}", flush=True)
         router_logs = {p.name: p.log_tail(40) for p in routers}
+        ran = {t.base: hot_path(t.proc) for t in targets
+               if isinstance(t.proc, RouterProcess) and t.proc.log_path.exists()}
     finally:
         for p in reversed(everything):
             p.stop()
@@ -1086,6 +1119,7 @@ def main() -> int:
         "command": " ".join(["python -m bench.router_overhead", *sys.argv[1:]]),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": common.machine(), "versions": versions(peers), "repeats": repeats,
+        "hot_path": ran,  # pd-router rows: what each said it runs (native.py)
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
         "streaming": args.streaming, "loadgen": loadgen,
         "max_tokens": args.max_tokens, "tpot_ms": args.tpot_ms,

@@ -25,6 +25,7 @@ from typing import Any, get_args
 
 import msgspec
 
+from pd_plugins.routers import native
 from pd_plugins.routers.config import (
     ConfigError, LogLevel, RouterConfig, config_from_mapping, load_yaml, parse_model_arg,
     parse_worker_arg,
@@ -192,6 +193,8 @@ def setup_logging(level: str, fmt: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # before anything imports the hot path's modules (config_from_args builds a Router)
+    hot_path = native.activate()
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
@@ -203,6 +206,8 @@ def main(argv: list[str] | None = None) -> None:
             for m in config.model_groups()) + ")")
         return
     setup_logging(config.log_level, args.log_format)
+    log = logging.getLogger("pd_router")
+    (log.info if hot_path.startswith("native") else log.warning)("hot path: %s", hot_path)
     try:
         import uvloop
         uvloop.install()

@@ -164,8 +164,9 @@ class Exchange(CallbackAnswer):
 
     def _prefill_ended(self) -> None:
         """The prefill leg's charge out of the books (once per leg: its callers see to it)."""
-        attempt = self.attempt
-        accounting.prefill_ended(attempt.decision.prefill, attempt.request.info, self.prefill_charge)
+        attempt, prefill = self.attempt, self.attempt.decision.prefill
+        assert prefill is not None  # (a prefill leg went out)
+        accounting.prefill_ended(prefill, attempt.request.info, self.prefill_charge)
 
     def _send_decode(self, body: LegBody, prefilled_first: bool = True) -> None:
         proxy, attempt = self.proxy, self.attempt

@@ -38,7 +38,7 @@ class Tries:
     history: tuple | list = ()
     number = 0  # attempts made
 
-    def __init__(self, proxy: Any, request: ClientRequest, path: str, decision: Decision,
+    def __init__(self, proxy: Any, request: ClientRequest, path: str, decision: Decision | None,
                  force_local: str | None, base_id: str) -> None:
         self.proxy, self.request, self.path = proxy, request, path
         self.decision: Decision | None = decision  # the first attempt's: the one admission judged

@@ -44,9 +44,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 from pd_plugins.routers.deadline import Deadline
 
@@ -102,7 +103,7 @@ def head_end(head: bytes, start: int) -> tuple[int, int]:
 def head_fields(head: bytes, start: int) -> list[tuple[bytes, bytes]]:
     """The (name, value) pairs of the head that begins at head[start] (its status line first),
     values without the whitespace around them, as llhttp hands them over."""
-    fields = []
+    fields: list[tuple[bytes, bytes]] = []
     for line in head[start:head_end(head, start)[0]].split(b"\n")[1:]:
         name, colon, value = line.partition(b":")
         if colon:
@@ -124,10 +125,13 @@ def head_field(head: bytes, start: int, name: bytes) -> bytes | None:
     return head[start + at:start + stop if stop >= 0 else end].strip()
 
 
+# (native.py: a class deriving from a built-in exception other than Exception stays a Python one)
+@mypyc_attr(native_class=False)
 class UpstreamError(ConnectionError):
     """The upstream connection failed, closed early, or sent a malformed response."""
 
 
+@mypyc_attr(native_class=False)
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The request did not complete within its timeout (`timeout_s`: the one that ran out)."""
 
@@ -136,6 +140,7 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
         self.timeout_s = timeout_s
 
 
+@mypyc_attr(native_class=False)
 class _Stale(UpstreamError):
     """A reused connection was closed before any response byte: safe to retry once."""
 
@@ -181,6 +186,8 @@ class _Conn(asyncio.Protocol):
         self.paused = self.interim = False
         self.exc: BaseException | None = None
         self.waiter: asyncio.Future | None = None
+        self.chunks: list[bytes] = []
+        self._headers: list[tuple[bytes, bytes]] | None = None
         self.start(None, None, False, False)
 
     def start(self, timeout: float | None, body_timeout: float | None, whole: bool,
@@ -268,9 +275,10 @@ class _Conn(asyncio.Protocol):
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
         """The answer's raw (name, value) pairs, parsed from its head on first use."""
-        if self._headers is None:
-            self._headers = head_fields(self.head, self.head_start)
-        return self._headers
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = head_fields(self.head, self.head_start)
+        return headers
 
     # -- httptools callbacks (no on_header: see `headers`) -----------------------------------
     def on_headers_complete(self) -> None:
@@ -320,6 +328,7 @@ class _Conn(asyncio.Protocol):
         """What the body brought since the last call, to the sink (Response.pipe) in one piece
         (a read with several of the server's chunks: one write on, not one per chunk)."""
         chunks, self.chunks, self.buffered = self.chunks, [], 0
+        assert self.sink is not None  # (_feed_sink runs only for a piped answer)
         if self.sink(chunks[0] if len(chunks) == 1 else b"".join(chunks)):
             if not self.paused:
                 self.paused = True
@@ -342,7 +351,7 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     # -- helpers ---------------------------------------------------------------------------
-    def orphan(self, on_orphan: Orphan | None, read: list[bytes] = ()) -> None:
+    def orphan(self, on_orphan: Orphan | None, read: Sequence[bytes] = ()) -> None:
         """The reader was cancelled: hand over the answer if all of it had arrived (`read`: the
         pieces the reader had taken already)."""
         if on_orphan is not None and self.done and self.exc is None:
@@ -429,14 +438,16 @@ class Response:
         self.status: int = conn.status
         # the head's bytes (the connection's are the next answer's once it is reused)
         self._head, self._headers = (conn.head, conn.head_start), conn._headers
-        self._conn, self._pool, self._on_orphan = conn, pool, on_orphan
+        self._conn: _Conn | None = conn  # (None once released)
+        self._pool, self._on_orphan = pool, on_orphan
 
     @property
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Raw (name, value) pairs, parsed from the head on first use."""
-        if self._headers is None:
-            self._headers = head_fields(*self._head)
-        return self._headers
+        headers = self._headers
+        if headers is None:
+            headers = self._headers = head_fields(*self._head)
+        return headers
 
     def header(self, name: bytes, default: bytes | None = None) -> bytes | None:
         """The first value of a header, matched case-insensitively."""
@@ -457,6 +468,7 @@ class Response:
                 size += conn.buffered
                 if size > limit:
                     conn.fail(UpstreamError(f"answer larger than {limit} bytes"))
+                    assert conn.exc is not None  # (that one, or what failed it before)
                     raise conn.exc
                 parts += conn.take()
                 if conn.done:
@@ -553,20 +565,22 @@ class Response:
         if self._conn is not None:
             self._conn.deadline.disarm()
 
-    async def __aiter__(self):
-        """The body in the pieces it arrives in (chunked framing already removed)."""
-        conn = self._conn
+    def __aiter__(self) -> Response:
+        return self
+
+    async def __anext__(self) -> bytes:
+        """`async for`: the body in the pieces it arrives in (chunked framing already removed;
+        several read at once come as one), the connection released at its end. (Not an async
+        generator: mypyc compiles none, native.py. One left early is released by `async with`.)"""
         try:
-            while True:
-                if conn.chunks:
-                    for c in conn.take():
-                        yield c
-                elif conn.done:
-                    break
-                else:
-                    await conn.wait()
-        finally:
+            piece = await self.next_chunk()
+        except BaseException:
             self.release()
+            raise
+        if not piece:
+            self.release()
+            raise StopAsyncIteration
+        return piece
 
     def release(self) -> None:
         """Return the connection if the response was read to the end, else close it."""
@@ -574,7 +588,9 @@ class Response:
         if conn is not None:
             self._pool._release(conn)
 
-    close = release
+    def close(self) -> None:
+        """release(), by the name aiohttp's responses have."""
+        self.release()
 
     async def __aenter__(self) -> Response:
         return self
@@ -661,6 +677,7 @@ class Leg:
         """The answer's body as it is in (whole: all of it); the connection goes back to its
         pool (or is closed, if its answer is not complete)."""
         conn, self.conn = self.conn, None
+        assert conn is not None  # (answered: on_answer's caller reads it once)
         chunks = conn.chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self.pool._release(conn)
@@ -669,6 +686,7 @@ class Leg:
     def response(self) -> Response:
         """The answer opened (first_body), to be read on: the caller releases it."""
         conn, self.conn = self.conn, None
+        assert conn is not None
         return Response(conn, self.pool)
 
     def cancel(self) -> None:
@@ -683,6 +701,7 @@ class Leg:
             self.pool._release(conn)
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # (bench/lean_router.py times its legs)
 class Upstream:
     """A keep-alive pool of connections to one host:port."""
 

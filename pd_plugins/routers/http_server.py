@@ -42,7 +42,7 @@ import asyncio
 import http
 import logging
 import re
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Union
 
 import httptools
 from aiohttp import web
@@ -143,7 +143,8 @@ class FastRequest:
                  too_large: int) -> None:
         self.path, self.query_string, self.headers = path, query_string, headers
         self.version, self.keep_alive, self.conn = version, keep_alive, conn
-        self._body, self._too_large, self._state = body, too_large, None
+        self._body, self._too_large = body, too_large
+        self._state: dict[str, Any] | None = None
 
     @property
     def remote(self) -> str | None:
@@ -265,7 +266,13 @@ async def answered(response: Any) -> Any:
     return response
 
 
-def stream_response(request: Any, headers: Any) -> FastStreamResponse | web.StreamResponse:
+# A client's request and the answer to it, whichever server read it (this one, or aiohttp's for
+# what it leaves to it): a handler's parameter and return types (native.py checks them at runtime)
+ClientHttp = Union[web.Request, FastRequest]
+ClientOut = Union[web.StreamResponse, FastStreamResponse]
+
+
+def stream_response(request: Any, headers: Any) -> ClientOut:
     """A streamed answer for `request`, whichever server read it (`headers` a mapping; for the
     front server's, also its lines as bytes: header_lines)."""
     if isinstance(request, FastRequest):
@@ -301,11 +308,12 @@ Authorize = Callable[[str, str], "web.Response | None"]  # (path, Authorization)
 class FrontServer:
     """The listening socket's protocol factory: one _FrontConnection per client connection."""
 
-    def __init__(self, handler: Handler, fallback: Callable[[], asyncio.Protocol], *,
+    def __init__(self, handler: Handler, fallback: Any, *,
                  max_body: int, authorize: Authorize | None = None,
                  read_timeout_s: float = READ_TIMEOUT_S,
                  keepalive_timeout_s: float = KEEPALIVE_TIMEOUT_S,
                  max_connections: int = MAX_CONNECTIONS) -> None:
+        # fallback: aiohttp's web.Server (a protocol factory that lists its `connections`)
         self.handler, self.fallback, self.authorize = handler, fallback, authorize
         self.max_body, self.max_connections = max_body, max_connections
         self.read_timeout_s, self.keepalive_timeout_s = read_timeout_s, keepalive_timeout_s
@@ -356,7 +364,8 @@ class _FrontConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.undecided = b""  # bytes of a request line not yet long enough to decide on
         self.held: list[bytes] = []  # data that arrived while a request was being answered
-        self.queue: list[FastRequest | str] = []  # parsed requests (a str: a refusal to send)
+        # parsed requests (a str: a refusal to send; a web.Response: the one authorize gave)
+        self.queue: list[FastRequest | str | web.Response] = []
         self.task: asyncio.Task | None = None  # the task answering the request, if one does
         self.callbacks: CallbackAnswer | None = None  # or what answers it from callbacks
         self.deadline = Deadline(self.loop, self._timed_out)  # the read or keep-alive timeout
@@ -583,7 +592,7 @@ class _FrontConnection(asyncio.Protocol):
         if self.queue:
             item = self.queue.pop(0)
             self.deadline.disarm()
-            if type(item) is not FastRequest:  # refused before the handler: answered, closed
+            if not isinstance(item, FastRequest):  # refused before the handler: answered, closed
                 if isinstance(item, str):
                     self._refuse_now(*_REFUSALS[item])
                 else:

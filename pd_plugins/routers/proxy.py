@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 import uuid
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 import aiohttp
 import msgspec
@@ -21,6 +21,7 @@ from aiohttp import web
 from pd_plugins.routers import accounting
 from pd_plugins.routers.accounting import DecodeCharges
 from pd_plugins.routers.config import RouterConfig
+from pd_plugins.routers.kv_quarantine import KvQuarantine
 from pd_plugins.routers.failover import Tries
 from pd_plugins.routers.flows import Attempt, PdFlow
 from pd_plugins.routers.flows.base import one_token_body
@@ -37,8 +38,8 @@ from pd_plugins.routers.traffic_record import Measured, TrafficRecorder
 from pd_plugins.routers.http_client import Response, UpstreamError, UpstreamTimeout
 from pd_plugins.routers.errors import error_body, error_response
 from pd_plugins.routers.exchange import Exchange
-from pd_plugins.routers.http_server import (FastRequest, FastStreamResponse, answered, header_lines,
-                                            stream_response)
+from pd_plugins.routers.http_server import (ClientHttp, ClientOut, FastRequest, FastStreamResponse,
+                                            answered, header_lines, stream_response)
 from pd_plugins.routers.upstream import (Pools, RequestRefused, WorkerFailed, answer_params,
                                         json_answer, open_leg, stream_begun, whole_leg)
 from pd_plugins.vocab.expert_signature import ExpertSignature
@@ -66,7 +67,7 @@ class Proxy:
         self._model_tag = f"model={model}, " if model else ""
         self.model = model
         self.recorder: TrafficRecorder | None = None  # set by the router (traffic_record)
-        self.kv_quarantine = None  # set by the router (health.kv_verify): KvQuarantine
+        self.kv_quarantine: KvQuarantine | None = None  # set by the router (health.kv_verify)
         # pull flow: decode leg sent -> first token, over the prompt tokens the decode lacks: the
         # KV transfer, the first step and the leg's own cost (GET /admin/calibration exports it)
         latency = config.latency
@@ -84,8 +85,8 @@ class Proxy:
         self._releases: set[asyncio.Task] = set()  # KV releases for clients that left (_release)
 
     # -- the request ----------------------------------------------------------------------
-    def serve(self, http: web.Request | FastRequest, request: ClientRequest, path: str
-              ) -> Awaitable[web.StreamResponse] | Exchange:
+    def serve(self, http: ClientHttp, request: ClientRequest, path: str
+              ) -> Awaitable[ClientOut] | Exchange:
         """The answer, to be awaited; or, for a request the front server read on a flow whose
         legs follow one another or go out together, an Exchange that answers it from the
         connections' callbacks (exchange.py). Not a coroutine itself: most requests (no traffic
@@ -96,8 +97,8 @@ class Proxy:
             return self._serve(http, request, path)
         return self._serve_prepared(http, request, path)
 
-    async def _serve_prepared(self, http: web.Request, request: ClientRequest,
-                              path: str) -> web.StreamResponse:
+    async def _serve_prepared(self, http: ClientHttp, request: ClientRequest,
+                              path: str) -> ClientOut:
         """serve() for a long text prompt (tokenized here, off the event loop) or a request
         the traffic record follows."""
         if request.deferred is not None:
@@ -122,8 +123,8 @@ class Proxy:
             self.recorder.record(model, request.info, self.ctx.block_size, measured, status,
                                  request.info.turn if self.sessions is not None else None)
 
-    def _serve(self, http: web.Request, request: ClientRequest, path: str
-               ) -> Awaitable[web.StreamResponse]:
+    def _serve(self, http: ClientHttp, request: ClientRequest, path: str
+               ) -> Awaitable[ClientOut]:
         """The request's attempts (a coroutine), or its answer made already, awaitable."""
         started = time.monotonic()
         tries = self.begin(http, request, path)
@@ -162,7 +163,7 @@ class Proxy:
         base_id = f"{self._id_prefix}-{next(self._ids)}" + (f"-{client_id[:64]}" if client_id else "")
         return Tries(self, request, path, decision, force_local, base_id)
 
-    async def attempts(self, http: web.Request, tries: Tries, started: float) -> web.StreamResponse:
+    async def attempts(self, http: ClientHttp, tries: Tries, started: float) -> ClientOut:
         """Run attempts until one answers or the failover rules give up (failover.py)."""
         while True:
             attempt = tries.next_attempt()
@@ -187,7 +188,7 @@ class Proxy:
                             headers={"Content-Type": refused.content_type or "application/json"})
 
     def fail(self, decision: str, status: int, message: str,
-              history: list[str]) -> web.Response:
+              history: Sequence[str]) -> web.Response:
         self.metrics.requests.labels(decision, "error").inc()
         if not history:
             return error_response(status, message)
@@ -200,8 +201,8 @@ class Proxy:
         return error_response(status, f"{message} (failed legs: {legs}; details in the router's log)")
 
     # -- one attempt ------------------------------------------------------------------------
-    async def _run(self, http: web.Request, attempt: Attempt, started: float,
-                   history: list[str]) -> web.StreamResponse:
+    async def _run(self, http: ClientHttp, attempt: Attempt, started: float,
+                   history: Sequence[str]) -> ClientOut:
         decision, info = attempt.decision, attempt.request.info
         http[STAGE_KEY] = "prefill"
         measured = http.get(MEASURED_KEY)
@@ -246,7 +247,9 @@ class Proxy:
                 if prefill_task is not None:
                     if (prefill_failed and isinstance(exc, asyncio.CancelledError)
                             and this_task.uncancel() == 0):  # only the prefill's cancel
-                        raise prefill_task.exception() from None
+                        failure = prefill_task.exception()
+                        assert failure is not None  # (prefill_failed)
+                        raise failure from None
                     prefill_task.cancel()  # the client left, or the decode failed
                     await asyncio.gather(prefill_task, return_exceptions=True)
                 elif decision.prefill is not None:  # pull: the prefill holds the prompt's KV
@@ -291,7 +294,7 @@ class Proxy:
                   if decision.prefill is not None and prefilled_first and info.stream else None)
         return DecodeCharges(self.ctx, decision, info, pulled)
 
-    def decode_answered(self, attempt: Attempt, history: list[str], charges: DecodeCharges,
+    def decode_answered(self, attempt: Attempt, history: Sequence[str], charges: DecodeCharges,
                          payload: bytes) -> tuple[str | None, str]:
         """The decode's first byte (or whole answer) is in: its (KV verdict, route header)."""
         decision, info = attempt.decision, attempt.request.info
@@ -351,6 +354,7 @@ class Proxy:
     async def _prefill_leg(self, attempt: Attempt, body: LegBody) -> Any:
         """The prefill leg with its accounting; returns its answer's kv_transfer_params."""
         worker, info = attempt.decision.prefill, attempt.request.info
+        assert worker is not None  # (a prefill leg goes to the decision's prefill worker)
         charge = accounting.prefill_started(self.ctx, worker, info)
         started = time.monotonic()
         orphans: list[bytes] = []
@@ -378,6 +382,7 @@ class Proxy:
         """A prefill leg's 200 answer, in the books: its kv_transfer_params (WorkerFailed if it is
         not a JSON object)."""
         worker, info = attempt.decision.prefill, attempt.request.info
+        assert worker is not None
         params = answer_params(payload, worker, "prefill")
         elapsed = time.monotonic() - started
         self.metrics.prefill_leg.observe(elapsed)
@@ -415,9 +420,9 @@ class Proxy:
                               attempt.request_id, timeouts.decode_first_byte_s, on_sent)
         return resp, stream_begun(resp, worker)
 
-    async def _relay_stream(self, http: web.Request, attempt: Attempt, resp: Response,
+    async def _relay_stream(self, http: ClientHttp, attempt: Attempt, resp: Response,
                             first_chunk: bytes, header: str, started: float,
-                            decode_started: float) -> web.StreamResponse:
+                            decode_started: float) -> ClientOut:
         """The stream's pieces go to the client from the leg's connection callback (SseRelay);
         this task wakes when the relay needs it (a slow client, aiohttp's response) and at the
         end."""
@@ -439,7 +444,7 @@ class Proxy:
 
     async def relay_rest(self, http: Any, attempt: Attempt, resp: Response, out: Any,
                           relay: SseRelay, deadline: float, started: float,
-                          decode_started: float) -> web.StreamResponse:
+                          decode_started: float) -> ClientOut:
         """A piped stream until its end: what the relay holds written (a slow client), a failure
         mid-stream answered with an error event."""
         try:
@@ -501,7 +506,7 @@ class Proxy:
             measured.tpot_s = (last_at - first_at) / (tokens - 1) if tokens > 1 else None
             measured.output_tokens = tokens
 
-    async def _write_held(self, http: web.Request, out: web.StreamResponse, relay: SseRelay) -> None:
+    async def _write_held(self, http: ClientHttp, out: ClientOut, relay: SseRelay) -> None:
         """What the relay could not write: once the client's socket has drained, the events
         waiting (and those that come meanwhile, if the leg was not paused yet)."""
         if relay.gone:
@@ -514,7 +519,7 @@ class Proxy:
             await self._to_client(http, out, data)
         relay.held = not relay.fast
 
-    async def _to_client(self, http: web.Request, out: web.StreamResponse, data: bytes,
+    async def _to_client(self, http: ClientHttp, out: ClientOut, data: bytes,
                          eof: bool = False) -> None:
         """One write to the client under `timeouts.client_write_s` (ClientTooSlow past it)."""
         if isinstance(out, FastStreamResponse):  # the front server: only a full socket waits
@@ -528,15 +533,15 @@ class Proxy:
         try:
             async with asyncio.timeout(self.timeouts.client_write_s):
                 if not out.prepared:
-                    await out.prepare(http)
+                    await out.prepare(http)  # type: ignore[arg-type]  # (aiohttp's: its request)
                 await out.write(data)
                 if eof:
                     await out.write_eof()
         except TimeoutError:
             raise ClientTooSlow from None
 
-    async def _send_whole(self, http: web.Request, payload: bytes,
-                          headers: dict[str, str]) -> web.StreamResponse:
+    async def _send_whole(self, http: ClientHttp, payload: bytes,
+                          headers: dict[str, str]) -> ClientOut:
         """A non-streaming answer, written under the client write timeout."""
         out = stream_response(http, headers)
         out.content_length = len(payload)
@@ -563,7 +568,7 @@ class Proxy:
             if not quietly:
                 self.metrics.client_gone.labels("answer", "disconnect").inc()
 
-    def _client_too_slow(self, http: web.Request, attempt: Attempt | None) -> None:
+    def _client_too_slow(self, http: ClientHttp, attempt: Attempt | None) -> None:
         """Drop a client that does not read its answer: the client's fault, not the worker's."""
         if attempt is not None:
             self.client_left(attempt.decision, "answer", "write_timeout")
@@ -611,7 +616,7 @@ class Proxy:
         self.metrics.kv_verdicts.labels(word).inc()
         return word
 
-    def _route_header(self, decision: Decision, history: list[str], info: RequestInfo,
+    def _route_header(self, decision: Decision, history: Sequence[str], info: RequestInfo,
                       kv: str | None = None) -> str:
         """`route_header`: minimal tells a client only what happened to its request (no worker
         URLs, scores or session ids, which map the deployment for anyone who can send one)."""
@@ -628,7 +633,7 @@ class Proxy:
                       f"{verdict}, why={why}{retried}")
 
 
-def _measured_end(http: web.Request, decision: str, status: int) -> None:
+def _measured_end(http: ClientHttp, decision: str, status: int) -> None:
     """A request whose answer began but did not end well: what its record says."""
     if (measured := http.get(MEASURED_KEY)) is not None:
         measured.decision, measured.status = decision, status
@@ -643,7 +648,7 @@ def _consume(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def _write_quietly(out: web.StreamResponse, data: bytes | None, timeout_s: float) -> None:
+async def _write_quietly(out: ClientOut, data: bytes | None, timeout_s: float) -> None:
     try:
         if isinstance(out, FastStreamResponse):  # the front server: only a full socket waits
             if out.send(data or b"", eof=True):

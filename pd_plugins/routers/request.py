@@ -129,7 +129,7 @@ def leg_json(body: LegBody) -> bytes:
 
 def leg_dict(body: LegBody) -> dict[str, Any]:
     """A leg's body as a dict (made by body_with as bytes: decoded)."""
-    return _decoder.decode(body) if type(body) is bytes else body
+    return _decoder.decode(body) if isinstance(body, bytes) else body
 
 
 def parse_request(raw: bytes, kind: Kind, headers: Any, *,
@@ -265,6 +265,7 @@ async def tokenize_deferred(request: ClientRequest) -> None:
     """A long text prompt parse_request left untokenized: its tokens and block keys computed on a
     worker thread (the tokenizer's off_loop releases the GIL), then checked against the context
     and filled into request.info as parse_request would have. BadRequest as parse_request's."""
+    assert request.deferred is not None  # (the caller's test)
     text, root, need, exact = request.deferred
     request.deferred = None
     target = request.target
@@ -333,7 +334,8 @@ def _check_depth(body: dict) -> None:
     """Refuse a body nested deeper than MAX_JSON_DEPTH. Only one with that many brackets can:
     parse_request looks for them first (_brackets_past_depth), so a normal request never pays for
     the walk."""
-    level, depth = [body], 1
+    level: list[Any] = [body]
+    depth = 1
     while level:
         if depth > MAX_JSON_DEPTH:
             raise BadRequest(400, f"request body is nested deeper than {MAX_JSON_DEPTH} levels")

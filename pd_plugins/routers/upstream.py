@@ -82,7 +82,7 @@ class Pools:
             await pool.close()
 
 
-def _failure(worker: Any, leg: str, exc: UpstreamError) -> WorkerFailed:
+def _failure(worker: Any, leg: str, exc: BaseException) -> WorkerFailed:
     if isinstance(exc, UpstreamTimeout):  # the timeout that ran out: first byte, or the body's
         return WorkerFailed(worker, leg, f"no response within {exc.timeout_s:g} s")
     return WorkerFailed(worker, leg, str(exc))
@@ -203,12 +203,11 @@ def _refused_or_failed(worker: Any, leg: str, status: int, payload: bytes,
     raise WorkerFailed(worker, leg, f"HTTP {status}: {payload[:200]!r}")
 
 
-class _ParamsOnly(msgspec.Struct):
-    kv_transfer_params: Any = None
-
-
-# every other field of the answer (choices, usage, ...) is skipped, not built: a per-request cost
-_decode_params_only = msgspec.json.Decoder(_ParamsOnly).decode
+# every other field of the answer (choices, usage, ...) is skipped, not built: a per-request cost.
+# (defstruct, not a class body: native.py compiles this module, and mypyc gives a class's
+# annotations its own runtime types, which msgspec would read)
+_ParamsOnly = msgspec.defstruct("_ParamsOnly", [("kv_transfer_params", Any, None)])
+_decode_params_only: Callable[[bytes], Any] = msgspec.json.Decoder(_ParamsOnly).decode
 
 
 def answer_params(payload: bytes, worker: Any, leg: str) -> Any:
