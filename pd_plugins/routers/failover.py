@@ -27,12 +27,15 @@ from pd_plugins.routers.upstream import WorkerFailed
 log = logging.getLogger("pd_router.proxy")
 
 
+_NONE: frozenset = frozenset()
+
+
 class Tries:
     # What only a failure changes stays a class default until one does (most requests have
-    # none): the workers each leg failed on, the retries left, and "leg url: what failed" per
-    # failed attempt.
-    excluded_prefill: frozenset | set = frozenset()
-    excluded_decode: frozenset | set = frozenset()
+    # none): the workers each leg failed on (set in __init__: mypyc takes no frozenset default),
+    # the retries left, and "leg url: what failed" per failed attempt.
+    excluded_prefill: frozenset | set
+    excluded_decode: frozenset | set
     prefill_left: int | None = None
     decode_left: int | None = None
     history: tuple | list = ()
@@ -44,6 +47,7 @@ class Tries:
         self.decision: Decision | None = decision  # the first attempt's: the one admission judged
         self.force_local = force_local  # why every attempt prefills on its decode worker
         self.base_id = base_id  # each attempt's request id is this and its number
+        self.excluded_prefill = self.excluded_decode = _NONE
 
     def next_attempt(self) -> Attempt | web.Response:
         """The next attempt, or the answer that there is none."""
@@ -95,7 +99,7 @@ class Tries:
                   if w is not failed.worker and w not in self.excluded_decode]
         if others:
             self.excluded_decode.add(failed.worker)
-        self.decode_left -= 1
+        self.decode_left -= 1  # type: ignore[operator]  # (set with prefill_left, above)
         if self.decode_left < 0:
             return False
         proxy.metrics.retries.labels("decode").inc()

@@ -39,7 +39,8 @@ import time
 from pathlib import Path
 
 HOT_MODULES = tuple(f"pd_plugins.routers.{name}" for name in (
-    "http_client", "http_server", "request", "exchange", "proxy", "accounting", "upstream"))
+    "http_client", "http_server", "request", "exchange", "proxy", "accounting", "upstream",
+    "deadline", "failover", "workers", "flows.base", "flows.vllm", "flows.sglang"))
 SWITCH = "PD_ROUTER_NATIVE"  # "0": run the interpreted modules
 DIR = "PD_ROUTER_NATIVE_DIR"  # where builds live
 GROUP = "pd_router_native"  # mypyc's shared library of the group: <GROUP>__mypyc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Callable, Coroutine, Protocol
 
 from pd_plugins.routers.policy.base import Decision
 from pd_plugins.routers.request import ClientRequest, LegBody
@@ -25,7 +25,7 @@ class Attempt:
 
 # Runs the prefill leg on attempt.decision.prefill with the router's accounting and timeout;
 # returns its answer's kv_transfer_params (None if absent) or raises WorkerFailed / RequestRefused.
-PrefillLeg = Callable[[Attempt, LegBody], Awaitable[Any]]
+PrefillLeg = Callable[[Attempt, LegBody], Coroutine[Any, Any, Any]]
 
 
 class PdFlow(Protocol):
