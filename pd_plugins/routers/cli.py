@@ -30,7 +30,6 @@ from pd_plugins.routers.config import (
     ConfigError, LogLevel, RouterConfig, config_from_mapping, load_yaml, parse_model_arg,
     parse_worker_arg,
 )
-from pd_plugins.routers.policy import DEFAULT_POLICY, PRESETS, preset
 from pd_plugins.vocab.engines import ENGINES, TRANSFER_MODES
 
 
@@ -44,6 +43,9 @@ class _InOrder(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # (the policy's modules are imported here, not with this module: main() must load the
+    # router's compiled modules, some of them the policy's, before they are first imported)
+    from pd_plugins.routers.policy import DEFAULT_POLICY, PRESETS
     p = argparse.ArgumentParser(prog="pd-router", description="Prefill/decode disaggregation router "
                                 "(OpenAI-compatible) for vLLM and SGLang")
     p.add_argument("--config", help="YAML file with the full configuration (see docs/router.md)")
@@ -134,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             raise ConfigError("--k8s-namespace, --k8s-selector and --kubeconfig need "
                               "--discovery kubernetes (or `discovery:` in the YAML)")
         data["discovery"] = {**(data.get("discovery") or {}), **discovery}
+    from pd_plugins.routers.policy import DEFAULT_POLICY, preset  # (as in build_parser)
     policy = args.policy or data.get("policy", DEFAULT_POLICY)
     if isinstance(policy, str):
         data["policy"] = msgspec.to_builtins(preset(policy))

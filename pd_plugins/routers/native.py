@@ -40,7 +40,10 @@ from pathlib import Path
 
 HOT_MODULES = tuple(f"pd_plugins.routers.{name}" for name in (
     "http_client", "http_server", "request", "exchange", "proxy", "accounting", "upstream",
-    "deadline", "failover", "workers", "flows.base", "flows.vllm", "flows.sglang"))
+    "deadline", "failover", "workers", "flows.base", "flows.vllm", "flows.sglang",
+    # the policy's modules with no msgspec Struct class (mypyc rewrites a class's annotations)
+    "policy.scheduler", "policy.latency_model", "policy.adapters", "policy.load", "policy.prefix",
+    "policy.prefix_index"))
 SWITCH = "PD_ROUTER_NATIVE"  # "0": run the interpreted modules
 DIR = "PD_ROUTER_NATIVE_DIR"  # where builds live
 GROUP = "pd_router_native"  # mypyc's shared library of the group: <GROUP>__mypyc

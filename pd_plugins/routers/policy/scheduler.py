@@ -254,7 +254,7 @@ class Scheduler:
         return self.prefill.choose(request, candidates), ""
 
     def rebind_decode(self, request: RequestInfo, decision: Decision,
-                      exclude: set = frozenset()) -> Decision:
+                      exclude: Collection = frozenset()) -> Decision:
         """Choose the decode worker again now that the prefill has answered (its expert
         signature is in `request`); the prefill stays. Only for pull-style flows, where the
         decode leg starts after the prefill's answer."""
