@@ -2,13 +2,16 @@
 PY := .venv/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: bootstrap demo test test-full test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm bench-kv-verify clean
+.PHONY: venv bootstrap demo test test-full test-fast test-unit test-e2e test-gpu bench-router bench-routing bench-shm bench-kv-verify clean
 
-# The last step compiles the router's hot path (pd_plugins/routers/native.py): about 40 s, once
-# per change of its sources; PD_ROUTER_NATIVE=0 skips it (the router then runs interpreted).
-bootstrap:
+# The environments (.venv, .venv-sglang), then the router's hot path compiled
+# (pd_plugins/routers/native.py): about 40 s, again after any change to pd_plugins/;
+# PD_ROUTER_NATIVE=0 skips it (the router then runs interpreted). test-fast needs no build.
+venv:
 	@bash scripts/bootstrap.sh
 	@bash scripts/bootstrap_sglang.sh
+
+bootstrap: venv
 	@$(PY) -m pd_plugins.routers.native --quiet
 
 demo: bootstrap
@@ -26,7 +29,7 @@ test-full: bootstrap
 # The fast tier, for everyday work: every test that starts no process (no servers, no
 # subprocesses), 1 to 2 minutes on 2 cores. The `processes` tier (tests/router, tests/e2e,
 # tests/sglang and the marked unit tests) runs in `make test`. docs/development.md, "Tests".
-test-fast: bootstrap
+test-fast: venv
 	$(PYTEST) --durations=10 -m "not processes" tests
 
 test-unit: bootstrap

@@ -153,6 +153,9 @@ class CheckoutRouter(RouterProcess):
 
     tree: str = ""
 
+    def expects_native(self) -> bool:  # (built for this checkout's sources, not another's)
+        return Path(self.tree).resolve() == ROOT.resolve() and super().expects_native()
+
     def environment(self) -> dict[str, str]:
         # PYTHONSAFEPATH: `python -m` would put the current directory (this checkout) on sys.path
         # ahead of PYTHONPATH, and every tree would run this checkout's code
@@ -167,11 +170,13 @@ class InterpretedRouterProcess(RouterProcess):
 
 
 def hot_path(router: RouterProcess) -> str:
-    """What the router says it runs (cli.main logs it at startup: native.activate())."""
-    for line in router.log_path.read_text(errors="replace").splitlines():
-        if "hot path: " in line:
-            return line.split("hot path: ", 1)[1].strip()
-    return "not logged"
+    """What the router runs: its pd_router_native_hot_path gauge (routers/native.py)."""
+    try:
+        text = requests.get(router.url + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return "?"
+    found = re.search(r"^pd_router_native_hot_path (\S+)", text, re.M)
+    return "?" if found is None else "native" if float(found.group(1)) else "interpreted"
 
 
 class LeanRouterProcess(RouterProcess):
@@ -1109,7 +1114,7 @@ def main() -> int:
                             print(f"      error: {e}", flush=True)
         router_logs = {p.name: p.log_tail(40) for p in routers}
         ran = {t.base: hot_path(t.proc) for t in targets
-               if isinstance(t.proc, RouterProcess) and t.proc.log_path.exists()}
+               if isinstance(t.proc, RouterProcess) and t.proc.alive() and not t.stream}
     finally:
         for p in reversed(everything):
             p.stop()

@@ -144,8 +144,11 @@ class MockEngine:
                   mode=TRANSFER_MODE[a.engine], block_size=a.block_size,
                   experts=mock_expert_signature(leg.body, *a.moe_experts).encode() if a.moe_experts else None,
                   ).into(params)
-        return answers.json_answer(answers.completion(leg.chat, a.model, answers.output_words(leg.digest, 1),
-                                                      leg.prompt_tokens, params))
+        answer = answers.completion(leg.chat, a.model, answers.output_words(leg.digest, 1),
+                                    leg.prompt_tokens, params)
+        if a.prefill_params_null:
+            answer["kv_transfer_params"] = None
+        return answers.json_answer(answer)
 
     async def _decode(self, leg: Leg) -> web.StreamResponse:
         """A remote decode (its KV from a prefill), or a request served here from start to end."""
@@ -330,6 +333,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=list(ENGINES), default="vllm")
     p.add_argument("--model", default="mock")
     p.add_argument("--engine-id", help="fixed kv engine id (vLLM push needs one)")
+    p.add_argument("--prefill-params-null", action="store_true",
+                   help="a prefill leg answers \"kv_transfer_params\": null (vLLM's push flow does "
+                        "where its connector has none to give), the KV still pushed")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--ttft-ms", type=float, default=0.0, help="fixed prefill time")
     p.add_argument("--prefill-ms-per-token", type=float, default=0.0)

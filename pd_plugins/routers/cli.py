@@ -196,7 +196,8 @@ def setup_logging(level: str, fmt: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    # before anything imports the hot path's modules (config_from_args builds a Router)
+    # first: the hot path's modules come from its build, if there is one (config_from_args
+    # imports the policy package, and builds a Router, which import the rest)
     hot_path = native.activate()
     args = build_parser().parse_args(argv)
     try:

@@ -701,7 +701,6 @@ class Leg:
             self.pool._release(conn)
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)  # (bench/lean_router.py times its legs)
 class Upstream:
     """A keep-alive pool of connections to one host:port."""
 

@@ -7,9 +7,12 @@ from bisect import bisect_left
 from collections import Counter as _Tally
 from functools import partial
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
+
+from pd_plugins.routers import native
 
 disable_created_metrics()  # no *_created series: they double the scrape for nothing
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -51,6 +54,9 @@ class RouterMetrics:
         self.loop_lag = LoopHistogram(r, "pd_router_event_loop_lag_seconds", "How late the event "
                                       f"loop runs a timer due every {LOOP_LAG_PERIOD_S:g} s",
                                       LOOP_LAG_BUCKETS)
+        Gauge("pd_router_native_hot_path", "1 if the router's hot path runs compiled "
+              "(routers/native.py: the startup log says why not), else 0",
+              registry=r).set(native.native())
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
         r.register(_PoolCollector(pool, by_model))

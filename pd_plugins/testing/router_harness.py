@@ -12,6 +12,7 @@ from typing import Iterator
 import requests
 import yaml
 
+from pd_plugins.routers import native
 from pd_plugins.testing.processes import ManagedProcess, free_port
 
 
@@ -82,6 +83,21 @@ class RouterProcess(ManagedProcess):
 
     def environment(self) -> dict[str, str]:
         return {**os.environ, **self.env}
+
+    def wait_healthy(self, timeout: float = 240.0) -> ManagedProcess:
+        super().wait_healthy(timeout)
+        if self.expects_native():  # the router runs what was built for it (routers/native.py)
+            said = [line for line in self.log_path.read_text(errors="replace").splitlines()
+                    if "hot path: interpreted" in line]
+            if said:
+                raise RuntimeError(f"{self.name} runs its hot path interpreted although a native "
+                                   f"build of these sources exists: {said[0]}")
+        return self
+
+    def expects_native(self) -> bool:
+        """A build of this checkout's sources exists, and the router is not told to ignore it."""
+        return (self.environment().get(native.SWITCH, "1") != "0"
+                and (native.build_dir() / "manifest.json").is_file())
 
     def metrics(self) -> str:
         return requests.get(f"{self.url}/metrics", timeout=10).text

@@ -60,6 +60,22 @@ def test_flow_streaming_and_not_chat_and_completions(engine, transfer):
         assert "pd_router_ttft_seconds_count 2.0" in metrics
 
 
+def test_push_prefill_answering_no_kv_transfer_params():
+    """vLLM's push flow: a prefill's answer may carry `"kv_transfer_params": null` (its connector
+    had none to give); the decode has the KV pushed all the same, and the request is served
+    disaggregated (the router's hot path runs compiled here, its annotations checked)."""
+    prefills, decodes = mocks(push=True, prefill_args=("--prefill-params-null",))
+    with deployment(prefills, decodes, "--transfer", "push", "--policy", "round_robin",
+                    "--route-header", "full") as router:
+        for stream in (False, True):
+            resp = requests.post(router.url + "/v1/completions", timeout=20, json={
+                "model": "mock", "prompt": LONG_PROMPT, "max_tokens": 5, "stream": stream})
+            assert answer_text(resp, False, stream)
+            assert f"prefill={prefills[0].url}" in resp.headers["x-pd-route"]
+        assert decodes[0].stats()["remote_decodes"] == 2 and prefills[0].stats()["prefill_legs"] == 2
+        assert 'pd_router_requests_total{decision="disaggregated",outcome="ok"} 2.0' in router.metrics()
+
+
 def test_short_prompt_is_prefilled_on_the_decode_worker():
     prefills, decodes = mocks()
     with deployment(prefills, decodes, "--policy", "prefix_cache", "--route-header", "full") as router:

@@ -69,7 +69,8 @@ class VllmPushFlow:
             "tp_size": spec.tp_size,
         }
 
-        async def delayed_prefill() -> dict[str, Any]:
+        # (Any: the prefill's kv_transfer_params, None where its answer has none)
+        async def delayed_prefill() -> Any:
             await asyncio.sleep(self.head_start_s)
             return await prefill_leg(attempt, vllm_prefill_body(request.body))
 

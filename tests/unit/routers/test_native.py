@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from pathlib import Path
 
 import pytest
 
@@ -19,22 +20,24 @@ EXT = sysconfig.get_config_var("EXT_SUFFIX")
 
 # Run in a fresh interpreter: activate() must come before anything imports the hot modules, and
 # this test process has them imported (interpreted) already.
-LOAD = ("from pd_plugins.routers import native; print(native.activate()); "
-        "import pd_plugins.routers.proxy, pd_plugins.routers.http_client as m; print(m.__file__)")
+LOAD = ("import importlib; from pd_plugins.routers import native; print(native.activate()); "
+        "print(*(importlib.import_module(m).__file__ for m in native.HOT_MODULES))")
 
 
 def copy_sources(to):
-    for module in native.HOT_MODULES:
-        target = to.joinpath(*module.split(".")).with_suffix(".py")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(native.source_path(module), target)
+    """The package's Python files (all a digest reads) under `to`."""
+    shutil.copytree(native.PACKAGE_ROOT / "pd_plugins", to / "pd_plugins",
+                    ignore=lambda folder, names: [n for n in names if not n.endswith(".py")
+                                                  and not (Path(folder) / n).is_dir()])
 
 
-def test_a_build_is_of_exactly_its_sources(tmp_path):
+@pytest.mark.parametrize("edited", ["routers/exchange.py",  # compiled
+                                    "routers/policy/base.py"])  # read by compiled code
+def test_a_build_is_of_exactly_its_sources(tmp_path, edited):
     copy_sources(tmp_path)
     assert native.digest(tmp_path) == native.digest()
-    edited = tmp_path / "pd_plugins" / "routers" / "exchange.py"
-    edited.write_text(edited.read_text() + "\n# an edit\n")
+    path = tmp_path / "pd_plugins" / edited
+    path.write_text(path.read_text() + "\n# an edit\n")
     assert native.digest(tmp_path) != native.digest()  # so its build is not the edited code's
 
 
@@ -72,18 +75,46 @@ def test_the_router_loads_the_build_of_its_sources():
     built_or_skip()
     said, loaded = run({})
     assert said == f"native (mypyc build {native.build_dir().name})"
-    assert loaded == str(native.build_dir() / "pd_plugins" / "routers" / f"http_client{EXT}")
+    assert loaded.split() == [str(native.build_dir().joinpath(*m.split(".")).with_name(
+        m.rpartition(".")[2] + EXT)) for m in native.HOT_MODULES]
     said, loaded = run({native.SWITCH: "0"})
-    assert said.startswith("interpreted") and loaded == str(native.source_path(
-        "pd_plugins.routers.http_client"))
+    assert said == f"interpreted ({native.SWITCH}=0)"
+    assert loaded.split() == [str(native.source_path(m)) for m in native.HOT_MODULES]
 
 
 @pytest.mark.processes
-def test_a_damaged_build_is_refused(tmp_path):
+def test_pd_router_imports_none_of_them_before_it_loads_the_build():
+    # what cli imports at its top: a hot module among it would run interpreted (activate says so)
+    out = subprocess.run([sys.executable, "-c", "import sys, pd_plugins.routers.cli as c; "
+                          "print(*[m for m in c.native.HOT_MODULES if m in sys.modules])"],
+                         capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == []
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("damage", ["garbled", "missing"])
+def test_a_damaged_build_is_refused(tmp_path, damage):
     built_or_skip()
     copy = tmp_path / native.build_dir().name
     shutil.copytree(native.build_dir(), copy)
-    (copy / f"{native.GROUP}__mypyc{EXT}").write_bytes(b"not a shared library")
+    if damage == "garbled":  # the group's library: all the compiled code is in it
+        native._file(copy, f"{native.GROUP}__mypyc").write_bytes(b"not a shared library")
+    else:  # a module's own file (a stub that calls into the group's library)
+        native._file(copy, "pd_plugins.routers.workers").unlink()
     said, loaded = run({native.DIR: str(tmp_path)})
-    assert said.startswith(f"interpreted: the native build in {copy} does not load")
-    assert loaded.endswith("http_client.py")
+    assert said.startswith(f"interpreted: the native build in {copy} "
+                           + ("does not load" if damage == "garbled" else "lacks"))
+    assert loaded.split() == [str(native.source_path(m)) for m in native.HOT_MODULES]
+
+
+def test_a_build_removes_only_older_builds(tmp_path):
+    """What a build prunes, in a directory that also holds what is not a build of ours."""
+    current, older = tmp_path / native.digest(), tmp_path / ("0" * 20)
+    unrelated, unfinished = tmp_path / "notes", tmp_path / ("1" * 20)
+    for folder in (current, older, unrelated, unfinished):
+        folder.mkdir()
+    for built in (current, older, unrelated):
+        (built / "manifest.json").write_text("{}")
+    native.prune(keep=current)
+    assert not older.exists()
+    assert current.exists() and unrelated.exists() and unfinished.exists()
