@@ -270,7 +270,10 @@ def markdown(results: dict[str, dict[str, dict]], trees: dict[str, str], took_s:
         f"{WINDOW_S} s of requests less the idle process's per second. The request is the "
         "overhead bench's (a ~60-token prompt, 8 tokens out), except in `vllm_pull_32k`: its "
         "prompt repeated to 32,000 characters (about 8k tokens, Mooncake's mean), for what grows "
-        "with a request's bytes. The ratios in brackets are to this checkout's row.",
+        "with a request's bytes. This checkout's router runs its hot path compiled where a build "
+        "of its sources exists (`make bootstrap`; docs/router.md, \"Native hot path\"); the row "
+        "\"this checkout, interpreted\" is the same code with `PD_ROUTER_NATIVE=0`. The ratios in "
+        "brackets are to this checkout's row.",
         "",
         f"Rerun: `.venv/bin/python -m bench.router_instructions` (an A/B: `--tree NAME=DIR` with "
         f"another checkout, e.g. a `git worktree`). This run: {now:%Y-%m-%d %H:%M} UTC, "
@@ -340,7 +343,10 @@ def bytecode_markdown(results: dict[str, dict[str, dict]], trees: dict[str, str]
         "same tree agree within about 2%. What C code does for a call (httptools, msgspec, "
         "uvloop, the kernel) is not in them, and bytecodes differ in cost (a call costs more "
         "than a store), so they say where the Python runs, not what it costs (the callgrind "
-        "counts above; CPU time in \"Router overhead\"). Calls count a coroutine's resumptions.",
+        "counts above; CPU time in \"Router overhead\"). Calls count a coroutine's resumptions. "
+        "The tracer sees only interpreted code: in this checkout's row, what still runs as Python "
+        "beside the compiled hot path (docs/router.md, \"Native hot path\"); the row \"this "
+        "checkout, interpreted\" is all of it.",
         "",
         f"Rerun: `.venv/bin/python -m bench.router_instructions --bytecodes` (about 2 min; "
         f"`--tree NAME=DIR` as above). This run: {now:%Y-%m-%d %H:%M} UTC, {took_s / 60:.1f} min; "
