@@ -125,7 +125,7 @@ def head_field(head: bytes, start: int, name: bytes) -> bytes | None:
     return head[start + at:start + stop if stop >= 0 else end].strip()
 
 
-# (native.py: a class deriving from a built-in exception other than Exception stays a Python one)
+# (native.py: mypyc compiles no class deriving from ConnectionError; these stay Python classes)
 @mypyc_attr(native_class=False)
 class UpstreamError(ConnectionError):
     """The upstream connection failed, closed early, or sent a malformed response."""

@@ -267,7 +267,8 @@ async def answered(response: Any) -> Any:
 
 
 # A client's request and the answer to it, whichever server read it (this one, or aiohttp's for
-# what it leaves to it): a handler's parameter and return types (native.py checks them at runtime)
+# what it leaves to it): a handler's parameter and return types (compiled, an annotation naming
+# FastRequest alone would refuse aiohttp's request at run time: native.py)
 ClientHttp = Union[web.Request, FastRequest]
 ClientOut = Union[web.StreamResponse, FastStreamResponse]
 
