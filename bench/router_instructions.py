@@ -90,14 +90,12 @@ class CountedRouter(CheckoutRouter):
 
     out: str = ""
     lens: str = "callgrind"
-    interpreted: bool = False  # PD_ROUTER_NATIVE=0: the hot path's modules as Python (native.py)
 
     def command(self) -> list[str]:
         return counted(super().command(), self.lens, self.out)
 
     def environment(self) -> dict[str, str]:
-        return {**super().environment(), "PD_BYTECODES_OUT": self.out,
-                **({native.SWITCH: "0"} if self.interpreted else {})}
+        return {**super().environment(), "PD_BYTECODES_OUT": self.out}
 
 
 class CountedFloor(ReferenceProxyProcess):
@@ -169,7 +167,8 @@ def measure(tree: str, case: str, workdir: Path, lens: str = "callgrind") -> dic
                                decode=[mocks[1].worker_arg()], args=flags,
                                config=PD_ROUTER_CONFIG, cpu="0", log_dir=workdir)
         router.tree = str(common.ROOT) if tree == INTERPRETED else tree
-        router.interpreted = tree == INTERPRETED
+        if tree == INTERPRETED:  # PD_ROUTER_NATIVE=0: the hot path's modules as Python
+            router.env = {native.SWITCH: "0"}
     router.out, router.lens = out, lens
     lua = workdir / "post.lua"
     lua.write_text(WRK_LUA)

@@ -162,13 +162,6 @@ class CheckoutRouter(RouterProcess):
         return {**super().environment(), "PYTHONPATH": self.tree, "PYTHONSAFEPATH": "1"}
 
 
-class InterpretedRouterProcess(RouterProcess):
-    """pd-router with its hot path interpreted (PD_ROUTER_NATIVE=0): what the compile buys."""
-
-    def environment(self) -> dict[str, str]:
-        return {**super().environment(), native.SWITCH: "0"}
-
-
 def hot_path(router: RouterProcess) -> str:
     """What the router runs: its pd_router_native_hot_path gauge (routers/native.py)."""
     try:
@@ -994,7 +987,9 @@ def main() -> int:
                                decode=[vd.worker_arg()],
                                args=("--engine", "vllm", "--transfer", "pull", *log_flags),
                                config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)
-    pd_interpreted = like(pd_vllm, InterpretedRouterProcess, "pd-router-vllm-interpreted")
+    # the same router with its hot path interpreted: what the compile buys (routers/native.py)
+    pd_interpreted = like(pd_vllm, RouterProcess, "pd-router-vllm-interpreted")
+    pd_interpreted.env = {native.SWITCH: "0"}
     pd_sglang = RouterProcess("pd-router-sglang", prefill=[sp.worker_arg()], decode=[sd.worker_arg()],
                               args=("--engine", "sglang", *router_flags),
                               config=PD_ROUTER_CONFIG, cpu=ROUTER_CPU, log_dir=run_dir)

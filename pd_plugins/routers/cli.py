@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     setup_logging(config.log_level, args.log_format)
     log = logging.getLogger("pd_router")
-    (log.info if hot_path.startswith("native") else log.warning)("hot path: %s", hot_path)
+    (log.info if native.native() else log.warning)("hot path: %s", hot_path)
     try:
         import uvloop
         uvloop.install()

@@ -40,6 +40,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import Mapping
 
 HOT_MODULES = tuple(f"pd_plugins.routers.{name}" for name in (
     "http_client", "http_server", "request", "exchange", "proxy", "accounting", "upstream",
@@ -49,7 +50,8 @@ HOT_MODULES = tuple(f"pd_plugins.routers.{name}" for name in (
     "policy.prefix_index"))
 SWITCH = "PD_ROUTER_NATIVE"  # "0": run the interpreted modules
 DIR = "PD_ROUTER_NATIVE_DIR"  # where builds live
-GROUP = "pd_router_native"  # mypyc's shared library of the group: <GROUP>__mypyc
+GROUP = "pd_router_native"
+GROUP_LIB = GROUP + "__mypyc"  # mypyc's shared library of the group: all the compiled code
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding pd_plugins/
 # mypy's checks the build runs, beyond its defaults: the imports it cannot see are Any, and an
 # attribute of an X | None read where the flow's order has set it (a Leg's connection once sent)
@@ -93,6 +95,15 @@ def build_dir() -> Path:
     return builds_dir() / digest()
 
 
+def built(where: Path) -> bool:
+    """A whole build is there (its manifest is written last)."""
+    return (where / "manifest.json").is_file()
+
+
+def switched_off(env: Mapping[str, str] = os.environ) -> bool:
+    return env.get(SWITCH, "1") == "0"
+
+
 def _file(where: Path, name: str) -> Path:
     """A module's extension file in a build (the group's shared library is top-level)."""
     return where.joinpath(*name.split(".")).with_name(
@@ -104,7 +115,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
     def __init__(self, where: Path) -> None:
         self.where = where
-        self.names = {*HOT_MODULES, GROUP + "__mypyc"}
+        self.names = {*HOT_MODULES, GROUP_LIB}
 
     def find_spec(self, name, path=None, target=None):
         if name not in self.names:
@@ -123,31 +134,31 @@ def activate() -> str:
 
 
 def _activate() -> str:
-    if os.environ.get(SWITCH, "1") == "0":
+    if switched_off():
         return f"interpreted ({SWITCH}=0)"
     try:
         where = build_dir()
     except OSError as exc:  # a source that cannot be read: no build can be known to match
         return f"interpreted: the sources could not be read ({exc})"
-    if not (where / "manifest.json").is_file():
+    if not built(where):
         return (f"interpreted: no native build of these sources in {where.parent} "
                 f"(python -m pd_plugins.routers.native builds one)")
     first = next((m for m in HOT_MODULES if m in sys.modules), None)
     if first is not None:
         return f"interpreted: {first} was imported before activate()"
-    missing = [m for m in (GROUP + "__mypyc", *HOT_MODULES) if not _file(where, m).is_file()]
+    missing = [m for m in (GROUP_LIB, *HOT_MODULES) if not _file(where, m).is_file()]
     if missing:
         return f"interpreted: the native build in {where} lacks {missing[0]}"
     finder = _Finder(where)
     sys.meta_path.insert(0, finder)
     before = set(sys.modules)
     try:  # every module now: a build that does not load (a damaged file) is known here
-        for module in (GROUP + "__mypyc", *HOT_MODULES):
+        for module in (GROUP_LIB, *HOT_MODULES):
             importlib.import_module(module)
     except Exception as exc:  # the interpreted modules then, and why
         sys.meta_path.remove(finder)
         for name in set(sys.modules) - before:  # ours that came in with them: imported again
-            if name.startswith("pd_plugins.") or name == GROUP + "__mypyc":
+            if name.startswith("pd_plugins.") or name == GROUP_LIB:
                 del sys.modules[name]
         return f"interpreted: the native build in {where} does not load ({exc})"
     return f"native (mypyc build {where.name})"
@@ -178,7 +189,7 @@ def build(force: bool = False) -> Path:
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (released with the file)
         where = build_dir()
-        if (where / "manifest.json").is_file() and not force:
+        if built(where) and not force:
             return where  # built meanwhile, by another
         began = time.monotonic()
         with tempfile.TemporaryDirectory(dir=builds_dir(), prefix=".building-") as tmp:
@@ -219,7 +230,7 @@ def build(force: bool = False) -> Path:
 def prune(keep: Path) -> None:
     """Remove the builds in keep's directory but `keep` (a build: a digest's name, a manifest)."""
     for old in keep.parent.iterdir():
-        if old != keep and BUILD_NAME.fullmatch(old.name) and (old / "manifest.json").is_file():
+        if old != keep and BUILD_NAME.fullmatch(old.name) and built(old):
             shutil.rmtree(old, ignore_errors=True)
 
 
@@ -237,13 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.status:
         print(f"pd-router hot path: {activate()}")
         return
-    if os.environ.get(SWITCH, "1") == "0":
+    if switched_off():
         print(f"pd-router native build: skipped ({SWITCH}=0: the router runs interpreted)")
         return
-    built = (build_dir() / "manifest.json").is_file()
-    if built and not args.force:
+    where = build_dir()
+    if built(where) and not args.force:
         if not args.quiet:
-            print(f"pd-router native build: up to date ({build_dir()})")
+            print(f"pd-router native build: up to date ({where})")
         return
     print("pd-router native build: compiling the router's hot path with mypyc (about 40 s)",
           flush=True)

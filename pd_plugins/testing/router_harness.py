@@ -96,8 +96,7 @@ class RouterProcess(ManagedProcess):
 
     def expects_native(self) -> bool:
         """A build of this checkout's sources exists, and the router is not told to ignore it."""
-        return (self.environment().get(native.SWITCH, "1") != "0"
-                and (native.build_dir() / "manifest.json").is_file())
+        return not native.switched_off(self.environment()) and native.built(native.build_dir())
 
     def metrics(self) -> str:
         return requests.get(f"{self.url}/metrics", timeout=10).text

@@ -57,9 +57,9 @@ def test_switched_off(monkeypatch):
 
 
 def built_or_skip():
-    if os.environ.get(native.SWITCH) == "0":
+    if native.switched_off():
         pytest.skip(f"{native.SWITCH}=0: no native build wanted")
-    if not (native.build_dir() / "manifest.json").is_file():
+    if not native.built(native.build_dir()):
         pytest.fail(f"no native build of these sources in {native.builds_dir()}: make bootstrap "
                     "builds it (python -m pd_plugins.routers.native)")
 
@@ -98,7 +98,7 @@ def test_a_damaged_build_is_refused(tmp_path, damage):
     copy = tmp_path / native.build_dir().name
     shutil.copytree(native.build_dir(), copy)
     if damage == "garbled":  # the group's library: all the compiled code is in it
-        native._file(copy, f"{native.GROUP}__mypyc").write_bytes(b"not a shared library")
+        native._file(copy, native.GROUP_LIB).write_bytes(b"not a shared library")
     else:  # a module's own file (a stub that calls into the group's library)
         native._file(copy, "pd_plugins.routers.workers").unlink()
     said, loaded = run({native.DIR: str(tmp_path)})
