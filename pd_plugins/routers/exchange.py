@@ -41,8 +41,8 @@ from pd_plugins.routers.flows import Attempt
 from pd_plugins.routers.http_client import Leg, Response
 from pd_plugins.routers.http_server import CallbackAnswer, FastRequest, answered
 from pd_plugins.routers.request import ClientRequest, LegBody
-from pd_plugins.routers.upstream import (RequestRefused, WorkerFailed, json_answer, leg_answer,
-                                        opened_answer, send_leg, stream_begun)
+from pd_plugins.routers.upstream import (RequestRefused, WorkerFailed, answer_params, json_answer,
+                                        leg_answer, opened_answer, send_leg, stream_begun)
 
 
 log = logging.getLogger("pd_router.exchange")
@@ -118,10 +118,18 @@ class Exchange(CallbackAnswer):
         self._send_decode(decode_body, prefilled_first=False)
 
     def _prefilled(self, leg: Leg) -> None:
+        """The prefill answered: the decode leg goes out with its kv_transfer_params, and only
+        then does the answer go into the books (they are not the request's latency), unless the
+        decode is chosen by what they learn (ELDR: the prompt's experts)."""
         self.leg = None
         proxy, attempt = self.proxy, self.attempt
+        elapsed = time.monotonic() - self.prefill_started
         try:
-            params = self._prefill_answered(leg)
+            try:
+                payload = leg_answer(leg, attempt.decision.prefill, "prefill")
+            finally:
+                self._prefill_ended()
+            params = answer_params(payload, attempt.decision.prefill, "prefill")
             self.decode_body = proxy.flow.decode_body(attempt, params)
         except (RequestRefused, WorkerFailed) as exc:
             self._leg_failed(exc)
@@ -129,8 +137,13 @@ class Exchange(CallbackAnswer):
         except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
             self._failed_on_bug()
             return
+        books_first = proxy.scheduler.uses_expert_signatures
         try:
+            if books_first:
+                proxy.prefill_booked(attempt, params, self.prefill_charge, elapsed)
             self._send_decode(self.decode_body)
+            if not books_first:
+                proxy.prefill_booked(attempt, params, self.prefill_charge, elapsed)
         except Exception:  # noqa: BLE001
             self._failed_on_bug()
 
@@ -216,11 +229,9 @@ class Exchange(CallbackAnswer):
         header = proxy.decode_answered(attempt, self.tries.history, charges, payload)[1]
         self.stage = "answer"
         if not info.stream:
-            proxy.finish(attempt, self.started, charges.started)
-            charges.ended()
             conn = self.http.conn
             headers = JSON_HEAD % header.encode("latin-1", "replace")
-            return conn.drain, lambda: conn.send_whole(200, headers, payload), False
+            return conn.drain, lambda: conn.send_whole(200, headers, payload), False, self._finished
         resp = self.stream
         self.out, self.relay, self.deadline = proxy.relay_start(self.http, resp, payload, header,
                                                                 charges.started)
@@ -242,10 +253,7 @@ class Exchange(CallbackAnswer):
         if resp.done and not (relay.held or relay.tail):
             self.stream = None
             resp.release()
-            self.proxy.stream_done(self.http, self.attempt, relay, self.started,
-                                   self.charges.started)
-            self.charges.ended()
-            return out.drained, lambda: out.send(b"", eof=True), True
+            return out.drained, lambda: out.send(b"", eof=True), True, self._stream_finished
         if resp.done or resp.paused or relay.held or resp.exception is not None:
             resp.notify(None)  # the task waits on it from now on
             self._hand_over(self.proxy.relay_rest(self.http, self.attempt, resp, out, relay,
@@ -254,14 +262,35 @@ class Exchange(CallbackAnswer):
         return None
 
     # -- endings -----------------------------------------------------------------------------
-    def _send_last(self, drained: Callable[[], Awaitable[None]], send: Callable[[], bool],
-                   quietly: bool) -> None:
-        """The answer's last bytes (`send()`, True if the socket is full): the connection reads
-        on, or they drain in a task first (`drained()`; `quietly`: a stream's end, as
-        Proxy.relay_rest ends one)."""
+    def _finished(self) -> None:
+        """A whole answer on its way: the request out of the books."""
         try:
-            full = send()
+            self.proxy.finish(self.attempt, self.started, self.charges.started)
+        finally:
+            self.charges.ended()
+
+    def _stream_finished(self) -> None:
+        """A relayed stream's end on its way: its timings measured, the request out of the books."""
+        try:
+            self.proxy.stream_done(self.http, self.attempt, self.relay, self.started,
+                                   self.charges.started)
+        finally:
+            self.charges.ended()
+
+    def _send_last(self, drained: Callable[[], Awaitable[None]], send: Callable[[], bool],
+                   quietly: bool, books: Callable[[], None]) -> None:
+        """The answer's last bytes (`send()`, True if the socket is full), then the request's
+        `books` (after: they are not its latency): the connection reads on, or the bytes drain
+        in a task first (`drained()`; `quietly`: a stream's end, as Proxy.relay_rest ends one)."""
+        try:
+            full: bool | None = send()
         except ConnectionResetError:  # the client is leaving: its connection_lost follows
+            full = None
+        try:
+            books()
+        except Exception:  # noqa: BLE001 - a bug: the answer is out; the connection serves on
+            log.exception("closing a request's books failed")
+        if full is None:
             if not quietly:
                 self.proxy.metrics.client_gone.labels("answer", "disconnect").inc()
             self.http.conn.drop()

@@ -381,10 +381,16 @@ class Proxy:
     def prefill_answered(self, attempt: Attempt, payload: bytes, charge: Any, started: float) -> Any:
         """A prefill leg's 200 answer, in the books: its kv_transfer_params (WorkerFailed if it is
         not a JSON object)."""
+        assert attempt.decision.prefill is not None
+        params = answer_params(payload, attempt.decision.prefill, "prefill")
+        self.prefill_booked(attempt, params, charge, time.monotonic() - started)
+        return params
+
+    def prefill_booked(self, attempt: Attempt, params: Any, charge: Any, elapsed: float) -> None:
+        """What a prefill leg's answer (its kv_transfer_params) teaches the books: its latency,
+        what the prefill now caches or pooled, the prompt's experts (ELDR)."""
         worker, info = attempt.decision.prefill, attempt.request.info
         assert worker is not None
-        params = answer_params(payload, worker, "prefill")
-        elapsed = time.monotonic() - started
         self.metrics.prefill_leg.observe(elapsed)
         try:
             section = pd_section_of(params)
@@ -403,7 +409,6 @@ class Proxy:
         accounting.prefill_succeeded(self.ctx, worker, info, charge, elapsed,
                                      section.cached_tokens if section is not None else None,
                                      self.record_prefixes)
-        return params
 
     async def _decode_first(self, attempt: Attempt, body: LegBody,
                             on_sent: Callable[[], None] | None = None):

@@ -192,7 +192,7 @@ def test_a_bug_in_the_callbacks_is_a_500_and_the_router_serves_on(monkeypatch):
     async def main():
         async with pd_router(lambda n, body: http_answer(ANSWER)) as (port, router, prefill, decode):
             proxy = router._only_group().proxy
-            real = proxy.prefill_answered
+            real = proxy.prefill_booked
             calls = []
 
             def buggy(*args):
@@ -201,7 +201,7 @@ def test_a_bug_in_the_callbacks_is_a_500_and_the_router_serves_on(monkeypatch):
                     raise RuntimeError("a bug")
                 return real(*args)
 
-            monkeypatch.setattr(proxy, "prefill_answered", buggy)
+            monkeypatch.setattr(proxy, "prefill_booked", buggy)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
             status, head, answer = await read_answer(reader)
