@@ -136,6 +136,44 @@ def test_pd_requests_on_a_keep_alive_connection_start_no_task():
     asyncio.run(main())
 
 
+def test_the_books_wait_for_the_decode_leg_and_the_answer(monkeypatch):
+    """What the router learns from a prefill's answer is booked once the decode leg is out, and
+    the request leaves the books once its answer is written: neither is in its latency."""
+    from pd_plugins.routers import exchange, http_server
+    events = []
+    real_send_leg, real_send_whole = exchange.send_leg, http_server._FrontConnection.send_whole
+
+    def send_leg(pools, worker, *args, **kwargs):
+        events.append(f"{worker.role} leg sent")
+        return real_send_leg(pools, worker, *args, **kwargs)
+
+    def send_whole(self, *args):
+        events.append("answer written")
+        return real_send_whole(self, *args)
+
+    monkeypatch.setattr(exchange, "send_leg", send_leg)
+    monkeypatch.setattr(http_server._FrontConnection, "send_whole", send_whole)
+
+    async def main():
+        async with pd_router(lambda n, body: http_answer(ANSWER)) as (port, router, prefill, decode):
+            proxy = router._only_group().proxy
+            for name, event in (("prefill_booked", "prefill booked"), ("finish", "finished")):
+                real = getattr(proxy, name)
+                monkeypatch.setattr(proxy, name, lambda *a, real=real, event=event:
+                                    events.append(event) or real(*a))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            assert (await read_answer(reader))[:3:2] == (200, ANSWER)
+            assert events == ["prefill leg sent", "decode leg sent", "prefill booked",
+                              "answer written", "finished"]
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
+                          outcome="ok") == 1
+            assert sample(metrics, "pd_router_worker_in_flight") == 0
+            writer.close()
+    asyncio.run(main())
+
+
 def test_a_client_leaving_while_the_decode_connection_opens_releases_the_prefills_kv(monkeypatch):
     # The prefill has answered (it holds the prompt's KV for the decode to read); the decode
     # leg's connection is still being opened when the client leaves: no decode leg is sent for
