@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Where pd-router's CPU goes on the PD hot path: py-spy flame graphs under load.
 
-    .venv/bin/python -m bench.router_profile            # three profiles, about 2 minutes
+    .venv/bin/python -m bench.router_profile            # three profiles, about 3 minutes
 
 For each case (vLLM pull flow non-streaming and streaming, SGLang flow non-streaming; every
 request disaggregated, `--policy round_robin`) a pd-router runs alone on core 0 and mock prefill
 and decode engines (zero delays) and wrk (Debian's `wrk`: `apt-get install wrk`) on core 1, at 16
-connections; py-spy samples the router for 10 s at 250 Hz, native frames included (`--native`):
-the samples where the router waits for work (its event loop in epoll, a pool thread on a futex) are
+connections; py-spy samples the router for 15 s per output at 250 Hz, native frames included
+(`--native`: the compiled hot path's functions are native frames, named by mypyc after their
+modules, `CPyDef_<module>___<function>`, and counted with their modules; docs/router.md, "Native
+hot path"): the samples where the router waits for work (its event loop in epoll, a pool thread on a futex) are
 told apart from those where it runs, and the shares are of the latter (py-spy samples wall-clock
 time: without this, idle time counted as "event loop"). Writes docs/img/router_flame_<case>.svg
 the largest shares (self time by function, and the parts of the path) to
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from bench import common
 from bench.router_overhead import PD_ROUTER_CONFIG, PROMPT
+from pd_plugins.routers import native
 from pd_plugins.testing.router_harness import MockEngineProcess, RouterProcess
 
 CASES = {  # name: (engine, streaming)
@@ -36,15 +39,15 @@ CASES = {  # name: (engine, streaming)
     "vllm_pull_stream": ("vllm", True),
     "sglang": ("sglang", False),
 }
-SECONDS, RATE, CONNECTIONS = 10, 250, 16
+SECONDS, RATE, CONNECTIONS = 30, 250, 16
 WRK_SCRIPT = 'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n' \
              'wrk.body = os.getenv("PD_BENCH_BODY")\n'
-# the parts of the path, by the function whose frames they are under (first match wins)
+# the parts of the path, by the source file of the frames they are under (first match wins)
 PARTS = (("front server (HTTP in/out)", ("http_server.py",)),
-         ("legs' HTTP client", ("http_client.py", "upstream.py")),
+         ("legs' HTTP client", ("http_client.py", "upstream.py", "deadline.py")),
          ("request checks", ("request.py",)),
-         ("policy and accounting", ("policy/", "accounting.py")),
-         ("proxy and flow", ("proxy.py", "flows/")))
+         ("policy and accounting", ("policy/", "accounting.py", "workers.py")),
+         ("proxy and flow", ("proxy.py", "exchange.py", "failover.py", "flows/")))
 
 
 EVENT_LOOP = "event loop (uvloop C: timers, task switching)"
@@ -65,6 +68,33 @@ def py_spy() -> str:
     if not found:
         sys.exit("py-spy is not installed (a test dependency of the project: make bootstrap)")
     return found
+
+
+def compiled_sources() -> dict[str, str]:
+    """The C name prefix of each module the native build compiles (mypyc names a function of
+    module a.b.c `CPyDef_c___f`, with as much of the module's name as tells it from the others
+    of the build) -> its source file, as a Python frame names it. py-spy's native frames show
+    the compiled functions by these names."""
+    try:
+        from mypyc.namegen import exported_name, make_module_translation_map
+    except ImportError:  # no mypyc: no build, nothing compiled to attribute
+        return {}
+    prefixes = make_module_translation_map(list(native.HOT_MODULES))
+    return {exported_name(prefixes[m].rstrip(".")) + "___": m.replace(".", "/") + ".py"
+            for m in native.HOT_MODULES}
+
+
+COMPILED = compiled_sources()
+
+
+def source_of(frame: str) -> str:
+    """The source a frame of py-spy's collapsed stacks runs: a Python frame's file, or a compiled
+    function's module (mypyc's C wrappers `CPyDef_`, `CPyPy_` and the like before its name)."""
+    name, _, where = frame.partition(" (")
+    if not where.startswith("__native_"):
+        return where
+    name = name.partition("_")[2] if name.startswith("CPy") else name
+    return next((source for prefix, source in COMPILED.items() if name.startswith(prefix)), where)
 
 
 def profile(case: str, engine: str, stream: bool, workdir: Path) -> dict:
@@ -130,7 +160,8 @@ def shares(raw: Path) -> dict:
         part = SOCKET_IO if leaf in SOCKET_LEAVES else EVENT_LOOP
         for frame in reversed(frames) if part == EVENT_LOOP else ():
             # the innermost of our frames names the part
-            match = next((name for name, files in PARTS if any(f in frame for f in files)), None)
+            source = source_of(frame)
+            match = next((name for name, files in PARTS if any(f in source for f in files)), None)
             if match:
                 part = match
                 break
@@ -163,7 +194,7 @@ def markdown(results: dict) -> str:
     columns = [SOCKET_IO, EVENT_LOOP, *(name for name, _ in PARTS)]
     lines = ["<!-- router-profile:start -->", "## Router hot path profile", "",
              "Where pd-router's CPU goes on the PD hot path (`.venv/bin/python -m "
-             "bench.router_profile`, about 2 minutes): a router alone on core 0 with `--policy "
+             "bench.router_profile`, about 3 minutes): a router alone on core 0 with `--policy "
              "round_robin` (every request runs both legs), mock engines and wrk on core 1 at "
              f"{results['connections']} connections, py-spy sampling the router for "
              f"{results['seconds'] // 2} s per output at {RATE} Hz. Run {results['date']} on "
