@@ -1,5 +1,5 @@
 """A front-server request on a flow whose legs follow one another (vLLM pull, the pools) or go
-out together (SGLang), served from the connections' callbacks: no task, coroutine or future per
+out together (SGLang, vLLM push), served from the connections' callbacks: no task, coroutine or future per
 request.
 
 Why: a task, a chain of coroutines and a future per leg cost about as much CPU per request as
@@ -10,8 +10,9 @@ the prefill leg (http_client.Leg); the leg's connection calls it back with the a
 the decode leg with the prefill's kv_transfer_params; the decode's connection calls it back with
 the whole answer, written to the client at once, or with the stream's first piece: the head
 goes out and the rest is relayed from the decode's connection (stream_relay.SseRelay) to its
-end. On a flow whose legs go out together (`alongside`: SGLang's bootstrap) both are sent at
-once, as the coroutine path's prefill task and decode leg: a prefill that fails before the
+end. On a flow whose legs go out together (`alongside`: SGLang's bootstrap; vLLM push, whose
+prefill leg waits out a head start on a timer after the decode's) both are sent, as the
+coroutine path's prefill task and decode leg: a prefill that fails before the
 decode's first byte fails the attempt (the decode leg is closed), a decode that fails closes a
 prefill still running, and one still running at the decode's first byte finishes on its own
 (its callback keeps the books). The request's accounting, metrics and route header are the
@@ -65,6 +66,7 @@ class Exchange(CallbackAnswer):
     relay: Any = None
     deadline = 0.0
     in_task = False  # what must wait runs in the request's task (_hand_over), and has begun
+    prefill_due: asyncio.TimerHandle | None = None  # a prefill leg waiting out its head start
 
     @classmethod
     def begin(cls, proxy: Any, http: FastRequest, request: ClientRequest, path: str) -> Any:
@@ -92,30 +94,48 @@ class Exchange(CallbackAnswer):
 
     # -- the legs ----------------------------------------------------------------------------
     def _start(self) -> None:
-        proxy, attempt = self.proxy, self.attempt
-        prefill = attempt.decision.prefill
-        if prefill is None:  # its decode worker prefills it
+        attempt = self.attempt
+        if attempt.decision.prefill is None:  # its decode worker prefills it
             self._send_decode(attempt.request.body_with())
             return
-        flow = proxy.flow
+        flow = self.proxy.flow
         if flow.sequential:
-            prefill_body, decode_body, answered_to = (flow.prefill_body(attempt.request.body), None,
-                                                      self._prefilled)
-        else:
-            (prefill_body, decode_body), answered_to = flow.bodies(attempt), self._prefilled_alongside
+            self.leg = self._send_prefill(flow.prefill_body(attempt.request.body), self._prefilled)
+            return
+        prefill_body, self.decode_body = flow.bodies(attempt)
+        if flow.head_start_s > 0:  # vLLM push: the decode registers its blocks first
+            self._send_decode(self.decode_body, prefilled_first=False)
+            self.prefill_due = asyncio.get_running_loop().call_later(
+                flow.head_start_s, self._send_alongside, prefill_body)
+            return
+        self.alongside = self._send_prefill(prefill_body, self._prefilled_alongside)
+        self._send_decode(self.decode_body, prefilled_first=False)
+
+    def _send_prefill(self, body: LegBody, answered_to: Callable[[Leg], None]) -> Leg:
+        """The prefill leg sent, in the books."""
+        proxy, attempt = self.proxy, self.attempt
+        prefill = attempt.decision.prefill
+        assert prefill is not None  # (a prefill leg goes to the decision's prefill worker)
         self.prefill_charge = accounting.prefill_started(proxy.ctx, prefill, attempt.request.info)
         self.prefill_started = time.monotonic()
         try:
-            leg = send_leg(proxy.pools, prefill, attempt.path, prefill_body, attempt.request_id,
-                           proxy.timeouts.prefill_s, answered_to)
+            return send_leg(proxy.pools, prefill, attempt.path, body, attempt.request_id,
+                            proxy.timeouts.prefill_s, answered_to)
         except BaseException:
             self._prefill_ended()
             raise
-        if decode_body is None:
-            self.leg = leg
-            return
-        self.alongside, self.decode_body = leg, decode_body
-        self._send_decode(decode_body, prefilled_first=False)
+
+    def _send_alongside(self, body: LegBody) -> None:
+        """A head start over: the prefill leg goes out beside the decode's (which may have
+        answered meanwhile: then it runs on its own, as on the coroutine path)."""
+        self.prefill_due = None
+        try:
+            self.alongside = self._send_prefill(body, self._prefilled_alongside)
+        except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
+            if self.stage == "decode" and self.leg is not None:  # (the request is still ours)
+                self._failed_on_bug()
+            else:
+                log.exception("sending a prefill leg failed the router")
 
     def _prefilled(self, leg: Leg) -> None:
         """The prefill answered: the decode leg goes out with its kv_transfer_params, and only
@@ -358,7 +378,11 @@ class Exchange(CallbackAnswer):
             self.charges.ended()
 
     def _close_alongside(self) -> None:
-        """A prefill leg sent with the decode's and still running: closed, out of the books."""
+        """A prefill leg sent with the decode's and still running: closed, out of the books (or
+        one still waiting out its head start: never sent)."""
+        due, self.prefill_due = self.prefill_due, None
+        if due is not None:
+            due.cancel()
         leg, self.alongside = self.alongside, None
         if leg is not None:
             leg.cancel()

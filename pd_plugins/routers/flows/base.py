@@ -33,8 +33,9 @@ class PdFlow(Protocol):
     # prefill_body(client body) and decode_body(attempt, the prefill's kv_transfer_params), which
     # raises WorkerFailed (the proxy's callbacks run the legs themselves: exchange.py)
     sequential: bool
-    # True: both legs go out at once, with no wait between them, and the flow also has
-    # bodies(attempt) -> (the prefill's body, the decode's) (exchange.py runs them too)
+    # True: both legs go out together, and the flow also has bodies(attempt) -> (the prefill's
+    # body, the decode's) and head_start_s, how long the prefill leg waits after the decode's
+    # (exchange.py runs them too)
     alongside: bool
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg

@@ -51,31 +51,34 @@ class VllmPullFlow:
 
 class VllmPushFlow:
     sequential = False
-    alongside = False  # (the prefill leg waits out its head start: a task's sleep)
+    alongside = True  # both legs: the decode's first, the prefill's head_start_s after it
 
     def __init__(self, head_start_s: float) -> None:
         self.head_start_s = head_start_s
 
-    async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
-        request = attempt.request
-        prefill = attempt.decision.prefill
-        if prefill is None:
-            return request.body_with(), None
-        spec = prefill.spec
+    def bodies(self, attempt: Attempt) -> tuple[LegBody, LegBody]:
+        """(the prefill leg's body, the decode leg's): the decode's names the prefill's engine and
+        side channel, where the prefill will write the KV."""
+        request, spec = attempt.request, attempt.decision.prefill.spec
         params = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine_id": spec.engine_id, "remote_request_id": attempt.request_id,
             "remote_host": spec.kv_host or spec.host, "remote_port": spec.kv_port,
             "tp_size": spec.tp_size,
         }
+        return vllm_prefill_body(request.body), request.body_with({"kv_transfer_params": params})
+
+    async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):
+        if attempt.decision.prefill is None:
+            return attempt.request.body_with(), None
+        prefill_body, decode_body = self.bodies(attempt)
 
         # (Any: the prefill's kv_transfer_params, None where its answer has none)
         async def delayed_prefill() -> Any:
             await asyncio.sleep(self.head_start_s)
-            return await prefill_leg(attempt, vllm_prefill_body(request.body))
+            return await prefill_leg(attempt, prefill_body)
 
-        return (request.body_with({"kv_transfer_params": params}),
-                asyncio.create_task(delayed_prefill()))
+        return decode_body, asyncio.create_task(delayed_prefill())
 
 
 def vllm_flow(transfer: TransferMode, push_head_start_s: float) -> PdFlow:

@@ -500,3 +500,56 @@ def test_an_sglang_prefill_ending_after_its_answer_only_keeps_the_books():
                               outcome="ok") == 2
                 writer.close()
     asyncio.run(main())
+
+
+PUSH = ("--transfer", "push")
+PUSH_PREFILL = ("engine_id=p0", "kv_port=5600")  # (nothing listens: the mocks are scripted)
+
+
+def test_push_requests_send_the_decode_leg_first_and_start_no_task():
+    # vLLM push: the decode leg goes out first (it registers the blocks the prefill writes
+    # into), the prefill leg push_head_start_s (0.1 s) later on a timer: no task either way
+    async def main():
+        decode = Scripted(lambda n, body: http_answer(ANSWER), 0.15)  # (waits for its KV)
+        decodes_seen = []
+
+        def prefill_answer(n, body):
+            decodes_seen.append(len(decode.bodies))
+            return http_answer(b'{"choices": [], "kv_transfer_params": null}')
+
+        async with pd_router(None, *PUSH, prefill_args=PUSH_PREFILL, decode=decode,
+                             prefill_answer=prefill_answer) as (port, router, prefill, _):
+            await served_with_no_task(port, requests=4)
+            assert decodes_seen == [1, 2, 3, 4]  # each decode leg before its prefill leg
+            for sent_prefill, sent_decode in zip(prefill.bodies, decode.bodies):
+                params = sent_decode["kv_transfer_params"]
+                assert params["do_remote_prefill"] is True and params["remote_engine_id"] == "p0"
+                assert params["remote_port"] == 5600 and sent_decode["max_tokens"] == 4
+                assert sent_prefill["max_tokens"] == 1 and sent_prefill["stream"] is False
+                assert sent_prefill["kv_transfer_params"]["do_remote_decode"] is True
+            await settled(router)
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
+                          outcome="ok") == 4
+    asyncio.run(main())
+
+
+def test_a_push_client_leaving_during_the_head_start_sends_no_prefill_leg():
+    async def main():
+        hold = lambda n, body: b""  # the decode waits for KV that never comes
+        async with pd_router(hold, *PUSH, prefill_args=PUSH_PREFILL) as (port, router, prefill,
+                                                                          decode):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
+            for _ in range(100):
+                await asyncio.sleep(0.005)
+                if decode.bodies:
+                    break
+            writer.close()  # within the 0.1 s head start
+            await asyncio.sleep(0.3)
+            assert len(decode.bodies) == 1 and prefill.bodies == []  # the prefill never went out
+            await settled(router)
+            metrics = router.metrics.exposition().decode()
+            assert sample(metrics, "pd_router_client_gone_total", stage="decode",
+                          how="disconnect") == 1
+    asyncio.run(main())
