@@ -137,10 +137,19 @@ def test_sglang_without_a_prefill_worker_is_a_clear_503():
     prefills, decodes = mocks("sglang")
     with deployment(prefills, decodes, "--engine", "sglang", "--policy", "round_robin") as router:
         prefills[0].stop()
-        wait_until(lambda: "healthy=\"0\"" in router.metrics() or
-                   requests.post(router.url + "/v1/completions",
-                                 json={"model": "mock", "prompt": "x", "max_tokens": 1},
-                                 timeout=10).status_code == 503, what="prefill marked down")
+        down = f'pd_router_worker_healthy{{role="prefill",url="{prefills[0].url}"}} 0.0'
+
+        def marked_down() -> bool:
+            """Whether the router marked the prefill down; if not, a request meanwhile (it counts
+            a failure against the prefill; its answer is a 503, or the mock decode's 409 when
+            the decode's KV fetch from the dead prefill fails first)."""
+            if down in router.metrics():
+                return True
+            requests.post(router.url + "/v1/completions",
+                          json={"model": "mock", "prompt": "x", "max_tokens": 1}, timeout=10)
+            return False
+
+        wait_until(marked_down, what="prefill marked down")
         resp = requests.post(router.url + "/v1/completions",
                              json={"model": "mock", "prompt": LONG_PROMPT, "max_tokens": 3},
                              timeout=10)
