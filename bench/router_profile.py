@@ -91,7 +91,7 @@ def source_of(frame: str) -> str:
     """The source a frame of py-spy's collapsed stacks runs: a Python frame's file, or a compiled
     function's module (mypyc's C wrappers `CPyDef_`, `CPyPy_` and the like before its name)."""
     name, _, where = frame.partition(" (")
-    if not where.startswith("__native_"):
+    if not where.rpartition("/")[2].startswith("__native_"):  # (mypyc's C: __native_<group>.c)
         return where
     name = name.partition("_")[2] if name.startswith("CPy") else name
     return next((source for prefix, source in COMPILED.items() if name.startswith(prefix)), where)
@@ -166,6 +166,11 @@ def shares(raw: Path) -> dict:
                 part = match
                 break
         parts[part] += n
+    unattributed = sum(n for frame, n in own.items()
+                       if frame.startswith("CPyDef_") and not source_of(frame).endswith(".py"))
+    if unattributed:  # (mypyc named them otherwise: they counted as "event loop")
+        print(f"warning: {unattributed} samples in compiled functions of no known module",
+              file=sys.stderr)
     per_busy = 100 / max(busy, 1)
     return {"samples": total, "busy_share": round(busy * 100 / max(total, 1), 1),
             "parts": {k: round(v * per_busy, 1) for k, v in parts.most_common()},

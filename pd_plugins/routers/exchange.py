@@ -1,6 +1,6 @@
 """A front-server request on a flow whose legs follow one another (vLLM pull, the pools) or go
-out together (SGLang, vLLM push), served from the connections' callbacks: no task, coroutine or future per
-request.
+out together (SGLang, vLLM push), served from the connections' callbacks: no task, coroutine or
+future per request.
 
 Why: a task, a chain of coroutines and a future per leg cost about as much CPU per request as
 the router's own work (issue 30; docs/benchmarks.md, "The I/O framework against the work").
@@ -103,13 +103,17 @@ class Exchange(CallbackAnswer):
             self.leg = self._send_prefill(flow.prefill_body(attempt.request.body), self._prefilled)
             return
         prefill_body, self.decode_body = flow.bodies(attempt)
-        if flow.head_start_s > 0:  # vLLM push: the decode registers its blocks first
+        if not flow.decode_first:  # SGLang
+            self.alongside = self._send_prefill(prefill_body, self._prefilled_alongside)
             self._send_decode(self.decode_body, prefilled_first=False)
+            return
+        # vLLM push: the decode registers the blocks the prefill writes into first
+        self._send_decode(self.decode_body, prefilled_first=False)
+        if flow.head_start_s > 0:
             self.prefill_due = asyncio.get_running_loop().call_later(
                 flow.head_start_s, self._send_alongside, prefill_body)
-            return
-        self.alongside = self._send_prefill(prefill_body, self._prefilled_alongside)
-        self._send_decode(self.decode_body, prefilled_first=False)
+        else:
+            self.alongside = self._send_prefill(prefill_body, self._prefilled_alongside)
 
     def _send_prefill(self, body: LegBody, answered_to: Callable[[Leg], None]) -> Leg:
         """The prefill leg sent, in the books."""
@@ -138,34 +142,39 @@ class Exchange(CallbackAnswer):
                 log.exception("sending a prefill leg failed the router")
 
     def _prefilled(self, leg: Leg) -> None:
-        """The prefill answered: the decode leg goes out with its kv_transfer_params, and only
+        """The prefill answered: the decode leg is sent with its kv_transfer_params, and only
         then does the answer go into the books (they are not the request's latency), unless the
-        decode is chosen by what they learn (ELDR: the prompt's experts)."""
+        decode leg depends on them: its worker chosen by the prompt's experts (ELDR), or, streamed,
+        its charge by the prompt tokens its worker lacks (what the prefill pooled counts)."""
         self.leg = None
         proxy, attempt = self.proxy, self.attempt
         elapsed = time.monotonic() - self.prefill_started
+        books_first = proxy.scheduler.uses_expert_signatures or attempt.request.info.stream
         try:
             try:
                 payload = leg_answer(leg, attempt.decision.prefill, "prefill")
             finally:
                 self._prefill_ended()
             params = answer_params(payload, attempt.decision.prefill, "prefill")
-            self.decode_body = proxy.flow.decode_body(attempt, params)
+            try:
+                self.decode_body = proxy.flow.decode_body(attempt, params)
+            except WorkerFailed:  # an answer with no usable params: booked, as the proxy books it
+                proxy.prefill_booked(attempt, params, self.prefill_charge, elapsed)
+                raise
+            if books_first:
+                proxy.prefill_booked(attempt, params, self.prefill_charge, elapsed)
+            self._send_decode(self.decode_body)
         except (RequestRefused, WorkerFailed) as exc:
             self._leg_failed(exc)
             return
         except Exception:  # noqa: BLE001 - a bug: answered 500, never a connection left hanging
             self._failed_on_bug()
             return
-        books_first = proxy.scheduler.uses_expert_signatures
-        try:
-            if books_first:
+        if not books_first:
+            try:
                 proxy.prefill_booked(attempt, params, self.prefill_charge, elapsed)
-            self._send_decode(self.decode_body)
-            if not books_first:
-                proxy.prefill_booked(attempt, params, self.prefill_charge, elapsed)
-        except Exception:  # noqa: BLE001
-            self._failed_on_bug()
+            except Exception:  # noqa: BLE001 - a bug: logged; the decode leg is out already
+                log.exception("booking a prefill's answer failed the router")
 
     def _prefilled_alongside(self, leg: Leg) -> None:
         """The prefill leg sent with the decode's answered or failed: in the books; a failure
@@ -306,10 +315,11 @@ class Exchange(CallbackAnswer):
             full: bool | None = send()
         except ConnectionResetError:  # the client is leaving: its connection_lost follows
             full = None
-        try:
-            books()
-        except Exception:  # noqa: BLE001 - a bug: the answer is out; the connection serves on
-            log.exception("closing a request's books failed")
+        except Exception:  # noqa: BLE001 - a bug: the books close all the same, the client drops
+            _close_books(books)
+            self._failed_on_bug()
+            return
+        _close_books(books)
         if full is None:
             if not quietly:
                 self.proxy.metrics.client_gone.labels("answer", "disconnect").inc()
@@ -397,3 +407,11 @@ class Exchange(CallbackAnswer):
             self._close_legs()
         finally:
             self.http.conn.answer_failed(self.http)
+
+
+def _close_books(books: Callable[[], None]) -> None:
+    """A request's books closed once its answer is out (Exchange._send_last)."""
+    try:
+        books()
+    except Exception:  # noqa: BLE001 - a bug: the answer is out; the connection serves on
+        log.exception("closing a request's books failed")

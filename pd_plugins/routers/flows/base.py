@@ -34,8 +34,8 @@ class PdFlow(Protocol):
     # raises WorkerFailed (the proxy's callbacks run the legs themselves: exchange.py)
     sequential: bool
     # True: both legs go out together, and the flow also has bodies(attempt) -> (the prefill's
-    # body, the decode's) and head_start_s, how long the prefill leg waits after the decode's
-    # (exchange.py runs them too)
+    # body, the decode's), decode_first (whether the decode leg goes first) and head_start_s
+    # (how long the prefill leg then waits) (exchange.py runs them too)
     alongside: bool
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg

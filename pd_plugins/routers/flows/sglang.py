@@ -32,6 +32,7 @@ def bootstrap_room(dp_size: int, session_id: str | None, rng: random.Random = ra
 class SglangFlow:
     sequential = False
     alongside = True  # the decode asks the prefill's bootstrap server for the KV: both legs at once
+    decode_first = False
     head_start_s = 0.0
 
     async def prepare(self, attempt: Attempt, prefill_leg: PrefillLeg):

@@ -52,6 +52,7 @@ class VllmPullFlow:
 class VllmPushFlow:
     sequential = False
     alongside = True  # both legs: the decode's first, the prefill's head_start_s after it
+    decode_first = True
 
     def __init__(self, head_start_s: float) -> None:
         self.head_start_s = head_start_s
