@@ -104,6 +104,19 @@ async def read_answer(reader) -> tuple[int, bytes, bytes]:
     return int(head.split(b" ")[1]), head, await reader.readexactly(length)
 
 
+def counted(router, name: str, **labels) -> float:
+    """A sample of the router's /metrics (its exposition, read in process)."""
+    return sample(router.metrics.exposition().decode(), name, **labels)
+
+
+async def until(predicate, timeout_s: float = 2.0) -> None:
+    """Poll `predicate` until it holds or `timeout_s` passes (what follows asserts the rest)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def served_with_no_task(port: int, requests: int = 6) -> None:
     """`requests` PD requests on one keep-alive connection, answered 200 (ANSWER) and
     disaggregated; all but the first (which opens the legs' connections: tasks) with no task.
@@ -132,9 +145,8 @@ def test_pd_requests_on_a_keep_alive_connection_start_no_task():
             assert prefill.bodies[-1]["max_tokens"] == 1 and prefill.bodies[-1]["stream"] is False
             assert decode.bodies[-1]["kv_transfer_params"] == PARAMS
             assert len(prefill.bodies) == len(decode.bodies) == 6
-            metrics = router.metrics.exposition().decode()
-            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
-                          outcome="ok") == 6
+            assert counted(router, "pd_router_requests_total", decision="disaggregated",
+                           outcome="ok") == 6
     asyncio.run(main())
 
 
@@ -168,9 +180,8 @@ def test_the_books_wait_for_the_decode_leg_and_the_answer(monkeypatch):
             assert (await read_answer(reader))[:3:2] == (200, ANSWER)
             assert events == ["prefill leg sent", "decode leg sent", "prefill booked",
                               "answer written", "finished"]
-            metrics = router.metrics.exposition().decode()
-            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
-                          outcome="ok") == 1
+            assert counted(router, "pd_router_requests_total", decision="disaggregated",
+                           outcome="ok") == 1
             await settled(router)
             writer.close()
     asyncio.run(main())
@@ -198,10 +209,7 @@ def test_a_client_leaving_while_the_decode_connection_opens_releases_the_prefill
                                         "stream": True}))
             await asyncio.wait_for(opening.wait(), 5)
             writer.close()
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                if decode.bodies:
-                    break
+            await until(lambda: decode.bodies)
             [release] = decode.bodies
             assert release["max_tokens"] == 1 and release["stream"] is False
             assert release["kv_transfer_params"] == PARAMS and release["prompt"] == "hello"
@@ -251,7 +259,7 @@ def test_a_bug_in_the_callbacks_is_a_500_and_the_router_serves_on(monkeypatch):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
             assert (await read_answer(reader))[0] == 200
-            assert sample(router.metrics.exposition().decode(), "pd_router_worker_in_flight") == 0
+            assert counted(router, "pd_router_worker_in_flight") == 0
             writer.close()
     asyncio.run(main())
 
@@ -301,9 +309,8 @@ def test_a_streamed_answer_is_relayed_to_its_end_with_no_task():
             loop.set_task_factory(None)
             assert tasks == []
             assert decode.bodies[-1]["stream"] is True and prefill.bodies[-1]["stream"] is False
-            metrics = router.metrics.exposition().decode()
-            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
-                          outcome="ok") == 3
+            assert counted(router, "pd_router_requests_total", decision="disaggregated",
+                           outcome="ok") == 3
             writer.close()
     asyncio.run(main())
 
@@ -396,10 +403,8 @@ def test_a_decode_refusing_the_request_is_passed_on_and_the_prefills_kv_released
             writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
             status, head, answer = await read_answer(reader)
             assert (status, answer) == (400, b'{"error": "too long"}')
-            for _ in range(100):  # the one-token leg that reads (and frees) the prefill's KV
-                await asyncio.sleep(0.02)
-                if len(decode.bodies) == 2:
-                    break
+            # the one-token leg that reads (and frees) the prefill's KV
+            await until(lambda: len(decode.bodies) == 2)
             release = decode.bodies[1]
             assert release["max_tokens"] == 1 and release["kv_transfer_params"] == PARAMS
             assert len(prefill.bodies) == 1  # no retry: another worker would refuse it too
@@ -434,9 +439,8 @@ def test_sglang_requests_send_both_legs_at_once_and_start_no_task():
                 assert sent_prefill["stream"] is False and sent_decode["max_tokens"] == 4
             assert len({b["bootstrap_room"] for b in decode.bodies}) == 6
             await settled(router)
-            metrics = router.metrics.exposition().decode()
-            assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
-                          outcome="ok") == 6
+            assert counted(router, "pd_router_requests_total", decision="disaggregated",
+                           outcome="ok") == 6
     asyncio.run(main())
 
 
@@ -487,16 +491,12 @@ def test_an_sglang_client_leaving_closes_both_legs():
                              prefill_answer=hold) as (port, router, prefill, decode):
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                if prefill.bodies and decode.bodies:
-                    break
+            await until(lambda: prefill.bodies and decode.bodies)
             assert any(w.in_flight for w in router._only_group().pool)
             writer.close()
             await settled(router)
-            metrics = router.metrics.exposition().decode()
-            assert sample(metrics, "pd_router_client_gone_total", stage="decode",
-                          how="disconnect") == 1
+            assert counted(router, "pd_router_client_gone_total", stage="decode",
+                           how="disconnect") == 1
     asyncio.run(main())
 
 
@@ -517,9 +517,8 @@ def test_an_sglang_prefill_ending_after_its_answer_only_keeps_the_books():
                     assert (status, answer) == (200, ANSWER) and b"retried" not in head
                 await settled(router)  # both prefills answered (0.2 s after their requests)
                 assert len(late.bodies) == len(decode.bodies) == 2  # no attempt retried
-                metrics = router.metrics.exposition().decode()
-                assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
-                              outcome="ok") == 2
+                assert counted(router, "pd_router_requests_total", decision="disaggregated",
+                               outcome="ok") == 2
                 writer.close()
     asyncio.run(main())
 
@@ -559,9 +558,8 @@ def test_push_requests_send_the_decode_leg_first_and_start_no_task():
                     assert sent_prefill["max_tokens"] == 1 and sent_prefill["stream"] is False
                     assert sent_prefill["kv_transfer_params"]["do_remote_decode"] is True
                 await settled(router)
-                metrics = router.metrics.exposition().decode()
-                assert sample(metrics, "pd_router_requests_total", decision="disaggregated",
-                              outcome="ok") == 4
+                assert counted(router, "pd_router_requests_total", decision="disaggregated",
+                               outcome="ok") == 4
     asyncio.run(main())
 
 
@@ -573,17 +571,13 @@ def test_a_push_client_leaving_during_the_head_start_sends_no_prefill_leg():
             router._only_group().proxy.flow.head_start_s = 1.0  # (the client leaves well within)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(request_bytes({"model": "m", "prompt": "hello", "max_tokens": 4}))
-            for _ in range(100):
-                await asyncio.sleep(0.01)
-                if decode.bodies:
-                    break
+            await until(lambda: decode.bodies)
             writer.close()
             await asyncio.sleep(1.2)
             assert len(decode.bodies) == 1 and prefill.bodies == []  # the prefill never went out
             await settled(router)
-            metrics = router.metrics.exposition().decode()
-            assert sample(metrics, "pd_router_client_gone_total", stage="decode",
-                          how="disconnect") == 1
+            assert counted(router, "pd_router_client_gone_total", stage="decode",
+                           how="disconnect") == 1
     asyncio.run(main())
 
 
@@ -601,10 +595,8 @@ def test_a_push_decode_failing_during_the_head_start_sends_no_prefill_leg_for_it
             async with asyncio.timeout(5):
                 status, head, answer = await read_answer(reader)
             assert (status, answer) == (200, ANSWER) and b"retried=1" in head
-            for _ in range(100):  # the retry's prefill leg goes out after its head start
-                await asyncio.sleep(0.02)
-                if prefill.bodies:
-                    break
+            # the retry's prefill leg goes out after its head start
+            await until(lambda: prefill.bodies)
             await asyncio.sleep(0.2)  # (and no other comes)
             await settled(router)
             assert len(decode.bodies) == 2 and len(prefill.bodies) == 1
