@@ -16,6 +16,7 @@ import copy
 import re
 import threading
 import time
+from typing import Callable
 
 import pytest
 import requests
@@ -67,6 +68,18 @@ def _post(router, prompt: list[int], session: str | None = None, max_tokens: int
 def _counter(router, name: str, event: str) -> float:
     match = re.search(rf'^{name}\{{event="{event}"\}} (\S+)$', router.metrics(), re.M)
     return float(match.group(1)) if match else 0.0
+
+
+def _resting(read: Callable[[], float], quiet_s: float = 1.0, timeout_s: float = 20.0) -> float:
+    """`read()` once it has not changed for `quiet_s`."""
+    value, since, deadline = read(), time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, f"still changing after {timeout_s} s"
+        time.sleep(0.1)
+        now = read()
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
 
 
 def _gauge(router, name: str) -> float:
@@ -204,7 +217,10 @@ def test_redis_killed_mid_run_requests_never_wait(redis_server):  # noqa: F811
         redis_server.start().wait_healthy()
         wait_until(lambda: _gauge(a, "pd_router_replica_sync_up") == 1 and _gauge(b, "pd_router_replica_sync_up") == 1,
                    15, "both replicas syncing again")
-        adopted = _counter(b, "pd_router_session_events_total", "replica_adopted")
+        # What the replicas queued during the outage reaches the other first (B adopting A's pins
+        # of then): the adoption awaited below must be of the pin made after it, so it waits for
+        # B's count to rest (no adoption for 1 s) first.
+        adopted = _resting(lambda: _counter(b, "pd_router_session_events_total", "replica_adopted"))
         prompt = _tokens(999, 96)
         first = _route(_post(a, prompt, "after"))
         wait_until(lambda: _counter(b, "pd_router_session_events_total", "replica_adopted") > adopted,
