@@ -151,11 +151,7 @@ class Exchange(CallbackAnswer):
         elapsed = time.monotonic() - self.prefill_started
         books_first = proxy.scheduler.uses_expert_signatures or attempt.request.info.stream
         try:
-            try:
-                payload = leg_answer(leg, attempt.decision.prefill, "prefill")
-            finally:
-                self._prefill_ended()
-            params = answer_params(payload, attempt.decision.prefill, "prefill")
+            params = self._prefill_params(leg)
             try:
                 self.decode_body = proxy.flow.decode_body(attempt, params)
             except WorkerFailed:  # an answer with no usable params: booked, as the proxy books it
@@ -180,8 +176,10 @@ class Exchange(CallbackAnswer):
         """The prefill leg sent with the decode's answered or failed: in the books; a failure
         before the decode's first byte fails the attempt (after it, the answer stands)."""
         self.alongside = None
+        elapsed = time.monotonic() - self.prefill_started
         try:
-            self._prefill_answered(leg)
+            params = self._prefill_params(leg)
+            self.proxy.prefill_booked(self.attempt, params, self.prefill_charge, elapsed)
         except (RequestRefused, WorkerFailed) as exc:
             if self.stage == "decode" and self.leg is not None:
                 decode, self.leg = self.leg, None
@@ -194,15 +192,16 @@ class Exchange(CallbackAnswer):
             else:  # the answer is under way or over: only the books were left
                 log.exception("a prefill leg's answer failed the router")
 
-    def _prefill_answered(self, leg: Leg) -> Any:
-        """A prefill leg's answer, in the books: its kv_transfer_params (RequestRefused,
-        WorkerFailed as leg_answer raises them)."""
+    def _prefill_params(self, leg: Leg) -> Any:
+        """A prefill leg's answer, its charge ended: its kv_transfer_params (RequestRefused,
+        WorkerFailed as leg_answer and answer_params raise them). What it teaches goes into the
+        books apart (Proxy.prefill_booked), when the caller says."""
+        prefill = self.attempt.decision.prefill
         try:
-            payload = leg_answer(leg, self.attempt.decision.prefill, "prefill")
+            payload = leg_answer(leg, prefill, "prefill")
         finally:
             self._prefill_ended()
-        return self.proxy.prefill_answered(self.attempt, payload, self.prefill_charge,
-                                           self.prefill_started)
+        return answer_params(payload, prefill, "prefill")
 
     def _prefill_ended(self) -> None:
         """The prefill leg's charge out of the books (once per leg: its callers see to it)."""
