@@ -81,6 +81,23 @@ def test_checks_judge_cpu_against_vllm_router_and_latency_against_the_better_pee
     assert [ok for ok, _ in checks[3:]] == [False, True, True]  # streaming the same
 
 
+def test_checks_count_the_repeats_that_met_each_goal_against_the_same_repeats_peers():
+    """Three repeats: the verdict is the medians', and each goal says in how many repeats it held
+    against the Rust routers' runs of that repeat (not against their median)."""
+    targets, runs = run_all(streams=(False,))
+    for (key, c), reps in list(runs.items()):
+        p50, p99, cpu = ROWS[key.split(":")[0]][c]
+        drift = (1.0, 1.5, 0.8)  # the machine's state, repeat by repeat: every target moves with it
+        runs[(key, c)] = [rep(p50 * d, p99 * d, cpu and cpu * d) for d in drift]
+    runs[("pd-vllm", 1)][2]["cpu_us"] = 0.9 * 300 * 0.8  # repeat 3: 0.9x vllm-router's
+    runs[("pd-vllm", 64)][1]["p99_ms"] = 100.0  # repeat 2: worse than both peers' (90, 82.5)
+    cpu, p99, added = ro.checks(ro.summarize(targets, runs))
+    assert cpu[0] is False and "1: 0.72× (216 vs 300 µs; met in 2 of 3 repeats)" in cpu[1]
+    assert "16: 0.83× (150 vs 180 µs; met in 0 of 3 repeats)" in cpu[1]
+    assert p99[0] is True and p99[1].endswith("ms, met in 2 of 3 repeats")
+    assert added[0] is True and added[1].endswith("met in 3 of 3 repeats")
+
+
 def test_a_missing_peer_or_row_is_not_measured_rather_than_met():
     targets, runs = run_all(streams=(False,))
     targets = [t for t in targets if t.base != "vllm-router"]
@@ -172,7 +189,7 @@ def test_ab_rows_are_read_repeat_by_repeat_against_this_checkouts_router():
     drift of the machine between repeats (both rows move together) does not show as a difference;
     a repeat either row did not measure is left out, not paired with another."""
     def cpu(*values):
-        return {"cpu_us": ro.spread(list(values)), "cpu_us_by_repeat": list(values)}
+        return {"cpu_us": ro.spread(list(values))}
 
     summary = {"pd-vllm": {}, "lean": {}, "pd-vllm@before": {}}
     for c in ro.CONCURRENCY:
