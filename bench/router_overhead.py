@@ -698,7 +698,7 @@ def by_repeat(s: dict | None) -> list[float | None]:
 def repeats_met(ours: dict, goals: list[dict], factor: float = 1.0) -> str:
     """In how many repeats ours was at most factor x the best of `goals` of the same repeat (the
     targets of a repeat run interleaved, seconds apart, so the machine's drift between repeats
-    moves both): '' with one repeat, else '; met in k of n repeats'."""
+    moves both): 'met in k of n repeats', or '' with one repeat."""
     met = n = 0
     for r, value in enumerate(by_repeat(ours)):
         goal = [g[r] for g in map(by_repeat, goals) if r < len(g) and g[r] is not None]
@@ -706,7 +706,7 @@ def repeats_met(ours: dict, goals: list[dict], factor: float = 1.0) -> str:
             continue
         n += 1
         met += value <= factor * min(goal)
-    return f"; met in {met} of {n} repeats" if n > 1 else ""
+    return f"met in {met} of {n} repeats" if n > 1 else ""
 
 
 def checks(summary: dict) -> list[tuple[bool | None, str]]:
@@ -727,8 +727,9 @@ def checks(summary: dict) -> list[tuple[bool | None, str]]:
                     oks.append(None)
                     continue
                 oks.append(a["median"] <= CPU_GOAL * b["median"])
+                repeats = repeats_met(a, [b], CPU_GOAL)
                 parts.append(f"{c}: {ratio(a, b)} ({a['median']:.0f} vs {b['median']:.0f} µs"
-                             f"{repeats_met(a, [b], CPU_GOAL)})")
+                             f"{'; ' + repeats if repeats else ''})")
             out.append((all_met(oks), f"{where}: CPU per request at most {CPU_GOAL:g}× vllm-router's at "
                         f"concurrency 1, 16, 64: " + "; ".join(parts)))
             for c, metric, what, unit in ((64, "p99_ms", "p99 at concurrency 64", "ms"),
@@ -748,7 +749,8 @@ def no_worse_than_best(summary: dict, key: str, stream: bool, c: int, metric: st
     best = min(measured, key=lambda p: measured[p]["median"])
     numbers = ", ".join(f"{p} {s['median']:.2f}" for p, s in measured.items())
     missing = [p for p, s in peers.items() if s is None]
-    note = repeats_met(ours, list(measured.values())).replace(";", ",")
+    repeats = repeats_met(ours, list(measured.values()))
+    note = ", " + repeats if repeats else ""
     return (ours["median"] <= measured[best]["median"],
             f"{text}: {ours['median']:.2f} ms vs {numbers} ms{note}"
             + (f" ({', '.join(missing)} not measured)" if missing else ""))
