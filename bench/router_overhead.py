@@ -470,6 +470,28 @@ def spread(by_repeat: list[float | None]) -> dict | None:
             "values": values, "by_repeat": list(by_repeat)}
 
 
+def pooled(values: list[float | None]) -> dict | None:
+    """spread() over values of many targets and repeats: no order to keep."""
+    s = spread(values)
+    if s is not None:
+        del s["by_repeat"]
+    return s
+
+
+def with_repeats(summary: dict, repeats: int) -> dict:
+    """A summary saved before its spreads kept `by_repeat` (before a669d8e), for --render: CPU
+    from the list it kept apart, the rest from `values` where no repeat is missing."""
+    for by_c in summary.values():
+        for cell in by_c.values():
+            for metric, s in cell.items():
+                if isinstance(s, dict) and "values" in s and "by_repeat" not in s:
+                    if metric == "cpu_us" and "cpu_us_by_repeat" in cell:
+                        s["by_repeat"] = cell["cpu_us_by_repeat"]
+                    elif len(s["values"]) == repeats:
+                        s["by_repeat"] = s["values"]
+    return summary
+
+
 def summarize(targets: list[Target], runs: dict[tuple[str, int], list[dict]]) -> dict:
     out: dict[str, dict[str, dict]] = {}
     for t in targets:
@@ -646,7 +668,9 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
     lines.append("")
     lines += ratio_table(targets, summary)
     lines += ["", "Done when (issue 30; judged on the medians of this run. \"Met in k of n repeats\" "
-              "compares each repeat with the Rust routers' runs of the same repeat, seconds apart: a "
+              "judges each repeat alone, against the Rust routers' runs of the same repeat (all "
+              "targets at one concurrency back to back, one to three minutes from first to last): "
+              "CPU against 0.8× vllm-router's, latency against the better of the two in that repeat. A "
               "verdict that holds in only some repeats is within this machine's noise, not settled "
               "by the run):", ""]
     lines += [f"- [{'x' if ok else ' '}] {verdict_word(ok)}: {text}" for ok, text in checks(summary)]
@@ -696,9 +720,10 @@ def by_repeat(s: dict | None) -> list[float | None]:
 
 
 def repeats_met(ours: dict, goals: list[dict], factor: float = 1.0) -> str:
-    """In how many repeats ours was at most factor x the best of `goals` of the same repeat (the
-    targets of a repeat run interleaved, seconds apart, so the machine's drift between repeats
-    moves both): 'met in k of n repeats', or '' with one repeat."""
+    """In how many repeats ours was at most factor x the best of `goals` measured in the same
+    repeat (a repeat runs every target at one concurrency back to back, one to three minutes
+    from first to last, so the machine's drift between repeats moves them together): 'met in k of n
+    repeats', or '' with one repeat. A repeat where no goal was measured is not counted."""
     met = n = 0
     for r, value in enumerate(by_repeat(ours)):
         goal = [g[r] for g in map(by_repeat, goals) if r < len(g) and g[r] is not None]
@@ -919,9 +944,10 @@ def print_checks(summary: dict) -> None:
 def render(results: Path) -> int:
     """--render: rewrite the docs section and plots from a saved results.json (no measuring)."""
     raw = json.loads(results.read_text())
+    summary = with_repeats(raw["summary"], raw["meta"]["repeats"])
     _, can_plot = ensure_peers_venv()
-    publish(results, raw["meta"], raw["targets"], raw["summary"], can_plot)
-    print_checks(raw["summary"])
+    publish(results, raw["meta"], raw["targets"], summary, can_plot)
+    print_checks(summary)
     return 0
 
 
@@ -1143,8 +1169,8 @@ def main() -> int:
         "streaming": args.streaming, "loadgen": loadgen,
         "max_tokens": args.max_tokens, "tpot_ms": args.tpot_ms,
         "runtime_s": time.monotonic() - began,
-        "foreign_pct": spread([r["foreign_pct"] for reps in runs.values() for r in reps]),
-        "core_busy_c64": {m: spread([r.get(m) for (key, c), reps in runs.items() if c == 64
+        "foreign_pct": pooled([r["foreign_pct"] for reps in runs.values() for r in reps]),
+        "core_busy_c64": {m: pooled([r.get(m) for (key, c), reps in runs.items() if c == 64
                                      and base_key(key) != "direct" for r in reps])
                           for m in ("load_core_pct", "router_pct")},
     }

@@ -134,14 +134,16 @@ def test_outage_leaves_local_state_and_sharing_resumes(redis_server):
             a.decode("http://d1").in_flight += 2
             await until(lambda: b.decode("http://d1").in_flight == 2, BOUND_S, "A's load on B")
             redis_server.stop(grace=5)
-            # Local work goes on without waiting: serving touches only local tables. (The best of
-            # three turns: a wait on Redis would be in each, a pause of this busy machine in one.)
+            # Local work goes on without waiting: serving touches only local tables. The best of
+            # three turns under 10 ms (a pause of this busy machine is in one, a wait on Redis
+            # would be in each), and none as long as the Redis client's timeout (a wait the
+            # first turn alone made, a reconnection, would show there).
             took, turns = [], []
             for n in range(3):
                 started = time.monotonic()
                 turns.append(a.serve([5, 6, 7 + n], "http://d1", f"during-{n}"))
                 took.append(time.monotonic() - started)
-            assert min(took) < 0.01, took
+            assert min(took) < 0.01 and max(took) < 0.2, took
             during = turns[0]
             await until(lambda: a.sync.counts["error"] >= 1 and b.sync.counts["error"] >= 1, 5, "errors counted")
             assert not a.sync.up

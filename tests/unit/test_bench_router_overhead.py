@@ -98,6 +98,19 @@ def test_checks_count_the_repeats_that_met_each_goal_against_the_same_repeats_pe
     assert added[0] is True and added[1].endswith("met in 3 of 3 repeats")
 
 
+def test_render_reads_a_summary_saved_before_spreads_kept_their_repeats():
+    """results.json from before `by_repeat`: CPU from `cpu_us_by_repeat`, the rest from `values`
+    where every repeat measured it (a shorter list could be out of step: left without)."""
+    old = {"pd-vllm": {"1": {"cpu_us": {"median": 2.0, "min": 1.0, "max": 3.0, "values": [3.0, 1.0]},
+                             "cpu_us_by_repeat": [3.0, None, 1.0],
+                             "p99_ms": {"median": 5.0, "min": 4.0, "max": 6.0, "values": [4.0, 5.0, 6.0]},
+                             "p50_ms": {"median": 1.0, "min": 1.0, "max": 1.0, "values": [1.0, 1.0]}}}}
+    cell = ro.with_repeats(old, repeats=3)["pd-vllm"]["1"]
+    assert cell["cpu_us"]["by_repeat"] == [3.0, None, 1.0]
+    assert cell["p99_ms"]["by_repeat"] == [4.0, 5.0, 6.0]
+    assert "by_repeat" not in cell["p50_ms"]
+
+
 def test_a_missing_peer_or_row_is_not_measured_rather_than_met():
     targets, runs = run_all(streams=(False,))
     targets = [t for t in targets if t.base != "vllm-router"]
