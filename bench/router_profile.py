@@ -10,11 +10,11 @@ connections; py-spy samples the router for 15 s per output at 250 Hz, native fra
 (`--native`: the compiled hot path's functions are native frames, named by mypyc after their
 modules, `CPyDef_<module>___<function>`, and counted with their modules; docs/router.md, "Native
 hot path"): the samples where the router waits for work (its event loop in epoll, a pool thread
-on a futex) are told apart from those where it runs, and the shares are of the latter (py-spy samples wall-clock
-time: without this, idle time counted as "event loop"). Writes docs/img/router_flame_<case>.svg
-the largest shares (self time by function, and the parts of the path) to
-bench/results/router_profile.json, and the table of the "Router hot path profile" section of
-docs/benchmarks.md (between its markers; the reading below them is written by hand).
+on a futex) are told apart from those where it runs, and the shares are of the latter (py-spy
+samples wall-clock time: without this, idle time counted as "event loop"). Writes
+docs/img/router_flame_<case>.svg, the largest shares (self time by function, and the parts of
+the path) to bench/results/router_profile.json, and the table of the "Router hot path profile"
+section of docs/benchmarks.md (between its markers; the reading below them is written by hand).
 """
 
 from __future__ import annotations
