@@ -44,7 +44,7 @@ from typing import Mapping
 
 HOT_MODULES = tuple(f"pd_plugins.routers.{name}" for name in (
     "http_client", "http_server", "request", "exchange", "proxy", "accounting", "upstream",
-    "deadline", "failover", "workers", "flows.base", "flows.vllm", "flows.sglang",
+    "deadline", "failover", "workers", "stream_relay", "flows.base", "flows.vllm", "flows.sglang",
     # the policy's modules with no msgspec Struct class (mypyc rewrites a class's annotations)
     "policy.scheduler", "policy.latency_model", "policy.adapters", "policy.load", "policy.prefix",
     "policy.prefix_index"))
