@@ -1,18 +1,20 @@
 #!/usr/bin/env python
 """Router overhead: pd-router against vllm-router and sglang-router on mock engines.
 
-    .venv/bin/python -m bench.router_overhead            # full run, about 11 minutes
+    .venv/bin/python -m bench.router_overhead            # full run, about 17 minutes
     .venv/bin/python -m bench.router_overhead --quick    # smoke run, about 2.5 minutes
     .venv/bin/python -m bench.router_overhead --quick --no-docs   # results under bench/results only
     .venv/bin/python -m bench.router_overhead --targets pd-vllm vllm-router --streaming off \
         --repeats 5 --tree before=/tmp/before   # an A/B in CPU time: another checkout's pd-router
                                                 # (e.g. a git worktree) interleaved with this one's
 
-Mock prefill and decode engines (pd-mock-engine, zero delays) and the load generator share core 1;
-each router runs alone on core 0. For every target and concurrency the closed-loop load generator
-(`--loadgen`: wrk where installed, the default, or an aiohttp loop in this process, which saturates
-core 1 before the routers) measures requests/s and latency over a fixed window, and the router's CPU
-time (utime + stime from /proc/PID/stat) over the same window gives CPU per request. Targets: the decode engine directly
+Mock prefill and decode engines (zero delays; `--engines`: bench/fast_engine.py, the default, so
+cheap that the routers' core saturates first, or pd-mock-engine, which saturates its own core
+first) and the load generator share core 1; each router runs alone on core 0. For every target
+and concurrency the closed-loop load generator (`--loadgen`: wrk where installed, the default, or
+an aiohttp loop in this process, which saturates core 1 before the routers) measures requests/s
+and latency over a fixed window, and the router's CPU time (utime + stime from /proc/PID/stat)
+over the same window gives CPU per request. Targets: the decode engine directly
 (no router: the latency baseline), pd-router (vLLM pull flow), vllm-router, pd-router --engine
 sglang, sglang-router, bench/naive_proxy.py (the least an aiohttp PD proxy can do) and
 bench/floor_proxy.py (the least any Python PD proxy can do: protocol callbacks, no task per
@@ -64,6 +66,7 @@ RESULTS_DIR = common.RESULTS / "router_overhead"
 SECTION = "router-overhead"  # its markers in docs/benchmarks.md (common.write_section)
 
 ROUTER_CPU, LOAD_CPU = "0", "1"
+ENGINE_KINDS = ("fast", "mock")  # --engines: bench/fast_engine.py or pd-mock-engine
 CONCURRENCY = (1, 16, 64)
 PROMPT = ("In a disaggregated serving system the router first sends the prompt to a prefill "
           "worker, which computes the KV cache and hands it to a decode worker that streams "
@@ -146,6 +149,27 @@ class PeerRouterProcess(ManagedProcess):
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+
+@dataclass
+class FastEngineProcess(ManagedProcess):
+    """bench/fast_engine.py: the four engines (`ends`: vLLM prefill and decode, SGLang prefill and
+    decode) in one process. Each end is a MockEngineProcess only as an address (its ports, its
+    --prefill/--decode value for the routers): it is never started itself."""
+
+    name: str
+    ends: tuple[MockEngineProcess, ...] = ()
+    cpu: str | None = None
+
+    def __post_init__(self) -> None:
+        self.port = self.ends[0].port  # (its /health answers there)
+
+    def command(self) -> list[str]:
+        ports = {(end.engine, end.role): str(end.port) for end in self.ends}
+        cmd = [sys.executable, "-m", "bench.fast_engine"]
+        for engine in ("vllm", "sglang"):
+            cmd += [f"--{engine}", ports[engine, "prefill"], ports[engine, "decode"]]
+        return pinned(cmd, self.cpu)
 
 
 class CheckoutRouter(RouterProcess):
@@ -581,6 +605,13 @@ def loadgen_notes(meta: dict) -> list[str]:
                 f"routers {router['median']:.0f}% of core 0 (medians over the router rows; ranges "
                 f"{load['min']:.0f}–{load['max']:.0f}% and {router['min']:.0f}–{router['max']:.0f}%)."
                 if load and router else "")
+    if meta.get("engines", "mock") == "fast":
+        return [f"- Load generator: `{loadgen}` (`--loadgen {other}` for the other harness). With "
+                "wrk and the fast engines, core 1 has room to spare from 16 connections on, so the "
+                "routers' core is the one that saturates: CPU per request is taken under the "
+                "router's own load, and p99 at concurrency 64 is the router's queueing (the issue's "
+                "'tail at saturation'). The aiohttp client (Python) costs core 1 more than the fast "
+                "engines do, so with it core 1 saturates first again." + this_run]
     return [f"- Load generator: `{loadgen}` (`--loadgen {other}` for the other harness). With the "
             "aiohttp client, core 1 (the Python client plus both Python mock engines) is the "
             "bottleneck at every concurrency, so every router gets about the same requests/s, its "
@@ -593,12 +624,29 @@ def loadgen_notes(meta: dict) -> list[str]:
             "within one harness, CPU/request first." + this_run]
 
 
+ENGINE_NAMES = {"fast": "`bench/fast_engine.py`", "mock": "`pd-mock-engine`"}
+
+
+def engines_note(meta: dict) -> str:
+    """Which mock engines ran (--engines), and what that does to core 1."""
+    if meta.get("engines", "mock") == "fast":  # results from before --engines: pd-mock-engine
+        return ("- Engines: `bench/fast_engine.py` (`--engines fast`, the default): the four mock "
+                "engines in one process, answering from protocol callbacks (uvloop, httptools, "
+                "answers built once; an SGLang decode waits for its room's prefill, in process), "
+                "so that the engines' core does not saturate before the routers' does. "
+                "`--engines mock` runs `pd-mock-engine` (aiohttp, a side-channel request per "
+                "transfer), which saturates core 1 near 2,200 PD requests/s, below every router's "
+                "own limit: there the p99 at concurrency 64 is core 1's queueing, not the routers'.")
+    return ("- Engines: `pd-mock-engine` (`--engines mock`): aiohttp, a side-channel request per "
+            "transfer; core 1 saturates near 2,200 PD requests/s, below every router's own limit.")
+
+
 def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
     loadgen = meta.get("loadgen", "aiohttp")
     lines = [f"<!-- {SECTION}:start -->", "## Router overhead", "",
              "What a PD router costs per request: pd-router against the Rust routers that ship with vLLM "
              "(`vllm-router`) and SGLang (`sglang-router`), all on the same mock engines "
-             "(`pd-mock-engine`; workload below), "
+             f"({ENGINE_NAMES[meta.get('engines', 'mock')]}; workload below), "
              "non-streaming and streaming (`\"stream\": true`: the load generator reads the SSE stream "
              "to its end, and latency is the whole response's). Every request is disaggregated (round "
              "robin, one prefill and one decode engine), except in the row \"pd-router (vLLM pull, "
@@ -613,7 +661,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "same flow on uvloop and httptools with plain protocol callbacks (no coroutine, task or "
              "future per request): how far below the Rust routers Python can go here.", "",
              f"Rerun: `make bench-router` (or `.venv/bin/python -m bench.router_overhead [--quick] "
-             f"[--repeats N] [--streaming both|off|only] [--loadgen wrk|aiohttp]`). This run: `{meta['command']}`, {meta['date']}, "
+             f"[--repeats N] [--streaming both|off|only] [--loadgen wrk|aiohttp] [--engines fast|mock]`). This run: `{meta['command']}`, {meta['date']}, "
              f"{meta['runtime_s'] / 60:.1f} min.", "",
              f"- Machine: {meta['machine']}.",
              f"- Workload: a ~60-token prompt, {meta.get('max_tokens', MAX_TOKENS)} output tokens "
@@ -622,6 +670,7 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
                 if meta.get("tpot_ms") else "zero decode time (the mocks send an answer at once)."),
              "- Pinning: each router alone on core 0; the mock prefill and decode engines and the "
              f"load generator ({LOADGEN_DESC[loadgen]}) share core 1.",
+             engines_note(meta),
              f"- Versions: {meta['versions']}.",
              *hot_path_note(meta),
              f"- Method: closed loop with 1, 16 and 64 concurrent clients (connections); per "
@@ -967,8 +1016,14 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
                     help=f"tokens per answer (default {MAX_TOKENS}); with --tpot-ms, a streamed answer "
                          "comes token by token; either one off its default implies --no-docs")
+    ap.add_argument("--engines", choices=ENGINE_KINDS, default="fast",
+                    help="the engines on core 1: bench/fast_engine.py (fast, the default: the "
+                         "least an engine can cost, so that the routers' core saturates first) or "
+                         "pd-mock-engine (mock: aiohttp, a side channel per transfer; saturates "
+                         "core 1 first, near 2,200 PD requests/s)")
     ap.add_argument("--tpot-ms", type=float, default=0.0,
-                    help="the mock decode's time per output token (default 0: the answer at once)")
+                    help="the mock decode's time per output token (default 0: the answer at once; "
+                         "with --engines mock only)")
     ap.add_argument("--targets", nargs="+", metavar="KEY",
                     help="only these rows (and the direct baseline): pd-vllm, pd-vllm-default, "
                          "vllm-router, pd-sglang, sglang-router, naive, floor, and lean (only when "
@@ -985,6 +1040,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.render:
         return render(args.render)
+    if args.tpot_ms and args.engines != "mock":
+        ap.error("--tpot-ms needs --engines mock (the fast engines answer at once)")
     if args.targets or args.tree or args.max_tokens != MAX_TOKENS or args.tpot_ms:
         args.no_docs = True  # the published section is the whole comparison, never a part of it
     BODIES.update(request_bodies(args.max_tokens))
@@ -1023,6 +1080,7 @@ def main() -> int:
 
     vp, vd = engine("vllm-prefill", "prefill", "vllm"), engine("vllm-decode", "decode", "vllm")
     sp, sd = engine("sglang-prefill", "prefill", "sglang"), engine("sglang-decode", "decode", "sglang")
+    fast = FastEngineProcess("fast-engines", ends=(vp, vd, sp, sd), cpu=LOAD_CPU, log_dir=run_dir)
     log_flags = ("--log-level", "warning", "--log-format", "text")
     router_flags = ("--policy", "round_robin", *log_flags)
     pd_vllm = RouterProcess("pd-router-vllm", prefill=[vp.worker_arg()], decode=[vd.worker_arg()],
@@ -1090,7 +1148,7 @@ def main() -> int:
             if t.base == peer:
                 t.broken = f"{peer} not installed"
         print(f"skipping {peer}: not installed in {PEERS_VENV.relative_to(ROOT)}", flush=True)
-    engines: list[ManagedProcess] = [vp, vd, *((sp, sd) if any(
+    engines: list[ManagedProcess] = [fast] if args.engines == "fast" else [vp, vd, *((sp, sd) if any(
         t.base in ("pd-sglang", "sglang-router") for t in targets) else ())]
     everything = [*engines, *routers]
     runs: dict[tuple[str, int], list[dict]] = {}
@@ -1100,7 +1158,7 @@ def main() -> int:
     except ImportError:
         loop_factory = None
     try:
-        print(f"starting {len(engines)} mock engines (core 1) and the routers (core 0)", flush=True)
+        print(f"starting the engines ({args.engines}, core 1) and the routers (core 0)", flush=True)
         failed = start_checked(engines)
         if failed:
             raise RuntimeError(f"mock engines failed to start: {failed}")
@@ -1167,7 +1225,7 @@ def main() -> int:
         "hot_path": ran,  # pd-router rows: what each said it runs (native.py)
         "warm_s": warm_s, "window_s": window_s, "concurrency": list(CONCURRENCY),
         "streaming": args.streaming, "loadgen": loadgen,
-        "max_tokens": args.max_tokens, "tpot_ms": args.tpot_ms,
+        "max_tokens": args.max_tokens, "tpot_ms": args.tpot_ms, "engines": args.engines,
         "runtime_s": time.monotonic() - began,
         "foreign_pct": pooled([r["foreign_pct"] for reps in runs.values() for r in reps]),
         "core_busy_c64": {m: pooled([r.get(m) for (key, c), reps in runs.items() if c == 64
