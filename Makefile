@@ -43,7 +43,7 @@ test-e2e: bootstrap
 test-gpu:
 	@bash scripts/test_gpu.sh
 
-# pd-router vs vllm-router and sglang-router on mock engines: docs/benchmarks.md, docs/img/ (~11 min;
+# pd-router vs vllm-router and sglang-router on mock engines: docs/benchmarks.md, docs/img/ (~17 min;
 # `$(PY) -m bench.router_overhead --quick` for a 2.5-minute smoke run). Load from wrk where installed
 # (apt-get install wrk), else aiohttp. Peers go in bench/.venv-peers.
 bench-router: bootstrap
