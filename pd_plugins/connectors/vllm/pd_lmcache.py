@@ -463,7 +463,7 @@ class _WorkerSide(PoolWorkerSide):
             self.end_step()  # this step's failed loads concern this step's stores only
 
     def _save(self, meta: PdLMCacheMetadata) -> None:
-        due: dict[str, list[int]] = {}
+        due: dict[str, list[int] | None] = {}
         for op in meta.stores:
             own = self.own_blocks(op.req_id, op.block_ids)
             if own < len(op.block_ids):  # a load of this prompt failed: its own chunks only
@@ -474,8 +474,9 @@ class _WorkerSide(PoolWorkerSide):
             self.stats.count("stored_tokens", self.c.pool.store(
                 op.tokens, self._stale_chunk(op), op.namespace))
             self.stats.count("store_seconds", time.perf_counter() - start)
-            if op.digest and self.verifier is not None:
-                due[op.req_id] = op.block_ids  # ours: computed, or loaded by this leg (lookup)
+            if op.digest:  # ours: computed, or loaded by this leg (lookup); None where this
+                # worker cannot digest, so that its scheduler does not wait for them
+                due[op.req_id] = op.block_ids if self.verifier is not None else None
         if due:
             self.c.digests.send(self.verifier, due)
 

@@ -557,8 +557,7 @@ class _PdAdditions(_PdStatsClassMethods):
         local_hit = self._local_prefix_hits.pop(req_id, 0)
         self._params_rejected.discard(req_id)
         self._digests_to_send.pop(req_id, None)
-        if self._digest_plan is not None:
-            self._digest_plan.forget(req_id)
+        asked = self._digest_plan is not None and self._digest_plan.forget(req_id)
         delay_free, out_params = result
         was_prefill = bool((request.kv_transfer_params or {}).get("do_remote_decode"))
         verdict = None
@@ -576,10 +575,12 @@ class _PdAdditions(_PdStatsClassMethods):
         if out_params is not None and was_prefill:
             digests = None
             if self._digest_channel is not None:
-                digests = self._digest_channel.take(req_id, self._block_size)
+                digests = self._digest_channel.take(req_id, self._block_size, asked)
                 if digests is None:
-                    logger.warning("PdNixlConnector: no KV digests for prefill %s in time; its "
-                                   "decode loads it unverified", req_id)
+                    logger.warning("PdNixlConnector: no KV digests for prefill %s (%s); its "
+                                   "decode loads it unverified", req_id,
+                                   "none came in time, or its worker cannot digest" if asked
+                                   else "its prompt was never complete")
                     self._count_on_scheduler("pd_missing_digests")
             section = PdSection(
                 prompt_tokens=request.num_prompt_tokens,
@@ -641,7 +642,7 @@ class _PdAdditions(_PdStatsClassMethods):
         (once their digests are in); returns the loads that failed their check (reported as
         invalid blocks, not failed receives)."""
         due = getattr(meta, "pd_digest_blocks", None)
-        if due and self._digest_channel is not None and self._block_verifier is not None:
+        if due and self._digest_channel is not None:  # (None for each, where it cannot digest)
             self._digest_channel.send(self._block_verifier, due)
         if self._push_digests is not None:
             missing, dropped = self._push_digests.take_counts()

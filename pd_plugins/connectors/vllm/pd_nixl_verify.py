@@ -61,7 +61,6 @@ from pd_plugins.connectors.vllm.pd_nixl_guards import DIGESTS_PREFIX, BoundedDic
 from pd_plugins.transfer import kv_digest
 from pd_plugins.transfer.kv_faults import KvFaults, position
 from pd_plugins.transfer.signature_channel import (
-    WAIT_S,
     ResultReceiver,
     ResultSender,
     channel_address,
@@ -79,6 +78,12 @@ PUSH_DIGESTS_PREFIX = DIGESTS_PREFIX  # b"PDKVD:"
 MAX_PUSH_DIGESTS_BYTES = 1 << 21  # one notification: ~11 bytes (base64) a block, 128 k tokens fit
 MAX_INBOX_BYTES = 64 << 20  # digests kept for pushes not yet checked (oldest forgotten first)
 PUSH_DIGEST_WAIT_S = 2.0  # a finished push waits this long for its digests
+# A finished pull prefill waits this long for the digests its worker was asked for (DigestPlan):
+# they leave the worker after its forward pass, before the step's output, but a loaded host can
+# hold ZMQ's I/O threads past 50 ms (test_kv_verify_nixl saw it). The worker answers every
+# request it was asked about, with None where it cannot digest, so only a lost message costs
+# the whole wait; a prefill never asked about waits not at all.
+DIGEST_WAIT_S = 0.5
 # in a push registration: the decode takes PDKVD notifications out before upstream parses them
 # and checks the blocks against them (set by a PdNixl decode with verify_kv on; a prefill sends
 # digests to no other decode: upstream's parser raised on them and ended that decode's engine)
@@ -100,16 +105,20 @@ def prompt_completes(request: Request, scheduled: int) -> bool:
 
 # -- producer ---------------------------------------------------------------------------------------
 class DigestPlan:
-    """Prefill scheduler side: the PD prefill legs whose prompt is not yet complete."""
+    """Prefill scheduler side: the PD prefill legs whose prompt is not yet complete, and those
+    whose worker has been asked for their digests."""
 
     def __init__(self) -> None:
         self._legs: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> Request
+        self._asked: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> True
 
     def track(self, request: Request) -> None:
         self._legs[request.request_id] = request
 
-    def forget(self, req_id: str) -> None:
+    def forget(self, req_id: str) -> bool:
+        """Out of the plan; True if its worker was asked for its digests (they are coming)."""
         self._legs.pop(req_id, None)
+        return self._asked.pop(req_id, None) is not None
 
     def due(self, num_scheduled_tokens: dict[str, int],
             block_ids_of: Callable[[str], list[int]]) -> dict[str, list[int]]:
@@ -119,6 +128,7 @@ class DigestPlan:
             if prompt_completes(request, num_scheduled_tokens.get(req_id, 0)):
                 due[req_id] = list(block_ids_of(req_id))
                 del self._legs[req_id]
+                self._asked[req_id] = True
         return due
 
 
@@ -127,19 +137,24 @@ class DigestChannel:
 
     def __init__(self, engine_id: str, scheduler: bool) -> None:
         address = channel_address(engine_id, PURPOSE)
-        self.wait_s = WAIT_S  # for a result still in flight (sent before the step's output)
+        self.wait_s = DIGEST_WAIT_S  # for digests still in flight (sent before the step's output)
         self._receiver = ResultReceiver(address) if scheduler else None
         self._sender = None if scheduler else ResultSender(address)
 
-    def send(self, verifier: BlockVerifier, due: dict[str, list[int]]) -> None:
-        """Worker, after the forward pass: digests of the blocks of the legs completed in it."""
+    def send(self, verifier: BlockVerifier | None, due: dict[str, list[int] | None]) -> None:
+        """Worker, after the forward pass: digests of the blocks of the legs completed in it, and
+        None for a leg it cannot digest (no verifier, or blocks None), so that its scheduler
+        does not wait for them."""
         if due:
-            self._sender.send({req_id: kv_digest.encode(verifier.digests(blocks))
+            self._sender.send({req_id: None if verifier is None or blocks is None
+                               else kv_digest.encode(verifier.digests(blocks))
                                for req_id, blocks in due.items()})
 
-    def take(self, req_id: str, block_size: int) -> KvDigest | None:
-        """Scheduler, when a prefill leg finishes: its digests (None: none came in time)."""
-        encoded = self._receiver.take(req_id, self.wait_s)
+    def take(self, req_id: str, block_size: int, asked: bool = True) -> KvDigest | None:
+        """Scheduler, when a prefill leg finishes: its digests (None: its worker had none, or
+        they did not come within wait_s; `asked` False: its worker was never asked, so none is
+        waited for)."""
+        encoded = self._receiver.take(req_id, self.wait_s if asked else 0.0)
         if not isinstance(encoded, str):
             return None
         return KvDigest(algo=kv_digest.ALGO, block_size=block_size, ranks=[encoded])

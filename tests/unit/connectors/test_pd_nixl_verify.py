@@ -6,6 +6,7 @@ partial local prefix hit, the `corrupt`, `reuse` and `drop_write` faults, unveri
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -234,6 +235,11 @@ def test_a_leg_is_digested_in_the_step_its_prompt_completes():
     leg.num_computed_tokens = 32
     assert plan.due({"r": 8}, lambda r: [1, 2, 3]) == {"r": [1, 2, 3]}
     assert plan.due({"r": 1}, lambda r: [1, 2, 3]) == {}  # once
+    assert plan.forget("r") and not plan.forget("r")  # its worker was asked for its digests
+    never = _Req(0, 40)
+    never.request_id = "never"
+    plan.track(never)
+    assert not plan.forget("never")  # finished before its prompt completed: none are coming
 
 
 def test_digests_travel_from_the_worker_to_the_scheduler():
@@ -248,6 +254,25 @@ def test_digests_travel_from_the_worker_to_the_scheduler():
         assert kv_digest.decode(stated.ranks[0], 3).tolist() == verifier.digests([4, 2, 9]).tolist()
         scheduler.wait_s = 0.05
         assert scheduler.take("other", BLOCK_SIZE) is None  # waited briefly, none came
+    finally:
+        scheduler.close()
+        worker.close()
+
+
+def test_a_worker_that_cannot_digest_says_so_and_its_scheduler_does_not_wait():
+    engine = f"test-{uuid.uuid4().hex}"
+    scheduler, worker = DigestChannel(engine, scheduler=True), DigestChannel(engine, False)
+    try:
+        worker.send(None, {"leg": [4, 2, 9]})  # no verifier (its KV layout is not digestible)
+        worker.send(BlockVerifier(kv_cache(3), NUM_BLOCKS), {"cut": None})  # nor these blocks
+        scheduler.wait_s = 10
+        started = time.monotonic()
+        assert scheduler.take("leg", BLOCK_SIZE) is None
+        assert scheduler.take("cut", BLOCK_SIZE) is None
+        assert time.monotonic() - started < 5  # answered, not waited out
+        started = time.monotonic()
+        assert scheduler.take("unasked", BLOCK_SIZE, asked=False) is None
+        assert time.monotonic() - started < 1  # never asked for: no wait at all
     finally:
         scheduler.close()
         worker.close()
