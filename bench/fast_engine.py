@@ -4,39 +4,41 @@
         --sglang PREFILL_PORT DECODE_PORT
 
 Why: the router benchmark puts the engines and the load generator on one core and the router
-alone on the other. With pd-mock-engine (aiohttp, a side channel over HTTP for each transfer)
-that core did about 0.5 ms of work per PD request and saturated near 2,200 requests/s, below
-every router's own limit: at 64 connections the p99 then measured that core's queueing, not the
-routers' (issue 30). These engines answer from plain asyncio.Protocol callbacks (uvloop,
-httptools, msgspec, answers built once), all four in one process, so the routers' core is the
-one that saturates.
+alone on the other. pd-mock-engine (aiohttp, and an HTTP side-channel request per transfer)
+saturated that core before any router saturated its own, so the routers' tail at saturation was
+never measured (issue 30). These engines answer from plain asyncio.Protocol callbacks (uvloop,
+httptools, msgspec, answers built once), all four in one process.
 
 What each does, zero time everywhere: a vLLM prefill answers one token with the
-kv_transfer_params NIXL's connector would (vllm-router and pd-router pass them to the decode); a
-vLLM decode answers the whole completion, or streams it (one write: every token's event, then
-`[DONE]`); an SGLang prefill answers one token, and an SGLang decode answers once the prefill of
-its `bootstrap_room` has (as a real decode waits for the KV), or at once without a room. GETs
-answer health, models, server info and the load gauges both engines export. No validation,
-faults, KV or timing model: for routers' behaviour, pd-mock-engine; this measures their cost.
+kv_transfer_params a PdNixl prefill gives (NIXL's fields and the `pd` section; vllm-router and
+pd-router pass them to the decode); a vLLM decode answers the whole completion, or streams it
+(one write: every token's event, then `[DONE]`); an SGLang prefill answers one token, and an
+SGLang decode answers once the prefill of its `bootstrap_room` has (as a real decode waits for
+the KV), or at once without a room. GETs answer health, models, server info and the load gauges
+both engines export. No validation, faults, KV or timing model: for routers' behaviour,
+pd-mock-engine; this measures their cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import time
 from collections import OrderedDict
 from typing import Callable
 
-import httptools
 import msgspec
 
 from bench.floor_proxy import RequestReader
+from pd_plugins.mock import answers as mock
 from pd_plugins.vocab.engines import ENGINES, load_metrics_text
+from pd_plugins.vocab.transfer_params import PdSection
 
 MODEL = "mock"
+PROMPT_TOKENS = 60  # what the answers' usage says (the benchmark's prompt is about that long)
+BLOCK_SIZE = 16
 ROOMS_KEPT = 4096  # rooms whose prefill answered, kept for a decode still to come (oldest out)
 ROOM_WAIT_S = 30.0  # a decode whose prefill never comes answers 504 after this
+ANSWERS_KEPT = 64  # answers built once, by (chat, stream, tokens); others are built each time
 WORD = "alpha "
 _encode, _decode = msgspec.json.Encoder().encode, msgspec.json.Decoder().decode
 
@@ -47,38 +49,28 @@ def whole(status: bytes, content_type: bytes, body: bytes) -> bytes:
 
 
 def completion(chat: bool, tokens: int, params: dict | None) -> bytes:
-    text = WORD * tokens
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-               "finish_reason": "length"} if chat
-              else {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
-    out = {"id": "cmpl-fast", "object": "chat.completion" if chat else "text_completion",
-           "created": int(time.time()), "model": MODEL, "choices": [choice],
-           "usage": {"prompt_tokens": 60, "completion_tokens": tokens, "total_tokens": 60 + tokens}}
-    if params is not None:
-        out["kv_transfer_params"] = params
-    return whole(b"200 OK", b"application/json", _encode(out))
+    return whole(b"200 OK", b"application/json", _encode(
+        mock.completion(chat, MODEL, [WORD] * tokens, PROMPT_TOKENS, params)))
 
 
 def stream(chat: bool, tokens: int) -> bytes:
-    events = []
-    for i in range(tokens):
-        finish = "length" if i == tokens - 1 else None
-        choice = ({"index": 0, "delta": {"content": WORD}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": WORD, "logprobs": None, "finish_reason": finish})
-        events.append(b"data: " + _encode({
-            "id": "cmpl-fast", "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()), "model": MODEL, "choices": [choice]}) + b"\n\n")
-    body, done = b"".join(events), b"data: [DONE]\n\n"
+    body = b"".join(mock.event(mock.chunk(chat, MODEL, WORD, "length" if i == tokens - 1 else None))
+                    for i in range(tokens))
+    done = b"data: [DONE]\n\n"
     return (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%b\r\n%x\r\n%b\r\n0\r\n\r\n"
             % (len(body), body, len(done), done))
 
 
 def kv_params(port: int) -> dict:
-    """What vLLM's NixlConnector puts in a prefill's answer (where the decode reads the KV)."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"fast-{port}",
-            "remote_request_id": "fast", "remote_block_ids": [[0, 1, 2]], "remote_host": "127.0.0.1",
-            "remote_port": port, "tp_size": 1}
+    """A PdNixl prefill's kv_transfer_params: where the decode reads the KV (NIXL's fields) and
+    the `pd` section pd-router books (vocab/transfer_params.py)."""
+    engine_id = f"fast-{port}"
+    return PdSection(prompt_tokens=PROMPT_TOKENS, cached_tokens=0, engine_id=engine_id, mode="pull",
+                     block_size=BLOCK_SIZE).into({
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
+        "remote_request_id": "fast", "remote_block_ids": [[0, 1, 2, 3]],
+        "remote_host": "127.0.0.1", "remote_port": port, "tp_size": 1})
 
 
 class Answers:
@@ -91,8 +83,9 @@ class Answers:
         key = (chat, streamed, tokens)
         answer = self.built.get(key)
         if answer is None:
-            answer = self.built[key] = (stream(chat, tokens) if streamed
-                                        else completion(chat, tokens, self.params))
+            answer = stream(chat, tokens) if streamed else completion(chat, tokens, self.params)
+            if len(self.built) < ANSWERS_KEPT:
+                self.built[key] = answer
         return answer
 
 
@@ -106,6 +99,7 @@ GETS = {
 }
 NOT_FOUND = whole(b"404 Not Found", b"application/json", b'{"error":"not found"}')
 TIMED_OUT = whole(b"504 Gateway Timeout", b"application/json", b'{"error":"no prefill"}')
+ROOM_TAKEN = whole(b"409 Conflict", b"application/json", b'{"error":"a decode waits in this room"}')
 
 
 class Rooms:
@@ -113,28 +107,33 @@ class Rooms:
 
     def __init__(self) -> None:
         self.ready: OrderedDict[object, None] = OrderedDict()
-        self.waiting: dict[object, Callable[[bool], None]] = {}
+        self.waiting: dict[object, tuple[Callable[[bytes | None], None], asyncio.TimerHandle]] = {}
 
     def prefilled(self, room: object) -> None:
-        go = self.waiting.pop(room, None)
-        if go is not None:
-            go(True)
+        if room in self.waiting:
+            go, expiry = self.waiting.pop(room)
+            expiry.cancel()
+            go(None)
             return
         self.ready[room] = None
         if len(self.ready) > ROOMS_KEPT:
             self.ready.popitem(last=False)
 
-    def when_prefilled(self, room: object, go: Callable[[bool], None]) -> None:
-        if self.ready.pop(room, 0) is None:
-            go(True)
-            return
-        self.waiting[room] = go
-        asyncio.get_running_loop().call_later(ROOM_WAIT_S, self._expire, room, go)
+    def when_prefilled(self, room: object, go: Callable[[bytes | None], None]) -> None:
+        """go(None) once the room's prefill has answered (at once if it has), else go(an error
+        answer)."""
+        if room in self.ready:
+            del self.ready[room]
+            go(None)
+        elif room in self.waiting:
+            go(ROOM_TAKEN)
+        else:
+            expiry = asyncio.get_running_loop().call_later(ROOM_WAIT_S, self._expire, room)
+            self.waiting[room] = (go, expiry)
 
-    def _expire(self, room: object, go: Callable[[bool], None]) -> None:
-        if self.waiting.get(room) is go:
-            del self.waiting[room]
-            go(False)
+    def _expire(self, room: object) -> None:
+        go, _ = self.waiting.pop(room)
+        go(TIMED_OUT)
 
 
 class Engine(RequestReader):
@@ -165,9 +164,9 @@ class Engine(RequestReader):
             return
         transport = self.transport
 
-        def go(prefilled: bool) -> None:
+        def go(refused: bytes | None) -> None:
             if not transport.is_closing():
-                transport.write(answer if prefilled else TIMED_OUT)
+                transport.write(refused or answer)
 
         self.rooms.when_prefilled(room, go)
 

@@ -67,6 +67,7 @@ SECTION = "router-overhead"  # its markers in docs/benchmarks.md (common.write_s
 
 ROUTER_CPU, LOAD_CPU = "0", "1"
 ENGINE_KINDS = ("fast", "mock")  # --engines: bench/fast_engine.py or pd-mock-engine
+ENGINE_NAMES = {"fast": "`bench/fast_engine.py`", "mock": "`pd-mock-engine`"}
 CONCURRENCY = (1, 16, 64)
 PROMPT = ("In a disaggregated serving system the router first sends the prompt to a prefill "
           "worker, which computes the KV cache and hands it to a decode worker that streams "
@@ -162,7 +163,7 @@ class FastEngineProcess(ManagedProcess):
     cpu: str | None = None
 
     def __post_init__(self) -> None:
-        self.port = self.ends[0].port  # (its /health answers there)
+        self.port = self.ends[-1].port  # (its /health answers there once all four listen)
 
     def command(self) -> list[str]:
         ports = {(end.engine, end.role): str(end.port) for end in self.ends}
@@ -607,11 +608,12 @@ def loadgen_notes(meta: dict) -> list[str]:
                 if load and router else "")
     if meta.get("engines", "mock") == "fast":
         return [f"- Load generator: `{loadgen}` (`--loadgen {other}` for the other harness). With "
-                "wrk and the fast engines, core 1 has room to spare from 16 connections on, so the "
-                "routers' core is the one that saturates: CPU per request is taken under the "
-                "router's own load, and p99 at concurrency 64 is the router's queueing (the issue's "
-                "'tail at saturation'). The aiohttp client (Python) costs core 1 more than the fast "
-                "engines do, so with it core 1 saturates first again." + this_run]
+                "wrk and the fast engines, a router's core is meant to saturate before core 1: "
+                "CPU per request is then taken under the router's own load, and p99 at "
+                "concurrency 64 is mostly the router's own queueing (issue 30's 'tail at "
+                "saturation'; a router whose p99 is many times its p50 stalls, it does not "
+                "queue). The aiohttp client (Python) costs core 1 more than the fast engines do, "
+                "so with it core 1 saturates first again." + this_run]
     return [f"- Load generator: `{loadgen}` (`--loadgen {other}` for the other harness). With the "
             "aiohttp client, core 1 (the Python client plus both Python mock engines) is the "
             "bottleneck at every concurrency, so every router gets about the same requests/s, its "
@@ -624,21 +626,18 @@ def loadgen_notes(meta: dict) -> list[str]:
             "within one harness, CPU/request first." + this_run]
 
 
-ENGINE_NAMES = {"fast": "`bench/fast_engine.py`", "mock": "`pd-mock-engine`"}
-
-
 def engines_note(meta: dict) -> str:
     """Which mock engines ran (--engines), and what that does to core 1."""
+    mock = ("`pd-mock-engine` (`--engines mock`: aiohttp, a side-channel request per transfer) "
+            "saturates core 1 near 2,200 PD requests/s, below every router's own limit, so that "
+            "the p99 at concurrency 64 is core 1's queueing, not the routers'")
     if meta.get("engines", "mock") == "fast":  # results from before --engines: pd-mock-engine
         return ("- Engines: `bench/fast_engine.py` (`--engines fast`, the default): the four mock "
                 "engines in one process, answering from protocol callbacks (uvloop, httptools, "
-                "answers built once; an SGLang decode waits for its room's prefill, in process), "
-                "so that the engines' core does not saturate before the routers' does. "
-                "`--engines mock` runs `pd-mock-engine` (aiohttp, a side-channel request per "
-                "transfer), which saturates core 1 near 2,200 PD requests/s, below every router's "
-                "own limit: there the p99 at concurrency 64 is core 1's queueing, not the routers'.")
-    return ("- Engines: `pd-mock-engine` (`--engines mock`): aiohttp, a side-channel request per "
-            "transfer; core 1 saturates near 2,200 PD requests/s, below every router's own limit.")
+                "answers built once; a vLLM prefill answers a PdNixl prefill's kv_transfer_params "
+                "with its `pd` section, an SGLang decode waits for its room's prefill, in "
+                f"process), so that the engines' core does not saturate before the routers' does. {mock}.")
+    return f"- Engines: {mock}."
 
 
 def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
@@ -661,7 +660,8 @@ def markdown(meta: dict, targets: list[dict], summary: dict) -> str:
              "same flow on uvloop and httptools with plain protocol callbacks (no coroutine, task or "
              "future per request): how far below the Rust routers Python can go here.", "",
              f"Rerun: `make bench-router` (or `.venv/bin/python -m bench.router_overhead [--quick] "
-             f"[--repeats N] [--streaming both|off|only] [--loadgen wrk|aiohttp] [--engines fast|mock]`). This run: `{meta['command']}`, {meta['date']}, "
+             "[--repeats N] [--streaming both|off|only] [--loadgen wrk|aiohttp] "
+             f"[--engines fast|mock]`). This run: `{meta['command']}`, {meta['date']}, "
              f"{meta['runtime_s'] / 60:.1f} min.", "",
              f"- Machine: {meta['machine']}.",
              f"- Workload: a ~60-token prompt, {meta.get('max_tokens', MAX_TOKENS)} output tokens "
@@ -1017,10 +1017,8 @@ def main() -> int:
                     help=f"tokens per answer (default {MAX_TOKENS}); with --tpot-ms, a streamed answer "
                          "comes token by token; either one off its default implies --no-docs")
     ap.add_argument("--engines", choices=ENGINE_KINDS, default="fast",
-                    help="the engines on core 1: bench/fast_engine.py (fast, the default: the "
-                         "least an engine can cost, so that the routers' core saturates first) or "
-                         "pd-mock-engine (mock: aiohttp, a side channel per transfer; saturates "
-                         "core 1 first, near 2,200 PD requests/s)")
+                    help="the mock engines on core 1: bench/fast_engine.py (fast, the default) "
+                         "or pd-mock-engine (mock); the published section says what each costs")
     ap.add_argument("--tpot-ms", type=float, default=0.0,
                     help="the mock decode's time per output token (default 0: the answer at once; "
                          "with --engines mock only)")

@@ -93,8 +93,9 @@ class ResultReceiver:
                     self._held.popitem(last=False)
             wait_ms = 0
 
-    def take(self, req_id: str, wait_s: float = WAIT_S) -> Any | None:
-        """The result for `req_id` (removed), waiting up to `wait_s` for it; None if none came."""
+    def take(self, req_id: str, wait_s: float = WAIT_S, missing: Any = None) -> Any:
+        """The result for `req_id` (removed), waiting up to `wait_s` for it; `missing` if none
+        came (a result may itself be None)."""
         deadline = time.monotonic() + wait_s
         with self._lock:
             while True:
@@ -103,7 +104,7 @@ class ResultReceiver:
                     return self._held.pop(req_id)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return missing
                 self._drain(max(1, int(left * 1000)))
 
     def close(self) -> None:

@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 from pd_plugins.connectors.transfer_params import asks_remote_decode
 from pd_plugins.connectors.vllm.block_verifier import BlockVerifier, first_mismatch
@@ -350,11 +351,15 @@ class _SchedulerSide(PoolSchedulerSide[tuple[int, int]]):
     def kv_digest(self, request: Request) -> KvDigest | None:
         if request.request_id not in self._digested:
             return None  # nothing stored (a prompt shorter than a chunk), or verify_kv off
-        digests = self.c.digests.take(request.request_id, self.c.block_size)
+        # a prefill that failed (a load, under kv_load_failure_policy fail) finishes in the step
+        # its store was cut in: its digests never come
+        asked = request.status != RequestStatus.FINISHED_ERROR
+        digests, why = self.c.digests.take(request.request_id, self.c.block_size, asked)
         if digests is None:
             self.c.count_on_scheduler("missing_digests")
-            logger.warning("PdLMCacheConnector: no KV digests for prefill %s in time; its "
-                           "decode loads it unverified", request.request_id)
+            if why == "late":  # (a worker that cannot digest said so once, at start)
+                logger.warning("PdLMCacheConnector: no KV digests for prefill %s in time; its "
+                               "decode loads it unverified", request.request_id)
         return digests
 
     def forget(self, request_id: str) -> None:

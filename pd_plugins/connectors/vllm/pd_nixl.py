@@ -575,12 +575,11 @@ class _PdAdditions(_PdStatsClassMethods):
         if out_params is not None and was_prefill:
             digests = None
             if self._digest_channel is not None:
-                digests = self._digest_channel.take(req_id, self._block_size, asked)
+                digests, why = self._digest_channel.take(req_id, self._block_size, asked)
                 if digests is None:
-                    logger.warning("PdNixlConnector: no KV digests for prefill %s (%s); its "
-                                   "decode loads it unverified", req_id,
-                                   "none came in time, or its worker cannot digest" if asked
-                                   else "its prompt was never complete")
+                    if why == "late":  # (a worker that cannot digest said so once, at start)
+                        logger.warning("PdNixlConnector: no KV digests for prefill %s in time; "
+                                       "its decode loads it unverified", req_id)
                     self._count_on_scheduler("pd_missing_digests")
             section = PdSection(
                 prompt_tokens=request.num_prompt_tokens,

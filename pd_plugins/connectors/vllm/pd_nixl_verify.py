@@ -78,12 +78,14 @@ PUSH_DIGESTS_PREFIX = DIGESTS_PREFIX  # b"PDKVD:"
 MAX_PUSH_DIGESTS_BYTES = 1 << 21  # one notification: ~11 bytes (base64) a block, 128 k tokens fit
 MAX_INBOX_BYTES = 64 << 20  # digests kept for pushes not yet checked (oldest forgotten first)
 PUSH_DIGEST_WAIT_S = 2.0  # a finished push waits this long for its digests
-# A finished pull prefill waits this long for the digests its worker was asked for (DigestPlan):
-# they leave the worker after its forward pass, before the step's output, but a loaded host can
-# hold ZMQ's I/O threads past 50 ms (test_kv_verify_nixl saw it). The worker answers every
-# request it was asked about, with None where it cannot digest, so only a lost message costs
-# the whole wait; a prefill never asked about waits not at all.
+# A finished pull prefill waits this long for the digests its worker was asked for (DigestPlan),
+# on the engine's scheduler thread: they leave the worker after its forward pass, before the
+# step's output, but a loaded host can hold ZMQ's I/O threads past 50 ms (test_kv_verify_nixl saw
+# it). The worker answers every request it was asked about, with None where it cannot digest, so
+# only a lost message costs the wait, once: after a wait runs out, none is waited for during the
+# next DIGEST_WAIT_S (the other prefills of a lost step would each wait it out in turn).
 DIGEST_WAIT_S = 0.5
+_NONE_CAME = object()
 # in a push registration: the decode takes PDKVD notifications out before upstream parses them
 # and checks the blocks against them (set by a PdNixl decode with verify_kv on; a prefill sends
 # digests to no other decode: upstream's parser raised on them and ended that decode's engine)
@@ -110,7 +112,7 @@ class DigestPlan:
 
     def __init__(self) -> None:
         self._legs: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> Request
-        self._asked: BoundedDict = BoundedDict(MAX_TRACKED)  # req id -> True
+        self._asked: BoundedDict = BoundedDict(MAX_TRACKED)  # req ids (a set: values None)
 
     def track(self, request: Request) -> None:
         self._legs[request.request_id] = request
@@ -118,7 +120,7 @@ class DigestPlan:
     def forget(self, req_id: str) -> bool:
         """Out of the plan; True if its worker was asked for its digests (they are coming)."""
         self._legs.pop(req_id, None)
-        return self._asked.pop(req_id, None) is not None
+        return self._asked.pop(req_id, False) is None
 
     def due(self, num_scheduled_tokens: dict[str, int],
             block_ids_of: Callable[[str], list[int]]) -> dict[str, list[int]]:
@@ -128,7 +130,7 @@ class DigestPlan:
             if prompt_completes(request, num_scheduled_tokens.get(req_id, 0)):
                 due[req_id] = list(block_ids_of(req_id))
                 del self._legs[req_id]
-                self._asked[req_id] = True
+                self._asked[req_id] = None
         return due
 
 
@@ -138,6 +140,7 @@ class DigestChannel:
     def __init__(self, engine_id: str, scheduler: bool) -> None:
         address = channel_address(engine_id, PURPOSE)
         self.wait_s = DIGEST_WAIT_S  # for digests still in flight (sent before the step's output)
+        self._quiet_until = 0.0  # a wait ran out: none until then (DIGEST_WAIT_S)
         self._receiver = ResultReceiver(address) if scheduler else None
         self._sender = None if scheduler else ResultSender(address)
 
@@ -150,14 +153,20 @@ class DigestChannel:
                                else kv_digest.encode(verifier.digests(blocks))
                                for req_id, blocks in due.items()})
 
-    def take(self, req_id: str, block_size: int, asked: bool = True) -> KvDigest | None:
-        """Scheduler, when a prefill leg finishes: its digests (None: its worker had none, or
-        they did not come within wait_s; `asked` False: its worker was never asked, so none is
-        waited for)."""
-        encoded = self._receiver.take(req_id, self.wait_s if asked else 0.0)
+    def take(self, req_id: str, block_size: int, asked: bool = True
+             ) -> tuple[KvDigest | None, str | None]:
+        """Scheduler, when a prefill leg finishes: (its digests, None), or (None, why there are
+        none: "late", none came within wait_s; "undigested", its worker cannot digest them;
+        "unasked", its worker was never asked, so none is waited for)."""
+        wait = self.wait_s if asked and time.monotonic() >= self._quiet_until else 0.0
+        encoded = self._receiver.take(req_id, wait, missing=_NONE_CAME)
+        if encoded is _NONE_CAME:
+            if wait:
+                self._quiet_until = time.monotonic() + self.wait_s
+            return None, "late" if asked else "unasked"
         if not isinstance(encoded, str):
-            return None
-        return KvDigest(algo=kv_digest.ALGO, block_size=block_size, ranks=[encoded])
+            return None, "undigested"
+        return KvDigest(algo=kv_digest.ALGO, block_size=block_size, ranks=[encoded]), None
 
     def close(self) -> None:
         for sock in (self._receiver, self._sender):

@@ -249,11 +249,18 @@ def test_digests_travel_from_the_worker_to_the_scheduler():
         verifier = BlockVerifier(kv_cache(3), NUM_BLOCKS)
         worker.send(verifier, {"leg": [4, 2, 9]})
         scheduler.wait_s = 10  # a loaded host's ipc can take longer than an engine waits
-        stated = scheduler.take("leg", BLOCK_SIZE)
-        assert stated.block_size == BLOCK_SIZE and stated.algo == "ws64"
+        stated, why = scheduler.take("leg", BLOCK_SIZE)
+        assert stated.block_size == BLOCK_SIZE and stated.algo == "ws64" and why is None
         assert kv_digest.decode(stated.ranks[0], 3).tolist() == verifier.digests([4, 2, 9]).tolist()
-        scheduler.wait_s = 0.05
-        assert scheduler.take("other", BLOCK_SIZE) is None  # waited briefly, none came
+        scheduler.wait_s = 0.2
+        started = time.monotonic()
+        assert scheduler.take("other", BLOCK_SIZE) == (None, "late")  # waited, none came
+        assert scheduler.take("another", BLOCK_SIZE) == (None, "late")  # (not waited out again)
+        assert 0.2 <= time.monotonic() - started < 0.35
+        time.sleep(0.25)  # the quiet time over, a wait again
+        started = time.monotonic()
+        assert scheduler.take("a third", BLOCK_SIZE) == (None, "late")
+        assert time.monotonic() - started >= 0.2
     finally:
         scheduler.close()
         worker.close()
@@ -267,11 +274,11 @@ def test_a_worker_that_cannot_digest_says_so_and_its_scheduler_does_not_wait():
         worker.send(BlockVerifier(kv_cache(3), NUM_BLOCKS), {"cut": None})  # nor these blocks
         scheduler.wait_s = 10
         started = time.monotonic()
-        assert scheduler.take("leg", BLOCK_SIZE) is None
-        assert scheduler.take("cut", BLOCK_SIZE) is None
+        assert scheduler.take("leg", BLOCK_SIZE) == (None, "undigested")
+        assert scheduler.take("cut", BLOCK_SIZE) == (None, "undigested")
         assert time.monotonic() - started < 5  # answered, not waited out
         started = time.monotonic()
-        assert scheduler.take("unasked", BLOCK_SIZE, asked=False) is None
+        assert scheduler.take("unasked", BLOCK_SIZE, asked=False) == (None, "unasked")
         assert time.monotonic() - started < 1  # never asked for: no wait at all
     finally:
         scheduler.close()
